@@ -1,0 +1,73 @@
+"""A registry that builds topologies by name."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar, TypeVar
+
+from decent_optim_wrapper.topo.base import Topology
+
+__all__ = ["TopologyFactory"]
+
+T = TypeVar("T", bound=type[Topology])
+
+
+class TopologyFactory:
+    """Registry of topology classes by name.
+
+    Built-ins are registered when :mod:`decent_optim_wrapper.topo` is imported. Register your own
+    with :meth:`add_topology` (or the :meth:`register` decorator) and pass its name as ``topology``.
+    """
+
+    _registry: ClassVar[dict[str, type[Topology]]] = {}
+
+    @classmethod
+    def add_topology(cls, name: str, topology_cls: type[Topology]) -> None:
+        """Register ``topology_cls`` under ``name``; registering a name again replaces the class."""
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"Topology name must be a non-empty string, got {name!r}.")
+        if not (isinstance(topology_cls, type) and issubclass(topology_cls, Topology)):
+            raise TypeError(
+                f"TopologyFactory.add_topology({name!r}, ...) needs a subclass of Topology, got "
+                f"{topology_cls!r}."
+            )
+        cls._registry[name] = topology_cls
+
+    @classmethod
+    def register(cls, name: str) -> Callable[[T], T]:
+        """Class decorator form of :meth:`add_topology`."""
+
+        def decorate(topology_cls: T) -> T:
+            cls.add_topology(name, topology_cls)
+            return topology_cls
+
+        return decorate
+
+    @classmethod
+    def names(cls) -> list[str]:
+        """The registered names, sorted."""
+        return sorted(cls._registry)
+
+    @classmethod
+    def get(cls, name: str) -> type[Topology]:
+        """The class registered under ``name``."""
+        try:
+            return cls._registry[name]
+        except (KeyError, TypeError):
+            raise ValueError(
+                f"Unknown topology {name!r}. Registered topologies: {', '.join(cls.names())}. "
+                "Register your own with TopologyFactory.add_topology(name, cls)."
+            ) from None
+
+    @classmethod
+    def create(cls, name: str, world_size: int, local_world_size: int = 1) -> Topology:
+        """Build the topology registered under ``name`` for ``world_size`` ranks."""
+        return cls.get(name)(world_size, local_world_size)
+
+    @classmethod
+    def name_of(cls, topology_cls: type[Topology]) -> str:
+        """The name ``topology_cls`` is registered under, else its class name."""
+        for name, registered in cls._registry.items():
+            if registered is topology_cls:
+                return name
+        return topology_cls.__name__
