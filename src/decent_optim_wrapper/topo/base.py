@@ -141,8 +141,7 @@ class Topology:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(world_size={self._world_size}, "
-            f"local_world_size={self._local_world_size})"
+            f"{type(self).__name__}(world_size={self._world_size}, local_world_size={self._local_world_size})"
         )
 
 

@@ -1,0 +1,186 @@
+"""Flat parameter buckets: parameters become views into a few contiguous tensors.
+
+One flat tensor per (device, dtype) run, capped in size, lets gossip move and mix a whole bucket
+with one collective and one kernel instead of one per parameter. A bucket never mixes dtypes or
+devices: casting a bf16 parameter to fp32, or moving it, would silently change the user's model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from loguru import logger
+
+__all__ = ["Bucket", "BucketSpec", "build_buckets", "plan_buckets"]
+
+# Offsets inside a bucket are rounded up to this many bytes so that each parameter's view starts
+# on a boundary vectorised kernels like; the padding stays zero through mixing and averaging.
+ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class BucketSpec:
+    """Where a bucket's parameters go: indices into the parameter list, and their offsets."""
+
+    dtype: torch.dtype
+    device: torch.device
+    param_indices: tuple[int, ...]
+    offsets: tuple[int, ...]
+    numel: int
+
+    def signature(self, params: Sequence[torch.Tensor]) -> tuple[object, ...]:
+        """What must agree across ranks: dtype, device type and every parameter's shape and offset."""
+        shapes = tuple(tuple(params[i].shape) for i in self.param_indices)
+        return (str(self.dtype), self.device.type, self.numel, shapes, self.offsets)
+
+
+def _aligned(numel: int, element_size: int) -> int:
+    step = max(1, ALIGN_BYTES // element_size)
+    return math.ceil(numel / step) * step
+
+
+def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[BucketSpec]:
+    """Group ``params`` into buckets: by (device, dtype) in order of first appearance, then by size.
+
+    A bucket closes once adding the next parameter would exceed ``cap_bytes``; a parameter larger
+    than the cap gets a bucket of its own. Order inside a bucket follows ``params``.
+    """
+    runs: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for index, param in enumerate(params):
+        runs.setdefault((param.device, param.dtype), []).append(index)
+
+    specs: list[BucketSpec] = []
+    for (device, dtype), indices in runs.items():
+        element_size = torch.empty((), dtype=dtype).element_size()
+        current: list[int] = []
+        offsets: list[int] = []
+        used = 0
+        for index in indices:
+            size = _aligned(params[index].numel(), element_size)
+            if current and (used + size) * element_size > cap_bytes:
+                specs.append(BucketSpec(dtype, device, tuple(current), tuple(offsets), used))
+                current, offsets, used = [], [], 0
+            current.append(index)
+            offsets.append(used)
+            used += size
+        if current:
+            specs.append(BucketSpec(dtype, device, tuple(current), tuple(offsets), used))
+    return specs
+
+
+def _dense_strides(param: torch.Tensor) -> tuple[int, ...] | None:
+    """Strides that lay ``param`` densely in a flat buffer (row-major or channels-last), else None."""
+    if param.is_contiguous():
+        return param.stride()
+    for memory_format, ndim in ((torch.channels_last, 4), (torch.channels_last_3d, 5)):
+        if param.dim() == ndim and param.is_contiguous(memory_format=memory_format):
+            return param.stride()
+    return None
+
+
+class Bucket:
+    """A flat tensor that owns the storage of several parameters.
+
+    After :meth:`bind`, ``param.data`` of every member is a view into :attr:`data`, so an optimizer
+    stepping the parameters writes into the bucket and gossip on the bucket updates the parameters.
+
+    Args:
+        spec: the layout from :func:`plan_buckets`.
+        params: the full parameter list ``spec`` indexes into.
+        names: a readable name per parameter (same indexing), used in error messages.
+    """
+
+    def __init__(self, spec: BucketSpec, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+        self.spec = spec
+        self.params = [params[i] for i in spec.param_indices]
+        self.names = [names[i] for i in spec.param_indices]
+        self.data = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self._views: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def bind(self) -> None:
+        """Copy every parameter into the bucket and make ``param.data`` a view of its slice."""
+        for param, name, offset in zip(self.params, self.names, self.spec.offsets, strict=True):
+            strides = _dense_strides(param)
+            if strides is None:
+                raise ValueError(
+                    f"Parameter {name} (shape {tuple(param.shape)}, stride {param.stride()}) is not dense "
+                    "in memory, so it cannot become a view of a flat bucket. Call .contiguous() on it "
+                    "(e.g. re-create the Parameter) before building the optimizer."
+                )
+            view = self.data.as_strided(param.shape, strides, self.data.storage_offset() + offset)
+            view.copy_(param.data)
+            param.data = view
+            self._views.append(view)
+
+    def check_views(self) -> None:
+        """Raise if a parameter no longer points into this bucket (e.g. ``model.to()`` after wrapping)."""
+        for param, name, view in zip(self.params, self.names, self._views, strict=True):
+            moved = param.data_ptr() != view.data_ptr() or param.device != view.device
+            if moved or param.shape != view.shape:
+                raise RuntimeError(
+                    f"Parameter {name} no longer lives in its gossip bucket (its storage was replaced, "
+                    "e.g. by model.to()/.cuda()/.half() or by assigning param.data after the wrapper was "
+                    "built), so gossip would no longer reach it. Move and cast the model before building "
+                    "the optimizer and the wrapper, and update parameters in place (param.copy_(...))."
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"Bucket(dtype={self.spec.dtype}, device={self.spec.device}, params={len(self.params)}, "
+            f"numel={self.spec.numel})"
+        )
+
+
+def build_buckets(params: Sequence[torch.Tensor], names: Sequence[str], cap_bytes: int) -> list[Bucket]:
+    """Plan buckets for ``params`` and create them; :meth:`Bucket.bind` then moves the parameters in."""
+    buckets = [Bucket(spec, params, names) for spec in plan_buckets(params, cap_bytes)]
+    for index, bucket in enumerate(buckets):
+        logger.debug(
+            "bucket {}: {} params, {} elements, dtype={}, device={}",
+            index,
+            len(bucket.params),
+            bucket.spec.numel,
+            bucket.spec.dtype,
+            bucket.spec.device,
+        )
+    return buckets
+
+
+def check_params(param_groups: Iterable[dict]) -> tuple[list[torch.Tensor], list[str]]:
+    """Flatten ``param_groups`` in order, rejecting what a flat bucket cannot hold.
+
+    Returns the parameters and a readable name for each (``group G, param P``).
+    """
+    params: list[torch.Tensor] = []
+    names: list[str] = []
+    seen: dict[int, str] = {}
+    for g, group in enumerate(param_groups):
+        for p, param in enumerate(group["params"]):
+            name = f"param_groups[{g}]['params'][{p}] (shape {tuple(param.shape)})"
+            if id(param) in seen:
+                raise ValueError(
+                    f"{name} is the same tensor as {seen[id(param)]}: a parameter may appear in only one "
+                    "place in the optimizer's param_groups. Remove the duplicate."
+                )
+            if param.is_sparse or param.layout != torch.strided:
+                raise ValueError(
+                    f"{name} has layout {param.layout}; flat buckets hold dense (strided) parameters only. "
+                    "Keep sparse parameters out of the wrapped optimizer."
+                )
+            if not (param.is_floating_point() or param.is_complex()):
+                raise TypeError(
+                    f"{name} has dtype {param.dtype}; gossip averages floating-point parameters only."
+                )
+            seen[id(param)] = name
+            params.append(param)
+            names.append(name)
+    if not params:
+        raise ValueError(
+            "The optimizer has no parameters (every param group is empty); wrap an optimizer built "
+            "from model.parameters()."
+        )
+    return params, names

@@ -1,0 +1,156 @@
+"""Thin helpers over ``torch.distributed``: checked world info, cross-rank agreement, process groups.
+
+Every function here that communicates is a collective: all ranks must call it, in the same order.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+
+from decent_optim_wrapper.topo import Topology
+
+__all__ = ["ProcessGroups", "agree", "resolve_world"]
+
+T = TypeVar("T")
+
+
+def resolve_world(
+    rank: int | None, world_size: int | None, local_world_size: int | None
+) -> tuple[int, int, int]:
+    """Rank, world size and ranks per node, checked against ``torch.distributed``.
+
+    ``rank`` and ``world_size`` default to the process group's; ``local_world_size`` defaults to the
+    ``LOCAL_WORLD_SIZE`` variable that torchrun sets, else 1.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialized. Call torch.distributed.init_process_group() first "
+            "(launch with torchrun, or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)."
+        )
+    actual_rank, actual_world = dist.get_rank(), dist.get_world_size()
+    for name, given, actual in (("rank", rank, actual_rank), ("world_size", world_size, actual_world)):
+        if given is None:
+            continue
+        if isinstance(given, bool) or not isinstance(given, int):
+            raise TypeError(f"{name} must be an int or None, got {given!r}.")
+        if given != actual:
+            raise ValueError(
+                f"{name}={given} disagrees with torch.distributed, which reports {name}={actual}. "
+                f"Pass {name}={actual} or leave it out."
+            )
+    if local_world_size is None:
+        env = os.environ.get("LOCAL_WORLD_SIZE")
+        if env is None:
+            local_world_size = 1
+        else:
+            try:
+                local_world_size = int(env)
+            except ValueError:
+                raise ValueError(
+                    f"LOCAL_WORLD_SIZE={env!r} is not an integer; set it to the number of processes per "
+                    "node, or pass local_world_size."
+                ) from None
+    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int):
+        raise TypeError(f"local_world_size must be an int or None, got {local_world_size!r}.")
+    if local_world_size < 1 or actual_world % local_world_size != 0:
+        raise ValueError(
+            f"local_world_size={local_world_size} must be a positive divisor of world_size={actual_world} "
+            "(processes per node, the same on every node)."
+        )
+    return actual_rank, actual_world, local_world_size
+
+
+def agree(what: str, build_report: Callable[[], T]) -> list[T]:
+    """Run ``build_report`` on every rank and gather all reports, failing together.
+
+    A rank whose ``build_report`` raises still joins the gather, carrying its error, so that a
+    local mistake (bad input on one rank) becomes an error on every rank instead of a hang of the
+    others in the next collective. The raising rank re-raises its own exception; the others raise a
+    ``ValueError`` that names it.
+
+    .. warning:: This is a collective: all ranks must call it.
+    """
+    error: BaseException | None = None
+    try:
+        report: Any = build_report()
+    except (ValueError, TypeError, RuntimeError) as err:
+        error, report = err, None
+    gathered = all_gather_pickled((None if error is None else f"{type(error).__name__}: {error}", report))
+    if error is not None:
+        raise error
+    failed = {rank: message for rank, (message, _) in enumerate(gathered) if message is not None}
+    if failed:
+        details = "; ".join(f"rank {rank}: {message}" for rank, message in failed.items())
+        raise ValueError(f"{what} failed on other ranks, so it stops here too. {details}")
+    return [report for _, report in gathered]
+
+
+def all_gather_pickled(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, over the default process group.
+
+    ``torch.distributed.all_gather_object`` needs NumPy, which this library does not depend on, so
+    the bytes travel as uint8 tensors: first the lengths, then the payloads padded to the longest.
+
+    .. warning:: This is a collective: all ranks must call it.
+    """
+    device = torch.device("cpu")
+    if dist.get_backend() == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+    world = dist.get_world_size()
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device))
+    longest = max(int(n.item()) for n in lengths)
+    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
+    padded[: payload.numel()] = payload
+    chunks = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(chunks, padded)
+    # Reports are a few kB (shapes and schedules), so a Python list round trip is cheap enough.
+    return [
+        pickle.loads(bytes(chunk[: int(n.item())].cpu().tolist()))
+        for chunk, n in zip(chunks, lengths, strict=True)
+    ]
+
+
+def check_identical(what: str, values: list[Any], fix: str) -> None:
+    """Raise a ValueError on every rank if ranks gathered different ``values``."""
+    reference = values[0]
+    differ = [rank for rank, value in enumerate(values) if value != reference]
+    if differ:
+        raise ValueError(f"{what} differs between rank 0 and rank(s) {differ}. {fix}")
+
+
+class ProcessGroups:
+    """The process groups a topology needs, created once and in the same order on every rank.
+
+    Holds one group per distinct multi-rank group of the schedule, plus one spanning the world for
+    exact global averaging, so that gossip never shares a communicator with the user's collectives.
+
+    .. warning:: Construction is a collective: all ranks must build it with the same topology.
+    """
+
+    def __init__(self, topology: Topology, timeout: timedelta | None = None) -> None:
+        self._by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        kwargs = {} if timeout is None else {"timeout": timeout}
+        world = list(range(topology.world_size))
+        self.world: dist.ProcessGroup | None = None
+        if topology.world_size > 1:
+            self.world = dist.new_group(world, **kwargs)
+        for group in topology.distinct_groups():
+            handle = self.world if list(group.ranks) == world else dist.new_group(list(group.ranks), **kwargs)
+            self._by_ranks[group.ranks] = handle
+        logger.debug("created {} gossip process groups: {}", len(self._by_ranks), list(self._by_ranks))
+
+    def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
+        return self._by_ranks[ranks]
+
+    def __len__(self) -> int:
+        return len(self._by_ranks)

@@ -1,0 +1,131 @@
+"""Asynchronous gossip averaging of flat tensors along a topology's schedule.
+
+This is the engine any front-end drives (today the optimizer wrapper; a module front-end that
+steps buckets inside backward would call the same three operations per bucket):
+
+* :meth:`Gossip.launch` at step ``t`` stages ``c * x`` into a communication buffer and starts a
+  non-blocking all-reduce (sum) in the rank's group ``G_t``;
+* :meth:`Gossip.wait` blocks until the sum ``S = sum_{j in G_t} c * x_j`` has arrived;
+* :meth:`Gossip.mix` applies ``x_i <- (w - c) * x_i + S``, i.e. ``x_i <- sum_j W_ij x_j`` with the
+  group's mixing weights (``w`` self-weight, ``c`` peer weight; uniform groups give ``x_i <- S``).
+
+Between launch and mix the tensors may change (a local optimizer step does): the received sum is
+of the values at launch, mixed into the values at mix, which is the overlap this library is for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from decent_optim_wrapper.comm import ProcessGroups
+from decent_optim_wrapper.topo import Group, Topology
+
+__all__ = ["Gossip"]
+
+
+class Gossip:
+    """Gossip over ``tensors`` (flat buckets) for one rank of ``topology``.
+
+    Memory: one communication buffer per tensor, allocated at the first launch that communicates.
+
+    Args:
+        tensors: the flat tensors to average; they are read at :meth:`launch` and written at :meth:`mix`.
+        topology: the schedule; step ``t`` uses phase ``t % period``.
+        rank: this process's rank.
+        process_groups: the topology's process groups.
+    """
+
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], topology: Topology, rank: int, process_groups: ProcessGroups
+    ) -> None:
+        self._tensors = list(tensors)
+        self._topology = topology
+        self._rank = rank
+        self._process_groups = process_groups
+        self._buffers: list[torch.Tensor] = []
+        self._works: list[dist.Work] = []
+        self._pending: tuple[int, Group] | None = None  # (launch step, group) of the round not yet mixed
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose round is launched or received but not yet mixed, or None."""
+        return None if self._pending is None else self._pending[0]
+
+    def launch(self, step: int) -> None:
+        """Stage the tensors and start this step's all-reduce in the rank's group (non-blocking)."""
+        if self._pending is not None:
+            raise RuntimeError(
+                f"gossip of step {self._pending[0]} has not been mixed yet; call mix() or discard() first"
+            )
+        group = self._topology.group(self._rank, step)
+        if group.size == 1:
+            return  # nothing to exchange: W_ii = 1
+        if not self._buffers:
+            self._buffers = [torch.empty_like(t) for t in self._tensors]
+        handle = self._process_groups[group.ranks]
+        for tensor, buffer in zip(self._tensors, self._buffers, strict=True):
+            if group.self_weight is None:
+                # x / k is correctly rounded (exact for dyadic k); x * fl(1/k) would round twice.
+                torch.div(tensor, group.size, out=buffer)
+            else:
+                torch.mul(tensor, group.peer_weight, out=buffer)
+            self._works.append(dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True))
+        self._pending = (step, group)
+
+    def wait(self) -> None:
+        """Block until the launched round has arrived; afterwards the buffers hold the group sums."""
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+    def mix(self) -> None:
+        """Finish the pending round (if any) and mix it in: ``x_i <- sum_j W_ij x_j``."""
+        if self._pending is None:
+            return
+        self.wait()
+        _, group = self._pending
+        self._pending = None
+        own = group.own_weight - group.peer_weight
+        for tensor, buffer in zip(self._tensors, self._buffers, strict=True):
+            if group.self_weight is None or own == 0.0:
+                tensor.copy_(buffer)
+            else:
+                torch.add(buffer, tensor, alpha=own, out=tensor)
+
+    def discard(self) -> None:
+        """Finish and drop the pending round without mixing it (its values are stale)."""
+        self.wait()
+        self._pending = None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        """The round still to be mixed (waiting for it first), as ``{"step", "buffers"}``, or None."""
+        if self._pending is None:
+            return None
+        self.wait()
+        return {"step": self._pending[0], "buffers": [b.clone() for b in self._buffers]}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        """Restore a round from :meth:`state_dict` as received-but-not-mixed (drops any pending round)."""
+        self.discard()
+        if state is None:
+            return
+        step, buffers = state["step"], state["buffers"]
+        if len(buffers) != len(self._tensors):
+            raise ValueError(
+                f"gossip state has {len(buffers)} buffers but there are {len(self._tensors)} buckets; "
+                "it comes from a different parameter layout."
+            )
+        if not self._buffers:
+            self._buffers = [torch.empty_like(t) for t in self._tensors]
+        for buffer, saved in zip(self._buffers, buffers, strict=True):
+            if saved.shape != buffer.shape or saved.dtype != buffer.dtype:
+                raise ValueError(
+                    f"gossip buffer of shape {tuple(saved.shape)} and dtype {saved.dtype} does not fit a "
+                    f"bucket of shape {tuple(buffer.shape)} and dtype {buffer.dtype}."
+                )
+            buffer.copy_(saved)
+        self._pending = (step, self._topology.group(self._rank, step))

@@ -1,0 +1,48 @@
+"""Shared fixtures: one pool of gloo workers for the whole session, re-formed per world size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from workers import WorkerPool
+
+MAX_WORLD_SIZE = 4
+
+
+class World:
+    """``pool(n).run(fn, ...)``: run ``fn`` on ``n`` ranks of the shared pool."""
+
+    def __init__(self, owner: SharedPool, world_size: int) -> None:
+        self._owner, self._world_size = owner, world_size
+
+    def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        return self._owner.get().run(self._world_size, fn, *args, **kwargs)
+
+
+class SharedPool:
+    def __init__(self) -> None:
+        self._pool: WorkerPool | None = None
+
+    def get(self) -> WorkerPool:
+        if self._pool is None or self._pool.broken:
+            if self._pool is not None:
+                self._pool.close(kill=True)
+            self._pool = WorkerPool(MAX_WORLD_SIZE)
+        return self._pool
+
+    def __call__(self, world_size: int) -> World:
+        return World(self, world_size)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.close(kill=self._pool.broken)
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[SharedPool]:
+    """``pool(n).run(fn, *args)``: run ``fn`` on ``n`` gloo ranks (workers spawned once per session)."""
+    shared = SharedPool()
+    yield shared
+    shared.close()

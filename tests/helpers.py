@@ -1,0 +1,54 @@
+"""Small models and utilities that test functions run inside workers."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)).to(dtype)
+
+
+def batch(rank: int, step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A deterministic batch that differs per rank and step (so replicas drift apart)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(5, 6, generator=g, dtype=dtype), torch.randint(0, 3, (5,), generator=g)
+
+
+def train_steps(
+    model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, steps: range, scheduler=None
+) -> None:
+    loss_fn = nn.CrossEntropyLoss()
+    for step in steps:
+        x, y = batch(rank, step, next(model.parameters()).dtype)
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def set_distinct(model: nn.Module, rank: int, dyadic: bool = False) -> None:
+    """Give this replica its own values, in place (so the bucket views stay intact)."""
+    g = torch.Generator().manual_seed(7 + rank)
+    with torch.no_grad():
+        for p in model.parameters():
+            values = torch.randn(p.shape, generator=g, dtype=torch.float64)
+            if dyadic:
+                # integers that are multiples of 12: x/2, x/3, x/4 and their sums are exact in fp64
+                values = (values * 1000).round() * 12
+            p.copy_(values)
+
+
+def gather(t: torch.Tensor) -> torch.Tensor:
+    """All ranks' ``t`` stacked along dim 0."""
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return torch.stack(out)

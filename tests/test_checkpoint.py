@@ -1,0 +1,116 @@
+"""Multi-process: a run resumed from per-rank checkpoints in fresh processes continues bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from helpers import flat, tiny_model, train_steps
+from workers import WorkerPool
+
+from decent_optim_wrapper import DecentOptimWrapper
+
+TOTAL, SAVE_AT = 8, 5
+
+
+def _build(optimizer_name: str, seed: int = 0):
+    model = tiny_model(seed=seed)
+    if optimizer_name == "adamw":
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    else:
+        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, nesterov=True)
+    opt = DecentOptimWrapper(inner, topology="ring")
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    return model, opt, scheduler
+
+
+def _uninterrupted(optimizer_name: str) -> torch.Tensor:
+    model, opt, scheduler = _build(optimizer_name)
+    train_steps(model, opt, dist.get_rank(), range(TOTAL), scheduler)
+    return flat(model)
+
+
+def _first_half(optimizer_name: str, directory: str) -> None:
+    rank = dist.get_rank()
+    model, opt, scheduler = _build(optimizer_name)
+    train_steps(model, opt, rank, range(SAVE_AT), scheduler)
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()}
+    assert state["optimizer"]["decent"]["gossip"] is not None  # the save happens with gossip in flight
+    torch.save(state, Path(directory) / f"rank{rank}.pt")
+
+
+def _second_half(optimizer_name: str, directory: str) -> torch.Tensor:
+    rank = dist.get_rank()
+    model, opt, scheduler = _build(optimizer_name, seed=123)  # a different init: the checkpoint must win
+    state = torch.load(Path(directory) / f"rank{rank}.pt", weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    train_steps(model, opt, rank, range(SAVE_AT, TOTAL), scheduler)
+    return flat(model)
+
+
+OPTIMIZERS = ("sgd", "adamw")
+
+
+def test_resume_in_fresh_processes_is_bitwise(pool, tmp_path):
+    # Save with gossip in flight (SGD with Nesterov momentum, AdamW; both with StepLR), then resume
+    # in new processes from a different initialisation: the result must match to the last bit.
+    reference, directories = {}, {}
+    for name in OPTIMIZERS:
+        reference[name] = pool(4).run(_uninterrupted, name)
+        directories[name] = tmp_path / name
+        directories[name].mkdir()
+        pool(4).run(_first_half, name, str(directories[name]))
+    fresh = WorkerPool(4)
+    try:
+        resumed = {name: fresh.run(4, _second_half, name, str(directories[name])) for name in OPTIMIZERS}
+    finally:
+        fresh.close()
+    for name in OPTIMIZERS:
+        for rank in range(4):
+            assert torch.equal(resumed[name][rank], reference[name][rank]), f"{name}: rank {rank} diverged"
+
+
+def _mismatches(directory: str) -> dict[str, str]:
+    rank = dist.get_rank()
+    model, opt, _ = _build("sgd")
+    train_steps(model, opt, rank, range(2))
+    good = opt.state_dict()
+    before = flat(model)
+    errors = {}
+
+    def attempt(label, state, target=opt):
+        try:
+            target.load_state_dict(state)
+        except ValueError as err:
+            errors[label] = str(err)
+
+    other_rank = {**good, "decent": {**good["decent"], "rank": (rank + 1) % dist.get_world_size()}}
+    attempt("rank", other_rank)
+    attempt("world_size", {**good, "decent": {**good["decent"], "world_size": 8}})
+    attempt("plain", opt.optimizer.state_dict())
+    attempt("missing", {**good, "decent": {k: v for k, v in good["decent"].items() if k != "params"}})
+    complete_model = tiny_model()
+    complete = DecentOptimWrapper(
+        torch.optim.SGD(complete_model.parameters(), lr=0.05, momentum=0.9, nesterov=True),
+        topology="complete",
+    )
+    attempt("topology", good, complete)
+    bigger = torch.nn.Linear(6, 9)
+    other_layout = DecentOptimWrapper(torch.optim.SGD(bigger.parameters(), lr=0.05), topology="ring")
+    attempt("layout", good, other_layout)
+    errors["untouched"] = str(torch.equal(flat(model), before))
+    return errors
+
+
+def test_mismatched_checkpoints_are_clear_errors(pool, tmp_path):
+    for errors in pool(2).run(_mismatches, str(tmp_path)):
+        assert "rank=" in errors["rank"] and "same rank" in errors["rank"]
+        assert "world_size=8" in errors["world_size"]
+        assert "no 'decent' entry" in errors["plain"]
+        assert "lacks ['params']" in errors["missing"]
+        assert "topology" in errors["topology"] and "'ring'" in errors["topology"]
+        assert "layout" in errors["layout"]
+        assert errors["untouched"] == "True"

@@ -1,0 +1,82 @@
+"""Multi-process: one gossip round is W @ x; mean preserved; complete and ring reach consensus."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import flat, gather, set_distinct, tiny_model
+
+from decent_optim_wrapper import DecentOptimWrapper
+
+CASES = [(1, "complete"), (2, "ring"), (2, "complete"), (3, "complete"), (4, "ring"), (4, "complete")]
+
+
+def _one_round(topology: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    rank = dist.get_rank()
+    model = tiny_model(dtype=dtype)
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.0), topology=topology, bucket_cap_mb=0.0001
+    )
+    set_distinct(model, rank)
+    before = gather(flat(model)).double()
+    opt.step()  # step 0: nothing to mix; launches phase 0 (no grads: SGD leaves parameters as they are)
+    opt.step()  # step 1: mixes phase 0
+    after = gather(flat(model)).double()
+    return before, after, [opt.topology.mixing_matrix(0)]
+
+
+@pytest.mark.parametrize(("world_size", "topology"), CASES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_one_round_equals_mixing_matrix(pool, world_size, topology, dtype):
+    before, after, (w,) = pool(world_size).run(_one_round, topology, dtype)[0]
+    expected = w @ before
+    # Each entry is a sum of k terms x_j / k computed in `dtype`: at most k roundings, so the error
+    # is below k * eps(dtype) * max|x| (k <= 4 here).
+    eps = torch.finfo(dtype).eps
+    atol = 4 * world_size * eps * before.abs().max().item()
+    torch.testing.assert_close(after, expected, rtol=0, atol=atol)
+    assert not torch.equal(after, before) or world_size == 1
+
+
+def _rounds(topology: str, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    rank = dist.get_rank()
+    model = tiny_model(dtype=torch.float64)
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0), topology=topology)
+    set_distinct(model, rank, dyadic=True)
+    history = [gather(flat(model))]
+    for _ in range(steps):
+        opt.step()
+        history.append(gather(flat(model)))
+    return history
+
+
+@pytest.mark.parametrize(
+    ("world_size", "topology"), [(2, "ring"), (3, "complete"), (4, "ring"), (4, "complete")]
+)
+def test_mean_is_preserved_exactly(pool, world_size, topology):
+    history = pool(world_size).run(_rounds, topology, 8)[0]
+    # Integer data, group sizes 2, 3 or 4, and values that are multiples of 12: every division and
+    # sum is exact in float64, so the mean must not move by a single bit (rtol=0, atol=0).
+    mean = history[0].sum(0)
+    for snapshot in history[1:]:
+        torch.testing.assert_close(snapshot.sum(0), mean, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_complete_gives_exact_mean_in_one_round(pool, world_size):
+    history = pool(world_size).run(_rounds, "complete", 2)[0]
+    exact_mean = history[0].sum(0) / world_size
+    after = history[2]  # step 1 mixed the round launched at step 0
+    for rank in range(world_size):
+        torch.testing.assert_close(after[rank], exact_mean, rtol=0, atol=0)
+
+
+def test_ring_reaches_consensus_with_zero_lr(pool):
+    history = pool(4).run(_rounds, "ring", 80)[0]
+    spread = [(h - h.mean(0)).abs().max().item() for h in history]
+    # a ring of 4 with alternating pairs contracts the spread every two rounds; it never grows
+    assert all(b <= a for a, b in itertools.pairwise(spread))
+    assert spread[-1] <= 1e-9 * spread[0]

@@ -1,0 +1,192 @@
+"""A pool of spawned gloo workers shared across tests.
+
+Spawning a worker costs seconds (importing torch), so one pool of the largest world size serves the
+whole session: a run at a smaller world size re-forms the default process group among the first
+ranks (milliseconds), and the others sit it out. A test sends a module-level function; every rank of
+the requested world runs it and the parent gets the results.
+Every run has a deadline: on a hang the pool dumps each rank's Python stacks, is killed, and the
+test fails with those stacks, instead of the suite hanging.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import signal
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+class WorkerError(RuntimeError):
+    """A function raised on one or more ranks."""
+
+
+def _worker_main(rank: int, workdir: str, inbox: Any, outbox: Any) -> None:
+    dump = open(Path(workdir) / f"stacks-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the worker
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # A process's first optimizer step pays for torch's lazy imports (seconds): pay it at start-up.
+    warm = torch.nn.Linear(2, 1)
+    warm(torch.ones(1, 2)).sum().backward()
+    torch.optim.SGD(warm.parameters(), lr=0.1).step()
+    outbox.put(("ready", rank, True, None))
+    world = 0
+    while True:
+        task = inbox.get()
+        if task is None:
+            break
+        task_id, world_size, generation, fn, args, kwargs = task
+        try:
+            if world != (world_size, generation):
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                dist.init_process_group(
+                    "gloo",
+                    init_method=f"file://{workdir}/rendezvous-{generation}",
+                    rank=rank,
+                    world_size=world_size,
+                )
+                world = (world_size, generation)
+            result = fn(*args, **kwargs)
+            pickle.dumps(result)  # fail here, visibly, rather than in the queue's feeder thread
+            outbox.put((task_id, rank, True, result))
+        except BaseException as err:  # report everything; the parent decides
+            outbox.put((task_id, rank, False, f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+class WorkerPool:
+    """Up to ``max_world_size`` spawned processes; each run joins the first ``world_size`` in gloo."""
+
+    def __init__(self, max_world_size: int, start_timeout_s: float = 120.0) -> None:
+        self.max_world_size = max_world_size
+        self.world_size = max_world_size
+        self._world: tuple[int, int] = (0, 0)
+        self._workdir = tempfile.mkdtemp(prefix="dow-pool-")
+        ctx = mp.get_context("spawn")
+        self._outbox = ctx.Queue()
+        self._inboxes = [ctx.Queue() for _ in range(max_world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(rank, self._workdir, self._inboxes[rank], self._outbox),
+                daemon=True,
+            )
+            for rank in range(max_world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._next_task = 0
+        self.broken = False
+        self._collect("ready", start_timeout_s, what="starting the pool")
+
+    def run(
+        self,
+        world_size: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return their results in rank order."""
+        if self.broken:
+            raise RuntimeError("worker pool is broken by an earlier failure")
+        if not 1 <= world_size <= self.max_world_size:
+            raise ValueError(f"world_size={world_size} outside 1..{self.max_world_size}")
+        if self._world[0] != world_size:
+            self._world = (world_size, self._world[1] + 1)
+        self.world_size = world_size
+        self._next_task += 1
+        task_id = self._next_task
+        for inbox in self._inboxes[:world_size]:
+            inbox.put((task_id, *self._world, fn, args, kwargs))
+        return self._collect(task_id, timeout, what=f"{fn.__name__}")
+
+    def _collect(self, task_id: Any, timeout: float, what: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if errors:
+                # Others may be stuck in a collective the failed rank never joined: short grace.
+                remaining = min(remaining, 5.0)
+            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            if dead and not errors:
+                self.close(kill=True)
+                raise RuntimeError(f"{what}: worker rank(s) {dead} died")
+            try:
+                got_id, rank, ok, value = self._outbox.get(timeout=max(0.05, min(remaining, 1.0)))
+            except queue.Empty:
+                if time.monotonic() < deadline and not (errors and remaining <= 0.05):
+                    continue
+                missing = sorted(set(range(self.world_size)) - results.keys() - errors.keys())
+                stacks = self._dump_stacks()
+                self.close(kill=True)
+                if errors:
+                    raise WorkerError(_format(what, errors) + f"\nranks {missing} hung afterwards.") from None
+                raise TimeoutError(
+                    f"{what} did not finish within {timeout:.0f} s on ranks {missing}. Stacks:\n{stacks}"
+                ) from None
+            if got_id != task_id:
+                continue  # a late answer of an earlier, failed task
+            (results if ok else errors)[rank] = value
+        if errors:
+            raise WorkerError(_format(what, errors))
+        return [results[r] for r in range(self.world_size)]
+
+    def _dump_stacks(self) -> str:
+        for proc in self._procs[: self.world_size]:
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        parts = []
+        for rank in range(self.world_size):
+            path = Path(self._workdir) / f"stacks-{rank}.txt"
+            text = path.read_text() if path.exists() else ""
+            parts.append(f"--- rank {rank} ---\n{text[-4000:]}")
+        return "\n".join(parts)
+
+    def close(self, kill: bool = False) -> None:
+        self.broken = True
+        if not kill:
+            for inbox in self._inboxes:
+                inbox.put(None)
+            for proc in self._procs:
+                proc.join(timeout=10)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+def _format(what: str, errors: dict[int, str]) -> str:
+    return f"{what} raised on rank(s) {sorted(errors)}:\n" + "\n".join(
+        f"--- rank {rank} ---\n{message}" for rank, message in sorted(errors.items())
+    )
+
+
+def noop() -> None:
+    """A task that does nothing (warms workers up: process group, imports)."""
+
+
+def import_modules(*names: str) -> None:
+    """A task that imports modules (warms workers up)."""
+    import importlib
+
+    for name in names:
+        importlib.import_module(name)
