@@ -1,0 +1,128 @@
+"""Bad input: each case is a clear error naming the argument, the value and the fix, on every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import tiny_model
+from torch import nn
+
+from decent_optim_wrapper import DecentOptimWrapper, Topology
+
+
+def test_uninitialized_torch_distributed_is_a_runtime_error():
+    assert not dist.is_initialized()  # the pytest process never joins a process group
+    model = tiny_model()
+    with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized.*init_process_group"):
+        DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+class OneRankDisagrees(Topology):
+    """Valid on every rank but 1, where it is malformed: must fail everywhere, not hang."""
+
+    def assign_groups(self):
+        if dist.get_rank() == 1:
+            return [[[0]]]  # wrong number of entries
+        return [[[r]] for r in range(self._world_size)]
+
+
+def _sparse_optimizer():
+    dense = nn.Parameter(torch.zeros(3))
+    sparse = nn.Parameter(torch.eye(3).to_sparse())
+    return torch.optim.SGD([dense, sparse], lr=0.1)
+
+
+def _duplicate_across_groups():
+    model = tiny_model()
+    params = list(model.parameters())
+    inner = torch.optim.SGD([{"params": params[:2]}, {"params": params[2:]}], lr=0.1)
+    inner.param_groups[1]["params"].append(params[0])  # torch checks this only in add_param_group
+    return inner
+
+
+def _case(name: str):
+    """Build the wrapper for bad-input case ``name``; returns (exception type name, message)."""
+    rank = dist.get_rank()
+    model = tiny_model()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    cases = {
+        "unknown topology": lambda: DecentOptimWrapper(sgd, topology="torus"),
+        "rank mismatch": lambda: DecentOptimWrapper(sgd, rank=rank + 5),
+        "world_size mismatch": lambda: DecentOptimWrapper(sgd, world_size=7),
+        "local_world_size": lambda: DecentOptimWrapper(sgd, local_world_size=3),
+        "not an optimizer": lambda: DecentOptimWrapper(model, topology="complete"),
+        "double wrap": lambda: DecentOptimWrapper(DecentOptimWrapper(sgd, topology="complete")),
+        "bucket_cap_mb": lambda: DecentOptimWrapper(sgd, bucket_cap_mb=0),
+        "empty optimizer": lambda: DecentOptimWrapper(torch.optim.SGD([{"params": []}], lr=0.1)),
+        "sparse": lambda: DecentOptimWrapper(_sparse_optimizer()),
+        "duplicate": lambda: DecentOptimWrapper(_duplicate_across_groups()),
+        "topology instance": lambda: DecentOptimWrapper(sgd, topology=Topology(world_size=3)),
+        "layout differs on one rank": lambda: DecentOptimWrapper(
+            torch.optim.SGD(tiny_model().parameters() if rank else nn.Linear(6, 2).parameters(), lr=0.1)
+        ),
+        "topology differs on one rank": lambda: DecentOptimWrapper(
+            sgd, topology="ring" if rank else "complete"
+        ),
+        "topology malformed on one rank": lambda: DecentOptimWrapper(sgd, topology=OneRankDisagrees),
+        "add_param_group": lambda: DecentOptimWrapper(sgd, topology="complete").add_param_group(
+            {"params": [nn.Parameter(torch.zeros(2))]}
+        ),
+    }
+    try:
+        cases[name]()
+    except Exception as err:
+        return type(err).__name__, str(err)
+    return None, "no error"
+
+
+EXPECTED = {
+    # case: (exception type, fragments that the message must contain)
+    "unknown topology": ("ValueError", ["'torus'", "complete", "ring", "add_topology"]),
+    "rank mismatch": ("ValueError", ["rank=", "disagrees", "leave it out"]),
+    "world_size mismatch": ("ValueError", ["world_size=7", "world_size=2"]),
+    "local_world_size": ("ValueError", ["local_world_size=3", "divisor of world_size=2"]),
+    "not an optimizer": ("TypeError", ["torch.optim.Optimizer", "Sequential"]),
+    "double wrap": ("TypeError", ["already a DecentOptimWrapper"]),
+    "bucket_cap_mb": ("ValueError", ["bucket_cap_mb", "0"]),
+    "empty optimizer": ("ValueError", ["no parameters"]),
+    "sparse": ("ValueError", ["sparse", "param_groups[0]['params'][1]"]),
+    "duplicate": ("ValueError", ["param_groups[1]['params'][2]", "param_groups[0]['params'][0]", "Remove"]),
+    "topology instance": ("ValueError", ["world_size=3", "world_size=2"]),
+    "layout differs on one rank": ("ValueError", ["bucket layout", "rank(s) [1]", "same model"]),
+    "topology differs on one rank": ("ValueError", ["topology", "rank(s) [1]"]),
+    "add_param_group": ("NotImplementedError", ["add_param_group", "before wrapping"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_bad_input(pool, name):
+    kind, fragments = EXPECTED[name]
+    for rank, (got_kind, message) in enumerate(pool(2).run(_case, name)):
+        assert got_kind == kind, f"rank {rank}: {got_kind}: {message}"
+        for fragment in fragments:
+            assert fragment in message, f"rank {rank}: {fragment!r} not in {message!r}"
+
+
+def test_topology_malformed_on_one_rank_fails_everywhere(pool):
+    results = pool(2).run(_case, "topology malformed on one rank")
+    assert results[1][0] == "ValueError" and "needs one per rank" in results[1][1]
+    assert (
+        results[0][0] == "ValueError"
+        and "failed on other ranks" in results[0][1]
+        and "rank 1" in results[0][1]
+    )
+
+
+def _odd_ring():
+    model = tiny_model()
+    try:
+        DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology="ring")
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ring_with_odd_world_size(pool):
+    for message in pool(3).run(_odd_ring):
+        assert "even world size" in message and "world_size=3" in message and "later version" in message
