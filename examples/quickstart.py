@@ -33,7 +33,8 @@ def train(rank: int, world_size: int, topology: str, steps: int) -> None:
     torch.manual_seed(rank)
     x, y = make_data(rank, world_size)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
-    optimizer = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology=topology)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    optimizer = DecentOptimWrapper(inner, topology=topology)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     loss_fn = nn.CrossEntropyLoss()
     for step in range(steps):
@@ -66,7 +67,9 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace) -> N
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workers", type=int, default=4, help="local gloo workers to start (default 4)")
     parser.add_argument("--topology", default="ring", help="ring, complete, or any registered name")
     parser.add_argument("--steps", type=int, default=200)
