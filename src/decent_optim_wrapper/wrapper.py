@@ -405,7 +405,8 @@ class DecentOptimWrapper(Optimizer):
     def __repr__(self) -> str:
         return (
             f"DecentOptimWrapper(optimizer={type(self.optimizer).__name__}, "
-            f"topology={self._topology.name!r}, rank={self._rank}, world_size={self._world_size}, buckets={len(self._buckets)})"
+            f"topology={self._topology.name!r}, rank={self._rank}, world_size={self._world_size}, "
+            f"buckets={len(self._buckets)})"
         )
 
 

@@ -63,7 +63,7 @@ class Topology:
 
     # -- the part a subclass writes ------------------------------------------------------------
     def assign_groups(self) -> Sequence[Sequence[Sequence[int] | Group]]:
-        """Return ``groups[rank][phase]``: the group (sorted ranks, or a :class:`Group`) of each rank in each phase."""
+        """Return ``groups[rank][phase]``: each rank's group (sorted ranks, or a :class:`Group`) per phase."""
         raise NotImplementedError(f"{type(self).__name__} must implement assign_groups().")
 
     # -- derived, validated views ----------------------------------------------------------------
@@ -162,7 +162,7 @@ def _as_group(entry: Sequence[int] | Group, rank: int, phase: int, owner: str) -
 def _validate(
     world_size: int, groups: Sequence[Sequence[Sequence[int] | Group]], owner: str
 ) -> tuple[Phase, ...]:
-    """Turn ``groups[rank][phase]`` into validated phases, or raise a ValueError that names phase and ranks."""
+    """Turn ``groups[rank][phase]`` into validated phases; a ValueError names the phase and ranks."""
     if isinstance(groups, str | bytes) or not isinstance(groups, Sequence):
         raise TypeError(f"{owner}.assign_groups() must return a list (one entry per rank), got {groups!r}.")
     if len(groups) != world_size:
