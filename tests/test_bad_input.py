@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import tiny_model
 from torch import nn
 
-from decent_optim_wrapper import DecentOptimWrapper, Topology
+from decent_optim_wrapper import DecentOptimWrapper, Group, Topology
 
 
 def test_uninitialized_torch_distributed_is_a_runtime_error():
@@ -41,6 +43,37 @@ def _duplicate_across_groups():
     return inner
 
 
+class RankOutsideItsGroup(Topology):
+    def assign_groups(self):
+        return [[[0]], [[0]]]  # rank 1 is assigned a group without itself
+
+
+class OverweightGroup(Topology):
+    def assign_groups(self):
+        return [[Group((0, 1), 1.25)], [Group((0, 1), 1.25)]]
+
+
+def _with_env(name: str, value: str, build):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return build()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _add_group(rank: int, same_shapes: bool):
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology="complete")
+    extra = nn.Parameter(torch.zeros(3 if same_shapes or rank == 0 else 4))
+    opt.add_param_group({"params": [extra]})
+    if same_shapes:
+        opt.add_param_group({"params": [extra]})  # already in the optimizer
+
+
 def _case(name: str):
     """Build the wrapper for bad-input case ``name``; returns (exception type name, message)."""
     rank = dist.get_rank()
@@ -65,8 +98,20 @@ def _case(name: str):
             sgd, topology="ring" if rank else "complete"
         ),
         "topology malformed on one rank": lambda: DecentOptimWrapper(sgd, topology=OneRankDisagrees),
-        "add_param_group": lambda: DecentOptimWrapper(sgd, topology="complete").add_param_group(
-            {"params": [nn.Parameter(torch.zeros(2))]}
+        "topology of wrong type": lambda: DecentOptimWrapper(sgd, topology=4),
+        "timeout": lambda: DecentOptimWrapper(sgd, timeout=30),
+        "LOCAL_WORLD_SIZE": lambda: _with_env("LOCAL_WORLD_SIZE", "two", lambda: DecentOptimWrapper(sgd)),
+        "integer parameter": lambda: DecentOptimWrapper(
+            torch.optim.SGD([nn.Parameter(torch.zeros(2)), torch.zeros(2, dtype=torch.int64)], lr=0.1)
+        ),
+        "rank outside its group": lambda: DecentOptimWrapper(sgd, topology=RankOutsideItsGroup),
+        "self_weight out of range": lambda: DecentOptimWrapper(sgd, topology=OverweightGroup),
+        "add_param_group differs across ranks": lambda: _add_group(rank, same_shapes=False),
+        "add_param_group duplicate": lambda: _add_group(rank, same_shapes=True),
+        "global_avg buffers": lambda: DecentOptimWrapper(sgd, topology="complete").global_avg(buffers=[1.0]),
+        "revert without global_avg": lambda: DecentOptimWrapper(sgd, topology="complete").revert_global_avg(),
+        "load a plain state dict": lambda: DecentOptimWrapper(sgd, topology="complete").load_state_dict(
+            torch.optim.SGD(tiny_model().parameters(), lr=0.1).state_dict()
         ),
     }
     try:
@@ -91,8 +136,22 @@ EXPECTED = {
     "topology instance": ("ValueError", ["world_size=3", "world_size=2"]),
     "layout differs on one rank": ("ValueError", ["bucket layout", "rank(s) [1]", "same model"]),
     "topology differs on one rank": ("ValueError", ["topology", "rank(s) [1]"]),
-    "add_param_group": ("NotImplementedError", ["add_param_group", "before wrapping"]),
+    "topology of wrong type": ("TypeError", ["topology must be a name", "4", "Registered names"]),
+    "timeout": ("TypeError", ["timeout", "30", "timedelta(minutes=5)"]),
+    "LOCAL_WORLD_SIZE": ("ValueError", ["LOCAL_WORLD_SIZE='two'", "processes per node"]),
+    "integer parameter": ("TypeError", ["param_groups[0]['params'][1]", "torch.int64", "floating-point"]),
+    "rank outside its group": ("ValueError", ["phase 0: rank 1", "does not contain it"]),
+    "self_weight out of range": ("ValueError", ["self_weight=1.25", "[0, 1]"]),
+    "add_param_group differs across ranks": ("ValueError", ["bucket layout", "rank(s) [1]"]),
+    "add_param_group duplicate": ("ValueError", ["more than one parameter group"]),
+    "global_avg buffers": ("TypeError", ["buffers must be an nn.Module", "list"]),
+    "revert without global_avg": ("RuntimeError", ["nothing to revert", "global_avg(may_revert=True)"]),
+    "load a plain state dict": ("ValueError", ["no 'decent' entry", "wrapper.optimizer.load_state_dict"]),
 }
+
+
+def test_the_table_is_large():
+    assert len(EXPECTED) >= 20
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

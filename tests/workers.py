@@ -125,7 +125,12 @@ class WorkerPool:
             if errors:
                 # Others may be stuck in a collective the failed rank never joined: short grace.
                 remaining = min(remaining, 5.0)
-            dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+            # a rank may end its process after answering (a test that kills a peer does)
+            dead = [
+                r
+                for r, p in enumerate(self._procs[: self.world_size])
+                if not p.is_alive() and r not in results and r not in errors
+            ]
             if dead and not errors:
                 self.close(kill=True)
                 raise RuntimeError(f"{what}: worker rank(s) {dead} died")

@@ -31,11 +31,6 @@ class BucketSpec:
     offsets: tuple[int, ...]
     numel: int
 
-    def signature(self, params: Sequence[torch.Tensor]) -> tuple[object, ...]:
-        """What must agree across ranks: dtype, device type and every parameter's shape and offset."""
-        shapes = tuple(tuple(params[i].shape) for i in self.param_indices)
-        return (str(self.dtype), self.device.type, self.numel, shapes, self.offsets)
-
 
 def _aligned(numel: int, element_size: int) -> int:
     step = max(1, ALIGN_BYTES // element_size)
@@ -127,6 +122,11 @@ class Bucket:
                     "built), so gossip would no longer reach it. Move and cast the model before building "
                     "the optimizer and the wrapper, and update parameters in place (param.copy_(...))."
                 )
+
+    def signature(self) -> tuple[object, ...]:
+        """What must agree across ranks and checkpoints: dtype, device type, shapes and offsets."""
+        shapes = tuple(tuple(p.shape) for p in self.params)
+        return (str(self.spec.dtype), self.spec.device.type, self.spec.numel, shapes, self.spec.offsets)
 
     def __repr__(self) -> str:
         return (

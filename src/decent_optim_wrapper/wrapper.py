@@ -11,16 +11,20 @@ import torch
 from loguru import logger
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.averaging import Snapshot, average_across_world_
+from decent_optim_wrapper.averaging import Snapshot, average_across_world_, floating_buffers
 from decent_optim_wrapper.buckets import Bucket, build_buckets, check_params
 from decent_optim_wrapper.comm import ProcessGroups, agree, check_identical, resolve_world
 from decent_optim_wrapper.gossip import Gossip
 from decent_optim_wrapper.topo import Topology, TopologyFactory
 
-__all__ = ["DecentOptimWrapper"]
+__all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper"]
 
 #: Version of the ``"decent"`` entry of :meth:`DecentOptimWrapper.state_dict`.
 STATE_VERSION = 1
+
+#: How long gossip and global averaging wait for a peer before raising, unless ``timeout`` says
+#: otherwise. Well under gloo's 30 minutes, yet long enough for a peer's slow first step (compile).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 
 class DecentOptimWrapper(Optimizer):
@@ -59,8 +63,9 @@ class DecentOptimWrapper(Optimizer):
         topology: a registered name (``"ring"``, ``"complete"``, ...; see :class:`TopologyFactory`),
             a :class:`Topology` subclass, or an instance.
         bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
-        timeout: how long a collective of the wrapper may wait for peers before failing;
-            defaults to the process group's timeout.
+        timeout: how long gossip and global averaging wait for a peer before raising an error
+            that names the step and the group (a peer died or hangs); default
+            :data:`DEFAULT_TIMEOUT` (10 minutes).
 
     Example::
 
@@ -83,7 +88,7 @@ class DecentOptimWrapper(Optimizer):
         topology: str | type[Topology] | Topology = "ring",
         bucket_cap_mb: float = 25,
         *,
-        timeout: timedelta | None = None,
+        timeout: timedelta = DEFAULT_TIMEOUT,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -98,8 +103,10 @@ class DecentOptimWrapper(Optimizer):
             or bucket_cap_mb <= 0
         ):
             raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}.")
-        if timeout is not None and not isinstance(timeout, timedelta):
-            raise TypeError(f"timeout must be a datetime.timedelta or None, got {timeout!r}.")
+        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+            raise TypeError(
+                f"timeout must be a positive datetime.timedelta, got {timeout!r}; e.g. timedelta(minutes=5)."
+            )
         self._rank, self._world_size, self._local_world_size = resolve_world(
             rank, world_size, local_world_size
         )
@@ -110,11 +117,11 @@ class DecentOptimWrapper(Optimizer):
         def local_layout() -> tuple[object, ...]:
             topo = _resolve_topology(topology, self._world_size, self._local_world_size)
             params, names = check_params(optimizer.param_groups)
-            buckets = build_buckets(params, names, int(bucket_cap_mb * 2**20))
+            buckets = build_buckets(params, names, self._bucket_cap_bytes)
             self._topology, self._buckets = topo, buckets
-            layout = tuple(b.spec.signature(params) for b in buckets)
-            return (self._local_world_size, topo.name, topo.fingerprint(), layout)
+            return (self._local_world_size, topo.name, topo.fingerprint(), _signatures(buckets))
 
+        self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
         # error everywhere rather than a hang; and layouts are compared before anything is broadcast.
         reports = agree("Building DecentOptimWrapper", local_layout)
@@ -122,20 +129,13 @@ class DecentOptimWrapper(Optimizer):
             "local_world_size", [r[0] for r in reports], "Pass the same local_world_size on every rank."
         )
         check_identical("The topology", [r[1:3] for r in reports], "Pass the same topology on every rank.")
-        check_identical(
-            "The bucket layout (parameter shapes, dtypes, devices or bucket_cap_mb)",
-            [r[3] for r in reports],
-            "Build the same model and optimizer (same param_groups order) with the same bucket_cap_mb on "
-            "every rank.",
-        )
+        _check_layouts([r[3] for r in reports])
 
+        self._timeout = timeout
         self._process_groups = ProcessGroups(self._topology, timeout)
-        for bucket in self._buckets:
-            bucket.bind()
-            if self._world_size > 1:
-                torch.distributed.broadcast(bucket.data, src=0, group=self._process_groups.world)
+        self._bind_and_broadcast(self._buckets)
         self._gossip = Gossip(
-            [b.data for b in self._buckets], self._topology, self._rank, self._process_groups
+            [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout
         )
         self._step_count = 0
         self._snapshot: Snapshot | None = None
@@ -147,6 +147,12 @@ class DecentOptimWrapper(Optimizer):
             self._topology.period,
             len(self._buckets),
         )
+
+    def _bind_and_broadcast(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            bucket.bind()
+            if self._world_size > 1:
+                torch.distributed.broadcast(bucket.data, src=0, group=self._process_groups.world)
 
     def _init_optimizer_hooks(self) -> None:
         # Optimizer.__init__ would re-create param_groups and state, which belong to the inner
@@ -214,36 +220,93 @@ class DecentOptimWrapper(Optimizer):
         return list(self._buckets)
 
     # -- the algorithm -----------------------------------------------------------------------------
+    #: GradScaler calls ``step()`` even when it found inf/NaN gradients (telling us through
+    #: ``found_inf``), so a rank that skips its local update still joins this step's gossip; otherwise
+    #: its peers would wait forever for it.
+    _step_supports_amp_scaling = True
+
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Mix in the previous gossip, take the inner optimizer's step, launch this step's gossip.
 
         With a ``closure``, it is passed to the inner optimizer, so loss and gradients are evaluated
         at the mixed parameters. Returns what the inner step returns (the closure's loss, or None).
 
+        Under ``torch.amp.GradScaler`` (``scaler.step(optimizer)``), gradients are unscaled here and
+        the local update is skipped on a rank whose gradients hold inf/NaN; mixing and gossip happen
+        on every rank regardless, so no rank is left waiting.
+
         .. warning:: All ranks must call ``step()`` the same number of times.
         """
+        grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step, see above
+        found_inf = getattr(self, "found_inf", None)
         self._check_buckets()
         self._snapshot = None  # an un-reverted global average is where training continues from
         with torch.no_grad():
             self._gossip.mix()
-        loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        loss = None
+        if found_inf is None or not bool(found_inf.item()):
+            if grad_scale is not None:
+                self._unscale_grads(grad_scale)
+            loss = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         with torch.no_grad():
             self._gossip.launch(self._step_count)
         self._step_count += 1
         return loss
 
+    @torch.no_grad()
+    def _unscale_grads(self, grad_scale: torch.Tensor) -> None:
+        # The same arithmetic as GradScaler.unscale_: multiply by the fp32 reciprocal of the scale.
+        inv_scale = grad_scale.double().reciprocal().float()
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        for grad in grads:
+            by_device.setdefault(grad.device, []).append(grad)
+        for device, tensors in by_device.items():
+            torch._foreach_mul_(tensors, inv_scale.to(device))
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of all parameters (see :meth:`torch.optim.Optimizer.zero_grad`)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
+    @torch.no_grad()
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        raise NotImplementedError(
-            "DecentOptimWrapper does not support add_param_group yet: parameters added after wrapping "
-            "would not be gossiped. Add every param group to the inner optimizer before wrapping it."
-        )
+        """Add a param group to the inner optimizer; its parameters join new buckets and gossip.
+
+        The new parameters are synced from rank 0, like at construction, and are gossiped from the
+        next step on (a round already in flight does not include them).
+
+        .. warning:: This is a collective: all ranks must call it, with the same shapes and dtypes.
+        """
+        if not hasattr(self, "_buckets"):  # torch.optim.Optimizer internals may call this early
+            raise RuntimeError("add_param_group() called before the wrapper was built.")
+        known = [p for bucket in self._buckets for p in bucket.params]
+        before = len(self.optimizer.param_groups)
+
+        def local_layout() -> tuple[object, ...]:
+            self.optimizer.add_param_group(param_group)
+            try:
+                params, names = check_params(self.optimizer.param_groups)
+                new = [(p, n) for p, n in zip(params, names, strict=True) if not any(p is k for k in known)]
+                buckets = build_buckets([p for p, _ in new], [n for _, n in new], self._bucket_cap_bytes)
+            except (ValueError, TypeError):
+                del self.optimizer.param_groups[before:]
+                raise
+            self._new_buckets = buckets
+            return _signatures(buckets)
+
+        try:
+            layouts = agree("add_param_group", local_layout)
+            _check_layouts(layouts)
+        except (ValueError, TypeError):
+            del self.optimizer.param_groups[before:]  # leave the optimizer as it was on every rank
+            raise
+        new_buckets, self._new_buckets = self._new_buckets, []
+        self._bind_and_broadcast(new_buckets)
+        self._buckets.extend(new_buckets)
+        self._gossip.add_tensors([b.data for b in new_buckets])
 
     @torch.no_grad()
-    def global_avg(self, may_revert: bool = True) -> None:
+    def global_avg(self, may_revert: bool = True, buffers: torch.nn.Module | None = None) -> None:
         """Set every replica to the exact average of all replicas (e.g. to evaluate the average model).
 
         Pending gossip is finished first. With ``may_revert``, the replica (and the gossip still to
@@ -251,15 +314,29 @@ class DecentOptimWrapper(Optimizer):
         allocated only then. A second call keeps the first snapshot. A :meth:`step` without a
         revert continues training from the average (the snapshot and the stale gossip are dropped).
 
-        .. warning:: This is a collective: all ranks must call it.
+        Args:
+            may_revert: keep a snapshot for :meth:`revert_global_avg`.
+            buffers: a module whose floating-point buffers (e.g. BatchNorm running statistics) are
+                averaged too, and restored by the revert; integer buffers are left alone.
+
+        .. warning:: This is a collective: all ranks must call it, with the same ``buffers`` layout.
         """
-        self._check_buckets()
-        if may_revert and self._snapshot is None:
-            self._snapshot = Snapshot(
-                params=[b.data.clone() for b in self._buckets], gossip=self._gossip.state_dict()
+        if buffers is not None and not isinstance(buffers, torch.nn.Module):
+            raise TypeError(
+                f"buffers must be an nn.Module whose floating buffers to average (e.g. the model), got "
+                f"{type(buffers).__name__}."
             )
+        extra = floating_buffers(buffers) if buffers is not None else []
+        self._check_buckets()
+        if may_revert:
+            if self._snapshot is None:
+                self._snapshot = Snapshot(
+                    params=[b.data.clone() for b in self._buckets], gossip=self._gossip.state_dict()
+                )
+            self._snapshot.add_buffers(extra)
         self._gossip.discard()
-        average_across_world_([b.data for b in self._buckets], self._process_groups.world, self._world_size)
+        tensors = [b.data for b in self._buckets] + extra
+        average_across_world_(tensors, self._process_groups.world, self._world_size, self._timeout)
 
     @torch.no_grad()
     def revert_global_avg(self) -> None:
@@ -274,8 +351,9 @@ class DecentOptimWrapper(Optimizer):
                 "step() or revert_global_avg() since then drops the snapshot). Parameters are unchanged."
             )
         snapshot, self._snapshot = self._snapshot, None
-        for bucket, saved in zip(self._buckets, snapshot.params, strict=True):
+        for bucket, saved in zip(self._buckets, snapshot.params, strict=False):
             bucket.data.copy_(saved)
+        snapshot.restore_buffers()
         self._gossip.load_state_dict(snapshot.gossip)
 
     def _check_buckets(self) -> None:
@@ -394,13 +472,7 @@ class DecentOptimWrapper(Optimizer):
             )
 
     def _layout(self) -> tuple[object, ...]:
-        params = [p for b in self._buckets for p in b.params]
-        offset = 0
-        layout = []
-        for bucket in self._buckets:
-            layout.append(bucket.spec.signature(params[offset : offset + len(bucket.params)]))
-            offset += len(bucket.params)
-        return tuple(layout)
+        return _signatures(self._buckets)
 
     def __repr__(self) -> str:
         return (
@@ -432,6 +504,20 @@ def _resolve_topology(
         )
     _ = topo.schedule  # validate now, before any communication
     return topo
+
+
+def _signatures(buckets: list[Bucket]) -> tuple[object, ...]:
+    """What must agree across ranks and checkpoints: each bucket's dtype, device type and shapes."""
+    return tuple(b.signature() for b in buckets)
+
+
+def _check_layouts(layouts: list[tuple[object, ...]]) -> None:
+    check_identical(
+        "The bucket layout (parameter shapes, dtypes, devices or bucket_cap_mb)",
+        layouts,
+        "Build the same model and optimizer (same param_groups order) with the same bucket_cap_mb on "
+        "every rank.",
+    )
 
 
 def _plain(value: object) -> object:
