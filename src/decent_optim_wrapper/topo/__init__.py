@@ -2,17 +2,19 @@
 
 A :class:`Topology` is pure logic (no process group): a periodic schedule of :class:`Group` s,
 validated before any communication, with the mixing matrix of every step. Built-ins are registered
-in :class:`TopologyFactory` by name.
+in :class:`TopologyFactory` by name: ``complete``, ``ring`` and ``one-peer-exp``.
 """
 
 from decent_optim_wrapper.topo.base import Phase, Topology
 from decent_optim_wrapper.topo.builtin import CompleteTopology, RingTopology
+from decent_optim_wrapper.topo.exponential import OnePeerExpTopology
 from decent_optim_wrapper.topo.factory import TopologyFactory
 from decent_optim_wrapper.topo.group import Group
 
 __all__ = [
     "CompleteTopology",
     "Group",
+    "OnePeerExpTopology",
     "Phase",
     "RingTopology",
     "Topology",
