@@ -2,7 +2,8 @@
 
 A :class:`Topology` is pure logic (no process group): a periodic schedule of :class:`Group` s,
 validated before any communication, with the mixing matrix of every step. Built-ins are registered
-in :class:`TopologyFactory` by name: ``complete``, ``ring`` and ``one-peer-exp``.
+in :class:`TopologyFactory` by name: ``complete``, ``ring``, ``one-peer-exp``, ``alternating-exp-ring``
+and ``hierarchical``.
 """
 
 from decent_optim_wrapper.topo.base import Phase, Topology
@@ -10,10 +11,13 @@ from decent_optim_wrapper.topo.builtin import CompleteTopology, RingTopology
 from decent_optim_wrapper.topo.exponential import OnePeerExpTopology
 from decent_optim_wrapper.topo.factory import TopologyFactory
 from decent_optim_wrapper.topo.group import Group
+from decent_optim_wrapper.topo.hierarchical import AlternatingExpRingTopology, HierarchicalTopology
 
 __all__ = [
+    "AlternatingExpRingTopology",
     "CompleteTopology",
     "Group",
+    "HierarchicalTopology",
     "OnePeerExpTopology",
     "Phase",
     "RingTopology",
