@@ -3,7 +3,8 @@
 A :class:`Topology` is pure logic (no process group): a periodic schedule of :class:`Group` s,
 validated before any communication, with the mixing matrix of every step. Built-ins are registered
 in :class:`TopologyFactory` by name: ``complete``, ``ring``, ``one-peer-exp``, ``alternating-exp-ring``
-and ``hierarchical``.
+and ``hierarchical``. ``python -m decent_optim_wrapper.topo NAME --world-size N`` prints a schedule and
+its figures (:mod:`decent_optim_wrapper.topo.analysis`).
 """
 
 from decent_optim_wrapper.topo.base import Phase, Topology
