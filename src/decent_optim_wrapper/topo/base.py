@@ -7,6 +7,7 @@ from functools import cached_property
 
 import torch
 
+from decent_optim_wrapper.topo import analysis
 from decent_optim_wrapper.topo.group import Group
 
 __all__ = ["Phase", "Topology"]
@@ -33,17 +34,21 @@ class Topology:
     ``self._num_nodes``.
 
     The schedule is validated once, on first use and before any communication: every rank is in
-    exactly one group per phase, every member of a group lists the same group, and weights are valid.
-    Problems are a :class:`ValueError` naming the phase and the ranks.
+    exactly one group per phase, every member of a group lists the same group, every phase's mixing
+    matrix is doubly stochastic with non-negative entries (so the mean of the parameters is preserved),
+    and the groups of one period connect all ranks (otherwise replicas on the two sides of the cut would
+    never agree). Problems are a :class:`ValueError` naming the phase and the ranks.
 
     Example::
 
-        class Pairs(Topology):
+        class Swap(Topology):  # needs an even world size
             def assign_groups(self):
                 n = self._world_size
-                return [[[r - r % 2, r - r % 2 + 1]] for r in range(n)]  # needs an even n
+                right = [[r - r % 2, r - r % 2 + 1] for r in range(n)]  # (0, 1), (2, 3), ...
+                left = [sorted({r, (r + 1) % n if r % 2 else (r - 1) % n}) for r in range(n)]
+                return [[right[r], left[r]] for r in range(n)]
 
-        TopologyFactory.add_topology("pairs", Pairs)
+        TopologyFactory.add_topology("swap", Swap)
 
     Args:
         world_size: number of ranks.
@@ -124,12 +129,50 @@ class Topology:
     def mixing_matrix(self, step: int) -> torch.Tensor:
         """``W`` of ``step`` as an ``n x n`` float64 tensor: one gossip round maps ``x`` to ``W @ x``."""
         n = self._world_size
-        w = torch.zeros(n, n, dtype=torch.float64)
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
         for group in self.phase(step):
-            idx = torch.tensor(group.ranks)
-            w[idx.unsqueeze(1), idx.unsqueeze(0)] = group.peer_weight
-            w[idx, idx] = group.own_weight
+            for i in group.ranks:
+                rows += [i] * group.size
+                cols += group.ranks
+                values += [group.own_weight if j == i else group.peer_weight for j in group.ranks]
+        w = torch.zeros(n, n, dtype=torch.float64)
+        w[rows, cols] = torch.tensor(values, dtype=torch.float64)
         return w
+
+    def exact_consensus_steps(self) -> int | None:
+        """After how many steps (from a period boundary) every rank holds exactly the average, else ``None``.
+
+        ``s`` means :math:`W_{s-1} \\cdots W_0 = \\mathbf{1}\\mathbf{1}^\\top / n`: one run of ``s`` gossip
+        rounds without local updates in between leaves every rank with the exact mean. Built-ins state
+        the ``s`` their construction guarantees; the default ``None`` claims nothing (consensus is then
+        only asymptotic, at :meth:`consensus_rate`).
+        """
+        return 0 if self._world_size == 1 else None
+
+    def num_process_groups(self) -> int:
+        """How many process groups the schedule needs: ``len(distinct_groups())``."""
+        return len(self.distinct_groups())
+
+    def models_sent_per_step(self) -> float:
+        """Models a rank sends per step, averaged over ranks and one period.
+
+        Cost model: a group of ``k`` ranks is one ring all-reduce, in which every member sends
+        ``2 (k - 1) / k`` models (1 for a pair, 0 for a resting rank). See
+        :mod:`decent_optim_wrapper.topo.analysis` for the per-rank figures.
+        """
+        sent = analysis.models_sent_per_rank(self)
+        return sum(sent) / len(sent)
+
+    def consensus_rate(self, *, per_step: bool = False) -> float:
+        """:math:`1 - \\lVert P - J \\rVert_2` for the product :math:`P = W_{p-1} \\cdots W_0` of one period.
+
+        :math:`J = \\mathbf{1}\\mathbf{1}^\\top / n`. The distance to the mean shrinks by at least the
+        factor :math:`1 - \\rho` every period; 1 means exact consensus within one period. With
+        ``per_step=True``, returns :math:`1 - (1 - \\rho)^{1/p}` to compare schedules of different periods.
+        """
+        return analysis.consensus_rate(self, per_step=per_step)
 
     def fingerprint(self) -> tuple[object, ...]:
         """A picklable summary that two ranks compare to check they run the same schedule."""
@@ -162,7 +205,7 @@ def _as_group(entry: Sequence[int] | Group, rank: int, phase: int, owner: str) -
 def _validate(
     world_size: int, groups: Sequence[Sequence[Sequence[int] | Group]], owner: str
 ) -> tuple[Phase, ...]:
-    """Turn ``groups[rank][phase]`` into validated phases; a ValueError names the phase and ranks."""
+    """Turn ``groups[rank][phase]`` into validated phases, or raise a ValueError naming phase and ranks."""
     if isinstance(groups, str | bytes) or not isinstance(groups, Sequence):
         raise TypeError(f"{owner}.assign_groups() must return a list (one entry per rank), got {groups!r}.")
     if len(groups) != world_size:
@@ -203,8 +246,35 @@ def _validate(
                         "same group (same ranks, same weight), so every rank is in exactly one group."
                     )
         unique = sorted(set(per_rank), key=lambda g: g.ranks[0])
+        for group in unique:
+            _check_weights(group, phase, owner)
         schedule.append(tuple(unique))
+    _check_connected(world_size, schedule, owner)
     return tuple(schedule)
+
+
+def _check_weights(group: Group, phase: int, owner: str) -> None:
+    """The group's block of ``W`` must be non-negative with rows (and, by symmetry, columns) summing to 1."""
+    own, peer = group.own_weight, group.peer_weight
+    row_sum = own + (group.size - 1) * peer
+    # 1e-12 absorbs the rounding of w + (k-1) * (1-w)/(k-1) in float64 for any k a process group can have.
+    if not (own >= 0.0 and peer >= 0.0 and abs(row_sum - 1.0) <= 1e-12):
+        raise ValueError(
+            f"{owner}: phase {phase}: group {list(group.ranks)} mixes with W_ii={own}, W_ij={peer}, so its "
+            f"rows sum to {row_sum}. Mixing must be doubly stochastic with non-negative weights (rows and "
+            "columns summing to 1) to preserve the mean; use Group(ranks, self_weight=w) with 0 <= w <= 1."
+        )
+
+
+def _check_connected(world_size: int, schedule: Sequence[Phase], owner: str) -> None:
+    components = analysis.connected_components(world_size, schedule)
+    if len(components) > 1:
+        shown = "; ".join(f"{{{analysis.format_ranks(c)}}}" for c in components[:8])
+        more = f"; ... ({len(components) - 8} more)" if len(components) > 8 else ""
+        raise ValueError(
+            f"{owner}: over its period of {len(schedule)} phase(s) the groups never connect the rank sets "
+            f"{shown}{more}, so their parameters never mix. Add groups that join these sets (in any phase)."
+        )
 
 
 def _describe(group: Group) -> str:

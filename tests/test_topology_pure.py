@@ -1,0 +1,500 @@
+"""Pure-logic tests of the topology suite: schedules, mixing matrices, figures and the CLI (no process group).
+
+Numerical tolerance: products of mixing matrices are compared with ``atol=1e-12, rtol=0``. Every entry of
+a product of at most ~2 log2(n) + 1 matrices is a sum of products of weights in [0, 1]; float64 rounds
+each operation by ~1e-16, so exact schedules land within ~1e-14 of ``J = 11^T/n``, while a schedule
+that is not exact is off by far more (its entries are rationals whose distance to ``1/n`` is at
+least of order ``1/n^2 >= 2e-4`` here). Row and column sums get the same tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch
+
+from decent_optim_wrapper.topo import (
+    Group,
+    Topology,
+    TopologyFactory,
+)
+from decent_optim_wrapper.topo.__main__ import main
+from decent_optim_wrapper.topo.analysis import (
+    allreduce_models_sent,
+    connected_components,
+    format_ranks,
+    models_sent_per_rank,
+    period_product,
+)
+from decent_optim_wrapper.topo.exponential import exponential_phases
+
+BUILTINS = ["complete", "ring", "one-peer-exp", "alternating-exp-ring", "hierarchical"]
+USES_LOCAL_WORLD_SIZE = {"alternating-exp-ring", "hierarchical"}
+MAX_WORLD = 64
+ATOL = 1e-12
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    # Hundreds of 64x64 products: thread start-up costs more than the maths on a loaded CI machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _cases(name: str) -> list[tuple[int, int]]:
+    """Every (world_size, local_world_size) to test: all divisors where the topology reads the node size."""
+    cases = []
+    for n in range(1, MAX_WORLD + 1):
+        sizes = [d for d in range(1, n + 1) if n % d == 0] if name in USES_LOCAL_WORLD_SIZE else [1]
+        cases += [(n, lws) for lws in sizes]
+    return cases
+
+
+@cache
+def _topology(name: str, n: int, lws: int = 1) -> Topology:
+    return TopologyFactory.create(name, n, lws)
+
+
+@cache
+def _matrices(name: str, n: int, lws: int) -> tuple[torch.Tensor, ...]:
+    topo = _topology(name, n, lws)
+    return tuple(topo.mixing_matrix(step) for step in range(topo.period))
+
+
+def _product(name: str, n: int, lws: int, steps: int) -> torch.Tensor:
+    ws = _matrices(name, n, lws)
+    p = torch.eye(n, dtype=torch.float64)
+    for step in range(steps):
+        p = ws[step % len(ws)] @ p
+    return p
+
+
+def _is_average(p: torch.Tensor) -> bool:
+    n = p.shape[0]
+    return torch.allclose(p, torch.full((n, n), 1.0 / n, dtype=torch.float64), rtol=0, atol=ATOL)
+
+
+def _pairs(phase) -> list[tuple[int, ...]]:
+    return sorted(g.ranks for g in phase)
+
+
+# -- every built-in, every size ---------------------------------------------------------------------------
+def test_all_builtins_registered():
+    assert set(BUILTINS) <= set(TopologyFactory.names())
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_builtin_schedules_are_valid_doubly_stochastic_and_connected(name):
+    for n, lws in _cases(name):
+        topo = _topology(name, n, lws)
+        assert topo.period >= 1
+        for step, phase in enumerate(topo.schedule):
+            covered = sorted(r for g in phase for r in g.ranks)
+            assert covered == list(range(n)), (name, n, lws, step)
+            w = _matrices(name, n, lws)[step]
+            assert (w >= 0).all(), (name, n, lws, step)
+            assert torch.equal(w, w.T)
+            ones = torch.ones(n, dtype=torch.float64)
+            torch.testing.assert_close(w.sum(0), ones, rtol=0, atol=ATOL)
+            torch.testing.assert_close(w.sum(1), ones, rtol=0, atol=ATOL)
+        assert connected_components(n, topo.schedule) == [list(range(n))], (name, n, lws)
+        if n == 1:
+            assert topo.schedule == ((Group((0,)),),)
+
+
+@pytest.mark.parametrize("name", BUILTINS)
+def test_exact_consensus_claims_hold_and_are_minimal(name):
+    for n, lws in _cases(name):
+        topo = _topology(name, n, lws)
+        steps = topo.exact_consensus_steps()
+        if steps is None:
+            # Not exact within two periods, and the rate says consensus is only asymptotic.
+            assert not _is_average(_product(name, n, lws, 2 * topo.period)), (name, n, lws)
+            assert topo.consensus_rate() < 1.0
+            continue
+        assert _is_average(_product(name, n, lws, steps)), (name, n, lws, steps)
+        if steps > 0:
+            assert not _is_average(_product(name, n, lws, steps - 1)), (name, n, lws, steps)
+        if steps <= topo.period:
+            assert topo.consensus_rate() == 1.0
+
+
+def test_exact_consensus_claims_per_topology():
+    assert [_topology("complete", n).exact_consensus_steps() for n in (1, 2, 64)] == [0, 1, 1]
+    assert [_topology("ring", n).exact_consensus_steps() for n in (1, 2, 3, 4, 5, 6)] == [
+        0,
+        1,
+        1,
+        2,
+        None,
+        None,
+    ]
+    for n in range(1, MAX_WORLD + 1):
+        assert _topology("one-peer-exp", n).exact_consensus_steps() == exponential_phases(n)
+        assert _topology("one-peer-exp", n).period == max(1, exponential_phases(n))
+
+
+# -- ring -------------------------------------------------------------------------------------------------
+def test_even_ring_matches_decent_dp():
+    for n in range(2, MAX_WORLD + 1, 2):
+        topo = _topology("ring", n)
+        # decent-dp: edges[0] = sorted([i, i+1]), edges[1] = sorted([i, (i-1) % n]) for even i.
+        right = sorted(tuple(sorted({i, (i + 1) % n})) for i in range(0, n, 2))
+        left = sorted(tuple(sorted({i, (i - 1) % n})) for i in range(0, n, 2))
+        assert topo.period == 2
+        assert _pairs(topo.schedule[0]) == right
+        assert _pairs(topo.schedule[1]) == left
+        assert all(g.self_weight is None for phase in topo.schedule for g in phase)
+
+
+def test_even_ring_assign_groups_is_unchanged():
+    # The exact per-rank lists of version 0.2.0, so fingerprints match across versions.
+    for n in range(2, MAX_WORLD + 1, 2):
+        expected = []
+        for rank in range(n):
+            right = rank + 1 if rank % 2 == 0 else rank - 1
+            left = (rank - 1) % n if rank % 2 == 0 else (rank + 1) % n
+            expected.append([sorted({rank, right}), sorted({rank, left})])
+        assert TopologyFactory.get("ring")(n).assign_groups() == expected
+
+
+def test_odd_ring_uses_one_triple_per_phase():
+    for n in range(3, MAX_WORLD + 1, 2):
+        topo = _topology("ring", n)
+        half = (n - 3) // 2
+        assert topo.period == 2
+        assert _pairs(topo.schedule[0]) == [(2 * i, 2 * i + 1) for i in range(half)] + [(n - 3, n - 2, n - 1)]
+        assert _pairs(topo.schedule[1]) == sorted(
+            [(2 * i + 1, 2 * i + 2) for i in range(half)] + [(0, n - 2, n - 1)]
+        )
+        ring_edges = {tuple(sorted((i, (i + 1) % n))) for i in range(n)}
+        used = {(a, b) for phase in topo.schedule for g in phase for a in g.ranks for b in g.ranks if a < b}
+        assert ring_edges <= used
+
+
+# -- one-peer-exp -----------------------------------------------------------------------------------------
+def test_one_peer_exp_power_of_two_is_decent_dps_hypercube():
+    for k in range(1, 7):
+        n = 2**k
+        topo = _topology("one-peer-exp", n)
+        assert topo.period == k
+        for i in range(k):
+            xor = sorted({tuple(sorted((j, j ^ 2**i))) for j in range(n)})
+            # decent-dp pairs j with (j + 2^i) mod n, greedily by increasing j.
+            used, greedy = [False] * n, []
+            for j in range(n):
+                if not used[j]:
+                    t = (j + 2**i) % n
+                    used[j] = used[t] = True
+                    greedy.append(tuple(sorted((j, t))))
+            assert _pairs(topo.schedule[i]) == xor == sorted(greedy)
+            assert all(g.self_weight is None for g in topo.schedule[i])
+
+
+def test_one_peer_exp_phase_count_formula_and_bound():
+    assert [exponential_phases(n) for n in range(1, 10)] == [0, 1, 3, 2, 5, 4, 5, 3, 7]
+    for n in range(2, 2049):
+        t = exponential_phases(n)
+        h = n // 2
+        if n % 2 == 0:
+            assert t == 1 + exponential_phases(h)
+        else:
+            assert t == 2 + max(exponential_phases(h + 1), exponential_phases(h))
+        assert t <= 2 * math.ceil(math.log2(n)) - 1
+    for n in range(1, MAX_WORLD + 1):
+        topo = _topology("one-peer-exp", n)
+        assert max(g.size for phase in topo.schedule for g in phase) <= 2
+        assert max(models_sent_per_rank(topo)) <= 1.0
+
+
+def test_one_peer_exp_odd_split_weights():
+    # n = 3: A = [0, 2], B = [1]. Uniform pair (2, 1), then (0, 1) with w = 2/3, then (0, 2).
+    topo = _topology("one-peer-exp", 3)
+    assert [[(g.ranks, g.self_weight) for g in phase if g.size > 1] for phase in topo.schedule] == [
+        [((1, 2), None)],
+        [((0, 1), 2 / 3)],
+        [((0, 2), None)],
+    ]
+
+
+# -- hierarchical schedules -------------------------------------------------------------------------------
+def _decent_dp_alternating(nodes: int, lws: int) -> list[list[tuple[int, ...]]]:
+    """decent-dp's alternating-exp-ring, restated: round i pairs node j with j + 2^i (greedy by j); the c-th
+    pair overall merges its 2L ranks in the round's second phase if c is even, else in the first, and
+    averages inside each node in the other phase."""
+    phases: list[list[tuple[int, ...]]] = []
+    count = 0
+    for i in range(round(math.log2(nodes))):
+        first: list[tuple[int, ...]] = []
+        second: list[tuple[int, ...]] = []
+        used = [False] * nodes
+        for j in range(nodes):
+            if used[j]:
+                continue
+            t = (j + 2**i) % nodes
+            used[j] = used[t] = True
+            node_j = tuple(range(j * lws, (j + 1) * lws))
+            node_t = tuple(range(t * lws, (t + 1) * lws))
+            merged = tuple(sorted(node_j + node_t))
+            if count % 2 == 0:
+                second.append(merged)
+                first += [node_j, node_t]
+            else:
+                first.append(merged)
+                second += [node_j, node_t]
+            count += 1
+        phases += [sorted(first), sorted(second)]
+    return phases
+
+
+def test_alternating_exp_ring_matches_decent_dp_for_power_of_two_nodes():
+    for nodes in (2, 4, 8, 16):
+        for lws in (2, 3, 4):
+            topo = _topology("alternating-exp-ring", nodes * lws, lws)
+            assert [_pairs(phase) for phase in topo.schedule] == _decent_dp_alternating(nodes, lws)
+            assert all(g.self_weight is None for phase in topo.schedule for g in phase)
+
+
+@pytest.mark.parametrize("name", ["alternating-exp-ring", "hierarchical"])
+def test_hierarchical_schedules_reduce_to_one_peer_exp_with_one_rank_per_node(name):
+    for n in range(1, MAX_WORLD + 1):
+        assert _topology(name, n, 1).schedule == _topology("one-peer-exp", n).schedule
+
+
+@pytest.mark.parametrize("name", ["alternating-exp-ring", "hierarchical"])
+def test_hierarchical_schedules_on_one_node_are_one_intra_node_average(name):
+    for lws in range(2, 9):
+        assert _topology(name, lws, lws).schedule == ((Group(tuple(range(lws))),),)
+        assert _topology(name, lws, lws).exact_consensus_steps() == 1
+
+
+def test_hierarchical_alternates_intra_node_average_and_same_local_rank_pairs():
+    for n, lws in _cases("hierarchical"):
+        if lws == 1 or n == lws:
+            continue
+        topo = _topology("hierarchical", n, lws)
+        nodes = [tuple(range(a * lws, (a + 1) * lws)) for a in range(n // lws)]
+        assert topo.period == 2 * exponential_phases(n // lws) == topo.exact_consensus_steps()
+        for t in range(0, topo.period, 2):
+            assert _pairs(topo.schedule[t]) == nodes
+            for g in topo.schedule[t + 1]:
+                assert g.size <= 2
+                if g.size == 2:
+                    a, b = g.ranks
+                    assert a % lws == b % lws and a // lws != b // lws
+
+
+def test_alternating_weighted_merge_keeps_node_weight():
+    # 3 nodes of 2: the odd split's weighted node pair (w = 2/3) becomes w_r = 1 - (1/3) * 3/2 = 1/2.
+    topo = _topology("alternating-exp-ring", 6, 2)
+    weighted = [g for phase in topo.schedule for g in phase if not g.is_uniform]
+    assert weighted == [Group((0, 1, 2, 3), self_weight=0.5)]
+
+
+# -- inspection figures -----------------------------------------------------------------------------------
+def test_figures_by_hand():
+    complete = _topology("complete", 8)
+    assert complete.num_process_groups() == 1
+    assert complete.models_sent_per_step() == pytest.approx(2 * 7 / 8, rel=0, abs=1e-15)
+    assert complete.consensus_rate() == 1.0
+    ring = _topology("ring", 8)
+    assert ring.num_process_groups() == 8
+    assert ring.models_sent_per_step() == 1.0
+    assert 0.0 < ring.consensus_rate() < 1.0
+    assert ring.consensus_rate(per_step=True) == pytest.approx(1 - (1 - ring.consensus_rate()) ** 0.5)
+    exp = _topology("one-peer-exp", 8)
+    assert exp.num_process_groups() == 12
+    assert exp.models_sent_per_step() == 1.0
+    assert _topology("ring", 7).models_sent_per_step() == pytest.approx((4 * 1 + 3 * 4 / 3) / 7)
+    assert [allreduce_models_sent(k) for k in (1, 2, 4)] == [0.0, 1.0, 1.5]
+
+
+def test_consensus_rate_is_one_for_exact_periods():
+    # Two ranks averaging once per step: P = J. Ring of four = 2-cube: P = J after its two phases.
+    assert _topology("ring", 2).consensus_rate() == 1.0
+    assert torch.allclose(period_product(_topology("ring", 4)), torch.full((4, 4), 0.25, dtype=torch.float64))
+
+
+def test_format_ranks():
+    assert format_ranks([0, 1, 2, 3, 8, 10, 11]) == "0-3, 8, 10-11"
+    assert format_ranks([]) == ""
+
+
+# -- custom topologies: valid ones, and the errors of invalid ones ----------------------------------------
+def _custom(groups, world_size: int = 4) -> Topology:
+    class Custom(Topology):
+        def assign_groups(self):
+            return groups
+
+    return Custom(world_size)
+
+
+def _unchecked_group(ranks: tuple[int, ...], self_weight: float) -> Group:
+    """A Group whose weight skipped the constructor's check (as a deserialised or hand-patched one would)."""
+    group = Group(ranks)
+    object.__setattr__(group, "self_weight", self_weight)
+    return group
+
+
+A01, A23, A12 = [0, 1], [2, 3], [1, 2]
+G4 = Group((0, 1, 2, 3), self_weight=1.0)  # a group that keeps everything: no mixing, no link
+
+INVALID = [
+    pytest.param(
+        [[A01, A12], [A01, A12], [A23, A12], [A23, [3]]],
+        ["phase 1", "rank 0 is assigned group [1, 2]", "does not contain it"],
+        id="rank-missing",
+    ),
+    pytest.param(
+        [[A01], [A12], [A12], [A23]],
+        ["phase 0", "rank 0 lists group [0, 1]", "rank 1 lists [1, 2]"],
+        id="rank-in-two-groups",
+    ),
+    pytest.param(
+        [[Group((0, 1), 0.3)], [Group((0, 1), 0.6)], [A23], [A23]],
+        ["phase 0", "rank 0 lists group [0, 1] (self_weight=0.3)", "rank 1 lists [0, 1] (self_weight=0.6)"],
+        id="inconsistent-weight",
+    ),
+    pytest.param(
+        [[_unchecked_group((0, 1), -0.5)]] * 2 + [[A23]] * 2,
+        ["phase 0", "group [0, 1]", "W_ii=-0.5"],
+        id="negative-weight",
+    ),
+    pytest.param(
+        [[_unchecked_group((0, 1), 1.5)]] * 2 + [[A23]] * 2,
+        ["phase 0", "group [0, 1]", "W_ij=-0.5"],
+        id="over-one-weight",
+    ),
+    pytest.param([[A01], [A01], [A23]], ["returned 3 entries", "world_size=4"], id="too-few-ranks"),
+    pytest.param(
+        [[A01, A12], [A01, A12], [A23], [A23]],
+        ["same number of phases", "{0: 2, 1: 2, 2: 1, 3: 1}"],
+        id="ragged-phases",
+    ),
+    pytest.param([[A01], [A01], [A23], [A23]], ["never connect", "{0-1}; {2-3}"], id="disconnected"),
+    pytest.param(
+        [[G4, A01], [G4, A01], [G4, A23], [G4, A23]],
+        ["never connect", "{0-1}; {2-3}"],
+        id="disconnected-self-weight-one",
+    ),
+    pytest.param(
+        [[[0, 5]], [A01], [A23], [A23]], ["phase 0", "rank 0", "names rank 5"], id="rank-out-of-range"
+    ),
+    pytest.param([[A01], [A01], [[3, 2]], [A23]], ["rank 2, phase 0", "sorted ascending"], id="unsorted"),
+]
+
+
+@pytest.mark.parametrize(("groups", "fragments"), INVALID)
+def test_invalid_custom_topologies_name_phase_and_ranks(groups, fragments):
+    with pytest.raises(ValueError) as info:
+        _ = _custom(groups).schedule
+    for fragment in fragments:
+        assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("weight", [-0.1, 1.1, float("nan")])
+def test_group_rejects_weights_outside_unit_interval_at_construction(weight):
+    with pytest.raises(ValueError, match=r"Group\(ranks=\[0, 1\]\) has self_weight="):
+        Group((0, 1), self_weight=weight)
+
+
+def test_seed_style_and_weighted_custom_topologies_from_the_guide():
+    class Shift(Topology):
+        """Seed style: plain sorted lists, read self._world_size; pairs (i, i + 1) then (i, i - 1)."""
+
+        def assign_groups(self):
+            n = self._world_size
+            right = [sorted({r, r + 1 if r % 2 == 0 else r - 1}) for r in range(n)]
+            left = [sorted({r, (r - 1) % n if r % 2 == 0 else (r + 1) % n}) for r in range(n)]
+            return [[right[r], left[r]] for r in range(n)]
+
+    class LazyComplete(Topology):
+        """Weighted: keep half of your own model, spread the rest over the others."""
+
+        def assign_groups(self):
+            everyone = Group(tuple(range(self._world_size)), self_weight=0.5)
+            return [[everyone] for _ in range(self._world_size)]
+
+    TopologyFactory.add_topology("test-shift", Shift)
+    TopologyFactory.register("test-lazy-complete")(LazyComplete)
+    try:
+        shift = TopologyFactory.create("test-shift", 8)
+        assert shift.schedule == _topology("ring", 8).schedule
+        assert shift.name == "test-shift"
+        lazy = TopologyFactory.create("test-lazy-complete", 4)
+        assert lazy.mixing_matrix(0)[0].tolist() == [0.5, 1 / 6, 1 / 6, 1 / 6]
+        # W = I/3 + 2J/3, so P - J = (I - J)/3 and the rate is 1 - 1/3.
+        assert lazy.consensus_rate() == pytest.approx(2 / 3, rel=0, abs=1e-12)
+    finally:
+        TopologyFactory._registry.pop("test-shift")
+        TopologyFactory._registry.pop("test-lazy-complete")
+
+
+def test_base_docstring_example_is_connected():
+    class Swap(Topology):
+        def assign_groups(self):
+            n = self._world_size
+            right = [[r - r % 2, r - r % 2 + 1] for r in range(n)]
+            left = [sorted({r, (r + 1) % n if r % 2 else (r - 1) % n}) for r in range(n)]
+            return [[right[r], left[r]] for r in range(n)]
+
+    assert Swap(6).schedule == _topology("ring", 6).schedule
+
+
+def test_unknown_name_lists_registered_names():
+    with pytest.raises(ValueError) as info:
+        TopologyFactory.create("torus", 4)
+    for name in BUILTINS:
+        assert name in str(info.value)
+
+
+# -- CLI --------------------------------------------------------------------------------------------------
+def test_cli_prints_schedule_and_figures(capsys):
+    assert main(["one-peer-exp", "--world-size", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "one-peer-exp: world_size=6" in out
+    assert "step   0 (phase 0): {0, 1}  {2, 3}  {4, 5}" in out
+    assert "period:                    4" in out
+    assert "exact consensus after:     4 steps" in out
+    assert "consensus rate:            1.0000 per period" in out
+    assert "process groups:" in out and "models sent per rank/step:" in out
+
+
+def test_cli_local_world_size_and_steps(capsys):
+    assert main(["hierarchical", "-n", "8", "-l", "2", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert sum(line.startswith("step ") for line in out.splitlines()) == 3
+    assert "4 node(s)" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["torus", "-n", "4"], "unknown topology 'torus'; registered: alternating-exp-ring, complete"),
+        (["ring", "-n", "0"], "world_size must be >= 1, got 0"),
+        (["ring", "-n", "6", "-l", "4"], "local_world_size=4 must divide world_size=6"),
+        (["ring", "-n", "6", "--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_subprocess():
+    src = Path(__file__).resolve().parents[1] / "src"
+    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    cmd = [sys.executable, "-m", "decent_optim_wrapper.topo", "ring", "--world-size", "5"]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "{2, 3, 4}" in done.stdout and "exact consensus after:     never (asymptotic)" in done.stdout
