@@ -142,13 +142,19 @@ def test_seed_quick_start_runs_as_written(pool):
 
 
 class MyCustomTopology(Topology):
-    """The seed README's custom-topology example, with its logic filled in: fixed pairs (0,1), (2,3)."""
+    """The seed README's custom-topology example, with its logic filled in.
+
+    Phase 0 pairs (0,1), (2,3), ...; phase 1 pairs (1,2), ..., (n-1,0) (a ring, written by hand).
+    """
 
     def assign_groups(self):
         groups = [[] for _ in range(self._world_size)]
-        for rank in range(self._world_size):
+        n = self._world_size
+        for rank in range(n):
             first = rank - rank % 2
             groups[rank].append([first, first + 1])
+            partner = (rank + 1) % n if rank % 2 else (rank - 1) % n
+            groups[rank].append(sorted([rank, partner]))
         return groups
 
 
@@ -174,7 +180,7 @@ def _seed_custom_topology() -> torch.Tensor:
 def test_seed_custom_topology_example(pool):
     results = pool(4).run(_seed_custom_topology)
     for rank, params in enumerate(results):
-        expected = 0.5 if rank < 2 else 2.5  # pairs (0, 1) and (2, 3) averaged
+        expected = 0.5 if rank < 2 else 2.5  # phase 0 averaged the pairs (0, 1) and (2, 3)
         assert torch.equal(params, torch.full_like(params, expected))
 
 
