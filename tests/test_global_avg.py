@@ -109,3 +109,24 @@ def test_step_after_unreverted_average_continues_from_the_average(pool):
     for got, expected in pool(4).run(_step_after_unreverted_average):
         # x - lr * g computed fused by SGD and in two roundings here: within 1e-7 for |x| < 1
         torch.testing.assert_close(got, expected, rtol=0, atol=1e-7)
+
+
+def _consensus_distances() -> tuple[float, torch.Tensor, float]:
+    from decent_optim_wrapper import consensus_distance
+
+    model, opt = _make()
+    train_steps(model, opt, dist.get_rank(), range(3))
+    measured = consensus_distance(opt)
+    replicas = gather(flat(model)).double()
+    opt.global_avg(may_revert=False)
+    return measured, replicas, opt.consensus_distance()
+
+
+def test_consensus_distance_is_the_rms_distance_to_the_average(pool):
+    results = pool(4).run(_consensus_distances)
+    replicas = results[0][1]
+    expected = (replicas - replicas.mean(0)).square().sum(1).mean().sqrt().item()
+    for measured, _, after_average in results:
+        assert measured == results[0][0]  # the same value on every rank
+        assert measured == pytest.approx(expected, rel=1e-12)  # float64 both ways, different order
+        assert after_average == 0.0 and measured > 0

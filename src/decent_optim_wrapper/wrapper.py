@@ -15,6 +15,7 @@ from decent_optim_wrapper.averaging import Snapshot, average_across_world_, floa
 from decent_optim_wrapper.buckets import Bucket, build_buckets, check_params
 from decent_optim_wrapper.comm import ProcessGroups, agree, check_identical, resolve_world
 from decent_optim_wrapper.gossip import Gossip
+from decent_optim_wrapper.metrics import tensors_consensus_distance
 from decent_optim_wrapper.topo import Topology, TopologyFactory
 
 __all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper"]
@@ -355,6 +356,18 @@ class DecentOptimWrapper(Optimizer):
             bucket.data.copy_(saved)
         snapshot.restore_buffers()
         self._gossip.load_state_dict(snapshot.gossip)
+
+    def consensus_distance(self) -> float:
+        """Root-mean-square distance of the replicas to their average (0 when all agree).
+
+        See :func:`decent_optim_wrapper.metrics.tensors_consensus_distance`.
+
+        .. warning:: This is a collective: all ranks must call it.
+        """
+        self._check_buckets()
+        return tensors_consensus_distance(
+            [b.data for b in self._buckets], self._process_groups.world, self._world_size
+        )
 
     def _check_buckets(self) -> None:
         for bucket in self._buckets:
