@@ -101,6 +101,10 @@ def _case(name: str):
         "topology malformed on one rank": lambda: DecentOptimWrapper(sgd, topology=OneRankDisagrees),
         "topology of wrong type": lambda: DecentOptimWrapper(sgd, topology=4),
         "timeout": lambda: DecentOptimWrapper(sgd, timeout=30),
+        "negative timeout": lambda: DecentOptimWrapper(
+            sgd, timeout=-__import__("datetime").timedelta(seconds=1)
+        ),
+        "bucket_cap_mb of wrong type": lambda: DecentOptimWrapper(sgd, bucket_cap_mb="25"),
         "LOCAL_WORLD_SIZE": lambda: _with_env("LOCAL_WORLD_SIZE", "two", lambda: DecentOptimWrapper(sgd)),
         "integer parameter": lambda: DecentOptimWrapper(
             torch.optim.SGD([nn.Parameter(torch.zeros(2)), torch.zeros(2, dtype=torch.int64)], lr=0.1)
@@ -139,6 +143,8 @@ EXPECTED = {
     "topology differs on one rank": ("ValueError", ["topology", "rank(s) [1]"]),
     "topology of wrong type": ("TypeError", ["topology must be a name", "4", "Registered names"]),
     "timeout": ("TypeError", ["timeout", "30", "timedelta(minutes=5)"]),
+    "negative timeout": ("ValueError", ["timeout must be positive", "days=-1"]),
+    "bucket_cap_mb of wrong type": ("TypeError", ["bucket_cap_mb", "'25'", "e.g. 25"]),
     "LOCAL_WORLD_SIZE": ("ValueError", ["LOCAL_WORLD_SIZE='two'", "processes per node"]),
     "integer parameter": ("TypeError", ["param_groups[0]['params'][1]", "torch.int64", "floating-point"]),
     "rank outside its group": ("ValueError", ["phase 0: rank 1", "does not contain it"]),

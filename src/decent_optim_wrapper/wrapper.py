@@ -98,16 +98,18 @@ class DecentOptimWrapper(Optimizer):
                 f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}. "
                 "Build it first, e.g. torch.optim.SGD(model.parameters(), lr=0.1)."
             )
-        if (
-            isinstance(bucket_cap_mb, bool)
-            or not isinstance(bucket_cap_mb, int | float)
-            or bucket_cap_mb <= 0
-        ):
-            raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}.")
-        if not isinstance(timeout, timedelta) or timeout <= timedelta(0):
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float):
+            raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}; e.g. 25.")
+        if bucket_cap_mb <= 0:
+            raise ValueError(
+                f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}; e.g. 25."
+            )
+        if not isinstance(timeout, timedelta):
             raise TypeError(
                 f"timeout must be a positive datetime.timedelta, got {timeout!r}; e.g. timedelta(minutes=5)."
             )
+        if timeout <= timedelta(0):
+            raise ValueError(f"timeout must be positive, got {timeout!r}; e.g. timedelta(minutes=5).")
         self._rank, self._world_size, self._local_world_size = resolve_world(
             rank, world_size, local_world_size
         )
