@@ -44,8 +44,6 @@ from decent_optim_wrapper import DecentOptimWrapper
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-#: Images per split with --fake-data: enough for a few iterations and an evaluation, nothing more.
-FAKE_TRAIN_SIZE, FAKE_TEST_SIZE = 256, 128
 #: The arguments that shape the schedule and the data order; a resumed run must repeat them.
 RESUME_MUST_MATCH = ("epochs", "batch_size", "lr", "warmup_epochs", "max_steps", "fake_data", "seed")
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
@@ -58,7 +56,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--data-dir", default="data", help="where CIFAR-10 is (or is downloaded to)")
     parser.add_argument("--download", action="store_true", help="download CIFAR-10 if it is missing")
-    parser.add_argument("--fake-data", action="store_true", help="random images (torchvision FakeData)")
+    parser.add_argument(
+        "--fake-data",
+        type=int,
+        nargs="?",
+        const=256,
+        default=None,
+        metavar="N",
+        help="random images instead of CIFAR-10: N for training (default 256), N/2 for test",
+    )
     parser.add_argument("--topology", default="ring", help="ring, complete, one-peer-exp, hierarchical, ...")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=128, help="images per rank per step")
@@ -83,6 +89,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.fake_data is not None and args.fake_data < 1:
+        parser.error(f"--fake-data takes a positive number of images, got {args.fake_data}")
     if args.max_steps is not None and args.max_steps < 1:
         parser.error(f"--max-steps must be at least 1, got {args.max_steps}")
     if args.resume and args.checkpoint_dir is None:
@@ -126,12 +134,10 @@ def datasets(args: argparse.Namespace, rank: int) -> tuple[Any, Any]:
         ]
     )
     test_tf = transforms.Compose([transforms.ToTensor(), normalize])
-    if args.fake_data:
-        shape = (3, 32, 32)
-        train = torchvision.datasets.FakeData(FAKE_TRAIN_SIZE, shape, 10, train_tf, random_offset=0)
-        test = torchvision.datasets.FakeData(
-            FAKE_TEST_SIZE, shape, 10, test_tf, random_offset=FAKE_TRAIN_SIZE
-        )
+    if args.fake_data is not None:  # torchvision's FakeData: random images, made on the fly
+        size, shape = args.fake_data, (3, 32, 32)
+        train = torchvision.datasets.FakeData(size, shape, 10, train_tf, random_offset=0)
+        test = torchvision.datasets.FakeData(max(1, size // 2), shape, 10, test_tf, random_offset=size)
         return train, test
     if args.download:
         # One rank per node downloads, the others wait, so no two processes write the same files.
