@@ -1,0 +1,70 @@
+"""Multi-process: examples/cifar10.py trains, evaluates, checkpoints and resumes (CPU, gloo, FakeData)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+from workers import WorkerError
+
+RECIPE = Path(__file__).resolve().parents[1] / "examples" / "cifar10.py"
+# Two ranks, two steps of 16 random images per epoch and 16 test images per rank: a ResNet-18 step
+# takes about a second on one core.
+SMOKE = ["--device", "cpu", "--fake-data", "64", "--batch-size", "16", "--max-steps", "2", "--epochs", "2"]
+SMOKE += ["--num-workers", "0"]  # pool workers are daemons, which may not start loader processes
+
+
+def _recipe() -> ModuleType:
+    """examples/cifar10.py as a module (loaded once per worker process)."""
+    name = "cifar10_recipe"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, RECIPE)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec: dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def _main(*argv: str) -> dict[str, object]:
+    return _recipe().main([*SMOKE, *argv])
+
+
+def _checkpoint(directory: Path, rank: int) -> dict[str, object]:
+    return torch.load(directory / f"rank{rank}.pt", weights_only=True, mmap=True)
+
+
+@pytest.mark.timeout(120)
+def test_train_checkpoint_resume(pool, tmp_path):
+    directory = tmp_path / "ckpt"
+
+    # Epoch 0 of 2, then stop as if the job had been cut off after saving.
+    first = pool(2).run(_main, "--checkpoint-dir", str(directory), "--stop-after", "1", timeout=100)
+    for metrics in first:
+        assert metrics["start_epoch"] == 0 and metrics["epochs_done"] == 1 and metrics["steps"] == 2
+        assert 0.0 <= metrics["test_accuracy"] <= 1.0
+        assert metrics["train_loss"] > 0
+    assert first[0]["train_loss"] == first[1]["train_loss"]  # all-reduced: the same on every rank
+    assert first[0]["test_accuracy"] == first[1]["test_accuracy"]
+    assert sorted(p.name for p in directory.iterdir()) == ["rank0.pt", "rank1.pt"]  # no temporaries left
+    for rank in range(2):
+        state = _checkpoint(directory, rank)  # loads with weights_only=True
+        assert state["epoch"] == 1 and state["sampler_epoch"] == 0
+        assert state["optimizer"]["decent"]["rank"] == rank
+
+    # A resume that would change the schedule is refused on every rank, before any training.
+    with pytest.raises(WorkerError, match=r"--lr 0.1 \(now 0.2\)"):
+        pool(2).run(_main, "--checkpoint-dir", str(directory), "--resume", "--lr", "0.2", timeout=100)
+
+    # What new processes would do: build everything afresh, load the files, run the remaining epoch.
+    resumed = pool(2).run(_main, "--checkpoint-dir", str(directory), "--resume", timeout=100)
+    for metrics in resumed:
+        assert metrics["start_epoch"] == 1 and metrics["epochs_done"] == 2
+        assert metrics["steps"] == 4  # the wrapper's step count came back from the checkpoint
+        assert [h["epoch"] for h in metrics["history"]] == [1]
+        assert 0.0 <= metrics["test_accuracy"] <= 1.0
+    assert all(_checkpoint(directory, rank)["epoch"] == 2 for rank in range(2))
