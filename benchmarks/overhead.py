@@ -1,0 +1,307 @@
+"""The wrapper's own per-step work, measured against memory traffic, and its cost in a training step.
+
+Two measurements, each printed as a ratio of numbers taken side by side in the same run:
+
+(a) **Copy-equivalents.** Per step the engine does two memory passes over the parameters that are
+    not network time: the *staging* inside ``Gossip.launch`` (``torch.div(x, k, out=buffer)``: read
+    ``x``, write the send buffer) and the *mix* inside ``Gossip.mix`` (uniform groups:
+    ``x.copy_(buffer)``; weighted groups: ``x <- own * x + buffer``). Both are timed on the real
+    bucket tensors of a ~25M-parameter fp32 model and divided by the time of one plain
+    ``dst.copy_(src)`` over a flat tensor of the same size, timed in the same loop. Two ways:
+
+    * ``engine``: the library's own calls. ``launch(step)`` is timed with ``dist.all_reduce`` (as seen
+      by ``gossip.py``) wrapped so that its enqueue time is subtracted; ``wait()`` runs untimed (that
+      is the network); then ``mix()`` is timed with nothing left to wait for.
+    * ``ops``: the same torch ops the engine runs (``torch.div(x, k, out=buf)`` then
+      ``x.copy_(buf)``), on the same bucket tensors, with no communication in flight.
+
+    At world size 1 (a gloo group of one) the topology's group has one rank, so ``launch`` and
+    ``mix`` return at once: the engine rows show what that costs, the ops rows what a group would.
+    With 2 local gloo processes on a ring every step exchanges with the other rank.
+
+(b) **Training step at world size 1.** Forward + backward + AdamW step of a modest MLP with the bare
+    optimizer vs the same optimizer wrapped, interleaved (ABBA order) so drift affects both alike.
+
+Each process uses ``--threads`` torch threads (default 1). On a small shared VM a multi-threaded
+memory pass waits for its slowest thread at every kernel, so with more threads than idle cores the
+numbers measure the scheduler; the copy it is compared with always uses the same threads.
+
+Run: ``uv run benchmarks/overhead.py`` (about a minute on 2 cores); ``--json PATH`` saves results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import queue
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import decent_optim_wrapper.gossip as gossip_module
+from decent_optim_wrapper import DecentOptimWrapper
+
+
+def build_mlp(width: int, depth: int, inputs: int | None = None, outputs: int | None = None) -> nn.Sequential:
+    """``depth`` Linear layers of ``width`` units with ReLUs between them (fp32)."""
+    sizes = [inputs or width] + [width] * (depth - 1) + [outputs or width]
+    layers: list[nn.Module] = []
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(fan_in, fan_out))
+    return nn.Sequential(*layers)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def median_ms(samples: list[float]) -> float:
+    return 1e3 * statistics.median(samples)
+
+
+class EnqueueTimer:
+    """Stands in for ``torch.distributed`` inside ``gossip.py``: ``all_reduce`` calls are timed.
+
+    ``launch`` stages a bucket and then calls ``dist.all_reduce(..., async_op=True)``; the time spent
+    inside those calls (starting the collective) is not staging, so it is recorded and subtracted.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(dist, name)
+
+    def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return dist.all_reduce(*args, **kwargs)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def measure_gossip(rank: int, world_size: int, width: int, depth: int, reps: int) -> dict[str, Any]:
+    """Part (a) on this rank: median ms of staging, mix and a plain copy; their ratio."""
+    torch.manual_seed(0)
+    model = build_mlp(width, depth)
+    wrapper = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0), topology="ring")
+    gossip = wrapper._gossip  # the engine under the front-end; timed directly on purpose
+    tensors = [b.data for b in wrapper.buckets]
+    numel = sum(t.numel() for t in tensors)
+    src, dst = torch.randn(numel), torch.empty(numel)
+    send = [torch.empty_like(t) for t in tensors]
+    received = [t.clone() for t in tensors]  # x.copy_(received) leaves x as it was, rep after rep
+    timer = EnqueueTimer()
+    gossip_module.dist = timer  # type: ignore[assignment]
+    samples: dict[str, list[float]] = {
+        k: [] for k in ("copy", "engine_stage", "engine_mix", "op_div", "op_copy")
+    }
+    try:
+        with torch.no_grad():
+            for step in range(reps + 3):
+                copy = timed(lambda: dst.copy_(src))
+                timer.seconds = 0.0
+                launch = timed(lambda s=step: gossip.launch(s))
+                enqueue = timer.seconds
+                gossip.wait()  # network time: not the wrapper's own work
+                mix = timed(gossip.mix)
+                div = sum(
+                    timed(lambda x=x, b=b: torch.div(x, 2, out=b)) for x, b in zip(tensors, send, strict=True)
+                )
+                back = sum(timed(lambda x=x, b=b: x.copy_(b)) for x, b in zip(tensors, received, strict=True))
+                if step >= 3:  # first rounds allocate buffers and fault pages in
+                    for key, value in zip(samples, (copy, launch - enqueue, mix, div, back), strict=True):
+                        samples[key].append(value)
+    finally:
+        gossip_module.dist = dist  # type: ignore[assignment]
+    med = {key: median_ms(values) for key, values in samples.items()}
+    copies = samples["copy"]
+    engine = [
+        (s + m) / c for s, m, c in zip(samples["engine_stage"], samples["engine_mix"], copies, strict=True)
+    ]
+    ops = [(d + b) / c for d, b, c in zip(samples["op_div"], samples["op_copy"], copies, strict=True)]
+    return {
+        "world_size": world_size,
+        "rank": rank,
+        "params": numel,
+        "buckets": len(tensors),
+        "threads": torch.get_num_threads(),
+        "median_ms": med,
+        # the median over repetitions of (staging + mix) / copy, each ratio from one repetition
+        "engine_copy_equivalents": statistics.median(engine),
+        "ops_copy_equivalents": statistics.median(ops),
+    }
+
+
+def measure_training_step(iters: int, batch: int) -> dict[str, Any]:
+    """Part (b): median seconds per step, bare AdamW vs wrapped AdamW, interleaved ABBA."""
+    torch.manual_seed(0)
+    bare_model = build_mlp(1024, 3, inputs=512, outputs=10)
+    wrapped_model = build_mlp(1024, 3, inputs=512, outputs=10)
+    wrapped_model.load_state_dict(bare_model.state_dict())
+    bare = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
+    wrapped = DecentOptimWrapper(torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3), topology="ring")
+    x, y = torch.randn(batch, 512), torch.randint(0, 10, (batch,))
+
+    def train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    runs = {"bare": (bare_model, bare), "wrapped": (wrapped_model, wrapped)}
+    times: dict[str, list[float]] = {"bare": [], "wrapped": []}
+    for i in range(iters + 20):
+        order = ("bare", "wrapped") if i % 2 == 0 else ("wrapped", "bare")
+        for name in order:
+            seconds = timed(lambda name=name: train_step(*runs[name]))
+            if i >= 20:
+                times[name].append(seconds)
+    ratios = [w / b for w, b in zip(times["wrapped"], times["bare"], strict=True)]
+    params = sum(p.numel() for p in bare_model.parameters())
+    return {
+        "params": params,
+        "batch": batch,
+        "iters": iters,
+        "bare_ms": median_ms(times["bare"]),
+        "wrapped_ms": median_ms(times["wrapped"]),
+        "ratio_of_medians": statistics.median(times["wrapped"]) / statistics.median(times["bare"]),
+        "median_paired_ratio": statistics.median(ratios),
+    }
+
+
+def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, results: Any) -> None:
+    """One gloo rank on loopback: part (a), and part (b) when alone."""
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        out = {"gossip": measure_gossip(rank, world_size, args.width, args.depth, args.reps)}
+        if world_size == 1:
+            out["train_step"] = measure_training_step(args.train_iters, args.batch)
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_world(world_size: int, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
+    """Spawn ``world_size`` local ranks, return each rank's results; kill them at the deadline."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, world_size, port, args, results)) for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + args.max_seconds
+    out: dict[int, dict[str, Any]] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, value = results.get(timeout=1.0)
+                out[rank] = value
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"world size {world_size}: no result within {args.max_seconds} s"
+                    ) from None
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"world size {world_size}: a rank failed") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return out
+
+
+def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:
+    """The table of part (a) for rank 0 of each world size, then part (b)."""
+    first = by_world[min(by_world)][0]["gossip"]
+    print(
+        f"(a) wrapper's own work per step, {first['params'] / 1e6:.1f}M fp32 params "
+        f"in {first['buckets']} buckets, medians over the repetitions (rank 0)"
+    )
+    header = f"{'world':>5} {'thr':>3} {'copy ms':>8} {'stage ms':>9} {'mix ms':>7} {'engine c-eq':>11}"
+    print(header + f" {'op div ms':>10} {'op copy ms':>11} {'ops c-eq':>9}")
+    for world_size, ranks in sorted(by_world.items()):
+        g = ranks[0]["gossip"]
+        m = g["median_ms"]
+        print(
+            f"{world_size:>5} {g['threads']:>3} {m['copy']:>8.2f} {m['engine_stage']:>9.2f} "
+            f"{m['engine_mix']:>7.2f} {g['engine_copy_equivalents']:>11.2f} {m['op_div']:>10.2f} "
+            f"{m['op_copy']:>11.2f} {g['ops_copy_equivalents']:>9.2f}"
+        )
+        for rank, other in sorted(ranks.items())[1:]:
+            print(
+                f"{'':>5} rank {rank}: engine {other['gossip']['engine_copy_equivalents']:.2f}, "
+                f"ops {other['gossip']['ops_copy_equivalents']:.2f} copy-equivalents"
+            )
+    print("copy-equivalents = (staging + mix) / one dst.copy_(src) of all parameters; target <= 3")
+    print("(floor: 2.0 for uniform groups, copy_ from the buffer; 2.5 for weighted groups, add)")
+    t = by_world[1][0]["train_step"]
+    print(
+        f"\n(b) world size 1, forward+backward+AdamW, MLP {t['params'] / 1e6:.2f}M params, batch "
+        f"{t['batch']}, {t['iters']} interleaved steps each"
+    )
+    print(
+        f"    bare {t['bare_ms']:.3f} ms   wrapped {t['wrapped_ms']:.3f} ms   "
+        f"ratio of medians {t['ratio_of_medians']:.4f}   median paired ratio {t['median_paired_ratio']:.4f}"
+        "   (target <= 1.02)"
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--width", type=int, default=2048, help="Linear width (default 2048)")
+    parser.add_argument("--depth", type=int, default=6, help="Linear layers (default 6: ~25M params)")
+    parser.add_argument("--reps", type=int, default=40, help="timed repetitions of part (a)")
+    parser.add_argument("--train-iters", type=int, default=200, help="timed steps of each kind in (b)")
+    parser.add_argument("--batch", type=int, default=64, help="batch size of the training step in (b)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads per process (default 1: see the module docstring)",
+    )
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes for (a)")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="deadline per world size")
+    parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if 1 not in args.worlds:
+        args.worlds = [1, *args.worlds]  # part (b) runs at world size 1
+    print(f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, gloo on loopback")
+    by_world = {w: run_world(w, args) for w in args.worlds}
+    print_report(by_world)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(
+                {str(w): {str(r): v for r, v in ranks.items()} for w, ranks in by_world.items()}, f, indent=2
+            )
+        print(f"results written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()
