@@ -82,15 +82,6 @@ class Gossip:
         if self._buffers:
             self._buffers.extend(_new_buffer(t) for t in tensors)
 
-    @property
-    def pending_step(self) -> int | None:
-        """The step whose round is launched or received but not yet mixed, or None."""
-        return None if self._pending is None else self._pending[0]
-
-    @property
-    def tensors(self) -> list[torch.Tensor]:
-        return list(self._tensors)
-
     def launch(self, step: int) -> None:
         """Stage the tensors and start this step's all-reduce in the rank's group (non-blocking)."""
         if self._pending is not None:
