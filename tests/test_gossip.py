@@ -80,3 +80,68 @@ def test_ring_reaches_consensus_with_zero_lr(pool):
     # a ring of 4 with alternating pairs contracts the spread every two rounds; it never grows
     assert all(b <= a for a, b in itertools.pairwise(spread))
     assert spread[-1] <= 1e-9 * spread[0]
+
+
+def _reference_algorithm(world_size: int, topology: str, steps: int) -> list[torch.Tensor]:
+    """decent-optim-wrapper 0.1.1's algorithm, simulated for all replicas in one process.
+
+    Per step t and replica i: (1) x_i <- sum of x_j / k over i's group of step t-1, as sent at step
+    t-1; (2) the inner SGD step with the gradient computed before step() (at the un-mixed x_i);
+    (3) send x_i / k to the group of step t.
+    """
+    from helpers import batch
+
+    from decent_optim_wrapper import TopologyFactory
+
+    topo = TopologyFactory.create(topology, world_size)
+    models = [tiny_model() for _ in range(world_size)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    sent: list[list[torch.Tensor]] | None = None
+    for step in range(steps):
+        for rank, (model, opt) in enumerate(zip(models, optimizers, strict=True)):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            if sent is not None:
+                for rank, model in enumerate(models):
+                    group = topo.group(rank, step - 1)
+                    for p, *received in zip(model.parameters(), *(sent[j] for j in group.ranks), strict=True):
+                        total = received[0].clone()
+                        for other in received[1:]:
+                            total += other
+                        p.copy_(total)
+        for opt in optimizers:
+            opt.step()
+        with torch.no_grad():
+            sent = [
+                [p.detach() / topo.group(rank, step).size for p in model.parameters()]
+                for rank, model in enumerate(models)
+            ]
+    return [flat(m) for m in models]
+
+
+def _wrapped_run(topology: str, steps: int) -> torch.Tensor:
+    from helpers import train_steps
+
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology=topology)
+    train_steps(model, opt, dist.get_rank(), range(steps))
+    return flat(model)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "topology"), [(2, "ring"), (4, "ring"), (2, "complete"), (4, "complete")]
+)
+def test_same_numbers_as_the_reference_algorithm(pool, world_size, topology):
+    # Groups of 2 and 4: x / k is exact, and the all-reduce sums 2 terms (order-free) or 4 terms
+    # (gloo's order may differ from this loop's), so pairs must match bit for bit and groups of 4
+    # within 4 roundings of the parameter scale.
+    reference = _reference_algorithm(world_size, topology, steps=6)
+    results = pool(world_size).run(_wrapped_run, topology, 6)
+    for rank in range(world_size):
+        if world_size == 2 or topology == "ring":
+            assert torch.equal(results[rank], reference[rank]), f"rank {rank} differs from the reference"
+        else:
+            atol = 4 * torch.finfo(torch.float32).eps * reference[rank].abs().max().item()
+            torch.testing.assert_close(results[rank], reference[rank], rtol=0, atol=atol)
