@@ -15,7 +15,6 @@ All methods use AdamW on the same model and batch; only the communication differ
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import time
@@ -23,23 +22,13 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from common import build_mlp
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper
 
 #: How long any collective may wait for a peer before raising (the driver also kills at its deadline).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-
-
-def build_mlp(inputs: int, width: int, depth: int, outputs: int) -> nn.Sequential:
-    """``depth`` Linear layers, ``inputs -> width -> ... -> outputs``, ReLUs between them."""
-    sizes = [inputs] + [width] * (depth - 1) + [outputs]
-    layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
-        if i:
-            layers.append(nn.ReLU())
-        layers.append(nn.Linear(fan_in, fan_out))
-    return nn.Sequential(*layers)
 
 
 def make_training(method: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:

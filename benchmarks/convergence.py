@@ -14,7 +14,6 @@ import argparse
 import importlib.util
 import json
 import os
-import socket
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -22,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from common import free_port
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
 TARGET_POINTS = 0.5
@@ -81,10 +81,7 @@ def main() -> None:
     args = parser.parse_args()
     if "ddp" not in args.methods:
         args.methods.append("ddp")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(worker, args=(args.workers, port, args), nprocs=args.workers)
+    mp.spawn(worker, args=(args.workers, free_port(), args), nprocs=args.workers)
 
 
 if __name__ == "__main__":

@@ -32,13 +32,11 @@ Run: ``uv run benchmarks/overhead.py`` (about a minute on 2 cores); ``--json PAT
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing as mp
 import os
 import platform
 import queue
-import socket
 import statistics
 import time
 from collections.abc import Callable
@@ -46,21 +44,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from common import build_mlp, free_port
 from torch import nn
 
 import decent_optim_wrapper.gossip as gossip_module
 from decent_optim_wrapper import DecentOptimWrapper
-
-
-def build_mlp(width: int, depth: int, inputs: int | None = None, outputs: int | None = None) -> nn.Sequential:
-    """``depth`` Linear layers of ``width`` units with ReLUs between them (fp32)."""
-    sizes = [inputs or width] + [width] * (depth - 1) + [outputs or width]
-    layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
-        if i:
-            layers.append(nn.ReLU())
-        layers.append(nn.Linear(fan_in, fan_out))
-    return nn.Sequential(*layers)
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -98,7 +86,7 @@ class EnqueueTimer:
 def measure_gossip(rank: int, world_size: int, width: int, depth: int, reps: int) -> dict[str, Any]:
     """Part (a) on this rank: median ms of staging, mix and a plain copy; their ratio."""
     torch.manual_seed(0)
-    model = build_mlp(width, depth)
+    model = build_mlp(width, width, depth, width)
     wrapper = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0), topology="ring")
     gossip = wrapper._gossip  # the engine under the front-end; timed directly on purpose
     tensors = [b.data for b in wrapper.buckets]
@@ -151,8 +139,8 @@ def measure_gossip(rank: int, world_size: int, width: int, depth: int, reps: int
 def measure_training_step(iters: int, batch: int) -> dict[str, Any]:
     """Part (b): median seconds per step, bare AdamW vs wrapped AdamW, interleaved ABBA."""
     torch.manual_seed(0)
-    bare_model = build_mlp(1024, 3, inputs=512, outputs=10)
-    wrapped_model = build_mlp(1024, 3, inputs=512, outputs=10)
+    bare_model = build_mlp(512, 1024, 3, 10)
+    wrapped_model = build_mlp(512, 1024, 3, 10)
     wrapped_model.load_state_dict(bare_model.state_dict())
     bare = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
     wrapped = DecentOptimWrapper(torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3), topology="ring")
@@ -195,12 +183,6 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, resu
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def run_world(world_size: int, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
