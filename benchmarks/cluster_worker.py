@@ -5,9 +5,7 @@ Started by ``cluster.py`` inside a node's network namespace with ``MASTER_ADDR``
 in turn (warm-up, then ``--iters`` timed steps), and at the end writes its per-iteration times to
 ``--out`` as JSON. Methods:
 
-* ``nocomm``: trains alone, in lockstep: a barrier (a few bytes) ends every step, as a synchronous
-  job's steps end together; without it, with more processes than cores, a rank that runs ahead
-  finishes early and hands its core to the others, and the baseline measures the scheduler;
+* ``nocomm``: trains alone (the process group serves only the barriers around the timed window);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (gradients all-reduced in backward);
 * any topology name (``ring``, ``one-peer-exp``, ...): ``DecentOptimWrapper`` with that topology.
 
@@ -61,8 +59,6 @@ def run_segment(method: str, args: argparse.Namespace) -> tuple[list[float], int
         optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
         optimizer.step()
-        if method == "nocomm":
-            dist.barrier()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     if isinstance(optimizer, DecentOptimWrapper):
