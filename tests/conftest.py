@@ -1,4 +1,9 @@
-"""Shared fixtures: one pool of gloo workers for the whole session, re-formed per world size."""
+"""Shared fixtures: one pool of gloo workers for the whole session, re-formed per world size.
+
+Also the test tiers: a test marked ``pure`` (no process group, no worker processes) runs in the fast
+tier, ``pytest -m "not dist"``; every other test is marked ``dist`` here, so a test that is marked
+neither lands in the slow tier rather than slowing the fast one down.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,17 @@ import pytest
 from workers import WorkerPool
 
 MAX_WORLD_SIZE = 4
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("pure") is None:
+            item.add_marker(pytest.mark.dist)
+            continue
+        uses_pool = "pool" in getattr(item, "fixturenames", ())
+        if uses_pool or item.get_closest_marker("dist") is not None:
+            why = "uses the worker pool" if uses_pool else "is also marked dist"
+            raise pytest.UsageError(f"{item.nodeid} is marked pure but {why}")
 
 
 class World:

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -52,3 +57,23 @@ def gather(t: torch.Tensor) -> torch.Tensor:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return torch.stack(out)
+
+
+def load_script(path: Path) -> ModuleType:
+    """The script at ``path`` (e.g. examples/quickstart.py) as a module, loaded once per process.
+
+    It is registered in ``sys.modules`` (as ``script_<stem>``) before it runs: dataclasses look their
+    module up there. Its ``if __name__ == "__main__"`` block does not run.
+    """
+    name = f"script_{path.stem}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]

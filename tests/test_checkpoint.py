@@ -73,7 +73,7 @@ def test_resume_in_fresh_processes_is_bitwise(pool, tmp_path):
             assert torch.equal(resumed[name][rank], reference[name][rank]), f"{name}: rank {rank} diverged"
 
 
-def _mismatches(directory: str) -> dict[str, str]:
+def _mismatches() -> dict[str, str]:
     rank = dist.get_rank()
     model, opt, _ = _build("sgd")
     train_steps(model, opt, rank, range(2))
@@ -105,8 +105,8 @@ def _mismatches(directory: str) -> dict[str, str]:
     return errors
 
 
-def test_mismatched_checkpoints_are_clear_errors(pool, tmp_path):
-    for errors in pool(2).run(_mismatches, str(tmp_path)):
+def test_mismatched_checkpoints_are_clear_errors(pool):
+    for errors in pool(2).run(_mismatches):
         assert "rank=" in errors["rank"] and "same rank" in errors["rank"]
         assert "world_size=8" in errors["world_size"]
         assert "no 'decent' entry" in errors["plain"]

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
+from helpers import load_script
 from workers import WorkerError
 
 RECIPE = Path(__file__).resolve().parents[1] / "examples" / "cifar10.py"
@@ -18,20 +16,8 @@ SMOKE = ["--device", "cpu", "--fake-data", "64", "--batch-size", "16", "--max-st
 SMOKE += ["--num-workers", "0"]  # pool workers are daemons, which may not start loader processes
 
 
-def _recipe() -> ModuleType:
-    """examples/cifar10.py as a module (loaded once per worker process)."""
-    name = "cifar10_recipe"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, RECIPE)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module  # before exec: dataclasses look their module up there
-        spec.loader.exec_module(module)
-    return sys.modules[name]
-
-
 def _main(*argv: str) -> dict[str, object]:
-    return _recipe().main([*SMOKE, *argv])
+    return load_script(RECIPE).main([*SMOKE, *argv])
 
 
 def _checkpoint(directory: Path, rank: int) -> dict[str, object]:

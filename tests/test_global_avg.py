@@ -10,9 +10,9 @@ from helpers import flat, gather, tiny_model, train_steps
 from decent_optim_wrapper import DecentOptimWrapper
 
 
-def _make(topology: str = "ring"):
+def _make():
     model = tiny_model()
-    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology=topology)
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology="ring")
     return model, opt
 
 

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import flat, gather, set_distinct, tiny_model
+from helpers import batch, flat, gather, set_distinct, tiny_model, train_steps
 
-from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper import DecentOptimWrapper, TopologyFactory
 
 CASES = [(1, "complete"), (2, "ring"), (2, "complete"), (3, "complete"), (4, "ring"), (4, "complete")]
 
@@ -41,7 +41,7 @@ def test_one_round_equals_mixing_matrix(pool, world_size, topology, dtype):
     assert not torch.equal(after, before) or world_size == 1
 
 
-def _rounds(topology: str, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _rounds(topology: str, steps: int) -> list[torch.Tensor]:
     rank = dist.get_rank()
     model = tiny_model(dtype=torch.float64)
     opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0), topology=topology)
@@ -89,10 +89,6 @@ def _reference_algorithm(world_size: int, topology: str, steps: int) -> list[tor
     t-1; (2) the inner SGD step with the gradient computed before step() (at the un-mixed x_i);
     (3) send x_i / k to the group of step t.
     """
-    from helpers import batch
-
-    from decent_optim_wrapper import TopologyFactory
-
     topo = TopologyFactory.create(topology, world_size)
     models = [tiny_model() for _ in range(world_size)]
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
@@ -122,8 +118,6 @@ def _reference_algorithm(world_size: int, topology: str, steps: int) -> list[tor
 
 
 def _wrapped_run(topology: str, steps: int) -> torch.Tensor:
-    from helpers import train_steps
-
     model = tiny_model()
     opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology=topology)
     train_steps(model, opt, dist.get_rank(), range(steps))

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch.distributed as dist
+from helpers import load_script
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quickstart"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def _short_run() -> list:
-    quickstart = _load()
+    quickstart = load_script(QUICKSTART)
     results = quickstart.run(
         ["ring", "one-peer-exp", "complete", "ddp"], steps=30, batch_size=16, lr=0.05, log_every=10
     )
@@ -36,7 +27,7 @@ def test_quickstart_trains_every_method_and_writes_a_figure(pool, tmp_path, caps
         assert len(r.losses) == 30 and r.losses[-1] < r.losses[0]  # it learns
         assert 0.0 <= r.accuracy <= 1.0 and r.ms_per_iteration > 0 and r.bytes_per_step > 0
         assert (r.final_distance == 0.0) == (r.method == "ddp")
-    quickstart = _load()
+    quickstart = load_script(QUICKSTART)
     quickstart.print_table(results, 2)
     assert "avg-model acc" in capsys.readouterr().out
     figure = tmp_path / "fig.png"

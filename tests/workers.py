@@ -43,7 +43,7 @@ def _worker_main(rank: int, workdir: str, inbox: Any, outbox: Any) -> None:
     warm(torch.ones(1, 2)).sum().backward()
     torch.optim.SGD(warm.parameters(), lr=0.1).step()
     outbox.put(("ready", rank, True, None))
-    world = 0
+    world = (0, 0)  # (world size, generation) of the current process group; generations start at 1
     while True:
         task = inbox.get()
         if task is None:
@@ -183,15 +183,3 @@ def _format(what: str, errors: dict[int, str]) -> str:
     return f"{what} raised on rank(s) {sorted(errors)}:\n" + "\n".join(
         f"--- rank {rank} ---\n{message}" for rank, message in sorted(errors.items())
     )
-
-
-def noop() -> None:
-    """A task that does nothing (warms workers up: process group, imports)."""
-
-
-def import_modules(*names: str) -> None:
-    """A task that imports modules (warms workers up)."""
-    import importlib
-
-    for name in names:
-        importlib.import_module(name)
