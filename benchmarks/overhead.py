@@ -9,9 +9,11 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
     bucket tensors of a ~25M-parameter fp32 model and divided by the time of one plain
     ``dst.copy_(src)`` over a flat tensor of the same size, timed in the same loop. Two ways:
 
-    * ``engine``: the library's own calls. ``launch(step)`` is timed with ``dist.all_reduce`` (as seen
-      by ``gossip.py``) wrapped so that its enqueue time is subtracted; ``wait()`` runs untimed (that
-      is the network); then ``mix()`` is timed with nothing left to wait for.
+    * ``engine``: the library's own calls, through the public engine of the wrapper
+      (``wrapper.engine.gossip``): ``stage(bucket, step)`` (what ``launch`` does before it starts the
+      all-reduce) is timed for every bucket; ``launch`` then runs untimed (it stages again and starts
+      the collective), ``wait`` runs untimed (that is the network), and ``mix(bucket)`` is timed
+      with nothing left to wait for.
     * ``ops``: the same torch ops the engine runs (``torch.div(x, k, out=buf)`` then
       ``x.copy_(buf)``), on the same bucket tensors, with no communication in flight.
 
@@ -47,7 +49,6 @@ import torch.distributed as dist
 from common import build_mlp, free_port
 from torch import nn
 
-import decent_optim_wrapper.gossip as gossip_module
 from decent_optim_wrapper import DecentOptimWrapper
 
 
@@ -62,61 +63,36 @@ def median_ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples)
 
 
-class EnqueueTimer:
-    """Stands in for ``torch.distributed`` inside ``gossip.py``: ``all_reduce`` calls are timed.
-
-    ``launch`` stages a bucket and then calls ``dist.all_reduce(..., async_op=True)``; the time spent
-    inside those calls (starting the collective) is not staging, so it is recorded and subtracted.
-    """
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(dist, name)
-
-    def all_reduce(self, *args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
-        try:
-            return dist.all_reduce(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - start
-
-
 def measure_gossip(rank: int, world_size: int, width: int, depth: int, reps: int) -> dict[str, Any]:
     """Part (a) on this rank: median ms of staging, mix and a plain copy; their ratio."""
     torch.manual_seed(0)
     model = build_mlp(width, width, depth, width)
     wrapper = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0), topology="ring")
-    gossip = wrapper._gossip  # the engine under the front-end; timed directly on purpose
+    gossip = wrapper.engine.gossip
+    buckets = range(gossip.num_buckets)
     tensors = [b.data for b in wrapper.buckets]
     numel = sum(t.numel() for t in tensors)
     src, dst = torch.randn(numel), torch.empty(numel)
     send = [torch.empty_like(t) for t in tensors]
     received = [t.clone() for t in tensors]  # x.copy_(received) leaves x as it was, rep after rep
-    timer = EnqueueTimer()
-    gossip_module.dist = timer  # type: ignore[assignment]
     samples: dict[str, list[float]] = {
         k: [] for k in ("copy", "engine_stage", "engine_mix", "op_div", "op_copy")
     }
-    try:
-        with torch.no_grad():
-            for step in range(reps + 3):
-                copy = timed(lambda: dst.copy_(src))
-                timer.seconds = 0.0
-                launch = timed(lambda s=step: gossip.launch(s))
-                enqueue = timer.seconds
-                gossip.wait()  # network time: not the wrapper's own work
-                mix = timed(gossip.mix)
-                div = sum(
-                    timed(lambda x=x, b=b: torch.div(x, 2, out=b)) for x, b in zip(tensors, send, strict=True)
-                )
-                back = sum(timed(lambda x=x, b=b: x.copy_(b)) for x, b in zip(tensors, received, strict=True))
-                if step >= 3:  # first rounds allocate buffers and fault pages in
-                    for key, value in zip(samples, (copy, launch - enqueue, mix, div, back), strict=True):
-                        samples[key].append(value)
-    finally:
-        gossip_module.dist = dist  # type: ignore[assignment]
+    with torch.no_grad():
+        for step in range(reps + 3):
+            copy = timed(lambda: dst.copy_(src))
+            stage = sum(timed(lambda b=b, s=step: gossip.stage(b, s)) for b in buckets)
+            for b in buckets:
+                gossip.launch(b, step)
+            gossip.wait_all()  # network time: not the wrapper's own work
+            mix = sum(timed(lambda b=b: gossip.mix(b)) for b in buckets)
+            div = sum(
+                timed(lambda x=x, b=b: torch.div(x, 2, out=b)) for x, b in zip(tensors, send, strict=True)
+            )
+            back = sum(timed(lambda x=x, b=b: x.copy_(b)) for x, b in zip(tensors, received, strict=True))
+            if step >= 3:  # first rounds allocate buffers and fault pages in
+                for key, value in zip(samples, (copy, stage, mix, div, back), strict=True):
+                    samples[key].append(value)
     med = {key: median_ms(values) for key, values in samples.items()}
     copies = samples["copy"]
     engine = [

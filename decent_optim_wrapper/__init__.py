@@ -1,18 +1,19 @@
 """Decentralized data-parallel training for PyTorch: wrap any optimizer, gossip instead of all-reduce.
 
-Layout (engine first, front-end last):
+Layout (dependencies point up this list, never down):
 
-* :mod:`~decent_optim_wrapper.topo` -- topologies: which ranks average together at each step.
-* :mod:`~decent_optim_wrapper.buckets` -- flat parameter buckets that parameters become views of.
-* :mod:`~decent_optim_wrapper.comm` -- checked world info, cross-rank agreement, process groups.
-* :mod:`~decent_optim_wrapper.gossip` -- the asynchronous gossip that mixes buckets.
-* :mod:`~decent_optim_wrapper.averaging` -- exact global averaging for evaluation.
-* :mod:`~decent_optim_wrapper.metrics` -- measurements over the replicas (consensus distance).
+* :mod:`~decent_optim_wrapper.topo` -- topologies: which ranks average together at each step (pure logic).
+* :mod:`~decent_optim_wrapper.engine` -- the engine: buckets, process groups, per-bucket gossip, global
+  averaging and its snapshot, checkpoint state; :class:`~decent_optim_wrapper.engine.GossipEngine`.
+* :mod:`~decent_optim_wrapper.optimizer_protocol` -- running an inner optimizer's step as torch expects
+  (GradScaler, global step hooks).
 * :mod:`~decent_optim_wrapper.wrapper` -- :class:`DecentOptimWrapper`, the optimizer front-end.
+* :mod:`~decent_optim_wrapper.metrics` -- measurements over the replicas (consensus distance).
 """
 
 from loguru import logger
 
+from decent_optim_wrapper.engine import DecentError, GlobalAverageError, GossipEngine, GossipError
 from decent_optim_wrapper.metrics import consensus_distance
 from decent_optim_wrapper.topo import Group, Topology, TopologyFactory
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
@@ -20,4 +21,14 @@ from decent_optim_wrapper.wrapper import DecentOptimWrapper
 # Libraries stay silent unless the user opts in: logger.enable("decent_optim_wrapper").
 logger.disable("decent_optim_wrapper")
 
-__all__ = ["DecentOptimWrapper", "Group", "Topology", "TopologyFactory", "consensus_distance"]
+__all__ = [
+    "DecentError",
+    "DecentOptimWrapper",
+    "GlobalAverageError",
+    "GossipEngine",
+    "GossipError",
+    "Group",
+    "Topology",
+    "TopologyFactory",
+    "consensus_distance",
+]

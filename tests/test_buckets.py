@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from decent_optim_wrapper.buckets import ALIGN_BYTES, build_buckets, check_params, plan_buckets
+from decent_optim_wrapper.engine.buckets import ALIGN_BYTES, build_buckets, check_params, plan_buckets
 
 
 def _params(*specs):

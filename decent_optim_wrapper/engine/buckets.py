@@ -10,11 +10,20 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from loguru import logger
 
-__all__ = ["Bucket", "BucketSpec", "build_buckets", "plan_buckets"]
+__all__ = [
+    "Bucket",
+    "BucketSpec",
+    "build_buckets",
+    "check_named_params",
+    "check_params",
+    "named_param_groups",
+    "plan_buckets",
+]
 
 # Offsets inside a bucket are rounded up to this many bytes so that each parameter's view starts
 # on a boundary vectorised kernels like; the padding stays zero through mixing and averaging.
@@ -150,37 +159,52 @@ def build_buckets(params: Sequence[torch.Tensor], names: Sequence[str], cap_byte
     return buckets
 
 
-def check_params(param_groups: Iterable[dict]) -> tuple[list[torch.Tensor], list[str]]:
-    """Flatten ``param_groups`` in order, rejecting what a flat bucket cannot hold.
+def named_param_groups(param_groups: Iterable[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """``param_groups`` flattened in order; parameters named ``param_groups[G]['params'][P] (shape S)``."""
+    return [
+        (f"param_groups[{g}]['params'][{p}] (shape {tuple(getattr(param, 'shape', ()))})", param)
+        for g, group in enumerate(param_groups)
+        for p, param in enumerate(group["params"])
+    ]
 
-    Returns the parameters and a readable name for each (``group G, param P``).
-    """
+
+def check_named_params(
+    named_params: Sequence[tuple[str, torch.Tensor]],
+) -> tuple[list[torch.Tensor], list[str]]:
+    """Reject what a flat bucket cannot hold; return the parameters and their names, in order."""
     params: list[torch.Tensor] = []
     names: list[str] = []
     seen: dict[int, str] = {}
-    for g, group in enumerate(param_groups):
-        for p, param in enumerate(group["params"]):
-            name = f"param_groups[{g}]['params'][{p}] (shape {tuple(param.shape)})"
-            if id(param) in seen:
-                raise ValueError(
-                    f"{name} is the same tensor as {seen[id(param)]}: a parameter may appear in only one "
-                    "place in the optimizer's param_groups. Remove the duplicate."
-                )
-            if param.is_sparse or param.layout != torch.strided:
-                raise ValueError(
-                    f"{name} has layout {param.layout}; flat buckets hold dense (strided) parameters only. "
-                    "Keep sparse parameters out of the wrapped optimizer."
-                )
-            if not (param.is_floating_point() or param.is_complex()):
-                raise TypeError(
-                    f"{name} has dtype {param.dtype}; gossip averages floating-point parameters only."
-                )
-            seen[id(param)] = name
-            params.append(param)
-            names.append(name)
+    for name, param in named_params:
+        if not isinstance(param, torch.Tensor):
+            raise TypeError(
+                f"{name} is a {type(param).__name__}, not a tensor; pass (name, parameter) pairs."
+            )
+        if id(param) in seen:
+            raise ValueError(
+                f"{name} is the same tensor as {seen[id(param)]}: a parameter may appear in only one "
+                "place in the optimizer's param_groups. Remove the duplicate."
+            )
+        if param.is_sparse or param.layout != torch.strided:
+            raise ValueError(
+                f"{name} has layout {param.layout}; flat buckets hold dense (strided) parameters only. "
+                "Keep sparse parameters out of the wrapped optimizer."
+            )
+        if not (param.is_floating_point() or param.is_complex()):
+            raise TypeError(
+                f"{name} has dtype {param.dtype}; gossip averages floating-point parameters only."
+            )
+        seen[id(param)] = name
+        params.append(param)
+        names.append(name)
     if not params:
         raise ValueError(
-            "The optimizer has no parameters (every param group is empty); wrap an optimizer built "
+            "There are no parameters to gossip (every param group is empty); wrap an optimizer built "
             "from model.parameters()."
         )
     return params, names
+
+
+def check_params(param_groups: Iterable[dict[str, Any]]) -> tuple[list[torch.Tensor], list[str]]:
+    """:func:`check_named_params` over :func:`named_param_groups`."""
+    return check_named_params(named_param_groups(param_groups))

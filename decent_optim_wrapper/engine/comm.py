@@ -1,4 +1,5 @@
-"""Thin helpers over ``torch.distributed``: checked world info, cross-rank agreement, process groups.
+"""Thin helpers over ``torch.distributed``: checked world info, cross-rank agreement, process groups,
+the dtype collectives sum in, and how to wait for a collective without a host sync on accelerators.
 
 Every function here that communicates is a collective: all ranks must call it, in the same order.
 """
@@ -7,7 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -17,9 +18,54 @@ from loguru import logger
 
 from decent_optim_wrapper.topo import Topology
 
-__all__ = ["ProcessGroups", "agree", "resolve_world"]
+__all__ = [
+    "ProcessGroups",
+    "agree",
+    "all_gather_pickled",
+    "check_identical",
+    "reduction_dtype",
+    "resolve_world",
+    "wait_all",
+]
 
 T = TypeVar("T")
+
+# Summing n fp16/bf16 values in their own dtype rounds after every addition; summing in fp32 and
+# rounding once at the end keeps an average within one rounding of the exact value.
+_REDUCE_IN_FP32 = {torch.float16: torch.float32, torch.bfloat16: torch.float32}
+
+
+def reduction_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` travels and is summed in (fp32 for fp16/bf16, else itself)."""
+    return _REDUCE_IN_FP32.get(dtype, dtype)
+
+
+def wait_all(
+    works: Sequence[dist.Work],
+    device: torch.device,
+    timeout: timedelta | None,
+    failure: Callable[[BaseException | None], Exception],
+) -> None:
+    """Wait for ``works`` (collectives on tensors of ``device``); raise ``failure(cause)`` if one fails.
+
+    How to wait depends on where the tensors live:
+
+    * CPU (gloo): ``Work.wait(timeout)`` blocks this thread for at most ``timeout``, and is what turns
+      a dead or stuck peer into an error instead of a hang.
+    * CUDA and other accelerators (NCCL): ``Work.wait()`` without a timeout only makes the current
+      stream wait for the collective (stream-ordered, no host sync). Given a timeout, NCCL's
+      ``wait`` instead busy-waits the CPU until the collective completes, a host sync in every
+      ``step()``. A stuck peer is then caught by the process group's own timeout (set from ours when
+      the groups are created) and NCCL's watchdog, which abort the communicator.
+    """
+    timed = device.type == "cpu" and timeout is not None
+    for work in works:
+        try:
+            done = work.wait(timeout) if timed else work.wait()
+        except RuntimeError as err:
+            raise failure(err) from err
+        if done is False:
+            raise failure(None)
 
 
 def resolve_world(
@@ -151,6 +197,3 @@ class ProcessGroups:
 
     def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         return self._by_ranks[ranks]
-
-    def __len__(self) -> int:
-        return len(self._by_ranks)

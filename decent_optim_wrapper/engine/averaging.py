@@ -1,0 +1,131 @@
+r"""Exact world averaging of tensors (for evaluation), the snapshot that undoes it, and the
+consensus distance of the replicas.
+
+Global average: ``x <- (sum_i x_i) / n``. The all-reduce hands every rank the same sum and the
+division is the same on every rank, so all replicas end bit-for-bit equal. fp16/bf16 tensors are
+summed in fp32 and rounded once (:func:`~.comm.reduction_dtype`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from decent_optim_wrapper.engine.comm import reduction_dtype, wait_all
+from decent_optim_wrapper.engine.errors import GlobalAverageError
+
+__all__ = ["Snapshot", "average_across_world_", "floating_buffers", "tensors_consensus_distance"]
+
+
+@torch.no_grad()
+def average_across_world_(
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    timeout: timedelta | None = None,
+    failure: Callable[[BaseException | None], Exception] | None = None,
+) -> None:
+    """Replace every tensor by its average over all ranks, in place, identically on every rank.
+
+    All all-reduces are launched first and then waited for, so they pipeline instead of each
+    paying a full round trip.
+
+    Args:
+        tensors: the tensors to average, the same layout on every rank.
+        group: the process group spanning the world (None: the default group).
+        world_size: number of ranks.
+        timeout: longest CPU-side wait (see :func:`~.comm.wait_all`).
+        failure: builds the error raised when a peer does not answer; default a
+            :class:`GlobalAverageError` that names the world size.
+
+    .. warning:: This is a collective: all ranks must call it with the same tensor layout.
+    """
+    if world_size == 1:
+        return
+    if failure is None:
+
+        def failure(cause: BaseException | None) -> Exception:
+            return GlobalAverageError(global_average_message(None, world_size, timeout, cause))
+
+    launched: list[tuple[torch.Tensor, torch.Tensor, dist.Work]] = []
+    for tensor in tensors:
+        wide = tensor if reduction_dtype(tensor.dtype) == tensor.dtype else tensor.to(torch.float32)
+        launched.append(
+            (tensor, wide, dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=group, async_op=True))
+        )
+    for tensor, wide, work in launched:
+        wait_all([work], tensor.device, timeout, failure)
+        if wide is tensor:
+            tensor.div_(world_size)
+        else:
+            tensor.copy_(wide.div_(world_size))
+
+
+def global_average_message(
+    step: int | None, world_size: int, timeout: timedelta | None, cause: BaseException | None
+) -> str:
+    limit = f"within {timeout}" if timeout is not None else "in time"
+    at = "" if step is None else f" at step {step}"
+    return (
+        f"global_avg(){at}: the all-reduce over all {world_size} ranks did not complete: a peer died, did "
+        f"not call global_avg() at the same point, or did not answer {limit}. Every rank must call "
+        f"global_avg() at the same point; restart from the last checkpoint. Cause: {cause}"
+    )
+
+
+def floating_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The module's floating-point buffers (BatchNorm running statistics, ...), in a fixed order."""
+    return [b for b in module.buffers() if b.is_floating_point()]
+
+
+@dataclass
+class Snapshot:
+    """What a revert of the global average restores: the replica and gossip before averaging."""
+
+    params: list[torch.Tensor]
+    gossip: dict[str, Any] | None
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, saved)
+
+    def add_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Save buffers not saved yet (a second ``global_avg`` keeps the first values)."""
+        saved = {id(live) for live, _ in self.buffers}
+        self.buffers.extend((b, b.detach().clone()) for b in buffers if id(b) not in saved)
+
+    @torch.no_grad()
+    def restore_buffers(self) -> None:
+        for live, saved in self.buffers:
+            live.copy_(saved)
+
+
+@torch.no_grad()
+def tensors_consensus_distance(
+    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, world_size: int
+) -> float:
+    r"""Root-mean-square distance of the replicas of ``tensors`` to their average.
+
+    .. math::
+        d = \sqrt{\frac{1}{n} \sum_{i=0}^{n-1} \lVert x_i - \bar{x} \rVert_2^2},
+        \qquad \bar{x} = \frac{1}{n} \sum_i x_i,
+
+    where ``x_i`` is rank ``i``'s concatenation of ``tensors``. It is 0 exactly when all replicas
+    agree, and is what gossip shrinks. Computed in float64 (one temporary per tensor at a time);
+    every rank returns the same value.
+
+    .. warning:: This is a collective: all ranks must call it with the same tensor layout.
+    """
+    if world_size == 1:
+        return 0.0
+    squared = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
+    for tensor in tensors:
+        mean = tensor.to(torch.float64)
+        dist.all_reduce(mean, group=group)
+        mean.div_(world_size)
+        squared += (tensor.to(torch.float64) - mean).square().sum()
+    dist.all_reduce(squared, group=group)
+    return math.sqrt(squared.item() / world_size)

@@ -1,0 +1,528 @@
+r"""The engine both front-ends drive: :class:`GossipEngine`.
+
+It owns everything decentralized training needs besides the local update: cross-rank agreement on
+the topology and the parameter layout, the flat buckets the parameters live in, the process groups,
+the initial broadcast, per-bucket gossip, the step counter, exact global averaging with its
+snapshot, the consensus distance, growing the buckets, and its part of a checkpoint. A front-end
+translates a user's API into calls on it; per step and per bucket ``b``:
+
+.. code-block:: text
+
+    engine.begin_step()       # checks the buckets, drops a global-average snapshot
+    engine.mix(b)             # x_b <- sum_j W_ij x_{j,b}  (round launched at the previous step)
+    <local update of bucket b>
+    engine.launch(b)          # start this step's round for bucket b (non-blocking)
+    engine.end_step()         # step counter + 1
+
+The optimizer front-end mixes and launches all buckets at once (:meth:`GossipEngine.mix_all`,
+:meth:`GossipEngine.launch_all`); a module front-end mixes, updates and launches each bucket as its
+gradients become ready inside backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+from loguru import logger
+
+from decent_optim_wrapper.engine.averaging import (
+    Snapshot,
+    average_across_world_,
+    floating_buffers,
+    global_average_message,
+    tensors_consensus_distance,
+)
+from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params
+from decent_optim_wrapper.engine.comm import ProcessGroups, agree, check_identical, resolve_world
+from decent_optim_wrapper.engine.errors import GlobalAverageError
+from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.topo import Topology, TopologyFactory
+
+__all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "TopologySpec"]
+
+#: Version of the engine's checkpoint entry (the ``"decent"`` entry of a front-end's state dict).
+STATE_VERSION = 1
+
+#: How long gossip and global averaging wait for a peer before raising, unless ``timeout`` says
+#: otherwise. Well under gloo's 30 minutes, yet long enough for a peer's slow first step (compile).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+#: What a ``topology`` argument may be: a registered name, a Topology subclass, or an instance.
+TopologySpec = str | type[Topology] | Topology
+
+_CHECKPOINT_KEYS = ("version", "step", "rank", "world_size", "topology", "schedule", "buckets", "params")
+
+
+class GossipEngine:
+    r"""Buckets, topology schedule, process groups and gossip of one rank.
+
+    Built from ``(name, parameter)`` pairs in a given order (the optimizer front-end passes its
+    param_groups order, a module front-end the order gradients become ready): the parameters move
+    into flat buckets in that order (``param.data`` becomes a view into a bucket, one bucket per
+    dtype and device run, at most ``bucket_cap_mb`` each) and rank 0's values are broadcast, so all
+    replicas start equal. Gossip of bucket ``b`` at step ``t`` computes, on every rank ``i``,
+
+    .. math::
+        x_{i,b} \leftarrow \sum_{j \in G_t(i)} W^{(t)}_{ij}\, x_{j,b}
+
+    with the topology's doubly stochastic mixing matrix ``W^{(t)}`` of the phase the round was
+    launched in; the values sent are those at :meth:`launch`, mixed into those at :meth:`mix`.
+
+    .. warning:: Construction, :meth:`launch`/:meth:`mix` (through the gossip rounds),
+        :meth:`global_avg`, :meth:`consensus_distance` and :meth:`add_parameters` involve
+        collectives: all ranks must call them in the same order, the same number of times.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs; names appear in error messages.
+        topology: a registered name (see :class:`~decent_optim_wrapper.topo.TopologyFactory`), a
+            :class:`~decent_optim_wrapper.topo.Topology` subclass, or an instance.
+        rank: this process's rank; defaults to ``torch.distributed.get_rank()``.
+        world_size: number of processes; defaults to ``torch.distributed.get_world_size()``.
+        local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE`` (torchrun), else 1.
+        bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
+        timeout: how long gossip and global averaging wait for a peer before raising a
+            :class:`~decent_optim_wrapper.GossipError` / :class:`~decent_optim_wrapper.GlobalAverageError`.
+        context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
+    """
+
+    def __init__(
+        self,
+        named_params: Sequence[tuple[str, torch.Tensor]] | Callable[[], Sequence[tuple[str, torch.Tensor]]],
+        *,
+        topology: TopologySpec = "ring",
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_world_size: int | None = None,
+        bucket_cap_mb: float = 25,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        context: str = "GossipEngine",
+    ) -> None:
+        _check_bucket_cap(bucket_cap_mb)
+        _check_timeout(timeout)
+        self._rank, self._world_size, self._local_world_size = resolve_world(
+            rank, world_size, local_world_size
+        )
+        self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
+        self._timeout = timeout
+
+        def local_layout() -> tuple[object, ...]:
+            topo = resolve_topology(topology, self._world_size, self._local_world_size)
+            pairs = named_params() if callable(named_params) else named_params
+            params, names = check_named_params(pairs)
+            buckets = build_buckets(params, names, self._bucket_cap_bytes)
+            self._topology, self._buckets = topo, buckets
+            return (self._local_world_size, topo.name, topo.fingerprint(), _signatures(buckets))
+
+        # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
+        # error everywhere rather than a hang; and layouts are compared before anything is broadcast.
+        reports = agree(f"Building {context}", local_layout)
+        check_identical(
+            "local_world_size", [r[0] for r in reports], "Pass the same local_world_size on every rank."
+        )
+        check_identical("The topology", [r[1:3] for r in reports], "Pass the same topology on every rank.")
+        _check_layouts([r[3] for r in reports])
+
+        self._process_groups = ProcessGroups(self._topology, timeout)
+        self._bind_and_broadcast(self._buckets)
+        self._gossip = Gossip(
+            [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout
+        )
+        self._step = 0
+        self._snapshot: Snapshot | None = None
+        logger.debug(
+            "rank {}/{}: topology {} (period {}), {} buckets",
+            self._rank,
+            self._world_size,
+            self._topology.name,
+            self._topology.period,
+            len(self._buckets),
+        )
+
+    def _bind_and_broadcast(self, buckets: list[Bucket]) -> None:
+        for bucket in buckets:
+            bucket.bind()
+            if self._world_size > 1:
+                torch.distributed.broadcast(bucket.data, src=0, group=self._process_groups.world)
+
+    # -- facts -----------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def local_world_size(self) -> int:
+        return self._local_world_size
+
+    @property
+    def topology(self) -> Topology:
+        return self._topology
+
+    @property
+    def timeout(self) -> timedelta:
+        return self._timeout
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The buckets, in order (a new list; the buckets themselves are live)."""
+        return list(self._buckets)
+
+    @property
+    def gossip(self) -> Gossip:
+        """The per-bucket gossip (e.g. to time :meth:`Gossip.stage` and :meth:`Gossip.mix` alone)."""
+        return self._gossip
+
+    @property
+    def step_count(self) -> int:
+        """Completed steps; step ``t`` gossips in phase ``t % period``."""
+        return self._step
+
+    @property
+    def has_snapshot(self) -> bool:
+        """Whether :meth:`revert_global_avg` has something to restore."""
+        return self._snapshot is not None
+
+    # -- one step --------------------------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start a step: check the buckets, and let an un-reverted global average stand.
+
+        A step after :meth:`global_avg` without a revert continues training from the average, so
+        the snapshot is dropped here.
+        """
+        self.check_buckets()
+        self._snapshot = None
+
+    @torch.no_grad()
+    def mix(self, bucket: int) -> None:
+        """Finish bucket ``bucket``'s round launched at the previous step and mix it in."""
+        self._gossip.mix(bucket)
+
+    @torch.no_grad()
+    def launch(self, bucket: int, step: int | None = None) -> None:
+        """Start bucket ``bucket``'s gossip for ``step`` (default: the current step), non-blocking."""
+        self._gossip.launch(bucket, self._step if step is None else step)
+
+    def wait(self, bucket: int) -> None:
+        """Wait for bucket ``bucket``'s round without mixing it (``mix`` waits by itself)."""
+        self._gossip.wait(bucket)
+
+    @torch.no_grad()
+    def mix_all(self) -> None:
+        """:meth:`mix` every bucket, in order."""
+        self._gossip.mix_all()
+
+    @torch.no_grad()
+    def launch_all(self) -> None:
+        """:meth:`launch` every bucket at the current step, in order."""
+        self._gossip.launch_all(self._step)
+
+    def end_step(self) -> None:
+        """Finish a step: the next one gossips in the next phase."""
+        self._step += 1
+
+    def check_buckets(self) -> None:
+        """Raise if a parameter no longer lives in its bucket (e.g. ``model.to()`` after wrapping)."""
+        for bucket in self._buckets:
+            bucket.check_views()
+
+    # -- growing -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def add_parameters(
+        self,
+        new_named_params: Callable[[], Sequence[tuple[str, torch.Tensor]]],
+        context: str = "add_parameters",
+    ) -> list[Bucket]:
+        """Move new parameters into new buckets, sync them from rank 0 and gossip them from now on.
+
+        ``new_named_params`` runs inside the cross-rank agreement, so an error it raises on one rank
+        (bad input) is an error on every rank instead of a hang. A round already in flight does not
+        include the new parameters. Returns the new buckets.
+
+        .. warning:: This is a collective: all ranks must call it, with the same shapes and dtypes.
+        """
+        known = {id(p) for bucket in self._buckets for p in bucket.params}
+        built: list[Bucket] = []
+
+        def local_layout() -> tuple[object, ...]:
+            params, names = check_named_params(new_named_params())
+            for param, name in zip(params, names, strict=True):
+                if id(param) in known:
+                    raise ValueError(f"{name} is already gossiped; add each parameter only once.")
+            built.extend(build_buckets(params, names, self._bucket_cap_bytes))
+            return _signatures(built)
+
+        _check_layouts(agree(context, local_layout))
+        self._bind_and_broadcast(built)
+        self._buckets.extend(built)
+        self._gossip.add_tensors([b.data for b in built])
+        return built
+
+    # -- global averaging ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def global_avg(self, may_revert: bool = True, buffers: torch.nn.Module | None = None) -> None:
+        """Set every replica to the exact average of all replicas; see the front-ends' ``global_avg``.
+
+        Pending gossip is finished and dropped first. With ``may_revert``, the replica (and the
+        gossip still to be mixed) is saved so that :meth:`revert_global_avg` restores it bit for bit;
+        that copy is allocated only then, and a second call keeps the first snapshot. Floating-point
+        buffers of ``buffers`` (e.g. BatchNorm statistics) are averaged too and restored by a revert.
+
+        .. warning:: This is a collective: all ranks must call it, with the same ``buffers`` layout.
+        """
+        if buffers is not None and not isinstance(buffers, torch.nn.Module):
+            raise TypeError(
+                f"buffers must be an nn.Module whose floating buffers to average (e.g. the model), got "
+                f"{type(buffers).__name__}."
+            )
+        extra = floating_buffers(buffers) if buffers is not None else []
+        self.check_buckets()
+        if may_revert:
+            if self._snapshot is None:
+                self._snapshot = Snapshot(
+                    params=[b.data.clone() for b in self._buckets], gossip=self._gossip.state_dict()
+                )
+            self._snapshot.add_buffers(extra)
+        self._gossip.discard_all()
+        step, world_size, timeout = self._step, self._world_size, self._timeout
+
+        def failure(cause: BaseException | None) -> Exception:
+            return GlobalAverageError(
+                f"rank {self._rank}: " + global_average_message(step, world_size, timeout, cause)
+            )
+
+        tensors = [b.data for b in self._buckets] + extra
+        average_across_world_(tensors, self._process_groups.world, world_size, timeout, failure)
+
+    @torch.no_grad()
+    def revert_global_avg(self) -> None:
+        """Restore the replica saved by :meth:`global_avg` bit for bit, as if no average had happened.
+
+        Local: no communication. Raises :class:`RuntimeError` (parameters untouched) if there is no
+        snapshot: ``global_avg(may_revert=True)`` was not called, or a step or revert came since.
+        """
+        if self._snapshot is None:
+            raise RuntimeError(
+                "revert_global_avg() has nothing to revert: call global_avg(may_revert=True) first (a "
+                "step() or revert_global_avg() since then drops the snapshot). Parameters are unchanged."
+            )
+        snapshot, self._snapshot = self._snapshot, None
+        for bucket, saved in zip(self._buckets, snapshot.params, strict=False):
+            bucket.data.copy_(saved)
+        snapshot.restore_buffers()
+        self._gossip.load_state_dict(snapshot.gossip)
+
+    def consensus_distance(self) -> float:
+        """Root-mean-square distance of the replicas to their average (0 when all agree).
+
+        See :func:`~decent_optim_wrapper.engine.averaging.tensors_consensus_distance`. Gossip in
+        flight is not included: this measures the parameters as they are now.
+
+        .. warning:: This is a collective: all ranks must call it.
+        """
+        self.check_buckets()
+        return tensors_consensus_distance(
+            [b.data for b in self._buckets], self._process_groups.world, self._world_size
+        )
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's engine state: the ``"decent"`` entry of a front-end's checkpoint.
+
+        Waits for gossip in flight (no collective), so it holds the received rounds the next step
+        mixes in, and a run resumed from it continues bit for bit. Layout::
+
+            {
+                "version": 1,
+                "step": 120,  # completed steps
+                "rank": 0, "world_size": 4, "local_world_size": 1,
+                "topology": "ring",
+                "schedule": [...],  # the topology's groups and weights, phase by phase
+                "buckets": [...],  # per bucket: dtype, device type, numel, shapes, offsets
+                "params": [tensor, ...],  # this replica's parameters, one flat tensor per bucket
+                "gossip": {"step": 119, "buffers": [tensor, ...]} or None,  # received, not mixed
+                "snapshot": None,  # or {"params": [...], "gossip": ...} while globally averaged
+            }
+
+        The parameters are included because they differ between replicas, and building an engine
+        broadcasts rank 0's; loading restores this replica's own.
+        """
+        self.check_buckets()
+        snapshot = None
+        if self._snapshot is not None:
+            snapshot = {"params": [p.clone() for p in self._snapshot.params], "gossip": self._snapshot.gossip}
+        return {
+            "version": STATE_VERSION,
+            "step": self._step,
+            "rank": self._rank,
+            "world_size": self._world_size,
+            "local_world_size": self._local_world_size,
+            "topology": self._topology.name,
+            "schedule": _plain(self._topology.fingerprint()),
+            "buckets": _plain(_signatures(self._buckets)),
+            "params": [b.data.clone() for b in self._buckets],
+            "gossip": self._gossip.state_dict(),
+            "snapshot": snapshot,
+        }
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the mismatch if ``state`` cannot be loaded into this engine.
+
+        Checks everything :meth:`load_state_dict` will use, so a front-end can check the engine's
+        part before it changes anything of its own.
+        """
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"the engine state must be a dict from GossipEngine.state_dict(), got {state!r}."
+            )
+        missing = [key for key in _CHECKPOINT_KEYS if key not in state]
+        if missing:
+            raise ValueError(
+                f"state_dict['decent'] lacks {missing}; the checkpoint is incomplete or corrupt."
+            )
+        expected = {
+            "version": STATE_VERSION,
+            "world_size": self._world_size,
+            "rank": self._rank,
+            "topology": self._topology.name,
+        }
+        for key, value in expected.items():
+            if state[key] != value:
+                raise ValueError(
+                    f"checkpoint has {key}={state[key]!r} but this run has {key}={value!r}; resume with the "
+                    f"same {key} as the run that saved it (and load each rank's own file)."
+                )
+        if state["schedule"] != _plain(self._topology.fingerprint()):
+            raise ValueError(
+                f"checkpoint's topology {state['topology']!r} has a different schedule (world size, "
+                "local_world_size, groups or weights) than this run's; resume with the same topology."
+            )
+        if state["buckets"] != _plain(_signatures(self._buckets)):
+            raise ValueError(
+                "checkpoint's parameter layout (shapes, dtypes, order or bucket_cap_mb) differs from this "
+                "run's; build the same model and optimizer with the same bucket_cap_mb before loading."
+            )
+        _check_flat_tensors("params", state["params"], self._buckets)
+        self._gossip.check_state_dict(state.get("gossip"))
+        snapshot = state.get("snapshot")
+        if snapshot is not None:
+            _check_flat_tensors("snapshot params", snapshot["params"], self._buckets)
+            self._gossip.check_state_dict(snapshot["gossip"])
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same rank, world size, topology and layout.
+
+        Everything is checked (:meth:`check_state_dict`) before anything changes. Local.
+        """
+        self.check_state_dict(state)
+        for bucket, saved in zip(self._buckets, state["params"], strict=True):
+            bucket.data.copy_(saved)
+        self._gossip.load_state_dict(state.get("gossip"))
+        self._step = int(state["step"])
+        snapshot = state.get("snapshot")
+        self._snapshot = None
+        if snapshot is not None:
+            self._snapshot = Snapshot(
+                params=[
+                    p.to(b.data.device).clone()
+                    for p, b in zip(snapshot["params"], self._buckets, strict=True)
+                ],
+                gossip=snapshot["gossip"],
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"GossipEngine(topology={self._topology.name!r}, rank={self._rank}, "
+            f"world_size={self._world_size}, buckets={len(self._buckets)}, step={self._step})"
+        )
+
+
+def resolve_topology(topology: TopologySpec, world_size: int, local_world_size: int) -> Topology:
+    """Build (or check) the topology for this run and validate its schedule, before any communication."""
+    if isinstance(topology, str):
+        topo = TopologyFactory.create(topology, world_size, local_world_size)
+    elif isinstance(topology, type) and issubclass(topology, Topology):
+        topo = topology(world_size, local_world_size)
+    elif isinstance(topology, Topology):
+        topo = topology
+        if topo.world_size != world_size or topo.local_world_size != local_world_size:
+            raise ValueError(
+                f"topology {topo!r} was built for world_size={topo.world_size}, "
+                f"local_world_size={topo.local_world_size}, but this run has world_size={world_size}, "
+                f"local_world_size={local_world_size}; build it with the run's sizes or pass its name."
+            )
+    else:
+        raise TypeError(
+            f"topology must be a name, a Topology subclass or a Topology instance, got {topology!r}. "
+            f"Registered names: {', '.join(TopologyFactory.names())}."
+        )
+    _ = topo.schedule  # validate now, before any communication
+    return topo
+
+
+def _check_bucket_cap(bucket_cap_mb: object) -> None:
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float):
+        raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}; e.g. 25.")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}; e.g. 25.")
+
+
+def _check_timeout(timeout: object) -> None:
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"timeout must be a positive datetime.timedelta, got {timeout!r}; e.g. timedelta(minutes=5)."
+        )
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout!r}; e.g. timedelta(minutes=5).")
+
+
+def _check_flat_tensors(what: str, saved: object, buckets: Sequence[Bucket]) -> None:
+    if not isinstance(saved, list | tuple) or len(saved) != len(buckets):
+        count = len(saved) if isinstance(saved, list | tuple) else type(saved).__name__
+        raise ValueError(
+            f"checkpoint's {what} hold {count} tensors but this run has {len(buckets)} buckets; the "
+            "checkpoint is corrupt or from another layout."
+        )
+    for index, (tensor, bucket) in enumerate(zip(saved, buckets, strict=True)):
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.shape != bucket.data.shape
+            or tensor.dtype != bucket.data.dtype
+        ):
+            got = (
+                f"shape {tuple(tensor.shape)}, dtype {tensor.dtype}"
+                if isinstance(tensor, torch.Tensor)
+                else repr(tensor)
+            )
+            raise ValueError(
+                f"checkpoint's {what}[{index}] has {got} but bucket {index} has shape "
+                f"{tuple(bucket.data.shape)}, dtype {bucket.data.dtype}; the checkpoint is corrupt or from "
+                "another layout."
+            )
+
+
+def _signatures(buckets: Sequence[Bucket]) -> tuple[object, ...]:
+    """What must agree across ranks and checkpoints: each bucket's dtype, device type and shapes."""
+    return tuple(b.signature() for b in buckets)
+
+
+def _check_layouts(layouts: list[tuple[object, ...]]) -> None:
+    check_identical(
+        "The bucket layout (parameter shapes, dtypes, devices or bucket_cap_mb)",
+        layouts,
+        "Build the same model and optimizer (same param_groups order) with the same bucket_cap_mb on "
+        "every rank.",
+    )
+
+
+def _plain(value: object) -> object:
+    """Nested tuples to lists, so a checkpoint round-trips through torch.save unchanged."""
+    if isinstance(value, tuple | list):
+        return [_plain(v) for v in value]
+    return value
