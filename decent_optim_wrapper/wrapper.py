@@ -128,7 +128,7 @@ class DecentOptimWrapper(Optimizer):
 
     # -- the inner optimizer's state, shared rather than copied ------------------------------------
     @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     @param_groups.setter
@@ -136,7 +136,7 @@ class DecentOptimWrapper(Optimizer):
         self.optimizer.param_groups = value
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def state(self) -> Any:
         return self.optimizer.state
 
     @state.setter
@@ -144,7 +144,7 @@ class DecentOptimWrapper(Optimizer):
         self.optimizer.state = value
 
     @property
-    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
     @defaults.setter

@@ -10,7 +10,7 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -58,10 +58,10 @@ def wait_all(
       ``step()``. A stuck peer is then caught by the process group's own timeout (set from ours when
       the groups are created) and NCCL's watchdog, which abort the communicator.
     """
-    timed = device.type == "cpu" and timeout is not None
+    timed = timeout if device.type == "cpu" else None  # None: a stream-ordered wait, no timeout
     for work in works:
         try:
-            done = work.wait(timeout) if timed else work.wait()
+            done = work.wait(timed) if timed is not None else work.wait()
         except RuntimeError as err:
             raise failure(err) from err
         if done is False:
@@ -185,14 +185,17 @@ class ProcessGroups:
 
     def __init__(self, topology: Topology, timeout: timedelta | None = None) -> None:
         self._by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        kwargs = {} if timeout is None else {"timeout": timeout}
+        kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         world = list(range(topology.world_size))
         self.world: dist.ProcessGroup | None = None
         if topology.world_size > 1:
-            self.world = dist.new_group(world, **kwargs)
+            # new_group returns GroupMember.NON_GROUP_MEMBER only to ranks outside the group.
+            self.world = cast(dist.ProcessGroup, dist.new_group(world, **kwargs))
         for group in topology.distinct_groups():
             handle = self.world if list(group.ranks) == world else dist.new_group(list(group.ranks), **kwargs)
-            self._by_ranks[group.ranks] = handle
+            # Groups have 2+ ranks, so one spanning the world exists only when self.world does. A rank
+            # outside a group holds GroupMember.NON_GROUP_MEMBER for it, but only looks up its own groups.
+            self._by_ranks[group.ranks] = cast(dist.ProcessGroup, handle)
         logger.debug("created {} gossip process groups: {}", len(self._by_ranks), list(self._by_ranks))
 
     def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:

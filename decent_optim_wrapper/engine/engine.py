@@ -108,7 +108,7 @@ class GossipEngine:
         self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self._timeout = timeout
 
-        def local_layout() -> tuple[object, ...]:
+        def local_layout() -> tuple[int, str, tuple[object, ...], tuple[object, ...]]:
             topo = resolve_topology(topology, self._world_size, self._local_world_size)
             pairs = named_params() if callable(named_params) else named_params
             params, names = check_named_params(pairs)
