@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import flat, gather, set_distinct, tiny_model
+from topologies import BUILTIN_TOPOLOGIES
 
 from decent_optim_wrapper import DecentOptimWrapper, Group, Topology, TopologyFactory
 
-BUILTINS = ["complete", "ring", "one-peer-exp", "alternating-exp-ring", "hierarchical"]
 WORLDS = [(2, 1), (3, 1), (4, 1), (4, 2)]  # (world size, ranks per node); (4, 2) is 2 nodes x 2
 
 
@@ -39,7 +39,7 @@ def _check_rounds(history: list[torch.Tensor], topo: Topology) -> None:
 @pytest.mark.parametrize(
     ("world_size", "local_world_size"), WORLDS, ids=[f"{n}x{local}" for n, local in WORLDS]
 )
-@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("name", BUILTIN_TOPOLOGIES)
 def test_builtin_rounds_equal_mixing_matrices_and_reach_exact_consensus(
     pool, name, world_size, local_world_size
 ):
@@ -60,7 +60,7 @@ class WeightedRing(Topology):
     """Alternating pairs like 'ring' (even n), but every rank keeps 3/4 of itself."""
 
     def assign_groups(self):
-        n = self._world_size
+        n = self.world_size
         groups = []
         for rank in range(n):
             first = rank - rank % 2

@@ -5,6 +5,11 @@ validated before any communication, with the mixing matrix of every step. Built-
 in :class:`TopologyFactory` by name: ``complete``, ``ring``, ``one-peer-exp``, ``alternating-exp-ring``
 and ``hierarchical``. ``python -m decent_optim_wrapper.topo NAME --world-size N`` prints a schedule and
 its figures (:mod:`decent_optim_wrapper.topo.analysis`).
+
+Each module imports only modules listed before it: ``group`` (:class:`Group`, :data:`Phase`);
+``validation`` and ``mixing`` (schedule checks; models sent and consensus rate); ``base``
+(:class:`Topology`); ``factory``; the built-ins ``builtin``, ``exponential``, ``hierarchical``; then
+``analysis`` and ``__main__``.
 """
 
 from decent_optim_wrapper.topo.base import Phase, Topology

@@ -15,20 +15,24 @@ vector of parameters started at a period boundary (:math:`\\bar{x}` is the mean,
 stochastic :math:`W` preserves). :math:`\\rho = 1` means exact consensus within one period, :math:`\\rho = 0`
 means some disagreement never shrinks; a norm below ``1e-12`` (float64 rounding) counts as exact. The
 per-step rate :math:`1 - (1 - \\rho)^{1/p}` compares schedules of different periods.
+
+The per-topology figures are defined in :mod:`~decent_optim_wrapper.topo.mixing` and the connectivity
+check in :mod:`~decent_optim_wrapper.topo.validation`, below :mod:`~decent_optim_wrapper.topo.base`
+whose methods use them; this module gathers them, with :func:`stats`, for reports and the command line.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-import torch
-
-from decent_optim_wrapper.topo.group import Group
-
-if TYPE_CHECKING:
-    from decent_optim_wrapper.topo.base import Topology
+from decent_optim_wrapper.topo.base import Topology
+from decent_optim_wrapper.topo.mixing import (
+    allreduce_models_sent,
+    consensus_rate,
+    models_sent_per_rank,
+    period_product,
+)
+from decent_optim_wrapper.topo.validation import connected_components, format_ranks
 
 __all__ = [
     "TopologyStats",
@@ -40,88 +44,6 @@ __all__ = [
     "period_product",
     "stats",
 ]
-
-
-#: Below this spectral norm ``P - J`` is rounding noise of float64 products (entries of ``P`` are sums of
-#: at most a few hundred products of weights in [0, 1], each off by ~1e-16), so consensus counts as exact.
-_EXACT = 1e-12
-
-
-def allreduce_models_sent(group_size: int) -> float:
-    """Models each member of a ring all-reduce among ``group_size`` ranks sends: ``2 (k - 1) / k``."""
-    return 2.0 * (group_size - 1) / group_size
-
-
-def models_sent_per_rank(topology: Topology) -> list[float]:
-    """For every rank, the models it sends per step, averaged over one period."""
-    sent = [0.0] * topology.world_size
-    for phase in topology.schedule:
-        for group in phase:
-            for rank in group.ranks:
-                sent[rank] += allreduce_models_sent(group.size)
-    return [s / topology.period for s in sent]
-
-
-def period_product(topology: Topology, steps: int | None = None) -> torch.Tensor:
-    """``W_{s-1} ... W_0`` in float64 for the first ``steps`` steps (one period by default)."""
-    steps = topology.period if steps is None else steps
-    product = torch.eye(topology.world_size, dtype=torch.float64)
-    for step in range(steps):
-        product = topology.mixing_matrix(step) @ product
-    return product
-
-
-def consensus_rate(topology: Topology, *, per_step: bool = False) -> float:
-    """:math:`1 - \\lVert P - J \\rVert_2` over one period (see the module docstring), or per step."""
-    n = topology.world_size
-    deviation = period_product(topology) - torch.full((n, n), 1.0 / n, dtype=torch.float64)
-    contraction = min(1.0, float(torch.linalg.matrix_norm(deviation, ord=2)))
-    if contraction <= _EXACT:
-        return 1.0
-    if per_step:
-        contraction = contraction ** (1.0 / topology.period)
-    return 1.0 - contraction
-
-
-def connected_components(world_size: int, phases: Iterable[Sequence[Group]]) -> list[list[int]]:
-    """Rank sets that the union over all phases of the communication graph splits into, by first rank.
-
-    Two ranks are linked when they share a group whose off-diagonal weight is positive.
-    """
-    parent = list(range(world_size))
-
-    def find(r: int) -> int:
-        while parent[r] != r:
-            parent[r] = parent[parent[r]]
-            r = parent[r]
-        return r
-
-    for phase in phases:
-        for group in phase:
-            if group.size > 1 and group.peer_weight > 0.0:
-                root = find(group.ranks[0])
-                for member in group.ranks[1:]:
-                    parent[find(member)] = root
-    components: dict[int, list[int]] = {}
-    for rank in range(world_size):
-        components.setdefault(find(rank), []).append(rank)
-    return sorted(components.values())
-
-
-def format_ranks(ranks: Sequence[int]) -> str:
-    """``[0, 1, 2, 3, 8]`` as ``"0-3, 8"``: short enough for error messages about 1000 ranks."""
-    parts: list[str] = []
-    start = prev = None
-    for r in sorted(ranks):
-        if prev is not None and r == prev + 1:
-            prev = r
-            continue
-        if start is not None:
-            parts.append(str(start) if start == prev else f"{start}-{prev}")
-        start = prev = r
-    if start is not None:
-        parts.append(str(start) if start == prev else f"{start}-{prev}")
-    return ", ".join(parts)
 
 
 @dataclass(frozen=True)

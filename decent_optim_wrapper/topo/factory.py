@@ -23,7 +23,11 @@ class TopologyFactory:
 
     @classmethod
     def add_topology(cls, name: str, topology_cls: type[Topology]) -> None:
-        """Register ``topology_cls`` under ``name``; registering a name again replaces the class."""
+        """Register ``topology_cls`` under ``name``; registering a name again replaces the class.
+
+        Instances then report ``name`` as :attr:`Topology.name`, as :meth:`name_of` does (the first of
+        its names for a class registered under several).
+        """
         if not isinstance(name, str) or not name:
             raise ValueError(f"Topology name must be a non-empty string, got {name!r}.")
         if not (isinstance(topology_cls, type) and issubclass(topology_cls, Topology)):
@@ -31,7 +35,12 @@ class TopologyFactory:
                 f"TopologyFactory.add_topology({name!r}, ...) needs a subclass of Topology, got "
                 f"{topology_cls!r}."
             )
+        replaced = cls._registry.get(name)
         cls._registry[name] = topology_cls
+        # Topology.name reads the name from the class; refresh it on both classes this call can change.
+        for changed in (replaced, topology_cls):
+            if changed is not None:
+                changed._registered_name = cls._first_name(changed)
 
     @classmethod
     def register(cls, name: str) -> Callable[[T], T]:
@@ -67,7 +76,12 @@ class TopologyFactory:
     @classmethod
     def name_of(cls, topology_cls: type[Topology]) -> str:
         """The name ``topology_cls`` is registered under, else its class name."""
+        return cls._first_name(topology_cls) or topology_cls.__name__
+
+    @classmethod
+    def _first_name(cls, topology_cls: type[Topology]) -> str | None:
+        """The first name in registry order that maps to ``topology_cls`` itself, else ``None``."""
         for name, registered in cls._registry.items():
             if registered is topology_cls:
                 return name
-        return topology_cls.__name__
+        return None

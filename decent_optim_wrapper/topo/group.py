@@ -1,10 +1,10 @@
-"""One gossip group: the ranks that average together in one phase, and their weights."""
+"""One gossip group: the ranks that average together in one phase, and their weights; a phase of groups."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Group"]
+__all__ = ["Group", "Phase"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,7 @@ class Group:
 
     def __contains__(self, rank: object) -> bool:
         return rank in self.ranks
+
+
+#: One phase of a schedule: disjoint groups that together cover every rank.
+Phase = tuple[Group, ...]

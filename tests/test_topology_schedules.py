@@ -1,4 +1,7 @@
-"""Pure-logic tests of the topology suite: schedules, mixing matrices, figures and the CLI (no process group).
+"""Pure logic: the built-in schedules, their mixing matrices and figures, for every size up to 64 ranks.
+
+The custom-topology contract (validation, registry, command line) is in ``test_topology_contract.py``;
+the same schedules run on real process groups in ``test_topologies_dist.py``.
 
 Numerical tolerance: products of mixing matrices are compared with ``atol=1e-12, rtol=0``. Every entry of
 a product of at most ~2 log2(n) + 1 matrices is a sum of products of weights in [0, 1]; float64 rounds
@@ -10,31 +13,23 @@ least of order ``1/n^2 >= 2e-4`` here). Row and column sums get the same toleran
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from functools import cache
-from pathlib import Path
 
 import pytest
 import torch
+from topologies import BUILTIN_TOPOLOGIES
 
-from decent_optim_wrapper.topo import (
-    Group,
-    Topology,
-    TopologyFactory,
-)
-from decent_optim_wrapper.topo.__main__ import main
+from decent_optim_wrapper.topo import Group, Topology, TopologyFactory
 from decent_optim_wrapper.topo.analysis import (
     allreduce_models_sent,
     connected_components,
-    format_ranks,
     models_sent_per_rank,
     period_product,
 )
 from decent_optim_wrapper.topo.exponential import exponential_phases
 
-BUILTINS = ["complete", "ring", "one-peer-exp", "alternating-exp-ring", "hierarchical"]
+pytestmark = pytest.mark.pure
+
 USES_LOCAL_WORLD_SIZE = {"alternating-exp-ring", "hierarchical"}
 MAX_WORLD = 64
 ATOL = 1e-12
@@ -88,10 +83,12 @@ def _pairs(phase) -> list[tuple[int, ...]]:
 
 # -- every built-in, every size ---------------------------------------------------------------------------
 def test_all_builtins_registered():
-    assert set(BUILTINS) <= set(TopologyFactory.names())
+    assert set(BUILTIN_TOPOLOGIES) <= set(TopologyFactory.names())
+    for name in BUILTIN_TOPOLOGIES:
+        assert TopologyFactory.create(name, 4).name == name
 
 
-@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("name", BUILTIN_TOPOLOGIES)
 def test_builtin_schedules_are_valid_doubly_stochastic_and_connected(name):
     for n, lws in _cases(name):
         topo = _topology(name, n, lws)
@@ -110,7 +107,7 @@ def test_builtin_schedules_are_valid_doubly_stochastic_and_connected(name):
             assert topo.schedule == ((Group((0,)),),)
 
 
-@pytest.mark.parametrize("name", BUILTINS)
+@pytest.mark.parametrize("name", BUILTIN_TOPOLOGIES)
 def test_exact_consensus_claims_hold_and_are_minimal(name):
     for n, lws in _cases(name):
         topo = _topology(name, n, lws)
@@ -140,6 +137,21 @@ def test_exact_consensus_claims_per_topology():
     for n in range(1, MAX_WORLD + 1):
         assert _topology("one-peer-exp", n).exact_consensus_steps() == exponential_phases(n)
         assert _topology("one-peer-exp", n).period == max(1, exponential_phases(n))
+
+
+def test_schedule_and_mixing_matrices_by_hand():
+    ring = _topology("ring", 6)
+    # Groups are ordered by first rank, so (0, 5) comes first in phase 1.
+    assert [[g.ranks for g in phase] for phase in ring.schedule] == [
+        [(0, 1), (2, 3), (4, 5)],
+        [(0, 5), (1, 2), (3, 4)],
+    ]
+    w = ring.mixing_matrix(1)
+    # Weights 1/2 are exact in float64, so the sums must be exactly 1.
+    assert w[0, 5] == w[0, 0] == 0.5 and w.sum(0).eq(1).all() and w.sum(1).eq(1).all()
+    assert ring.mixing_matrix(3).equal(w)  # phases cycle with the step
+    complete = _topology("complete", 3).mixing_matrix(0)
+    assert complete.equal(torch.full((3, 3), 1 / 3, dtype=torch.float64))
 
 
 # -- ring -------------------------------------------------------------------------------------------------
@@ -321,180 +333,3 @@ def test_consensus_rate_is_one_for_exact_periods():
     # Two ranks averaging once per step: P = J. Ring of four = 2-cube: P = J after its two phases.
     assert _topology("ring", 2).consensus_rate() == 1.0
     assert torch.allclose(period_product(_topology("ring", 4)), torch.full((4, 4), 0.25, dtype=torch.float64))
-
-
-def test_format_ranks():
-    assert format_ranks([0, 1, 2, 3, 8, 10, 11]) == "0-3, 8, 10-11"
-    assert format_ranks([]) == ""
-
-
-# -- custom topologies: valid ones, and the errors of invalid ones ----------------------------------------
-def _custom(groups, world_size: int = 4) -> Topology:
-    class Custom(Topology):
-        def assign_groups(self):
-            return groups
-
-    return Custom(world_size)
-
-
-def _unchecked_group(ranks: tuple[int, ...], self_weight: float) -> Group:
-    """A Group whose weight skipped the constructor's check (as a deserialised or hand-patched one would)."""
-    group = Group(ranks)
-    object.__setattr__(group, "self_weight", self_weight)
-    return group
-
-
-A01, A23, A12 = [0, 1], [2, 3], [1, 2]
-G4 = Group((0, 1, 2, 3), self_weight=1.0)  # a group that keeps everything: no mixing, no link
-
-INVALID = [
-    pytest.param(
-        [[A01, A12], [A01, A12], [A23, A12], [A23, [3]]],
-        ["phase 1", "rank 0 is assigned group [1, 2]", "does not contain it"],
-        id="rank-missing",
-    ),
-    pytest.param(
-        [[A01], [A12], [A12], [A23]],
-        ["phase 0", "rank 0 lists group [0, 1]", "rank 1 lists [1, 2]"],
-        id="rank-in-two-groups",
-    ),
-    pytest.param(
-        [[Group((0, 1), 0.3)], [Group((0, 1), 0.6)], [A23], [A23]],
-        ["phase 0", "rank 0 lists group [0, 1] (self_weight=0.3)", "rank 1 lists [0, 1] (self_weight=0.6)"],
-        id="inconsistent-weight",
-    ),
-    pytest.param(
-        [[_unchecked_group((0, 1), -0.5)]] * 2 + [[A23]] * 2,
-        ["phase 0", "group [0, 1]", "W_ii=-0.5"],
-        id="negative-weight",
-    ),
-    pytest.param(
-        [[_unchecked_group((0, 1), 1.5)]] * 2 + [[A23]] * 2,
-        ["phase 0", "group [0, 1]", "W_ij=-0.5"],
-        id="over-one-weight",
-    ),
-    pytest.param([[A01], [A01], [A23]], ["returned 3 entries", "world_size=4"], id="too-few-ranks"),
-    pytest.param(
-        [[A01, A12], [A01, A12], [A23], [A23]],
-        ["same number of phases", "{0: 2, 1: 2, 2: 1, 3: 1}"],
-        id="ragged-phases",
-    ),
-    pytest.param([[A01], [A01], [A23], [A23]], ["never connect", "{0-1}; {2-3}"], id="disconnected"),
-    pytest.param(
-        [[G4, A01], [G4, A01], [G4, A23], [G4, A23]],
-        ["never connect", "{0-1}; {2-3}"],
-        id="disconnected-self-weight-one",
-    ),
-    pytest.param(
-        [[[0, 5]], [A01], [A23], [A23]], ["phase 0", "rank 0", "names rank 5"], id="rank-out-of-range"
-    ),
-    pytest.param([[A01], [A01], [[3, 2]], [A23]], ["rank 2, phase 0", "sorted ascending"], id="unsorted"),
-]
-
-
-@pytest.mark.parametrize(("groups", "fragments"), INVALID)
-def test_invalid_custom_topologies_name_phase_and_ranks(groups, fragments):
-    with pytest.raises(ValueError) as info:
-        _ = _custom(groups).schedule
-    for fragment in fragments:
-        assert fragment in str(info.value)
-
-
-@pytest.mark.parametrize("weight", [-0.1, 1.1, float("nan")])
-def test_group_rejects_weights_outside_unit_interval_at_construction(weight):
-    with pytest.raises(ValueError, match=r"Group\(ranks=\[0, 1\]\) has self_weight="):
-        Group((0, 1), self_weight=weight)
-
-
-def test_seed_style_and_weighted_custom_topologies_from_the_guide():
-    class Shift(Topology):
-        """Seed style: plain sorted lists, read self._world_size; pairs (i, i + 1) then (i, i - 1)."""
-
-        def assign_groups(self):
-            n = self._world_size
-            right = [sorted({r, r + 1 if r % 2 == 0 else r - 1}) for r in range(n)]
-            left = [sorted({r, (r - 1) % n if r % 2 == 0 else (r + 1) % n}) for r in range(n)]
-            return [[right[r], left[r]] for r in range(n)]
-
-    class LazyComplete(Topology):
-        """Weighted: keep half of your own model, spread the rest over the others."""
-
-        def assign_groups(self):
-            everyone = Group(tuple(range(self._world_size)), self_weight=0.5)
-            return [[everyone] for _ in range(self._world_size)]
-
-    TopologyFactory.add_topology("test-shift", Shift)
-    TopologyFactory.register("test-lazy-complete")(LazyComplete)
-    try:
-        shift = TopologyFactory.create("test-shift", 8)
-        assert shift.schedule == _topology("ring", 8).schedule
-        assert shift.name == "test-shift"
-        lazy = TopologyFactory.create("test-lazy-complete", 4)
-        assert lazy.mixing_matrix(0)[0].tolist() == [0.5, 1 / 6, 1 / 6, 1 / 6]
-        # W = I/3 + 2J/3, so P - J = (I - J)/3 and the rate is 1 - 1/3.
-        assert lazy.consensus_rate() == pytest.approx(2 / 3, rel=0, abs=1e-12)
-    finally:
-        TopologyFactory._registry.pop("test-shift")
-        TopologyFactory._registry.pop("test-lazy-complete")
-
-
-def test_base_docstring_example_is_connected():
-    class Swap(Topology):
-        def assign_groups(self):
-            n = self._world_size
-            right = [[r - r % 2, r - r % 2 + 1] for r in range(n)]
-            left = [sorted({r, (r + 1) % n if r % 2 else (r - 1) % n}) for r in range(n)]
-            return [[right[r], left[r]] for r in range(n)]
-
-    assert Swap(6).schedule == _topology("ring", 6).schedule
-
-
-def test_unknown_name_lists_registered_names():
-    with pytest.raises(ValueError) as info:
-        TopologyFactory.create("torus", 4)
-    for name in BUILTINS:
-        assert name in str(info.value)
-
-
-# -- CLI --------------------------------------------------------------------------------------------------
-def test_cli_prints_schedule_and_figures(capsys):
-    assert main(["one-peer-exp", "--world-size", "6"]) == 0
-    out = capsys.readouterr().out
-    assert "one-peer-exp: world_size=6" in out
-    assert "step   0 (phase 0): {0, 1}  {2, 3}  {4, 5}" in out
-    assert "period:                    4" in out
-    assert "exact consensus after:     4 steps" in out
-    assert "consensus rate:            1.0000 per period" in out
-    assert "process groups:" in out and "models sent per rank/step:" in out
-
-
-def test_cli_local_world_size_and_steps(capsys):
-    assert main(["hierarchical", "-n", "8", "-l", "2", "--steps", "3"]) == 0
-    out = capsys.readouterr().out
-    assert sum(line.startswith("step ") for line in out.splitlines()) == 3
-    assert "4 node(s)" in out
-
-
-@pytest.mark.parametrize(
-    ("argv", "message"),
-    [
-        (["torus", "-n", "4"], "unknown topology 'torus'; registered: alternating-exp-ring, complete"),
-        (["ring", "-n", "0"], "world_size must be >= 1, got 0"),
-        (["ring", "-n", "6", "-l", "4"], "local_world_size=4 must divide world_size=6"),
-        (["ring", "-n", "6", "--steps", "0"], "--steps must be >= 1"),
-    ],
-)
-def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
-    with pytest.raises(SystemExit) as info:
-        main(argv)
-    assert info.value.code == 2
-    assert message in capsys.readouterr().err
-
-
-def test_cli_subprocess():
-    src = Path(__file__).resolve().parents[1] / "src"
-    env = {**os.environ, "PYTHONPATH": f"{src}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    cmd = [sys.executable, "-m", "decent_optim_wrapper.topo", "ring", "--world-size", "5"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60, check=False)
-    assert done.returncode == 0, done.stderr
-    assert "{2, 3, 4}" in done.stdout and "exact consensus after:     never (asymptotic)" in done.stdout
