@@ -8,11 +8,14 @@ Layout (dependencies point up this list, never down):
 * :mod:`~decent_optim_wrapper.optimizer_protocol` -- running an inner optimizer's step as torch expects
   (GradScaler, global step hooks).
 * :mod:`~decent_optim_wrapper.wrapper` -- :class:`DecentOptimWrapper`, the optimizer front-end.
+* :mod:`~decent_optim_wrapper.data_parallel` -- :class:`DecentralizedDataParallel`, the module front-end
+  (decent-dp's API): each bucket is updated and gossiped inside backward.
 * :mod:`~decent_optim_wrapper.metrics` -- measurements over the replicas (consensus distance).
 """
 
 from loguru import logger
 
+from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import DecentError, GlobalAverageError, GossipEngine, GossipError
 from decent_optim_wrapper.metrics import consensus_distance
 from decent_optim_wrapper.topo import Group, Topology, TopologyFactory
@@ -24,6 +27,7 @@ logger.disable("decent_optim_wrapper")
 __all__ = [
     "DecentError",
     "DecentOptimWrapper",
+    "DecentralizedDataParallel",
     "GlobalAverageError",
     "GossipEngine",
     "GossipError",

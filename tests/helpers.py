@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from decent_optim_wrapper import TopologyFactory
+
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(seed)
@@ -77,3 +79,38 @@ def load_script(path: Path) -> ModuleType:
             del sys.modules[name]
             raise
     return sys.modules[name]
+
+
+def reference_algorithm(world_size: int, topology: str, steps: int) -> list[torch.Tensor]:
+    """decent-optim-wrapper 0.1.1's algorithm, simulated for all replicas in one process.
+
+    Per step t and replica i: (1) x_i <- sum of x_j / k over i's group of step t-1, as sent at step
+    t-1; (2) the inner SGD step with the gradient computed before step() (at the un-mixed x_i);
+    (3) send x_i / k to the group of step t.
+    """
+    topo = TopologyFactory.create(topology, world_size)
+    models = [tiny_model() for _ in range(world_size)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    sent: list[list[torch.Tensor]] | None = None
+    for step in range(steps):
+        for rank, (model, opt) in enumerate(zip(models, optimizers, strict=True)):
+            x, y = batch(rank, step)
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        with torch.no_grad():
+            if sent is not None:
+                for rank, model in enumerate(models):
+                    group = topo.group(rank, step - 1)
+                    for p, *received in zip(model.parameters(), *(sent[j] for j in group.ranks), strict=True):
+                        total = received[0].clone()
+                        for other in received[1:]:
+                            total += other
+                        p.copy_(total)
+        for opt in optimizers:
+            opt.step()
+        with torch.no_grad():
+            sent = [
+                [p.detach() / topo.group(rank, step).size for p in model.parameters()]
+                for rank, model in enumerate(models)
+            ]
+    return [flat(m) for m in models]

@@ -7,9 +7,9 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, flat, gather, set_distinct, tiny_model, train_steps
+from helpers import flat, gather, reference_algorithm, set_distinct, tiny_model, train_steps
 
-from decent_optim_wrapper import DecentOptimWrapper, TopologyFactory
+from decent_optim_wrapper import DecentOptimWrapper
 
 CASES = [(1, "complete"), (2, "ring"), (2, "complete"), (3, "complete"), (4, "ring"), (4, "complete")]
 
@@ -82,41 +82,6 @@ def test_ring_reaches_consensus_with_zero_lr(pool):
     assert spread[-1] <= 1e-9 * spread[0]
 
 
-def _reference_algorithm(world_size: int, topology: str, steps: int) -> list[torch.Tensor]:
-    """decent-optim-wrapper 0.1.1's algorithm, simulated for all replicas in one process.
-
-    Per step t and replica i: (1) x_i <- sum of x_j / k over i's group of step t-1, as sent at step
-    t-1; (2) the inner SGD step with the gradient computed before step() (at the un-mixed x_i);
-    (3) send x_i / k to the group of step t.
-    """
-    topo = TopologyFactory.create(topology, world_size)
-    models = [tiny_model() for _ in range(world_size)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    sent: list[list[torch.Tensor]] | None = None
-    for step in range(steps):
-        for rank, (model, opt) in enumerate(zip(models, optimizers, strict=True)):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-        with torch.no_grad():
-            if sent is not None:
-                for rank, model in enumerate(models):
-                    group = topo.group(rank, step - 1)
-                    for p, *received in zip(model.parameters(), *(sent[j] for j in group.ranks), strict=True):
-                        total = received[0].clone()
-                        for other in received[1:]:
-                            total += other
-                        p.copy_(total)
-        for opt in optimizers:
-            opt.step()
-        with torch.no_grad():
-            sent = [
-                [p.detach() / topo.group(rank, step).size for p in model.parameters()]
-                for rank, model in enumerate(models)
-            ]
-    return [flat(m) for m in models]
-
-
 def _wrapped_run(topology: str, steps: int) -> torch.Tensor:
     model = tiny_model()
     opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology=topology)
@@ -127,11 +92,11 @@ def _wrapped_run(topology: str, steps: int) -> torch.Tensor:
 @pytest.mark.parametrize(
     ("world_size", "topology"), [(2, "ring"), (4, "ring"), (2, "complete"), (4, "complete")]
 )
-def test_same_numbers_as_the_reference_algorithm(pool, world_size, topology):
+def test_same_numbers_as_thereference_algorithm(pool, world_size, topology):
     # Groups of 2 and 4: x / k is exact, and the all-reduce sums 2 terms (order-free) or 4 terms
     # (gloo's order may differ from this loop's), so pairs must match bit for bit and groups of 4
     # within 4 roundings of the parameter scale.
-    reference = _reference_algorithm(world_size, topology, steps=6)
+    reference = reference_algorithm(world_size, topology, steps=6)
     results = pool(world_size).run(_wrapped_run, topology, 6)
     for rank in range(world_size):
         if world_size == 2 or topology == "ring":

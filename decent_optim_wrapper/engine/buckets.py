@@ -90,19 +90,25 @@ class Bucket:
 
     After :meth:`bind`, ``param.data`` of every member is a view into :attr:`data`, so an optimizer
     stepping the parameters writes into the bucket and gossip on the bucket updates the parameters.
+    With ``as_views=False`` the parameters keep their own storage instead, and :meth:`pull` /
+    :meth:`push` copy them into and out of :attr:`data` around every use of the bucket.
 
     Args:
         spec: the layout from :func:`plan_buckets`.
         params: the full parameter list ``spec`` indexes into.
         names: a readable name per parameter (same indexing), used in error messages.
+        as_views: make the parameters views of the bucket (no copies).
     """
 
-    def __init__(self, spec: BucketSpec, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    def __init__(
+        self, spec: BucketSpec, params: Sequence[torch.Tensor], names: Sequence[str], as_views: bool = True
+    ) -> None:
         self.spec = spec
         self.params = [params[i] for i in spec.param_indices]
         self.names = [names[i] for i in spec.param_indices]
+        self.as_views = as_views
         self.data = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
-        self._views: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []  # each parameter's slice of data, shaped like it
 
     @torch.no_grad()
     def bind(self) -> None:
@@ -117,11 +123,26 @@ class Bucket:
                 )
             view = self.data.as_strided(param.shape, strides, self.data.storage_offset() + offset)
             view.copy_(param.data)
-            param.data = view
+            if self.as_views:
+                param.data = view
             self._views.append(view)
+
+    @torch.no_grad()
+    def pull(self) -> None:
+        """Copy the parameters into :attr:`data` (nothing to do when they are views of it)."""
+        if not self.as_views:
+            torch._foreach_copy_(self._views, [p.data for p in self.params])
+
+    @torch.no_grad()
+    def push(self) -> None:
+        """Copy :attr:`data` into the parameters (nothing to do when they are views of it)."""
+        if not self.as_views:
+            torch._foreach_copy_([p.data for p in self.params], self._views)
 
     def check_views(self) -> None:
         """Raise if a parameter no longer points into this bucket (e.g. ``model.to()`` after wrapping)."""
+        if not self.as_views:
+            return
         for param, name, view in zip(self.params, self.names, self._views, strict=True):
             moved = param.data_ptr() != view.data_ptr() or param.device != view.device
             if moved or param.shape != view.shape:
@@ -144,9 +165,11 @@ class Bucket:
         )
 
 
-def build_buckets(params: Sequence[torch.Tensor], names: Sequence[str], cap_bytes: int) -> list[Bucket]:
+def build_buckets(
+    params: Sequence[torch.Tensor], names: Sequence[str], cap_bytes: int, as_views: bool = True
+) -> list[Bucket]:
     """Plan buckets for ``params`` and create them; :meth:`Bucket.bind` then moves the parameters in."""
-    buckets = [Bucket(spec, params, names) for spec in plan_buckets(params, cap_bytes)]
+    buckets = [Bucket(spec, params, names, as_views) for spec in plan_buckets(params, cap_bytes)]
     for index, bucket in enumerate(buckets):
         logger.debug(
             "bucket {}: {} params, {} elements, dtype={}, device={}",

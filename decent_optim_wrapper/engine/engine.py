@@ -21,6 +21,7 @@ gradients become ready inside backward.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -85,6 +86,9 @@ class GossipEngine:
         bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
         timeout: how long gossip and global averaging wait for a peer before raising a
             :class:`~decent_optim_wrapper.GossipError` / :class:`~decent_optim_wrapper.GlobalAverageError`.
+        params_as_views: make ``param.data`` a view into its bucket. With False the parameters keep
+            their own storage and are copied into the bucket before it is read (launch, averaging,
+            checkpoints) and back after it is written (mix, averaging, revert, load).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
@@ -98,10 +102,13 @@ class GossipEngine:
         local_world_size: int | None = None,
         bucket_cap_mb: float = 25,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        params_as_views: bool = True,
         context: str = "GossipEngine",
     ) -> None:
         _check_bucket_cap(bucket_cap_mb)
         _check_timeout(timeout)
+        self._as_views = params_as_views
+        self._mixing_factor = 1.0
         self._rank, self._world_size, self._local_world_size = resolve_world(
             rank, world_size, local_world_size
         )
@@ -112,7 +119,7 @@ class GossipEngine:
             topo = resolve_topology(topology, self._world_size, self._local_world_size)
             pairs = named_params() if callable(named_params) else named_params
             params, names = check_named_params(pairs)
-            buckets = build_buckets(params, names, self._bucket_cap_bytes)
+            buckets = build_buckets(params, names, self._bucket_cap_bytes, self._as_views)
             self._topology, self._buckets = topo, buckets
             return (self._local_world_size, topo.name, topo.fingerprint(), _signatures(buckets))
 
@@ -146,6 +153,7 @@ class GossipEngine:
             bucket.bind()
             if self._world_size > 1:
                 torch.distributed.broadcast(bucket.data, src=0, group=self._process_groups.world)
+                bucket.push()
 
     # -- facts -----------------------------------------------------------------------------------
     @property
@@ -184,6 +192,22 @@ class GossipEngine:
         return self._step
 
     @property
+    def mixing_factor(self) -> float:
+        """``a`` in ``x <- (1 - a) x + a sum_j W_ij x_j``; 1 (full mixing) unless set."""
+        return self._mixing_factor
+
+    @mixing_factor.setter
+    def mixing_factor(self, factor: float) -> None:
+        if isinstance(factor, bool) or not isinstance(factor, int | float):
+            raise TypeError(f"the mixing (adaptive) factor must be a number in (0, 1], got {factor!r}.")
+        if not 0.0 < factor <= 1.0:
+            raise ValueError(
+                f"the mixing (adaptive) factor must lie in (0, 1], got {factor!r}: 1 mixes fully, smaller "
+                "values keep part of the replica (x <- (1 - a) x + a W x); 0 would never mix."
+            )
+        self._mixing_factor = float(factor)
+
+    @property
     def has_snapshot(self) -> bool:
         """Whether :meth:`revert_global_avg` has something to restore."""
         return self._snapshot is not None
@@ -201,11 +225,17 @@ class GossipEngine:
     @torch.no_grad()
     def mix(self, bucket: int) -> None:
         """Finish bucket ``bucket``'s round launched at the previous step and mix it in."""
-        self._gossip.mix(bucket)
+        if self._gossip.pending(bucket) is None:
+            return
+        target = self._buckets[bucket]
+        target.pull()
+        self._gossip.mix(bucket, self._mixing_factor)
+        target.push()
 
     @torch.no_grad()
     def launch(self, bucket: int, step: int | None = None) -> None:
         """Start bucket ``bucket``'s gossip for ``step`` (default: the current step), non-blocking."""
+        self._buckets[bucket].pull()
         self._gossip.launch(bucket, self._step if step is None else step)
 
     def wait(self, bucket: int) -> None:
@@ -215,12 +245,14 @@ class GossipEngine:
     @torch.no_grad()
     def mix_all(self) -> None:
         """:meth:`mix` every bucket, in order."""
-        self._gossip.mix_all()
+        for bucket in range(len(self._buckets)):
+            self.mix(bucket)
 
     @torch.no_grad()
     def launch_all(self) -> None:
         """:meth:`launch` every bucket at the current step, in order."""
-        self._gossip.launch_all(self._step)
+        for bucket in range(len(self._buckets)):
+            self.launch(bucket)
 
     def end_step(self) -> None:
         """Finish a step: the next one gossips in the next phase."""
@@ -254,7 +286,7 @@ class GossipEngine:
             for param, name in zip(params, names, strict=True):
                 if id(param) in known:
                     raise ValueError(f"{name} is already gossiped; add each parameter only once.")
-            built.extend(build_buckets(params, names, self._bucket_cap_bytes))
+            built.extend(build_buckets(params, names, self._bucket_cap_bytes, self._as_views))
             return _signatures(built)
 
         _check_layouts(agree(context, local_layout))
@@ -265,13 +297,17 @@ class GossipEngine:
 
     # -- global averaging ----------------------------------------------------------------------------
     @torch.no_grad()
-    def global_avg(self, may_revert: bool = True, buffers: torch.nn.Module | None = None) -> None:
+    def global_avg(
+        self, may_revert: bool = True, buffers: torch.nn.Module | None = None, return_distance: bool = False
+    ) -> float | None:
         """Set every replica to the exact average of all replicas; see the front-ends' ``global_avg``.
 
         Pending gossip is finished and dropped first. With ``may_revert``, the replica (and the
         gossip still to be mixed) is saved so that :meth:`revert_global_avg` restores it bit for bit;
         that copy is allocated only then, and a second call keeps the first snapshot. Floating-point
         buffers of ``buffers`` (e.g. BatchNorm statistics) are averaged too and restored by a revert.
+        With ``return_distance``, returns this replica's L2 distance to the average, computed in
+        float64 over the gossiped parameters (it differs from rank to rank); else None.
 
         .. warning:: This is a collective: all ranks must call it, with the same ``buffers`` layout.
         """
@@ -282,6 +318,9 @@ class GossipEngine:
             )
         extra = floating_buffers(buffers) if buffers is not None else []
         self.check_buckets()
+        for bucket in self._buckets:
+            bucket.pull()
+        before = [b.data.clone() for b in self._buckets] if return_distance else []
         if may_revert:
             if self._snapshot is None:
                 self._snapshot = Snapshot(
@@ -298,6 +337,15 @@ class GossipEngine:
 
         tensors = [b.data for b in self._buckets] + extra
         average_across_world_(tensors, self._process_groups.world, world_size, timeout, failure)
+        for bucket in self._buckets:
+            bucket.push()
+        if not return_distance:
+            return None
+        squared = sum(
+            float((old.double() - b.data.double()).square().sum())
+            for old, b in zip(before, self._buckets, strict=True)
+        )
+        return math.sqrt(squared)
 
     @torch.no_grad()
     def revert_global_avg(self) -> None:
@@ -314,6 +362,7 @@ class GossipEngine:
         snapshot, self._snapshot = self._snapshot, None
         for bucket, saved in zip(self._buckets, snapshot.params, strict=False):
             bucket.data.copy_(saved)
+            bucket.push()
         snapshot.restore_buffers()
         self._gossip.load_state_dict(snapshot.gossip)
 
@@ -326,6 +375,8 @@ class GossipEngine:
         .. warning:: This is a collective: all ranks must call it.
         """
         self.check_buckets()
+        for bucket in self._buckets:
+            bucket.pull()
         return tensors_consensus_distance(
             [b.data for b in self._buckets], self._process_groups.world, self._world_size
         )
@@ -347,12 +398,15 @@ class GossipEngine:
                 "params": [tensor, ...],  # this replica's parameters, one flat tensor per bucket
                 "gossip": {"step": 119, "buffers": [tensor, ...]} or None,  # received, not mixed
                 "snapshot": None,  # or {"params": [...], "gossip": ...} while globally averaged
+                "mixing_factor": 1.0,  # a in x <- (1 - a) x + a W x
             }
 
         The parameters are included because they differ between replicas, and building an engine
         broadcasts rank 0's; loading restores this replica's own.
         """
         self.check_buckets()
+        for bucket in self._buckets:
+            bucket.pull()
         snapshot = None
         if self._snapshot is not None:
             snapshot = {"params": [p.clone() for p in self._snapshot.params], "gossip": self._snapshot.gossip}
@@ -368,6 +422,7 @@ class GossipEngine:
             "params": [b.data.clone() for b in self._buckets],
             "gossip": self._gossip.state_dict(),
             "snapshot": snapshot,
+            "mixing_factor": self._mixing_factor,
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -423,8 +478,10 @@ class GossipEngine:
         self.check_state_dict(state)
         for bucket, saved in zip(self._buckets, state["params"], strict=True):
             bucket.data.copy_(saved)
+            bucket.push()
         self._gossip.load_state_dict(state.get("gossip"))
         self._step = int(state["step"])
+        self._mixing_factor = float(state.get("mixing_factor", 1.0))  # absent before 0.2
         snapshot = state.get("snapshot")
         self._snapshot = None
         if snapshot is not None:

@@ -147,8 +147,12 @@ class Gossip:
 
         wait_all([work], tensor.device, self._timeout, failure)
 
-    def mix(self, bucket: int) -> None:
-        """Finish bucket ``bucket``'s round (if any) and mix it in: ``x_i <- sum_j W_ij x_j``."""
+    def mix(self, bucket: int, factor: float = 1.0) -> None:
+        """Finish bucket ``bucket``'s round (if any) and mix it in: ``x_i <- sum_j W_ij x_j``.
+
+        With ``factor`` ``a`` below 1, only part of the way: ``x_i <- (1 - a) x_i + a sum_j W_ij x_j``,
+        i.e. the doubly stochastic ``(1 - a) I + a W``.
+        """
         round_ = self._rounds[bucket]
         if round_ is None:
             return
@@ -157,7 +161,11 @@ class Gossip:
         group, tensor, buffer = round_.group, self._tensors[bucket], self._buffers[bucket]
         assert buffer is not None  # a pending round has a buffer
         own = group.own_weight - group.peer_weight
-        if group.self_weight is None or own == 0.0:
+        if factor != 1.0:
+            # (1 - a) x + a ((w - c) x + S) = (1 - a + a (w - c)) x + a S
+            tensor.mul_(1.0 - factor + factor * (0.0 if group.self_weight is None else own))
+            tensor.add_(buffer, alpha=factor)
+        elif group.self_weight is None or own == 0.0:
             tensor.copy_(buffer)
         else:
             torch.add(buffer, tensor, alpha=own, out=tensor)
@@ -173,10 +181,10 @@ class Gossip:
         for bucket in range(self.num_buckets):
             self.launch(bucket, step)
 
-    def mix_all(self) -> None:
+    def mix_all(self, factor: float = 1.0) -> None:
         """Mix every bucket's pending round, in bucket order."""
         for bucket in range(self.num_buckets):
-            self.mix(bucket)
+            self.mix(bucket, factor)
 
     def wait_all(self) -> None:
         for bucket in range(self.num_buckets):
