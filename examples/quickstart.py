@@ -4,8 +4,10 @@
     torchrun --nproc-per-node 4 examples/quickstart.py     # or let torchrun start them
 
 Every worker trains its own replica of a small MLP on its own shard of a synthetic task, once per
-topology (ring, one-peer-exp, complete) with DecentOptimWrapper and once with PyTorch's
-DistributedDataParallel as the all-reduce baseline, with the same seeds and hyper-parameters. Then it
+topology (ring, one-peer-exp, complete) with DecentOptimWrapper, once with the module front-end
+DecentralizedDataParallel on a ring (``ring-module``: the update happens inside backward), and once
+with PyTorch's DistributedDataParallel as the all-reduce baseline, with the same seeds and
+hyper-parameters. Then it
 prints a table (final training loss, test accuracy of the globally averaged model, consensus
 distance, ms per iteration, bytes each rank sends per step) and writes a figure of loss and
 consensus distance against step.
@@ -30,9 +32,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from decent_optim_wrapper import DecentOptimWrapper, TopologyFactory
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, TopologyFactory
 
-METHODS = ("ring", "one-peer-exp", "complete", "ddp")
+METHODS = ("ring", "ring-module", "one-peer-exp", "complete", "ddp")
+MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
 FEATURES, CLASSES = 32, 10
 
 
@@ -78,17 +81,29 @@ def train_one_method(method: str, steps: int, batch_size: int, lr: float, log_ev
     train_x, train_y, test_x, test_y = make_data()
     shard_x, shard_y = train_x[rank::world], train_y[rank::world]
     model = make_model()
-    inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer: torch.optim.Optimizer | None = None
+    replicas: DecentOptimWrapper | DecentralizedDataParallel | None = None  # what gossips
     if method == "ddp":
         net: nn.Module = DistributedDataParallel(model)
-        optimizer: torch.optim.Optimizer = inner
+        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
         # ring all-reduce of the gradients: every rank sends 2(n-1)/n gradient-sized messages
         sent_models = 2 * (world - 1) / world
+    elif method.endswith(MODULE_SUFFIX):  # the update happens inside backward, one optimizer per bucket
+        topology = method.removesuffix(MODULE_SUFFIX)
+        net = replicas = DecentralizedDataParallel(
+            model,
+            lambda params: torch.optim.SGD([p for _, p in params], lr=lr, momentum=0.9),
+            lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
+            topology=topology,
+        )
+        sent_models = TopologyFactory.create(topology, world).models_sent_per_step()
     else:
         net = model
-        optimizer = DecentOptimWrapper(inner, topology=method)
+        optimizer = replicas = DecentOptimWrapper(
+            torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), topology=method
+        )
         sent_models = TopologyFactory.create(method, world).models_sent_per_step()
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps) if optimizer else None
     loss_fn = nn.CrossEntropyLoss()
     sampler = torch.Generator().manual_seed(100 + rank)
     losses = torch.zeros(steps, dtype=torch.float64)
@@ -97,15 +112,17 @@ def train_one_method(method: str, steps: int, batch_size: int, lr: float, log_ev
     for step in range(steps):
         start = time.perf_counter()
         idx = torch.randint(0, len(shard_x), (batch_size,), generator=sampler)
-        optimizer.zero_grad()
+        if optimizer is not None:
+            optimizer.zero_grad()
         loss = loss_fn(net(shard_x[idx]), shard_y[idx])
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
+        loss.backward()  # the module front-end updates here
+        if optimizer is not None and scheduler is not None:
+            optimizer.step()
+            scheduler.step()
         train_seconds += time.perf_counter() - start
         losses[step] = loss.item()
         if step % log_every == 0 or step == steps - 1:  # measuring is a collective: kept out of the timing
-            distance = optimizer.consensus_distance() if isinstance(optimizer, DecentOptimWrapper) else 0.0
+            distance = replicas.consensus_distance() if replicas is not None else 0.0
             distance_steps.append(step)
             distances.append(distance)
             if rank == 0:
@@ -115,12 +132,12 @@ def train_one_method(method: str, steps: int, batch_size: int, lr: float, log_ev
                     flush=True,
                 )
 
-    if isinstance(optimizer, DecentOptimWrapper):
-        optimizer.global_avg()  # evaluate the average of the replicas ...
+    if replicas is not None:
+        replicas.global_avg()  # evaluate the average of the replicas ...
     with torch.no_grad():
         accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-    if isinstance(optimizer, DecentOptimWrapper):
-        optimizer.revert_global_avg()  # ... and leave each replica as it was
+    if replicas is not None:
+        replicas.revert_global_avg()  # ... and leave each replica as it was
 
     dist.all_reduce(losses)
     losses /= world

@@ -14,15 +14,16 @@ QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
 
 def _short_run() -> list:
     quickstart = load_script(QUICKSTART)
-    results = quickstart.run(
-        ["ring", "one-peer-exp", "complete", "ddp"], steps=30, batch_size=16, lr=0.05, log_every=10
-    )
+    results = quickstart.run(list(quickstart.METHODS), steps=30, batch_size=16, lr=0.05, log_every=10)
     return [asdict(r) for r in results] if dist.get_rank() == 0 else []
 
 
 def test_quickstart_trains_every_method_and_writes_a_figure(pool, tmp_path, capsys):
     results = [SimpleNamespace(**r) for r in pool(2).run(_short_run)[0]]
-    assert [r.method for r in results] == ["ring", "one-peer-exp", "complete", "ddp"]
+    assert [r.method for r in results] == ["ring", "ring-module", "one-peer-exp", "complete", "ddp"]
+    by_method = {r.method: r for r in results}
+    # the two front-ends run the same recursion with the same optimizer: the same losses
+    assert by_method["ring-module"].losses == by_method["ring"].losses
     for r in results:
         assert len(r.losses) == 30 and r.losses[-1] < r.losses[0]  # it learns
         assert 0.0 <= r.accuracy <= 1.0 and r.ms_per_iteration > 0 and r.bytes_per_step > 0
