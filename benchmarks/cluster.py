@@ -46,7 +46,12 @@ BRIDGE_NS = f"{PREFIX}br"
 SUBNET = "10.213.7"
 WORKER = Path(__file__).with_name("cluster_worker.py")
 MAX_PROCESSES = 4
-TOPOLOGIES = ("ring", "one-peer-exp", "alternating-exp-ring")
+TOPOLOGIES = (
+    "ring",
+    "ring-module",
+    "one-peer-exp",
+    "alternating-exp-ring",
+)  # -module: DecentralizedDataParallel
 
 
 def sh(*cmd: str, timeout: float = 20.0) -> str:
@@ -371,6 +376,15 @@ def check_targets(summary: dict[str, Any]) -> None:
         f"iteration): ring {ring:.3f}x no-comm -> {'met' if ring <= 1.15 else 'NOT met'} (<= 1.15); "
         f"DDP/ring {ddp_ring:.3f} -> {'met' if ddp_ring and ddp_ring >= 1.5 else 'NOT met'} (>= 1.5)"
     )
+    module = s["relative"].get("ring-module")
+    if module is not None:
+        ddp_module = s["relative"]["ddp"] / module
+        print(
+            f"module front-end at {bandwidth}: ring-module {module:.3f}x no-comm, ring-module / ring "
+            f"{module / ring:.3f} -> {'met' if module <= ring else 'NOT met'} (<= 1: at least as fast as the "
+            f"optimizer front-end); DDP/ring-module {ddp_module:.3f} -> "
+            f"{'met' if ddp_module >= 1.5 else 'NOT met'} (>= 1.5)"
+        )
 
 
 def parse_args() -> argparse.Namespace:

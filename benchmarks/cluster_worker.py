@@ -7,7 +7,9 @@ in turn (warm-up, then ``--iters`` timed steps), and at the end writes its per-i
 
 * ``nocomm``: trains alone (the process group serves only the barriers around the timed window);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (gradients all-reduced in backward);
-* any topology name (``ring``, ``one-peer-exp``, ...): ``DecentOptimWrapper`` with that topology.
+* any topology name (``ring``, ``one-peer-exp``, ...): ``DecentOptimWrapper`` with that topology;
+* a topology name + ``-module`` (``ring-module``): ``DecentralizedDataParallel`` with that topology,
+  which takes each bucket's AdamW step inside backward as soon as its gradients are ready.
 
 All methods use AdamW on the same model and batch; only the communication differs.
 """
@@ -25,16 +27,28 @@ import torch.distributed as dist
 from common import build_mlp
 from torch import nn
 
-from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 
 #: How long any collective may wait for a peer before raising (the driver also kills at its deadline).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
-def make_training(method: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """A fresh model (wrapped by DDP for ``ddp``) and optimizer (wrapped for a topology)."""
+MODULE_SUFFIX = "-module"
+
+
+def make_training(method: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """A fresh model (wrapped by DDP or the module front-end) and optimizer (None: updated in backward)."""
     torch.manual_seed(0)
     model: nn.Module = build_mlp(args.inputs, args.width, args.depth, 10)
+    if method.endswith(MODULE_SUFFIX):
+        module = DecentralizedDataParallel(
+            model,
+            lambda params: torch.optim.AdamW([p for _, p in params], lr=1e-3),
+            topology=method.removesuffix(MODULE_SUFFIX),
+            _local_world_size=args.local_world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+        )
+        return module, None
     if method == "ddp":
         model = nn.parallel.DistributedDataParallel(model)
     optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -56,13 +70,17 @@ def run_segment(method: str, args: argparse.Namespace) -> tuple[list[float], int
         if i == args.warmup:
             dist.barrier()  # every rank starts the timed window together
         start = time.perf_counter()
-        optimizer.zero_grad()
+        if optimizer is not None:
+            optimizer.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
     if isinstance(optimizer, DecentOptimWrapper):
         optimizer.global_avg(may_revert=False)  # finishes the last gossip round; untimed
+    if isinstance(model, DecentralizedDataParallel):
+        model.global_avg(will_revert=False)
     dist.barrier()  # the next segment starts on every rank together
     return times, sum(p.numel() for p in model.parameters())
 
