@@ -6,22 +6,28 @@ in :class:`TopologyFactory` by name: ``complete``, ``ring``, ``one-peer-exp``, `
 and ``hierarchical``. ``python -m decent_optim_wrapper.topo NAME --world-size N`` prints a schedule and
 its figures (:mod:`decent_optim_wrapper.topo.analysis`).
 
+Topologies written for decent-dp (``_get_topo_edges()`` returning :class:`Edge` lists, registered with
+``@TopologyReg.register(name)``) work unchanged; see "Coming from decent-dp" in ``docs/topologies.md``.
+
 Each module imports only modules listed before it: ``group`` (:class:`Group`, :data:`Phase`);
-``validation`` and ``mixing`` (schedule checks; models sent and consensus rate); ``base``
-(:class:`Topology`); ``factory``; the built-ins ``builtin``, ``exponential``, ``hierarchical``; then
-``analysis`` and ``__main__``.
+``validation`` and ``mixing`` (schedule checks; models sent and consensus rate); ``compat``
+(decent-dp's :class:`Edge` and its conversion to groups); ``base`` (:class:`Topology`); ``factory``
+(:class:`TopologyFactory`, :class:`TopologyReg`); the built-ins ``builtin``, ``exponential``,
+``hierarchical``; then ``analysis`` and ``__main__``.
 """
 
 from decent_optim_wrapper.topo.base import Phase, Topology
 from decent_optim_wrapper.topo.builtin import CompleteTopology, RingTopology
+from decent_optim_wrapper.topo.compat import Edge
 from decent_optim_wrapper.topo.exponential import OnePeerExpTopology
-from decent_optim_wrapper.topo.factory import TopologyFactory
+from decent_optim_wrapper.topo.factory import TopologyFactory, TopologyReg
 from decent_optim_wrapper.topo.group import Group
 from decent_optim_wrapper.topo.hierarchical import AlternatingExpRingTopology, HierarchicalTopology
 
 __all__ = [
     "AlternatingExpRingTopology",
     "CompleteTopology",
+    "Edge",
     "Group",
     "HierarchicalTopology",
     "OnePeerExpTopology",
@@ -29,4 +35,5 @@ __all__ = [
     "RingTopology",
     "Topology",
     "TopologyFactory",
+    "TopologyReg",
 ]

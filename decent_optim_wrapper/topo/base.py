@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from decent_optim_wrapper.topo import mixing
+from decent_optim_wrapper.topo.compat import Edge, edges_to_groups
 from decent_optim_wrapper.topo.group import Group, Phase
 from decent_optim_wrapper.topo.validation import validate_schedule
 
@@ -23,6 +24,23 @@ def _check_positive_int(name: str, value: object) -> int:
     return value
 
 
+def _schedule_source(cls: type[Topology]) -> Literal["assign_groups", "_get_topo_edges"] | None:
+    """``"assign_groups"`` or ``"_get_topo_edges"``: which one the most derived class defining either defines.
+
+    Walking the MRO, rather than asking which method is overridden anywhere, lets a decent-dp-style
+    subclass of a built-in replace the built-in's schedule; a class defining both uses ``assign_groups``.
+    ``None`` when no class below :class:`Topology` defines either.
+    """
+    for klass in cls.__mro__:
+        if klass is Topology:
+            break
+        if "assign_groups" in vars(klass):
+            return "assign_groups"
+        if "_get_topo_edges" in vars(klass):
+            return "_get_topo_edges"
+    return None
+
+
 class Topology:
     """A periodic schedule that says, for every step, which ranks average together.
 
@@ -33,6 +51,15 @@ class Topology:
     :attr:`local_world_size` and :attr:`num_nodes`; the attributes ``self._world_size``,
     ``self._local_world_size`` and ``self._num_nodes`` that seed-era topologies read hold the same
     values and keep working.
+
+    A topology written for decent-dp implements :meth:`_get_topo_edges` instead: one list of
+    :class:`~decent_optim_wrapper.topo.compat.Edge` per phase, the edges of a phase partitioning the
+    ranks, ``Edge(ranks, weight)`` read as ``Group(sorted(ranks), self_weight=weight)``. It may read
+    ``self._n_nodes`` (decent-dp's name for :attr:`num_nodes`) besides ``self._world_size`` and
+    ``self._local_world_size``. Unlike decent-dp's, this constructor takes the world size: the
+    front-ends build a registered class as ``cls(world_size, local_world_size)``, so such a class
+    works unchanged; build one by hand as ``MyTopology(world_size, local_world_size)``. The schedule
+    comes from whichever of the two methods the most derived class defining either defines.
 
     The schedule is validated once, on first use and before any communication: every rank is in
     exactly one group per phase, every member of a group lists the same group, every phase's mixing
@@ -73,10 +100,33 @@ class Topology:
             )
         self._num_nodes = world_size // local_world_size
 
-    # -- the part a subclass writes ------------------------------------------------------------
+    # -- the part a subclass writes: one of the two ------------------------------------------------
     def assign_groups(self) -> Sequence[Sequence[Sequence[int] | Group]]:
-        """Return ``groups[rank][phase]``: each rank's group (sorted ranks, or a :class:`Group`) per phase."""
-        raise NotImplementedError(f"{type(self).__name__} must implement assign_groups().")
+        """Return ``groups[rank][phase]``: each rank's group (sorted ranks, or a :class:`Group`) per phase.
+
+        For a subclass that implements :meth:`_get_topo_edges` instead, the default returns its edges
+        converted to this format (not yet validated; :attr:`schedule` is).
+        """
+        if _schedule_source(type(self)) == "_get_topo_edges":
+            return edges_to_groups(self._world_size, self._get_topo_edges(), type(self).__name__)
+        raise NotImplementedError(self._no_schedule_message())
+
+    def _get_topo_edges(self) -> Sequence[Sequence[Edge]]:
+        """decent-dp's spelling: return one list of :class:`Edge` per phase, partitioning the ranks.
+
+        For a subclass that implements :meth:`assign_groups` instead (every built-in), the default
+        returns its validated schedule as fresh ``Edge(ranks, weight)`` lists, the weight being the
+        self-weight (``1/k`` for a plain average).
+        """
+        if _schedule_source(type(self)) == "assign_groups":
+            return [[Edge(list(g.ranks), g.own_weight) for g in phase] for phase in self.schedule]
+        raise NotImplementedError(self._no_schedule_message())
+
+    def _no_schedule_message(self) -> str:
+        return (
+            f"{type(self).__name__} must implement assign_groups(), returning groups[rank][phase], or "
+            "decent-dp's _get_topo_edges(), returning one list of Edge(ranks, weight) per phase."
+        )
 
     # -- derived, validated views ----------------------------------------------------------------
     @property
@@ -95,6 +145,11 @@ class Topology:
         return self._num_nodes
 
     @property
+    def _n_nodes(self) -> int:
+        """decent-dp's name for :attr:`num_nodes`, read by topologies written for decent-dp (read-only)."""
+        return self._num_nodes
+
+    @property
     def name(self) -> str:
         """The name this topology is registered under, else its class name."""
         # vars(), not getattr(): a subclass of a registered class is not registered under its parent's name.
@@ -103,7 +158,17 @@ class Topology:
     @cached_property
     def schedule(self) -> tuple[Phase, ...]:
         """The validated schedule: one :data:`Phase` per step of the period, groups ordered by first rank."""
-        return validate_schedule(self._world_size, self.assign_groups(), type(self).__name__)
+        owner = type(self).__name__
+        source = _schedule_source(type(self))
+        if source is None:
+            raise NotImplementedError(self._no_schedule_message())
+        if source == "_get_topo_edges":
+            groups: Sequence[Sequence[Sequence[int] | Group]] = edges_to_groups(
+                self._world_size, self._get_topo_edges(), owner
+            )
+        else:
+            groups = self.assign_groups()
+        return validate_schedule(self._world_size, groups, owner)
 
     @property
     def period(self) -> int:

@@ -1,13 +1,14 @@
-"""A registry that builds topologies by name."""
+"""A registry that builds topologies by name; :class:`TopologyReg` is decent-dp's spelling of it."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import ClassVar, TypeVar
 
 from decent_optim_wrapper.topo.base import Topology
 
-__all__ = ["TopologyFactory"]
+__all__ = ["TopologyFactory", "TopologyReg"]
 
 T = TypeVar("T", bound=type[Topology])
 
@@ -85,3 +86,27 @@ class TopologyFactory:
             if registered is topology_cls:
                 return name
         return None
+
+
+class TopologyReg:
+    """decent-dp's registry API over the same registry as :class:`TopologyFactory`.
+
+    A class registered with ``@TopologyReg.register("name")`` is found by ``TopologyFactory.create``
+    and by ``topology="name"`` in the front-ends, and :attr:`registry` lists the classes registered
+    through :class:`TopologyFactory` (built-ins included)::
+
+        @TopologyReg.register("custom-topology")
+        class CustomTopology(Topology):
+            def _get_topo_edges(self) -> list[list[Edge]]: ...
+
+        TopologyReg.registry["custom-topology"] is TopologyFactory.get("custom-topology")  # True
+    """
+
+    #: Name -> class: a live, read-only view of ``TopologyFactory``'s registry. Register through
+    #: :meth:`register` (or ``TopologyFactory.add_topology``), which also keeps :attr:`Topology.name` right.
+    registry: ClassVar[Mapping[str, type[Topology]]] = MappingProxyType(TopologyFactory._registry)
+
+    @staticmethod
+    def register(name: str) -> Callable[[T], T]:
+        """Class decorator: register the class under ``name``, as :meth:`TopologyFactory.register` does."""
+        return TopologyFactory.register(name)
