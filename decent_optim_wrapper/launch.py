@@ -1,0 +1,157 @@
+"""Start ``torch.distributed`` the same way under ``torchrun`` and under plain ``python``.
+
+:func:`initialize_dist` reads the variables torchrun sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), checks that they agree with each other and
+with the host's GPUs before any rendezvous (a bad variable fails at once, not as a hang), and
+initializes the default process group: NCCL with one GPU per process on GPU hosts, gloo otherwise.
+Without those variables the process is a world of one, so the same script runs unchanged on a
+laptop.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["initialize_dist"]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How to join the process group, as read from the environment."""
+
+    backend: str
+    rank: int
+    world_size: int
+    device_index: int | None
+    """The CUDA device this process uses (NCCL only)."""
+    rendezvous: bool
+    """``True``: ``env://`` (``MASTER_ADDR``/``MASTER_PORT``); ``False``: an in-process store."""
+
+
+def _int_var(env: Mapping[str, str], name: str, least: int) -> int | None:
+    raw = env.get(name)
+    if raw is None:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; set it to an integer >= {least}.") from None
+    if value < least:
+        raise ValueError(f"{name}={value} must be >= {least}; fix the launcher's {name}.")
+    return value
+
+
+def plan_launch(env: Mapping[str, str], cuda_device_count: int) -> LaunchPlan:
+    """Check the torchrun variables in ``env`` and say how to initialize; pure, initializes nothing.
+
+    Args:
+        env: The environment, e.g. ``os.environ``.
+        cuda_device_count: GPUs this process sees; 0 means gloo.
+
+    Returns:
+        The backend, rank, world size, CUDA device and whether to rendezvous.
+
+    Raises:
+        ValueError: The variables are not integers or contradict each other or the GPUs; the message
+            names the variable, its value and the fix.
+    """
+    rank = _int_var(env, "RANK", 0)
+    world_size = _int_var(env, "WORLD_SIZE", 1)
+    local_rank = _int_var(env, "LOCAL_RANK", 0)
+    local_world_size = _int_var(env, "LOCAL_WORLD_SIZE", 1)
+    if (rank is None) != (world_size is None):
+        have, missing = ("RANK", "WORLD_SIZE") if world_size is None else ("WORLD_SIZE", "RANK")
+        raise ValueError(
+            f"{have}={env[have]} is set but {missing} is not; launch with torchrun, or set both "
+            "(with MASTER_ADDR and MASTER_PORT), or neither for a world of one."
+        )
+    if rank is None or world_size is None:
+        rank, world_size = 0, 1
+    if rank >= world_size:
+        raise ValueError(f"RANK={rank} must be < WORLD_SIZE={world_size}; ranks run from 0 to WORLD_SIZE-1.")
+    if local_world_size is not None:
+        if local_world_size > world_size:
+            raise ValueError(
+                f"LOCAL_WORLD_SIZE={local_world_size} exceeds WORLD_SIZE={world_size}; it counts the "
+                "processes on this node, a part of the world."
+            )
+        if local_rank is not None and local_rank >= local_world_size:
+            raise ValueError(
+                f"LOCAL_RANK={local_rank} must be < LOCAL_WORLD_SIZE={local_world_size}; local ranks run "
+                "from 0 to LOCAL_WORLD_SIZE-1."
+            )
+    rendezvous = world_size > 1  # a world of one needs no peers, hence no address or port
+    if rendezvous:
+        for name in ("MASTER_ADDR", "MASTER_PORT"):
+            if not env.get(name):
+                raise ValueError(
+                    f"{name} is not set but WORLD_SIZE={world_size}; set MASTER_ADDR and MASTER_PORT to "
+                    "rank 0's address and a free port (torchrun sets them)."
+                )
+        _int_var(env, "MASTER_PORT", 1)
+
+    if cuda_device_count == 0:
+        return LaunchPlan("gloo", rank, world_size, None, rendezvous)
+    if local_rank is None:
+        if world_size > 1:
+            raise ValueError(
+                f"LOCAL_RANK is not set but WORLD_SIZE={world_size} on a host with {cuda_device_count} "
+                "GPU(s); set LOCAL_RANK to this process's index on the node (torchrun sets it), "
+                "which picks its GPU."
+            )
+        local_rank = 0
+    # Check the node's process count too: otherwise the ranks with a GPU would wait forever for
+    # the ones that failed.
+    for name, needed in (("LOCAL_RANK", local_rank + 1), ("LOCAL_WORLD_SIZE", local_world_size or 0)):
+        if needed > cuda_device_count:
+            raise ValueError(
+                f"{name}={env.get(name, '0')} needs {needed} GPUs but this process sees "
+                f"{cuda_device_count}; one process per GPU: start at most {cuda_device_count} per node "
+                "(torchrun --nproc-per-node), or check CUDA_VISIBLE_DEVICES."
+            )
+    return LaunchPlan("nccl", rank, world_size, local_rank, rendezvous)
+
+
+def initialize_dist() -> tuple[int, int]:
+    """Initialize the default process group from the environment; return ``(rank, world_size)``.
+
+    Under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the ranks meet at
+    ``env://``. Under plain ``python`` (none of them set) the process is a world of one, on an
+    in-process store, and collectives work as usual. On a host with GPUs the backend is NCCL and
+    the process takes GPU ``LOCAL_RANK`` (``torch.cuda.set_device``); otherwise gloo. If the
+    default group exists already, it is left alone and its rank and size are returned.
+
+    .. warning:: With more than one process this is a collective: all ranks must call it.
+
+    Returns:
+        ``(rank, world_size)`` of the default process group.
+
+    Raises:
+        ValueError: Inconsistent launch variables (e.g. ``RANK`` without ``WORLD_SIZE``, ``LOCAL_RANK``
+            beyond the GPUs); the message names the variable and the fix.
+        RuntimeError: ``torch.distributed`` is not available in this build of torch.
+    """
+    if not dist.is_available():
+        raise RuntimeError("this build of torch has no torch.distributed; install a build that has it.")
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    plan = plan_launch(os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    device = None
+    if plan.device_index is not None:
+        device = torch.device("cuda", plan.device_index)
+        torch.cuda.set_device(device)
+    if plan.rendezvous:
+        dist.init_process_group(
+            plan.backend, init_method="env://", rank=plan.rank, world_size=plan.world_size, device_id=device
+        )
+    else:
+        # An in-process store: no port to find, no file to clean up. torch.distributed exports
+        # HashStore everywhere but Windows (this library targets Linux); its type stubs omit it.
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(plan.backend, store=store, rank=0, world_size=1, device_id=device)
+    return dist.get_rank(), dist.get_world_size()
