@@ -5,34 +5,78 @@ Layout (dependencies point up this list, never down):
 * :mod:`~decent_optim_wrapper.topo` -- topologies: which ranks average together at each step (pure logic).
 * :mod:`~decent_optim_wrapper.engine` -- the engine: buckets, process groups, per-bucket gossip, global
   averaging and its snapshot, checkpoint state; :class:`~decent_optim_wrapper.engine.GossipEngine`.
+* :mod:`~decent_optim_wrapper.optim` -- optimizers (:class:`AccumAdam`, :class:`AccumAdamW`) and the
+  decent-dp factories (``optim_fn_*``, :func:`lr_scheduler_fn_cosine_with_warmup`); depend on torch only.
 * :mod:`~decent_optim_wrapper.optimizer_protocol` -- running an inner optimizer's step as torch expects
   (GradScaler, global step hooks).
 * :mod:`~decent_optim_wrapper.wrapper` -- :class:`DecentOptimWrapper`, the optimizer front-end.
 * :mod:`~decent_optim_wrapper.data_parallel` -- :class:`DecentralizedDataParallel`, the module front-end
   (decent-dp's API): each bucket is updated and gossiped inside backward.
 * :mod:`~decent_optim_wrapper.metrics` -- measurements over the replicas (consensus distance).
+* :mod:`~decent_optim_wrapper.launch` -- :func:`initialize_dist`: a process group under torchrun or
+  plain python.
 """
 
 from loguru import logger
 
 from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import DecentError, GlobalAverageError, GossipEngine, GossipError
+from decent_optim_wrapper.launch import initialize_dist
 from decent_optim_wrapper.metrics import consensus_distance
-from decent_optim_wrapper.topo import Group, Topology, TopologyFactory
+from decent_optim_wrapper.optim import (
+    LR_SCHEDULER_FN_TYPE,
+    OPTIM_FN_TYPE,
+    AccumAdam,
+    AccumAdamW,
+    lr_scheduler_fn_cosine_with_warmup,
+    optim_fn_accum_adam,
+    optim_fn_accum_adamw,
+    optim_fn_adam,
+    optim_fn_adamw,
+)
+from decent_optim_wrapper.topo import (
+    AlternatingExpRingTopology,
+    CompleteTopology,
+    Edge,
+    Group,
+    HierarchicalTopology,
+    OnePeerExpTopology,
+    RingTopology,
+    Topology,
+    TopologyFactory,
+    TopologyReg,
+)
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 # Libraries stay silent unless the user opts in: logger.enable("decent_optim_wrapper").
 logger.disable("decent_optim_wrapper")
 
 __all__ = [
+    "LR_SCHEDULER_FN_TYPE",
+    "OPTIM_FN_TYPE",
+    "AccumAdam",
+    "AccumAdamW",
+    "AlternatingExpRingTopology",
+    "CompleteTopology",
     "DecentError",
     "DecentOptimWrapper",
     "DecentralizedDataParallel",
+    "Edge",
     "GlobalAverageError",
     "GossipEngine",
     "GossipError",
     "Group",
+    "HierarchicalTopology",
+    "OnePeerExpTopology",
+    "RingTopology",
     "Topology",
     "TopologyFactory",
+    "TopologyReg",
     "consensus_distance",
+    "initialize_dist",
+    "lr_scheduler_fn_cosine_with_warmup",
+    "optim_fn_accum_adam",
+    "optim_fn_accum_adamw",
+    "optim_fn_adam",
+    "optim_fn_adamw",
 ]

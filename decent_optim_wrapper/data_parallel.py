@@ -22,14 +22,10 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, GossipEngine
 from decent_optim_wrapper.engine.comm import agree, check_identical
+from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
 from decent_optim_wrapper.topo import Topology
 
-__all__ = ["LR_SCHEDULER_FN_TYPE", "OPTIM_FN_TYPE", "DecentralizedDataParallel"]
-
-#: Builds the optimizer of one bucket from its ``(name, parameter)`` pairs.
-OPTIM_FN_TYPE = Callable[[list[tuple[str, torch.Tensor]]], Optimizer]
-#: Builds the LR scheduler of one bucket's optimizer.
-LR_SCHEDULER_FN_TYPE = Callable[[Optimizer], LRScheduler]
+__all__ = ["DecentralizedDataParallel"]
 
 #: Version of :meth:`DecentralizedDataParallel.training_state_dict`'s layout.
 TRAINING_STATE_VERSION = 1

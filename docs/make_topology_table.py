@@ -1,4 +1,4 @@
-"""Print the figures table of docs/topologies.md: ``PYTHONPATH=src python docs/make_topology_table.py``."""
+"""Print the figures table of docs/topologies.md: ``uv run python docs/make_topology_table.py``."""
 
 from __future__ import annotations
 
