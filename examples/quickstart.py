@@ -7,10 +7,12 @@ Every worker trains its own replica of a small MLP on its own shard of a synthet
 topology (ring, one-peer-exp, complete) with DecentOptimWrapper, once with the module front-end
 DecentralizedDataParallel on a ring (``ring-module``: the update happens inside backward), and once
 with PyTorch's DistributedDataParallel as the all-reduce baseline, with the same seeds and
-hyper-parameters. Then it
-prints a table (final training loss, test accuracy of the globally averaged model, consensus
-distance, ms per iteration, bytes each rank sends per step) and writes a figure of loss and
-consensus distance against step.
+hyper-parameters. Then it prints a table (final training loss, test accuracy of the globally
+averaged model, consensus distance, ms per iteration, bytes each rank sends per step) and writes a
+figure of loss and consensus distance against step.
+
+A method may name its optimizer after a ``+``: ``ddp+adamw`` and ``ring-module+accum-adamw``
+(AccumAdamW, accum_iter 4) train with ``--adam-lr``; without one it is SGD with momentum at ``--lr``.
 
 The task needs no download: 10 Gaussian clusters in 32 dimensions with overlapping classes
 (generated from a fixed seed), 16384 training points split across workers and 8192 test points.
@@ -32,10 +34,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, TopologyFactory
+from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel, TopologyFactory
 
 METHODS = ("ring", "ring-module", "one-peer-exp", "complete", "ddp")
 MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
+OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
 FEATURES, CLASSES = 32, 10
 
 
@@ -75,24 +78,44 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def train_one_method(method: str, steps: int, batch_size: int, lr: float, log_every: int) -> Result | None:
+def optimizer_factory(name: str, lr: float, adam_lr: float):
+    """Builds the optimizer ``name`` from (name, parameter) pairs (the module front-end's optim_fn)."""
+    if name not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {name!r} after '+'; choose one of {', '.join(OPTIMIZERS)}")
+
+    def build(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+        params = [p for _, p in named]
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=adam_lr, weight_decay=0.0)
+        if name == "accum-adamw":  # moments move once per 4 steps, from the mean gradient
+            return AccumAdamW(params, lr=adam_lr, weight_decay=0.0, accum_iter=4)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    return build
+
+
+def train_one_method(
+    method: str, steps: int, batch_size: int, lr: float, log_every: int, adam_lr: float = 3e-3
+) -> Result | None:
     """Train from scratch with ``method``; every rank calls this; rank 0 gets the Result."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    front, _, optimizer_name = method.partition("+")
+    make_optimizer = optimizer_factory(optimizer_name or "sgd", lr, adam_lr)
     train_x, train_y, test_x, test_y = make_data()
     shard_x, shard_y = train_x[rank::world], train_y[rank::world]
     model = make_model()
     optimizer: torch.optim.Optimizer | None = None
     replicas: DecentOptimWrapper | DecentralizedDataParallel | None = None  # what gossips
-    if method == "ddp":
+    if front == "ddp":
         net: nn.Module = DistributedDataParallel(model)
-        optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+        optimizer = make_optimizer(list(model.named_parameters()))
         # ring all-reduce of the gradients: every rank sends 2(n-1)/n gradient-sized messages
         sent_models = 2 * (world - 1) / world
-    elif method.endswith(MODULE_SUFFIX):  # the update happens inside backward, one optimizer per bucket
-        topology = method.removesuffix(MODULE_SUFFIX)
+    elif front.endswith(MODULE_SUFFIX):  # the update happens inside backward, one optimizer per bucket
+        topology = front.removesuffix(MODULE_SUFFIX)
         net = replicas = DecentralizedDataParallel(
             model,
-            lambda params: torch.optim.SGD([p for _, p in params], lr=lr, momentum=0.9),
+            make_optimizer,
             lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
             topology=topology,
         )
@@ -100,10 +123,10 @@ def train_one_method(method: str, steps: int, batch_size: int, lr: float, log_ev
     else:
         net = model
         optimizer = replicas = DecentOptimWrapper(
-            torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), topology=method
+            make_optimizer(list(model.named_parameters())), topology=front
         )
-        sent_models = TopologyFactory.create(method, world).models_sent_per_step()
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps) if optimizer else None
+        sent_models = TopologyFactory.create(front, world).models_sent_per_step()
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps) if optimizer is not None else None
     loss_fn = nn.CrossEntropyLoss()
     sampler = torch.Generator().manual_seed(100 + rank)
     losses = torch.zeros(steps, dtype=torch.float64)
@@ -159,13 +182,15 @@ def train_one_method(method: str, steps: int, batch_size: int, lr: float, log_ev
     )
 
 
-def run(methods: list[str], steps: int, batch_size: int, lr: float, log_every: int) -> list[Result]:
+def run(
+    methods: list[str], steps: int, batch_size: int, lr: float, log_every: int, adam_lr: float = 3e-3
+) -> list[Result]:
     """Train every method in turn (all ranks); rank 0 returns the results."""
     results = []
     for method in methods:
         if dist.get_rank() == 0:
             print(f"[{method}] training {steps} steps on {dist.get_world_size()} workers", flush=True)
-        result = train_one_method(method, steps, batch_size, lr, log_every)
+        result = train_one_method(method, steps, batch_size, lr, log_every, adam_lr)
         if result is not None:
             results.append(result)
         dist.barrier()
@@ -198,7 +223,7 @@ def plot(results: list[Result], path: Path) -> None:
         window = max(1, len(r.losses) // 40)
         smooth = torch.tensor(r.losses).unfold(0, window, 1).mean(1)
         left.plot(range(window - 1, len(r.losses)), smooth, label=r.method)
-        if r.method != "ddp":  # DDP replicas are identical: distance 0
+        if not r.method.startswith("ddp"):  # DDP replicas are identical: distance 0
             right.semilogy(r.distance_steps, [max(d, 1e-12) for d in r.distances], marker=".", label=r.method)
     left.set(xlabel="step", ylabel="training loss (mean over workers)", title="Training loss")
     right.set(xlabel="step", ylabel="consensus distance", title="Distance of replicas to their average")
@@ -211,7 +236,7 @@ def plot(results: list[Result], path: Path) -> None:
 
 def main_on_rank(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    results = run(args.methods, args.steps, args.batch_size, args.lr, args.log_every)
+    results = run(args.methods, args.steps, args.batch_size, args.lr, args.log_every, args.adam_lr)
     if dist.get_rank() == 0:
         print_table(results, dist.get_world_size())
         plot(results, Path(args.figure))
@@ -237,7 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), help=f"default: {' '.join(METHODS)}")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=32, help="per worker")
-    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD's learning rate")
+    parser.add_argument("--adam-lr", type=float, default=3e-3, help="learning rate of +adamw, +accum-adamw")
     parser.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
     parser.add_argument("--figure", default="runs/quickstart.png")
     parser.add_argument("--json", default=None, help="also write the results here")
