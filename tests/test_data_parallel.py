@@ -511,3 +511,99 @@ def test_bad_arguments_name_the_argument_and_the_fix(pool):
     assert "grad_clip_norm must be a finite number >= 0, got -1.0" in messages[1]
     assert "model must be a torch.nn.Module" in messages[2]
     assert "must cover exactly the parameters" in messages[3]
+
+
+# -- decent-dp users change only their imports ---------------------------------------------------------------
+DECENT_DP_NAMES = [
+    "DecentralizedDataParallel",
+    "OPTIM_FN_TYPE",
+    "LR_SCHEDULER_FN_TYPE",
+    "optim_fn_adam",
+    "optim_fn_adamw",
+    "optim_fn_accum_adam",
+    "optim_fn_accum_adamw",
+    "lr_scheduler_fn_cosine_with_warmup",
+    "AccumAdam",
+    "AccumAdamW",
+    "Topology",
+    "TopologyReg",
+    "Edge",
+    "initialize_dist",
+    "CompleteTopology",
+    "RingTopology",
+    "OnePeerExpTopology",
+    "AlternatingExpRingTopology",
+]
+
+
+@pytest.mark.pure
+def test_every_decent_dp_name_is_importable_from_the_package_with_its_signature():
+    import inspect
+
+    import decent_optim_wrapper
+
+    missing = [name for name in DECENT_DP_NAMES if not hasattr(decent_optim_wrapper, name)]
+    assert not missing
+    parameters = inspect.signature(DecentralizedDataParallel).parameters
+    positional = [n for n, p in parameters.items() if p.kind is p.POSITIONAL_OR_KEYWORD]
+    assert positional == [
+        "model",
+        "optim_fn",
+        "lr_scheduler_fn",
+        "topology",
+        "scaler",
+        "grad_clip_norm",
+        "param_as_bucket_view",
+        "sync_buffer_in_global_avg",
+        "bucket_size_in_mb",
+        "_local_world_size",
+    ]
+    defaults = {n: parameters[n].default for n in positional[2:]}
+    assert defaults == {
+        "lr_scheduler_fn": None,
+        "topology": "complete",
+        "scaler": None,
+        "grad_clip_norm": 0.0,
+        "param_as_bucket_view": True,
+        "sync_buffer_in_global_avg": False,
+        "bucket_size_in_mb": 25,
+        "_local_world_size": None,
+    }
+
+
+def _decent_dp_tutorial() -> list[float]:
+    """decent-dp's tutorial, with only the imports changed (accumulation in the pattern that updates)."""
+    from decent_optim_wrapper import DecentralizedDataParallel as DecentDP
+    from decent_optim_wrapper import optim_fn_accum_adamw, optim_fn_adamw
+
+    def my_optim_fn(params):
+        return torch.optim.SGD([p for _, p in params], lr=0.01, momentum=0.9)
+
+    rank = dist.get_rank()
+    losses = []
+    for optim_fn in (optim_fn_adamw, partial(optim_fn_adamw, lr=0.001, weight_decay=0.01), my_optim_fn):
+        ddp_model = DecentDP(
+            tiny_model(), optim_fn, lr_scheduler_fn=None, topology="complete", bucket_size_in_mb=25
+        )
+        ddp_model.train()
+        for step in range(3):
+            data, target = batch(rank, step)
+            output = ddp_model(data)
+            loss = nn.functional.cross_entropy(output, target)
+            ddp_model.zero_grad()
+            loss.backward()
+        ddp_model.eval()
+        with torch.no_grad():
+            data, target = batch(rank, 99)
+            losses.append(float(nn.functional.cross_entropy(ddp_model(data), target)))
+    accum = DecentDP(tiny_model(), partial(optim_fn_accum_adamw, accum_iter=2), topology="ring")
+    for step in range(4):
+        data, target = batch(rank, step)
+        nn.functional.cross_entropy(accum(data), target).backward()
+    losses.append(float(accum.step_count))
+    return losses
+
+
+def test_decent_dp_tutorial_runs_with_only_the_imports_changed(pool):
+    for losses in pool(2).run(_decent_dp_tutorial):
+        assert all(math.isfinite(v) for v in losses[:3]) and losses[3] == 4.0
