@@ -11,13 +11,15 @@ import torch.distributed as dist
 from helpers import batch, flat, tiny_model, train_steps
 from torch import nn
 
-from decent_optim_wrapper import DecentOptimWrapper, Topology, TopologyFactory
+from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, Topology, TopologyFactory
 
 
 def _bare_vs_wrapped(optimizer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     def make(model):
         if optimizer_name == "adamw":
             return torch.optim.AdamW(model.parameters(), lr=0.01)
+        if optimizer_name == "accum-adamw":  # the optimizers of the module front-end work here too
+            return AccumAdamW(model.parameters(), lr=0.01, weight_decay=0.1, accum_iter=2)
         return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
     bare_model, wrapped_model = tiny_model(), tiny_model()
@@ -26,7 +28,7 @@ def _bare_vs_wrapped(optimizer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     return flat(bare_model), flat(wrapped_model)
 
 
-@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw", "accum-adamw"])
 def test_world_size_one_is_the_bare_optimizer_bit_for_bit(pool, optimizer_name):
     ((bare, wrapped),) = pool(1).run(_bare_vs_wrapped, optimizer_name)
     assert torch.equal(bare, wrapped)
