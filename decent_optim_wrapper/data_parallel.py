@@ -144,9 +144,10 @@ class DecentralizedDataParallel(nn.Module):
 
         num_buckets = len(self._engine.buckets)
         self._accumulating = False
-        self._in_backward = False
-        self._next_bucket = 0
-        self._waiting = [len(b.params) for b in self._engine.buckets]
+        self._in_backward = False  # between the first gradient hook of an update and its callback
+        self._next_bucket = 0  # buckets before it are updated in this iteration
+        self._waiting: list[int] = []  # per bucket, gradients not accumulated yet in this iteration
+        self._reset_iteration()
         self._hooks = [
             # torch leaves this method unannotated
             param.register_post_accumulate_grad_hook(self._grad_ready_hook(index))  # type: ignore[no-untyped-call]
@@ -290,17 +291,21 @@ class DecentralizedDataParallel(nn.Module):
     def _on_grad_ready(self, bucket: int) -> None:
         if self._accumulating:
             return
-        if not self._in_backward:
-            self._in_backward = True
-            self._engine.begin_step()
-            # The same mechanism torch DDP and FSDP use to finish work at the end of backward.
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-        self._waiting[bucket] -= 1
-        if self._deferred:
-            return
-        while self._next_bucket < len(self._waiting) and self._waiting[self._next_bucket] == 0:
-            self._update_bucket(self._next_bucket, skip_local_update=False)
-            self._next_bucket += 1
+        try:
+            if not self._in_backward:
+                self._in_backward = True
+                self._engine.begin_step()
+                # The same mechanism torch DDP and FSDP use to finish work at the end of backward.
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._waiting[bucket] -= 1
+            if self._deferred:
+                return
+            while self._next_bucket < len(self._waiting) and self._waiting[self._next_bucket] == 0:
+                self._update_bucket(self._next_bucket, skip_local_update=False)
+                self._next_bucket += 1
+        except BaseException:
+            self._reset_iteration()  # backward fails and the end-of-backward callback never runs
+            raise
 
     def _finish_backward(self) -> None:
         try:
@@ -311,9 +316,12 @@ class DecentralizedDataParallel(nn.Module):
                     self._update_bucket(bucket, skip_local_update=False)
             self._engine.end_step()
         finally:
-            self._in_backward = False
-            self._next_bucket = 0
-            self._waiting = [len(b.params) for b in self._engine.buckets]
+            self._reset_iteration()
+
+    def _reset_iteration(self) -> None:
+        self._in_backward = False
+        self._next_bucket = 0
+        self._waiting = [len(b.params) for b in self._engine.buckets]
 
     def _finish_deferred(self) -> None:
         scaler = self._scaler

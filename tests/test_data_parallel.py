@@ -607,3 +607,33 @@ def _decent_dp_tutorial() -> list[float]:
 def test_decent_dp_tutorial_runs_with_only_the_imports_changed(pool):
     for losses in pool(2).run(_decent_dp_tutorial):
         assert all(math.isfinite(v) for v in losses[:3]) and losses[3] == 4.0
+
+
+class FailsOnce(torch.optim.SGD):
+    failed = False
+
+    def step(self, closure=None):
+        if not FailsOnce.failed:
+            FailsOnce.failed = True
+            raise RuntimeError("injected failure")
+        return super().step(closure)
+
+
+def _failed_backward_leaves_a_usable_module() -> tuple[str, int]:
+    FailsOnce.failed = False
+    ddp = DecentralizedDataParallel(tiny_model(), lambda ps: FailsOnce([p for _, p in ps], lr=0.1))
+    x, y = batch(0, 0)
+    try:
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    for step in range(2):
+        x, y = batch(0, step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    return message, ddp.step_count
+
+
+def test_an_error_inside_backward_leaves_the_module_usable(pool):
+    ((message, steps),) = pool(1).run(_failed_backward_leaves_a_usable_module)
+    assert "injected failure" in message and steps == 2
