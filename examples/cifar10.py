@@ -8,14 +8,28 @@
     # checkpoint every epoch, and continue after an interruption (same world size and arguments):
     torchrun --nproc-per-node 4 examples/cifar10.py --data-dir data --checkpoint-dir ckpt
     torchrun --nproc-per-node 4 examples/cifar10.py --data-dir data --checkpoint-dir ckpt --resume
-    # a smoke test without GPUs or downloads (gloo on CPU, random images):
+    # the module front-end: DecentralizedDataParallel with AccumAdamW, updating inside backward:
+    torchrun --nproc-per-node 4 examples/cifar10.py --data-dir data --front-end module --accum-iter 4
+    # a smoke test without GPUs or downloads (gloo on CPU, random images), with either front-end:
     torchrun --nproc-per-node 2 examples/cifar10.py --device cpu --fake-data --epochs 2 --max-steps 4
+    torchrun --nproc-per-node 2 examples/cifar10.py --device cpu --fake-data --epochs 2 --max-steps 4 \\
+        --front-end module
 
 The recipe: ResNet-18 from torchvision with the usual CIFAR stem (3x3 convolution, stride 1, no max
-pool), SGD with Nesterov momentum 0.9 and weight decay 5e-4 wrapped in ``DecentOptimWrapper``, random
-crop and horizontal flip, mixed precision (bf16 by default on CUDA; fp16 uses a GradScaler), and a
-linear warm-up followed by a cosine decay, stepped every iteration. ``--lr`` is the learning rate for a
-global batch of 256 images and is scaled linearly with ``--batch-size`` x world size.
+pool), random crop and horizontal flip, mixed precision (bf16 by default on CUDA; fp16 uses a
+GradScaler), and a linear warm-up (from 0.1 x the peak) followed by a cosine decay to 0, stepped every
+iteration. Two front-ends train it (``--front-end``):
+
+- ``optimizer`` (the default): SGD with Nesterov momentum 0.9 wrapped in ``DecentOptimWrapper``;
+  ``backward()``, then ``step()`` mixes, takes the local step and launches gossip.
+- ``module``: ``DecentralizedDataParallel`` with one ``AccumAdamW`` per bucket, whose moments move
+  once per ``--accum-iter`` steps; the update happens inside ``backward()``, bucket by bucket, and
+  the module itself steps the LR schedules and the GradScaler and zeroes the gradients.
+
+``--lr`` is the peak learning rate for a global batch of 256 images (default 0.1 for SGD, 1e-3 for
+AccumAdamW) and is scaled linearly with ``--batch-size`` x world size; for AdamW at a global batch of
+a few thousand images, consider a smaller ``--lr``. ``--weight-decay`` defaults to 5e-4 (SGD, L2 on
+all parameters) or 0.05 (AdamW, decoupled, on weights only: not on biases and BatchNorm).
 
 Every rank reads its own shard of the training set. After each epoch the replicas are averaged
 exactly (parameters and BatchNorm statistics) to evaluate the average model on the test set, then
@@ -30,8 +44,9 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -40,13 +55,32 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 from torchvision import transforms
 
-from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper import (
+    DecentOptimWrapper,
+    DecentralizedDataParallel,
+    lr_scheduler_fn_cosine_with_warmup,
+    optim_fn_accum_adamw,
+)
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
-#: The arguments that shape the schedule and the data order; a resumed run must repeat them.
-RESUME_MUST_MATCH = ("epochs", "batch_size", "lr", "warmup_epochs", "max_steps", "fake_data", "seed")
+#: The arguments that shape the optimizer, the schedule and the data order; a resumed run must repeat
+#: them (the optimizers' state dicts would silently restore the saved lr, weight decay and accum_iter).
+RESUME_MUST_MATCH = (
+    "front_end",
+    "epochs",
+    "batch_size",
+    "lr",
+    "weight_decay",
+    "accum_iter",
+    "warmup_epochs",
+    "max_steps",
+    "fake_data",
+    "seed",
+)
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+#: Per front-end: (learning rate per 256 images, weight decay) when not given.
+DEFAULT_LR_AND_WEIGHT_DECAY = {"optimizer": (0.1, 5e-4), "module": (1e-3, 0.05)}
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -68,7 +102,27 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topology", default="ring", help="ring, complete, one-peer-exp, hierarchical, ...")
     parser.add_argument("--epochs", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=128, help="images per rank per step")
-    parser.add_argument("--lr", type=float, default=0.1, help="learning rate per 256 images of global batch")
+    parser.add_argument(
+        "--front-end",
+        choices=tuple(DEFAULT_LR_AND_WEIGHT_DECAY),
+        default="optimizer",
+        help="optimizer: DecentOptimWrapper around SGD; module: DecentralizedDataParallel with AccumAdamW",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help="peak learning rate per 256 images of global batch (default: 0.1 SGD, 1e-3 AccumAdamW)",
+    )
+    parser.add_argument(
+        "--weight-decay", type=float, default=None, help="default: 5e-4 for SGD, 0.05 for AccumAdamW"
+    )
+    parser.add_argument(
+        "--accum-iter",
+        type=int,
+        default=None,
+        help="--front-end module: AccumAdamW's steps per moment update (default 4)",
+    )
     parser.add_argument("--warmup-epochs", type=float, default=1.0, help="linear warm-up length")
     parser.add_argument("--max-steps", type=int, default=None, help="at most this many steps per epoch")
     parser.add_argument(
@@ -95,17 +149,144 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--max-steps must be at least 1, got {args.max_steps}")
     if args.resume and args.checkpoint_dir is None:
         parser.error("--resume needs --checkpoint-dir, the directory the interrupted run saved to")
+    if args.front_end == "module":
+        args.accum_iter = 4 if args.accum_iter is None else args.accum_iter
+        if args.accum_iter < 1:
+            parser.error(f"--accum-iter must be at least 1, got {args.accum_iter}")
+    elif args.accum_iter is not None:
+        parser.error("--accum-iter is AccumAdamW's, which only --front-end module uses; SGD has no moments")
+    # Resolved here, so that a checkpoint records the values trained with, defaults included.
+    default_lr, default_weight_decay = DEFAULT_LR_AND_WEIGHT_DECAY[args.front_end]
+    args.lr = default_lr if args.lr is None else args.lr
+    args.weight_decay = default_weight_decay if args.weight_decay is None else args.weight_decay
+    for name in ("lr", "weight_decay"):
+        if not getattr(args, name) >= 0:
+            parser.error(f"--{name.replace('_', '-')} must be at least 0, got {getattr(args, name)}")
     return args
+
+
+class FrontEnd(Protocol):
+    """What training, evaluation and checkpoints ask of a front-end; one class per ``--front-end``."""
+
+    @property
+    def step_count(self) -> int:
+        """Completed iterations, restored by :meth:`load_state_dict`."""
+        ...
+
+    def summary(self) -> str:
+        """Topology and peak learning rate, for the first line of the log."""
+        ...
+
+    def update(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` and take this rank's step: mix, update locally, launch gossip."""
+        ...
+
+    def global_avg(self) -> None:
+        """Average parameters and BatchNorm statistics exactly over all ranks (a collective)."""
+        ...
+
+    def revert_global_avg(self) -> None:
+        """Restore this replica as it was before :meth:`global_avg`, bit for bit."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's training state: the model's, the optimizers', the schedule's, the gossip's."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class OptimizerFrontEnd:
+    """``--front-end optimizer``: SGD in a ``DecentOptimWrapper``, with a stock schedule and GradScaler."""
+
+    model: nn.Module
+    optimizer: DecentOptimWrapper
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler  # disabled unless fp16: then it passes steps through
+
+    @property
+    def step_count(self) -> int:
+        return self.optimizer.step_count
+
+    def summary(self) -> str:
+        peak_lr = self.optimizer.param_groups[0]["initial_lr"]
+        return f"topology {self.optimizer.topology.name}, SGD, peak lr {peak_lr:.4g}"
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+        self.scaler.step(self.optimizer)  # the wrapper: mix, local step, launch gossip
+        self.scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad()  # after the step rather than before the forward: the same
+
+    def global_avg(self) -> None:
+        self.optimizer.global_avg(buffers=self.model)  # parameters and BatchNorm statistics
+
+    def revert_global_avg(self) -> None:
+        self.optimizer.revert_global_avg()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),  # saved after the revert: this replica's own BatchNorm stats
+            "optimizer": self.optimizer.state_dict(),  # includes the replica's parameters and gossip
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+@dataclass
+class ModuleFrontEnd:
+    """``--front-end module``: a ``DecentralizedDataParallel`` that updates inside ``backward()``.
+
+    The module owns the bucket optimizers, their schedules and the GradScaler (unscaling, stepping,
+    updating it and zeroing the gradients itself); the loop only scales the loss.
+    """
+
+    model: DecentralizedDataParallel
+    scaler: torch.amp.GradScaler  # the one the module was given if enabled (fp16), else a no-op
+
+    @property
+    def step_count(self) -> int:
+        return self.model.step_count
+
+    def summary(self) -> str:
+        peak_lr = self.model.optimizers[0].param_groups[0]["initial_lr"]
+        accum_iter = self.model.optimizers[0].param_groups[0]["accum_iter"]
+        return (
+            f"topology {self.model.engine.topology.name}, AccumAdamW (accum_iter {accum_iter}), "
+            f"peak lr {peak_lr:.4g}"
+        )
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()  # mixes, steps and launches gossip, bucket by bucket
+
+    def global_avg(self) -> None:
+        self.model.global_avg()  # BatchNorm statistics too: built with sync_buffer_in_global_avg
+
+    def revert_global_avg(self) -> None:
+        self.model.revert_global_avg()
+
+    def state_dict(self) -> dict[str, Any]:
+        # the model, bucket optimizers, schedules, scaler, this replica's parameters and its gossip
+        return {"training_state": self.model.training_state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_training_state_dict(state["training_state"])
 
 
 @dataclass
 class Recipe:
     """Everything one rank trains with."""
 
-    model: nn.Module
-    optimizer: DecentOptimWrapper
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: torch.amp.GradScaler
+    model: nn.Module  # what the loop calls: the ResNet, or the DecentralizedDataParallel around it
+    front_end: FrontEnd
     train_loader: DataLoader
     train_sampler: DistributedSampler
     test_loader: DataLoader
@@ -159,10 +340,64 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
-def build(args: argparse.Namespace, device: torch.device) -> Recipe:
-    """Data, model, wrapped optimizer, LR schedule and grad scaler for this rank.
+@dataclass(frozen=True)
+class Schedule:
+    """The peak learning rate (scaled to the global batch) and the schedule's length in iterations."""
 
-    .. warning:: A collective (the wrapper's construction): all ranks must call it.
+    lr: float
+    total: int
+    warmup: int  # linear warm-up iterations, then a cosine decay over the other total - warmup
+
+
+def optimizer_front_end(
+    args: argparse.Namespace, model: nn.Module, schedule: Schedule, scaler: torch.amp.GradScaler
+) -> tuple[FrontEnd, nn.Module]:
+    """SGD wrapped in ``DecentOptimWrapper`` with torch's schedulers; returns it and the model to call."""
+    inner = torch.optim.SGD(
+        model.parameters(), lr=schedule.lr, momentum=0.9, nesterov=True, weight_decay=args.weight_decay
+    )
+    optimizer = DecentOptimWrapper(
+        inner, topology=args.topology, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    )
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=schedule.total - schedule.warmup)
+    scheduler: torch.optim.lr_scheduler.LRScheduler = cosine
+    if schedule.warmup > 0:
+        linear = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=schedule.warmup)
+        scheduler = torch.optim.lr_scheduler.SequentialLR(
+            optimizer, [linear, cosine], milestones=[schedule.warmup]
+        )
+    return OptimizerFrontEnd(model, optimizer, scheduler, scaler), model
+
+
+def module_front_end(
+    args: argparse.Namespace, model: nn.Module, schedule: Schedule, scaler: torch.amp.GradScaler
+) -> tuple[FrontEnd, nn.Module]:
+    """``DecentralizedDataParallel`` with AccumAdamW per bucket; returns it and the module to call."""
+    ddp = DecentralizedDataParallel(
+        model,
+        optim_fn=partial(
+            optim_fn_accum_adamw, lr=schedule.lr, weight_decay=args.weight_decay, accum_iter=args.accum_iter
+        ),
+        # the same shape as the optimizer front-end's: from 0.1 x the peak, cosine down to 0
+        lr_scheduler_fn=partial(
+            lr_scheduler_fn_cosine_with_warmup,
+            t_max=schedule.total - schedule.warmup,
+            t_warmup=schedule.warmup,
+            cosine_eta_min=0.0,
+            warmup_decay=0.1,
+        ),
+        topology=args.topology,
+        scaler=scaler if scaler.is_enabled() else None,  # unscaled, stepped and updated inside backward
+        sync_buffer_in_global_avg=True,  # global_avg() averages BatchNorm statistics too
+        _local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1)),
+    )
+    return ModuleFrontEnd(ddp, scaler), ddp
+
+
+def build(args: argparse.Namespace, device: torch.device) -> Recipe:
+    """Data, model and front-end (optimizers, LR schedule, grad scaler) for this rank.
+
+    .. warning:: A collective (the front-end's construction): all ranks must call it.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     train_set, test_set = datasets(args, rank)
@@ -194,29 +429,18 @@ def build(args: argparse.Namespace, device: torch.device) -> Recipe:
     # channels_last lets cuDNN use tensor cores without transposes; the wrapper's buckets keep it.
     memory_format = torch.channels_last if device.type == "cuda" else torch.preserve_format
     model = resnet18_cifar().to(device, memory_format=memory_format)  # move before wrapping
-    lr = args.lr * args.batch_size * world_size / 256
-    inner = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
-    optimizer = DecentOptimWrapper(
-        inner, topology=args.topology, local_world_size=int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    )
-
-    total = args.epochs * steps_per_epoch
-    warmup = min(round(args.warmup_epochs * steps_per_epoch), total - 1)
-    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total - warmup)
-    scheduler: torch.optim.lr_scheduler.LRScheduler = cosine
-    if warmup > 0:
-        linear = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=warmup)
-        scheduler = torch.optim.lr_scheduler.SequentialLR(optimizer, [linear, cosine], milestones=[warmup])
-
     amp = args.amp or ("bf16" if device.type == "cuda" else "none")
     amp_dtype = AMP_DTYPES[amp]
     # bf16 has fp32's range, so only fp16 needs loss scaling; a disabled scaler passes steps through.
     scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+    total = args.epochs * steps_per_epoch
+    warmup = min(round(args.warmup_epochs * steps_per_epoch), total - 1)
+    schedule = Schedule(lr=args.lr * args.batch_size * world_size / 256, total=total, warmup=warmup)
+    build_front_end = module_front_end if args.front_end == "module" else optimizer_front_end
+    front_end, net = build_front_end(args, model, schedule, scaler)
     return Recipe(
-        model,
-        optimizer,
-        scheduler,
-        scaler,
+        net,
+        front_end,
         train_loader,
         train_sampler,
         test_loader,
@@ -254,13 +478,9 @@ def train_one_epoch(recipe: Recipe, epoch: int, seed: int) -> float:
         if steps == recipe.steps_per_epoch:
             break
         x, y = _to_device(recipe, x, y)
-        recipe.optimizer.zero_grad()
         with _autocast(recipe):
             loss = nn.functional.cross_entropy(recipe.model(x), y)
-        recipe.scaler.scale(loss).backward()
-        recipe.scaler.step(recipe.optimizer)  # the wrapper: mix, local step, launch gossip
-        recipe.scaler.update()
-        recipe.scheduler.step()
+        recipe.front_end.update(loss)
         loss_sum += loss.detach().float()
         steps += 1
     loss_sum /= steps
@@ -297,10 +517,7 @@ def save_checkpoint(recipe: Recipe, args: argparse.Namespace, epochs_done: int) 
     path = checkpoint_path(args.checkpoint_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {
-        "model": recipe.model.state_dict(),  # saved after the revert: this replica's own BatchNorm stats
-        "optimizer": recipe.optimizer.state_dict(),  # includes the replica's parameters and gossip
-        "scheduler": recipe.scheduler.state_dict(),
-        "scaler": recipe.scaler.state_dict(),
+        **recipe.front_end.state_dict(),  # saved after the revert: this replica's own parameters
         "epoch": epochs_done,  # the next epoch to run
         "sampler_epoch": recipe.train_sampler.epoch,
         "config": {name: getattr(args, name) for name in RESUME_MUST_MATCH},
@@ -333,10 +550,7 @@ def load_checkpoint(recipe: Recipe, args: argparse.Namespace) -> int:
     if changed:
         listed = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})" for k, (old, new) in changed.items())
         raise ValueError(f"{path} was saved by a run with {listed}; resume with the same arguments.")
-    recipe.model.load_state_dict(state["model"])
-    recipe.optimizer.load_state_dict(state["optimizer"])
-    recipe.scheduler.load_state_dict(state["scheduler"])
-    recipe.scaler.load_state_dict(state["scaler"])
+    recipe.front_end.load_state_dict(state)
     recipe.train_sampler.set_epoch(state["sampler_epoch"])
     # A run killed while saving can leave ranks one epoch apart; training on would mix epochs silently.
     epochs = torch.tensor([state["epoch"], -state["epoch"]], device=recipe.device)
@@ -385,10 +599,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     if args.stop_after is not None:
         stop_epoch = min(stop_epoch, start_epoch + args.stop_after)
     if rank == 0:
-        peak_lr = recipe.optimizer.param_groups[0]["initial_lr"]
         print(
-            f"{dist.get_world_size()} ranks on {device.type}, topology {recipe.optimizer.topology.name}, "
-            f"{recipe.steps_per_epoch} steps/epoch, peak lr {peak_lr:.4g}, "
+            f"{dist.get_world_size()} ranks on {device.type}, --front-end {args.front_end}, "
+            f"{recipe.front_end.summary()}, {recipe.steps_per_epoch} steps/epoch, "
             f"epochs {start_epoch}..{stop_epoch - 1}",
             flush=True,
         )
@@ -396,9 +609,9 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     for epoch in range(start_epoch, stop_epoch):
         started = time.perf_counter()
         train_loss = train_one_epoch(recipe, epoch, args.seed)
-        recipe.optimizer.global_avg(buffers=recipe.model)  # parameters and BatchNorm statistics
+        recipe.front_end.global_avg()  # parameters and BatchNorm statistics
         accuracy = evaluate(recipe)
-        recipe.optimizer.revert_global_avg()  # every replica exactly as before
+        recipe.front_end.revert_global_avg()  # every replica exactly as before
         if args.checkpoint_dir is not None:
             save_checkpoint(recipe, args, epoch + 1)
         seconds = time.perf_counter() - started
@@ -415,7 +628,7 @@ def _run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     return {
         "start_epoch": start_epoch,
         "epochs_done": stop_epoch,
-        "steps": recipe.optimizer.step_count,
+        "steps": recipe.front_end.step_count,
         "train_loss": last["train_loss"],
         "test_accuracy": last["test_accuracy"],
         "history": history,

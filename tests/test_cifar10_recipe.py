@@ -24,12 +24,23 @@ def _checkpoint(directory: Path, rank: int) -> dict[str, object]:
     return torch.load(directory / f"rank{rank}.pt", weights_only=True, mmap=True)
 
 
+# Per front-end: an argument whose change a resume refuses (it would be silently overridden by the
+# saved optimizer state), the refusal it gets, and where the engine's state sits in a checkpoint.
+FRONT_ENDS = {
+    "optimizer": (["--lr", "0.2"], r"--lr 0.1 \(now 0.2\)", ("optimizer", "decent")),
+    "module": (["--accum-iter", "2"], r"--accum-iter 4 \(now 2\)", ("training_state", "decent")),
+}
+
+
 @pytest.mark.timeout(120)
-def test_train_checkpoint_resume(pool, tmp_path):
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_train_checkpoint_resume(pool, tmp_path, front_end):
+    changed, refusal, engine_state = FRONT_ENDS[front_end]
     directory = tmp_path / "ckpt"
+    args = ("--front-end", front_end, "--checkpoint-dir", str(directory))
 
     # Epoch 0 of 2, then stop as if the job had been cut off after saving.
-    first = pool(2).run(_main, "--checkpoint-dir", str(directory), "--stop-after", "1", timeout=100)
+    first = pool(2).run(_main, *args, "--stop-after", "1", timeout=100)
     for metrics in first:
         assert metrics["start_epoch"] == 0 and metrics["epochs_done"] == 1 and metrics["steps"] == 2
         assert 0.0 <= metrics["test_accuracy"] <= 1.0
@@ -40,17 +51,18 @@ def test_train_checkpoint_resume(pool, tmp_path):
     for rank in range(2):
         state = _checkpoint(directory, rank)  # loads with weights_only=True
         assert state["epoch"] == 1 and state["sampler_epoch"] == 0
-        assert state["optimizer"]["decent"]["rank"] == rank
+        assert state[engine_state[0]][engine_state[1]]["rank"] == rank
+        assert state["config"]["front_end"] == front_end
 
-    # A resume that would change the schedule is refused on every rank, before any training.
-    with pytest.raises(WorkerError, match=r"--lr 0.1 \(now 0.2\)"):
-        pool(2).run(_main, "--checkpoint-dir", str(directory), "--resume", "--lr", "0.2", timeout=100)
+    # A resume that would change the optimizer or schedule is refused on every rank, before any training.
+    with pytest.raises(WorkerError, match=refusal):
+        pool(2).run(_main, *args, "--resume", *changed, timeout=100)
 
     # What new processes would do: build everything afresh, load the files, run the remaining epoch.
-    resumed = pool(2).run(_main, "--checkpoint-dir", str(directory), "--resume", timeout=100)
+    resumed = pool(2).run(_main, *args, "--resume", timeout=100)
     for metrics in resumed:
         assert metrics["start_epoch"] == 1 and metrics["epochs_done"] == 2
-        assert metrics["steps"] == 4  # the wrapper's step count came back from the checkpoint
+        assert metrics["steps"] == 4  # the front-end's step count came back from the checkpoint
         assert [h["epoch"] for h in metrics["history"]] == [1]
         assert 0.0 <= metrics["test_accuracy"] <= 1.0
     assert all(_checkpoint(directory, rank)["epoch"] == 2 for rank in range(2))
