@@ -546,7 +546,9 @@ def load_checkpoint(recipe: Recipe, args: argparse.Namespace) -> int:
             f"{path} was saved by a run with {state['world_size']} ranks but this run has {world_size}; "
             "resume with the same number of processes."
         )
-    changed = {k: (v, getattr(args, k)) for k, v in state["config"].items() if v != getattr(args, k)}
+    # Checkpoints of the recipe before --front-end existed: SGD with its fixed weight decay, no accum_iter.
+    saved = {"front_end": "optimizer", "weight_decay": 5e-4, "accum_iter": None, **state["config"]}
+    changed = {k: (saved[k], getattr(args, k)) for k in RESUME_MUST_MATCH if saved.get(k) != getattr(args, k)}
     if changed:
         listed = ", ".join(f"--{k.replace('_', '-')} {old} (now {new})" for k, (old, new) in changed.items())
         raise ValueError(f"{path} was saved by a run with {listed}; resume with the same arguments.")

@@ -126,7 +126,9 @@ def train_one_method(
             make_optimizer(list(model.named_parameters())), topology=front
         )
         sent_models = TopologyFactory.create(front, world).models_sent_per_step()
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps) if optimizer is not None else None
+    scheduler = None
+    if optimizer is not None:  # the module front-end steps its own per-bucket schedulers
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     loss_fn = nn.CrossEntropyLoss()
     sampler = torch.Generator().manual_seed(100 + rank)
     losses = torch.zeros(steps, dtype=torch.float64)
