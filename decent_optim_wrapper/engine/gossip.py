@@ -139,13 +139,7 @@ class Gossip:
         if round_ is None or round_.work is None:
             return
         work, round_.work = round_.work, None
-        tensor = self._tensors[bucket]
-
-        def failure(cause: BaseException | None) -> GossipError:
-            round_.work = None
-            return self._failure(round_, cause)
-
-        wait_all([work], tensor.device, self._timeout, failure)
+        wait_all([work], self._tensors[bucket].device, self._timeout, lambda c: self._failure(round_, c))
 
     def mix(self, bucket: int, factor: float = 1.0) -> None:
         """Finish bucket ``bucket``'s round (if any) and mix it in: ``x_i <- sum_j W_ij x_j``.
@@ -175,17 +169,7 @@ class Gossip:
         self.wait(bucket)
         self._rounds[bucket] = None
 
-    # -- every bucket: whole rounds ----------------------------------------------------------------
-    def launch_all(self, step: int) -> None:
-        """Launch every bucket at ``step``, in bucket order (the same order on every rank)."""
-        for bucket in range(self.num_buckets):
-            self.launch(bucket, step)
-
-    def mix_all(self, factor: float = 1.0) -> None:
-        """Mix every bucket's pending round, in bucket order."""
-        for bucket in range(self.num_buckets):
-            self.mix(bucket, factor)
-
+    # -- every bucket ------------------------------------------------------------------------------
     def wait_all(self) -> None:
         for bucket in range(self.num_buckets):
             self.wait(bucket)
