@@ -250,7 +250,8 @@ class DecentralizedDataParallel(nn.Module):
             for x, y in micro_batches[:-1]:
                 (loss_fn(model(x), y) / k).backward()  # accumulates only
             model.set_accumulate_grad(False)
-            (loss_fn(model(*last)) / k).backward()  # accumulates the last one, then updates
+            x, y = micro_batches[-1]
+            (loss_fn(model(x), y) / k).backward()  # accumulates the last one, then updates
 
         (Disabling after the last backward, as decent-dp's tutorial shows, performs no update.)
         """
@@ -269,7 +270,8 @@ class DecentralizedDataParallel(nn.Module):
             with model.no_sync():
                 for x, y in micro_batches[:-1]:
                     (loss_fn(model(x), y) / k).backward()
-            (loss_fn(model(*last)) / k).backward()
+            x, y = micro_batches[-1]
+            (loss_fn(model(x), y) / k).backward()
         """
         previous = self._accumulating
         self.set_accumulate_grad(True)

@@ -295,20 +295,24 @@ def test_fused_optimizers_under_grad_scaler_match_the_bare_optimizer_at_world_si
     assert torch.equal(bare, wrapped)
 
 
-def _snapshot_of_named_params() -> list[str]:
-    model = tiny_model()
+def _engine_from_named_parameters() -> tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]:
+    model = tiny_model(dtype=torch.float64)
     engine = GossipEngine(list(model.named_parameters()), topology="complete")
     set_distinct(model, dist.get_rank(), dyadic=True)
+    own = flat(model)
     engine.global_avg()
-    first = flat(model)
+    averaged = flat(model)
     engine.revert_global_avg()
-    return [repr(engine), str(first.sum().item())]
+    return repr(engine), own, averaged, flat(model)
 
 
-def test_engine_from_named_parameters_averages_like_the_wrapper(pool):
-    results = pool(3).run(_snapshot_of_named_params)
-    assert len({r[1] for r in results}) == 1  # every rank holds the same average
-    assert results[0][0].startswith("GossipEngine(topology='complete', rank=0, world_size=3")
+def test_engine_built_from_named_parameters_averages_exactly_and_reverts(pool):
+    results = pool(3).run(_engine_from_named_parameters)
+    # dyadic multiples of 12: the sum of three and its division by 3 are exact in float64
+    mean = torch.stack([own for _, own, _, _ in results]).sum(0) / 3
+    for rank, (text, own, averaged, reverted) in enumerate(results):
+        assert text.startswith(f"GossipEngine(topology='complete', rank={rank}, world_size=3")
+        assert torch.equal(averaged, mean) and torch.equal(reverted, own)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
