@@ -229,6 +229,10 @@ class DecentralizedDataParallel(nn.Module):
 
     # -- the nn.Module face --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._in_backward and not _inside_backward():
+            # The last backward raised after some of its buckets were updated, so its end-of-backward
+            # callback never ran; start the next iteration from a clean slate.
+            self._reset_iteration()
         with torch.autograd.profiler.record_function("DecentralizedDataParallel.forward"):
             return self._model(*args, **kwargs)
 
@@ -343,10 +347,12 @@ class DecentralizedDataParallel(nn.Module):
             norm = torch.nn.utils.get_total_norm(grads)
         if scaler is not None and grads:
             skip = not math.isfinite(float(norm))  # one host read per iteration, as GradScaler makes
-        for bucket in range(len(self._waiting)):
-            self._update_bucket(bucket, skip_local_update=skip)
-        if scaler is not None:
-            scaler.update()
+        try:
+            for bucket in range(len(self._waiting)):
+                self._update_bucket(bucket, skip_local_update=skip)
+        finally:
+            if scaler is not None:
+                scaler.update()  # uses the inf checks unscale_ recorded above
 
     @torch.no_grad()
     def _update_bucket(self, bucket: int, skip_local_update: bool) -> None:
@@ -354,10 +360,9 @@ class DecentralizedDataParallel(nn.Module):
         engine, optimizer = self._engine, self._optimizers[bucket]
         engine.mix(bucket)
         if not skip_local_update:
-            if self._scaler is not None:
-                self._scaler.step(optimizer)  # unscaled already: steps with the recorded found_inf
-            else:
-                optimizer.step()
+            # With a scaler the gradients are unscaled already and the inf decision is taken for the
+            # whole model; scaler.step() would also refuse a bucket without gradients (no inf check).
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler = self._schedulers[bucket]
         if scheduler is not None:
@@ -438,7 +443,8 @@ class DecentralizedDataParallel(nn.Module):
     def load_training_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`training_state_dict` of the same rank, world size, topology and model.
 
-        The engine's part and the structure are checked before anything changes. Local.
+        Checked before anything changes: the engine's part, the number of optimizers and schedulers,
+        the model's keys and shapes, and each optimizer's groups. Local.
         """
         if not isinstance(state, dict) or state.get("version") != TRAINING_STATE_VERSION:
             raise ValueError(
@@ -456,6 +462,23 @@ class DecentralizedDataParallel(nn.Module):
                     f"checkpoint has {len(state[key])} {key} but this model has {expected} buckets; build "
                     "the same model with the same bucket_size_in_mb before loading."
                 )
+        live = self._model.state_dict()
+        saved = state["model"]
+        wrong = [k for k in live if k not in saved or tuple(saved[k].shape) != tuple(live[k].shape)]
+        if wrong or len(saved) != len(live):
+            raise ValueError(
+                f"checkpoint's model state does not fit this model (missing or reshaped: {wrong[:5]}); "
+                "build the same model before loading."
+            )
+        for index, (optimizer, saved_optimizer) in enumerate(
+            zip(self._optimizers, state["optimizers"], strict=True)
+        ):
+            sizes = [len(g["params"]) for g in optimizer.param_groups]
+            if [len(g["params"]) for g in saved_optimizer["param_groups"]] != sizes:
+                raise ValueError(
+                    f"checkpoint's optimizer of bucket {index} has other param groups than this run's "
+                    f"({sizes} parameters per group); pass the same optim_fn."
+                )
         if (state["scaler"] is None) != (self._scaler is None):
             raise ValueError(
                 "checkpoint and this run disagree on whether a GradScaler is used; pass the same scaler."
@@ -469,6 +492,12 @@ class DecentralizedDataParallel(nn.Module):
         if self._scaler is not None:
             self._scaler.load_state_dict(state["scaler"])
         self._engine.load_state_dict(state["decent"])
+
+
+def _inside_backward() -> bool:
+    """Whether the autograd engine is running a backward pass in this thread."""
+    # -1 outside backward; a private but long-standing binding, used by torch's own checkpointing.
+    return bool(torch._C._current_graph_task_id() != -1)
 
 
 def _check_arguments(

@@ -298,9 +298,15 @@ class DecentOptimWrapper(Optimizer):
 
         See :meth:`~decent_optim_wrapper.engine.GossipEngine.state_dict` for the ``"decent"`` entry.
         """
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
         decent = self._engine.state_dict()
         state = self.optimizer.state_dict()
         state["decent"] = decent
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            returned = post_hook(self, state)
+            if returned is not None:
+                state = returned
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -314,12 +320,18 @@ class DecentOptimWrapper(Optimizer):
                 "state_dict has no 'decent' entry: it does not come from DecentOptimWrapper.state_dict(). "
                 "A plain optimizer's state dict loads into wrapper.optimizer.load_state_dict(...)."
             )
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre_hook(self, state_dict)
+            if returned is not None:
+                state_dict = returned
         decent = state_dict["decent"]
         self._engine.check_state_dict(decent)
         # The inner optimizer checks its own part before changing anything; the engine's part is
         # already checked, so after this nothing below can fail halfway.
         self.optimizer.load_state_dict({key: value for key, value in state_dict.items() if key != "decent"})
         self._engine.load_state_dict(decent)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def __repr__(self) -> str:
         return (

@@ -642,3 +642,98 @@ def _failed_backward_leaves_a_usable_module() -> tuple[str, int]:
 def test_an_error_inside_backward_leaves_the_module_usable(pool):
     ((message, steps),) = pool(1).run(_failed_backward_leaves_a_usable_module)
     assert "injected failure" in message and steps == 2
+
+
+class _RaiseInBackwardOnce(torch.autograd.Function):
+    raised = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not _RaiseInBackwardOnce.raised:
+            _RaiseInBackwardOnce.raised = True
+            raise RuntimeError("failure in the middle of backward")
+        return grad
+
+
+class _FailingMiddle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.last = nn.Linear(6, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.last(_RaiseInBackwardOnce.apply(self.first(x)))
+
+
+def _backward_failing_outside_the_hooks() -> tuple[str, int]:
+    _RaiseInBackwardOnce.raised = False
+    ddp = DecentralizedDataParallel(_FailingMiddle(), sgd_fn, bucket_size_in_mb=SMALL_BUCKETS_MB)
+    x, y = batch(0, 0)
+    try:  # the last layer's buckets are updated before the failure; the callback never runs
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        message = "no error"
+    except RuntimeError as err:
+        message = str(err)
+    _train(ddp, 0, range(1, 3))
+    return message, ddp.step_count
+
+
+def test_a_backward_that_fails_elsewhere_does_not_stop_later_updates(pool):
+    ((message, steps),) = pool(1).run(_backward_failing_outside_the_hooks)
+    assert "failure in the middle of backward" in message and steps == 2
+
+
+def _scaler_with_a_bucket_without_gradients() -> tuple[int, float]:
+    model = LateBranch()  # `late` has no gradient while use_late is False
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    ddp = DecentralizedDataParallel(model, sgd_fn, scaler=scaler, bucket_size_in_mb=SMALL_BUCKETS_MB)
+    _train(ddp, dist.get_rank(), range(3), scaler)
+    model.use_late = True
+    _train(ddp, dist.get_rank(), range(3, 5), scaler)
+    return ddp.step_count, scaler.get_scale()
+
+
+def test_grad_scaler_with_a_bucket_that_has_no_gradients_keeps_training(pool):
+    # GradScaler.step refuses an optimizer whose unscale_ recorded no inf check (no gradients)
+    for steps, scale in pool(2).run(_scaler_with_a_bucket_without_gradients):
+        assert steps == 5 and scale == 2.0**8
+
+
+def _bad_training_state_changes_nothing() -> list[str]:
+    model = tiny_model()
+    ddp = DecentralizedDataParallel(model, adamw_fn, bucket_size_in_mb=SMALL_BUCKETS_MB)
+    _train(ddp, 0, range(2))
+    state = ddp.training_state_dict()
+    _train(ddp, 0, range(2, 4))
+    before = flat(model)
+    moments = [s["exp_avg"].clone() for o in ddp.optimizers for s in o.state.values()]
+    errors = []
+    bad_model = {**state, "model": {**state["model"], "2.bias": torch.zeros(5)}}
+    first_groups = state["optimizers"][0]["param_groups"]
+    bad_optimizer = {
+        **state,
+        "optimizers": [
+            {**state["optimizers"][0], "param_groups": [*first_groups, first_groups[0]]},
+            *state["optimizers"][1:],
+        ],
+    }
+    for bad in (bad_model, bad_optimizer):
+        try:
+            ddp.load_training_state_dict(bad)
+        except ValueError as err:
+            errors.append(str(err))
+        assert torch.equal(flat(model), before)
+        after = [s["exp_avg"] for o in ddp.optimizers for s in o.state.values()]
+        assert all(torch.equal(a, b) for a, b in zip(after, moments, strict=True))
+    return errors
+
+
+def test_a_rejected_training_state_changes_nothing(pool):
+    ((errors),) = pool(1).run(_bad_training_state_changes_nothing)
+    assert len(errors) == 2
+    assert "does not fit this model" in errors[0] and "2.bias" in errors[0]
+    assert "optimizer of bucket 0 has other param groups" in errors[1]

@@ -349,3 +349,19 @@ def _cuda_no_sync_worker(rank: int, world_size: int, directory: str) -> None:
         torch.cuda.synchronize()
     finally:
         dist.destroy_process_group()
+
+
+def _state_dict_hooks_fire() -> list[str]:
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology="ring")
+    fired: list[str] = []
+    opt.register_state_dict_pre_hook(lambda o: fired.append("save-pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: fired.append("save-post"))
+    opt.register_load_state_dict_pre_hook(lambda o, sd: fired.append("load-pre"))
+    opt.register_load_state_dict_post_hook(lambda o: fired.append("load-post"))
+    opt.load_state_dict(opt.state_dict())
+    return fired
+
+
+def test_the_wrappers_state_dict_hooks_fire(pool):
+    assert pool(1).run(_state_dict_hooks_fire)[0] == ["save-pre", "save-post", "load-pre", "load-post"]
