@@ -8,12 +8,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from topologies import BUILTIN_TOPOLOGIES
+from topologies import BUILTIN_TOPOLOGIES, scratch_registry
 
 from decent_optim_wrapper import Group, Topology, TopologyFactory
 from decent_optim_wrapper.topo.__main__ import main
@@ -31,19 +29,6 @@ class FromList(Topology):
 
     def assign_groups(self):
         return self._groups
-
-
-@contextmanager
-def _scratch_registry() -> Iterator[None]:
-    """Let a test register topologies; afterwards the registry (and every class's name) is as before."""
-    saved = dict(TopologyFactory._registry)
-    try:
-        yield
-    finally:
-        TopologyFactory._registry.clear()
-        # Re-registering in the saved order also restores the name each class reports.
-        for name, topology_cls in saved.items():
-            TopologyFactory.add_topology(name, topology_cls)
 
 
 # -- writing a topology: the seed format and the public properties ----------------------------------------
@@ -113,7 +98,7 @@ def test_custom_topologies_from_the_guide():
             everyone = Group(tuple(range(self.world_size)), self_weight=0.5)
             return [[everyone] for _ in range(self.world_size)]
 
-    with _scratch_registry():
+    with scratch_registry():
         TopologyFactory.add_topology("test-shift", Shift)
         TopologyFactory.register("test-lazy-complete")(LazyComplete)
         shift = TopologyFactory.create("test-shift", 8)
@@ -251,7 +236,7 @@ def test_name_is_the_registered_name_else_the_class_name():
     class Child(Mine):
         pass
 
-    with _scratch_registry():
+    with scratch_registry():
         assert Mine(1).name == "Mine"
         TopologyFactory.add_topology("zz-mine", Mine)
         TopologyFactory.add_topology("aa-mine", Mine)

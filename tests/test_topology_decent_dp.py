@@ -9,13 +9,11 @@ Mixing matrices are compared exactly: both spellings build the same :class:`Grou
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import List  # noqa: UP035 -- decent-dp's own spelling, kept to show its code runs as written
 
 import pytest
 import torch
-from topologies import BUILTIN_TOPOLOGIES
+from topologies import BUILTIN_TOPOLOGIES, scratch_registry
 
 from decent_optim_wrapper.engine.engine import resolve_topology
 from decent_optim_wrapper.topo import (
@@ -31,18 +29,6 @@ from decent_optim_wrapper.topo import (
 )
 
 pytestmark = pytest.mark.pure
-
-
-@contextmanager
-def _scratch_registry() -> Iterator[None]:
-    """Let a test register topologies; afterwards the registry (and every class's name) is as before."""
-    saved = dict(TopologyFactory._registry)
-    try:
-        yield
-    finally:
-        TopologyFactory._registry.clear()
-        for name, topology_cls in saved.items():
-            TopologyFactory.add_topology(name, topology_cls)
 
 
 # -- decent-dp's built-ins, as written there (not registered: the names are ours) ---------------------------
@@ -132,7 +118,7 @@ class LazyRingGroups(Topology):
 
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_custom_edges_topology_equals_assign_groups_topology(world_size):
-    with _scratch_registry():
+    with scratch_registry():
         TopologyReg.register("test-lazy-ring")(LazyRingEdges)
         edges = TopologyFactory.create("test-lazy-ring", world_size)
         assert edges.name == "test-lazy-ring"
@@ -145,7 +131,7 @@ def test_custom_edges_topology_equals_assign_groups_topology(world_size):
 
 
 def test_decorator_registers_and_front_ends_build_with_world_size():
-    with _scratch_registry():
+    with scratch_registry():
 
         @TopologyReg.register("test-columns")
         class Columns(Topology):
@@ -177,7 +163,7 @@ def test_registry_is_shared_both_ways():
         def assign_groups(self):
             return [[list(range(self.world_size))] for _ in range(self.world_size)]
 
-    with _scratch_registry():
+    with scratch_registry():
         TopologyReg.register("test-via-reg")(ViaReg)
         TopologyFactory.add_topology("test-via-factory", ViaFactory)
         assert TopologyFactory.get("test-via-reg") is ViaReg
@@ -315,7 +301,7 @@ def test_n_nodes_alias(world_size, local_world_size):
 
 def test_coming_from_decent_dp_guide_example():
     # The example of "Coming from decent-dp" in docs/topologies.md: decent-dp's ring, ranks unsorted.
-    with _scratch_registry():
+    with scratch_registry():
 
         @TopologyReg.register("custom-topology")
         class CustomTopology(Topology):

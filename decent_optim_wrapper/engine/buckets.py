@@ -21,6 +21,7 @@ __all__ = [
     "build_buckets",
     "check_named_params",
     "check_params",
+    "misfit",
     "named_param_groups",
     "plan_buckets",
 ]
@@ -231,3 +232,12 @@ def check_named_params(
 def check_params(param_groups: Iterable[dict[str, Any]]) -> tuple[list[torch.Tensor], list[str]]:
     """:func:`check_named_params` over :func:`named_param_groups`."""
     return check_named_params(named_param_groups(param_groups))
+
+
+def misfit(saved: object, shape: torch.Size, dtype: torch.dtype) -> str | None:
+    """How a checkpoint's ``saved`` tensor fails to fit one of ``shape`` and ``dtype``; None if it fits."""
+    if not isinstance(saved, torch.Tensor):
+        return f"a {type(saved).__name__}, not a tensor"
+    if saved.shape != shape or saved.dtype != dtype:
+        return f"shape {tuple(saved.shape)}, dtype {saved.dtype}"
+    return None

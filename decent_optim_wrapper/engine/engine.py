@@ -36,7 +36,7 @@ from decent_optim_wrapper.engine.averaging import (
     global_average_message,
     tensors_consensus_distance,
 )
-from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params
+from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params, misfit
 from decent_optim_wrapper.engine.comm import ProcessGroups, agree, check_identical, resolve_world
 from decent_optim_wrapper.engine.errors import GlobalAverageError
 from decent_optim_wrapper.engine.gossip import Gossip
@@ -547,16 +547,8 @@ def _check_flat_tensors(what: str, saved: object, buckets: Sequence[Bucket]) -> 
             "checkpoint is corrupt or from another layout."
         )
     for index, (tensor, bucket) in enumerate(zip(saved, buckets, strict=True)):
-        if (
-            not isinstance(tensor, torch.Tensor)
-            or tensor.shape != bucket.data.shape
-            or tensor.dtype != bucket.data.dtype
-        ):
-            got = (
-                f"shape {tuple(tensor.shape)}, dtype {tensor.dtype}"
-                if isinstance(tensor, torch.Tensor)
-                else repr(tensor)
-            )
+        got = misfit(tensor, bucket.data.shape, bucket.data.dtype)
+        if got is not None:
             raise ValueError(
                 f"checkpoint's {what}[{index}] has {got} but bucket {index} has shape "
                 f"{tuple(bucket.data.shape)}, dtype {bucket.data.dtype}; the checkpoint is corrupt or from "

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from decent_optim_wrapper.engine.buckets import misfit
 from decent_optim_wrapper.engine.comm import ProcessGroups, reduction_dtype, wait_all
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.topo import Group, Topology
@@ -226,12 +227,8 @@ class Gossip:
             if saved is None:
                 continue
             dtype = reduction_dtype(tensor.dtype)
-            if not isinstance(saved, torch.Tensor) or saved.shape != tensor.shape or saved.dtype != dtype:
-                got = (
-                    f"shape {tuple(saved.shape)} and dtype {saved.dtype}"
-                    if isinstance(saved, torch.Tensor)
-                    else repr(saved)
-                )
+            got = misfit(saved, tensor.shape, dtype)
+            if got is not None:
                 raise ValueError(
                     f"gossip buffer {bucket} of {got} does not fit a bucket of shape {tuple(tensor.shape)} "
                     f"and dtype {dtype}; the checkpoint comes from a different parameter layout."
