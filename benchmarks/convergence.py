@@ -1,13 +1,34 @@
-"""Convergence: does decentralized training reach the accuracy of all-reduce?
+"""Convergence: does decentralized training reach the accuracy of all-reduce, on iid and on skewed data?
 
-    uv run benchmarks/convergence.py                  # 8 local gloo workers, ~2-3 min on 2 cores
+    uv run benchmarks/convergence.py             # 8 local gloo workers, both splits, ~10-15 min on 2 cores
+    uv run benchmarks/convergence.py --splits iid --methods ring ring@bf16     # adds ddp itself
 
 Trains the main job's task (examples/quickstart.py: 10 overlapping Gaussian clusters, an MLP) with
-the same steps, seeds and hyper-parameters for every topology and for DistributedDataParallel, and
-prints the test accuracy of the globally averaged model for each, and its difference from DDP in
-percentage points. Target: every topology within 0.5 points of DDP. ``ring-module+accum-adamw`` (the
-module front-end with AccumAdamW, accum_iter 4) is compared with ``ddp+adamw`` (all-reduce with AdamW,
-the same learning rate), with the same target.
+the same steps, seeds and hyper-parameters for every method, once per split of the training set:
+``iid`` (points dealt out in turn) and ``dirichlet`` (each class divided among the workers in
+proportions drawn from Dirichlet(``--alpha``), 0.1 by default: most workers see mostly one or two
+classes). The test set is the same balanced one for both. It prints one table per split: final
+training loss, test accuracy of the globally averaged model, bytes each rank sends per step (the
+engine's count for gossip, compression included; the ring all-reduce cost model for DDP), the
+difference in accuracy from DDP in percentage points and, for a compressed method (``ring@bf16``),
+from the same method uncompressed (``ring``). A method with AdamW or AccumAdamW after its ``+`` is
+compared with ``ddp+adamw`` (all-reduce with AdamW, the same learning rate), the others with ``ddp``.
+Missing references are added to the run.
+
+Targets, marked met or MISSED:
+
+- iid split: every gossip method within 0.5 points of DDP;
+- both splits: every compressed method within 0.3 points of the same method uncompressed
+  (compressing the gossip should cost next to nothing, whatever the data).
+
+On the dirichlet split the difference from DDP is reported, not judged. Gossip averages the
+replicas only approximately, so workers whose gradients disagree (label skew) pull them apart: the
+heterogeneity term of decentralized SGD's bound (Koloskova et al., 2020, "A unified theory of
+decentralized SGD with changing topology and local updates", arXiv:2003.10422), which all-reduce
+does not have. How large that gap is depends on the topology's spectral gap and on alpha; it
+measures the algorithm on this data, not a defect of the library, so no single threshold is right
+for every topology. (DDP is not untouched by the split either: each worker draws its batch from its
+own shard, so points on small shards weigh more in the averaged gradient than on large ones.)
 """
 
 from __future__ import annotations
@@ -17,7 +38,7 @@ import importlib.util
 import json
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +47,23 @@ import torch.multiprocessing as mp
 from common import free_port
 
 QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
-TARGET_POINTS = 0.5
+METHODS = [
+    "ring",
+    "one-peer-exp",
+    "complete",
+    "alternating-exp-ring",
+    "hierarchical",
+    "ddp",
+    "ring@bf16",
+    "ring@int8",
+    "one-peer-exp@bf16",
+    "one-peer-exp@int8",
+    "ring-module+accum-adamw",
+    "ddp+adamw",
+]
+TARGET_VS_DDP = 0.5  # points, judged on the iid split only (see the module docstring)
+TARGET_VS_UNCOMPRESSED = 0.3  # points, judged on both splits
+ADAM_OPTIMIZERS = ("adamw", "accum-adamw")
 
 
 def load_quickstart():
@@ -37,36 +74,100 @@ def load_quickstart():
     return module
 
 
+def ddp_reference(quickstart, method: str) -> str:
+    """The all-reduce run that ``method`` is compared with: the same optimizer family."""
+    optimizer = quickstart.parse_method(method).optimizer
+    return "ddp+adamw" if optimizer in ADAM_OPTIMIZERS else "ddp"
+
+
+def uncompressed_twin(quickstart, method: str) -> str | None:
+    """``method`` without its compression, or None if it has none.
+
+    ``ring@bf16`` -> ``ring``; ``ring-module@int8+accum-adamw`` -> ``ring-module+accum-adamw``.
+    """
+    spec = quickstart.parse_method(method)
+    return replace(spec, compression=None).name if spec.compression else None
+
+
+def with_references(quickstart, methods: list[str]) -> list[str]:
+    """``methods``, then every DDP run and uncompressed twin they are compared with that is missing."""
+    wanted = list(methods)
+    for method in methods:
+        for reference in (ddp_reference(quickstart, method), uncompressed_twin(quickstart, method)):
+            if reference is not None and reference not in wanted:
+                wanted.append(reference)
+    return wanted
+
+
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
         quickstart = load_quickstart()
-        results = quickstart.run(
-            args.methods, args.steps, args.batch_size, args.lr, log_every=args.steps, adam_lr=args.adam_lr
-        )
+        results = []
+        for split in args.splits:
+            results += quickstart.run(
+                args.methods,
+                args.steps,
+                args.batch_size,
+                args.lr,
+                log_every=args.steps,
+                adam_lr=args.adam_lr,
+                split=split,
+                alpha=args.alpha,
+            )
         if rank == 0:
-            report(results, world, args)
+            for split in args.splits:
+                report(quickstart, [r for r in results if r.split == split], world, args)
+            if args.json:
+                Path(args.json).write_text(json.dumps([asdict(r) for r in results]))
     finally:
         dist.destroy_process_group()
 
 
-def report(results, world: int, args: argparse.Namespace) -> None:
+def verdict(split: str, vs_ddp: float, vs_uncompressed: float | None) -> str:
+    """``met``, ``MISSED (...)`` naming the targets missed, or ``-`` where none is judged."""
+    judged = []
+    if split == "iid":
+        judged.append(("vs DDP", abs(vs_ddp) <= TARGET_VS_DDP))
+    if vs_uncompressed is not None:
+        judged.append(("vs uncompressed", abs(vs_uncompressed) <= TARGET_VS_UNCOMPRESSED))
+    if not judged:
+        return "-"
+    missed = [name for name, met in judged if not met]
+    return f"MISSED ({', '.join(missed)})" if missed else "met"
+
+
+def report(quickstart, results, world: int, args: argparse.Namespace) -> None:
+    """One table: the results of one split."""
     by_method = {r.method: r for r in results}
-    print(f"\nConvergence: {world} workers, {args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}")
+    split = results[0].split
     print(
-        f"{'method':>24} | {'final loss':>10} | {'avg-model accuracy':>18} | {'vs DDP (points)':>15} | target"
+        f"\nConvergence, {quickstart.split_label(split, results[0].alpha)} split: {world} workers, "
+        f"{args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, adam lr {args.adam_lr}"
     )
-    print("-" * 88)
+    header = (
+        f"{'method':>28} | {'final loss':>10} | {'avg-model acc':>13} | {'bytes/step':>12} | "
+        f"{'vs DDP (points)':>15} | {'vs uncompressed':>15} | target"
+    )
+    print(header)
+    print("-" * (len(header) + 20))  # room for a MISSED verdict
     for r in results:
-        # an Adam-family method is compared with DDP + AdamW, the others with DDP + SGD
-        reference = "ddp+adamw" if "adam" in r.method and "ddp+adamw" in by_method else "ddp"
-        delta = 100 * (r.accuracy - by_method[reference].accuracy)
-        met = "-" if r.method.startswith("ddp") else ("met" if abs(delta) <= TARGET_POINTS else "MISSED")
-        print(f"{r.method:>24} | {r.final_loss:>10.4f} | {r.accuracy:>18.4f} | {delta:>+15.2f} | {met}")
-    if args.json:
-        Path(args.json).write_text(json.dumps([asdict(r) for r in results]))
+        vs_ddp = vs_twin = status = "-"
+        if not r.method.startswith("ddp"):
+            delta = 100 * (r.accuracy - by_method[ddp_reference(quickstart, r.method)].accuracy)
+            twin = uncompressed_twin(quickstart, r.method)
+            twin_delta = None if twin is None else 100 * (r.accuracy - by_method[twin].accuracy)
+            vs_ddp = f"{delta:+.2f}"
+            vs_twin = "-" if twin_delta is None else f"{twin_delta:+.2f}"
+            status = verdict(split, delta, twin_delta)
+        print(
+            f"{r.method:>28} | {r.final_loss:>10.4f} | {r.accuracy:>13.4f} | {r.bytes_per_step:>12,.0f} | "
+            f"{vs_ddp:>15} | {vs_twin:>15} | {status}"
+        )
+    judged = f"within {TARGET_VS_DDP} points of DDP on the iid split; " if split == "iid" else ""
+    print(f"Targets: {judged}compressed within {TARGET_VS_UNCOMPRESSED} points of uncompressed.")
 
 
 def main() -> None:
@@ -74,28 +175,22 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--methods", nargs="+", default=METHODS)
+    parser.add_argument("--splits", nargs="+", choices=("iid", "dirichlet"), default=["iid", "dirichlet"])
     parser.add_argument(
-        "--methods",
-        nargs="+",
-        default=[
-            "ring",
-            "one-peer-exp",
-            "complete",
-            "alternating-exp-ring",
-            "hierarchical",
-            "ddp",
-            "ring-module+accum-adamw",
-            "ddp+adamw",
-        ],
+        "--alpha", type=float, default=0.1, help="Dirichlet concentration of the skewed split"
     )
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--adam-lr", type=float, default=3e-3)
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="write every result (each names its split) here")
     args = parser.parse_args()
-    if "ddp" not in args.methods:
-        args.methods.append("ddp")
+    args.splits = list(dict.fromkeys(args.splits))  # each split once, in the order given
+    try:  # a misspelt method fails here, before eight workers start
+        args.methods = with_references(load_quickstart(), args.methods)
+    except ValueError as error:
+        parser.error(str(error))
     mp.spawn(worker, args=(args.workers, free_port(), args), nprocs=args.workers)
 
 
