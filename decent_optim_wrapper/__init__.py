@@ -20,7 +20,13 @@ Layout (dependencies point up this list, never down):
 from loguru import logger
 
 from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
-from decent_optim_wrapper.engine import DecentError, GlobalAverageError, GossipEngine, GossipError
+from decent_optim_wrapper.engine import (
+    DecentError,
+    GlobalAverageError,
+    GossipCompression,
+    GossipEngine,
+    GossipError,
+)
 from decent_optim_wrapper.launch import initialize_dist
 from decent_optim_wrapper.metrics import consensus_distance
 from decent_optim_wrapper.optim import (
@@ -64,6 +70,7 @@ __all__ = [
     "Edge",
     "GlobalAverageError",
     "GossipEngine",
+    "GossipCompression",
     "GossipError",
     "Group",
     "HierarchicalTopology",

@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, GossipEngine
+from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine
 from decent_optim_wrapper.engine.comm import agree, check_identical
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
 from decent_optim_wrapper.topo import Topology
@@ -92,6 +92,11 @@ class DecentralizedDataParallel(nn.Module):
         bucket_size_in_mb: largest bucket in MiB.
         _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
         timeout: how long gossip and global averaging wait for a peer before raising.
+        compression: off (None, the default) or a wire format for gossip: ``"bf16"``, ``"fp16"``,
+            ``"int8"``, or a :class:`~decent_optim_wrapper.GossipCompression`. Each round then sends
+            the compressed difference to a reference the group shares, so fp32 parameters move in
+            half (16 bits) or about a quarter (int8) of the bytes; global averaging stays exact. See
+            :mod:`decent_optim_wrapper.engine.compression`.
 
     Example::
 
@@ -116,6 +121,7 @@ class DecentralizedDataParallel(nn.Module):
         _local_world_size: int | None = None,
         *,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        compression: CompressionSpec = None,
     ) -> None:
         super().__init__()
         _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -138,6 +144,7 @@ class DecentralizedDataParallel(nn.Module):
             bucket_cap_mb=bucket_size_in_mb,
             timeout=timeout,
             params_as_views=param_as_bucket_view,
+            compression=compression,
             context="DecentralizedDataParallel",
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)

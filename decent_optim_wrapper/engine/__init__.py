@@ -4,12 +4,15 @@
 * :mod:`~decent_optim_wrapper.engine.comm` -- checked world info, cross-rank agreement, process groups,
   and how to wait for a collective (timed on CPU, stream-ordered on CUDA).
 * :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
+* :mod:`~decent_optim_wrapper.engine.compression` -- opt-in compressed gossip: wire formats, shared
+  references, which groups compress.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
 * :mod:`~decent_optim_wrapper.engine.errors` -- what a collective that cannot complete raises.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
 """
 
 from decent_optim_wrapper.engine.buckets import Bucket
+from decent_optim_wrapper.engine.compression import CompressionSpec, GossipCompression
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError
 from decent_optim_wrapper.engine.gossip import Gossip
@@ -18,9 +21,11 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "STATE_VERSION",
     "Bucket",
+    "CompressionSpec",
     "DecentError",
     "GlobalAverageError",
     "Gossip",
+    "GossipCompression",
     "GossipEngine",
     "GossipError",
     "TopologySpec",

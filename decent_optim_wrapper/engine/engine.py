@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import torch
 from loguru import logger
@@ -37,7 +37,19 @@ from decent_optim_wrapper.engine.averaging import (
     tensors_consensus_distance,
 )
 from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params, misfit
-from decent_optim_wrapper.engine.comm import ProcessGroups, agree, check_identical, resolve_world
+from decent_optim_wrapper.engine.comm import (
+    ProcessGroups,
+    agree,
+    check_identical,
+    reduction_dtype,
+    resolve_world,
+)
+from decent_optim_wrapper.engine.compression import (
+    CompressionPlan,
+    CompressionSpec,
+    GossipCompression,
+    resolve_compression,
+)
 from decent_optim_wrapper.engine.errors import GlobalAverageError
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.topo import Topology, TopologyFactory
@@ -89,6 +101,9 @@ class GossipEngine:
         params_as_views: make ``param.data`` a view into its bucket. With False the parameters keep
             their own storage and are copied into the bucket before it is read (launch, averaging,
             checkpoints) and back after it is written (mix, averaging, revert, load).
+        compression: gossip compressed differences instead of the parameters: ``"bf16"``,
+            ``"fp16"``, ``"int8"`` or a :class:`~decent_optim_wrapper.engine.compression.GossipCompression`;
+            None (default) sends them exactly. See :mod:`~decent_optim_wrapper.engine.compression`.
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
@@ -103,10 +118,12 @@ class GossipEngine:
         bucket_cap_mb: float = 25,
         timeout: timedelta = DEFAULT_TIMEOUT,
         params_as_views: bool = True,
+        compression: CompressionSpec = None,
         context: str = "GossipEngine",
     ) -> None:
         _check_bucket_cap(bucket_cap_mb)
         _check_timeout(timeout)
+        self._compression = resolve_compression(compression)
         self._as_views = params_as_views
         self._mixing_factor = 1.0
         self._rank, self._world_size, self._local_world_size = resolve_world(
@@ -115,13 +132,19 @@ class GossipEngine:
         self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self._timeout = timeout
 
-        def local_layout() -> tuple[int, str, tuple[object, ...], tuple[object, ...]]:
+        def local_layout() -> tuple[object, ...]:
             topo = resolve_topology(topology, self._world_size, self._local_world_size)
             pairs = named_params() if callable(named_params) else named_params
             params, names = check_named_params(pairs)
             buckets = build_buckets(params, names, self._bucket_cap_bytes, self._as_views)
             self._topology, self._buckets = topo, buckets
-            return (self._local_world_size, topo.name, topo.fingerprint(), _signatures(buckets))
+            return (
+                self._local_world_size,
+                topo.name,
+                topo.fingerprint(),
+                _signatures(buckets),
+                self._compression,
+            )
 
         # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
         # error everywhere rather than a hang; and layouts are compared before anything is broadcast.
@@ -130,12 +153,16 @@ class GossipEngine:
             "local_world_size", [r[0] for r in reports], "Pass the same local_world_size on every rank."
         )
         check_identical("The topology", [r[1:3] for r in reports], "Pass the same topology on every rank.")
-        _check_layouts([r[3] for r in reports])
+        _check_layouts([cast(tuple[object, ...], r[3]) for r in reports])
+        check_identical(
+            "compression", [r[4] for r in reports], "Pass the same compression argument on every rank."
+        )
 
         self._process_groups = ProcessGroups(self._topology, timeout)
         self._bind_and_broadcast(self._buckets)
+        plan = None if self._compression is None else CompressionPlan(self._topology, self._compression)
         self._gossip = Gossip(
-            [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout
+            [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout, plan
         )
         self._step = 0
         self._snapshot: Snapshot | None = None
@@ -175,6 +202,32 @@ class GossipEngine:
     @property
     def timeout(self) -> timedelta:
         return self._timeout
+
+    @property
+    def compression(self) -> GossipCompression | None:
+        """The gossip compression, or None if gossip sends the parameters exactly."""
+        return self._compression
+
+    def bytes_sent_per_step(self) -> float:
+        """Bytes this rank sends per step, averaged over one period of the schedule.
+
+        Cost model: an all-reduce in a group of ``k`` is a ring, in which each member sends
+        ``2 (k - 1) / k`` buckets (in fp32 for 16-bit buckets); a compressed round is a gather, in which
+        each member sends its payload ``k - 1`` times. A group's first compressed round (exact) is
+        left out: it happens once per group.
+        """
+        plan = self._gossip.plan
+        total = 0.0
+        for step in range(self._topology.period):
+            group = self._topology.group(self._rank, step)
+            for bucket in self._buckets:
+                dtype = bucket.data.dtype
+                reduced = reduction_dtype(dtype).itemsize
+                if plan is not None:
+                    total += plan.bytes_sent(group, bucket.data.numel(), dtype, reduced)
+                elif group.size > 1:
+                    total += 2 * (group.size - 1) / group.size * bucket.data.numel() * reduced
+        return total / self._topology.period
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -323,8 +376,10 @@ class GossipEngine:
         before = [b.data.clone() for b in self._buckets] if return_distance else []
         if may_revert:
             if self._snapshot is None:
+                # References stay as they are until the revert: the snapshot need not copy them.
                 self._snapshot = Snapshot(
-                    params=[b.data.clone() for b in self._buckets], gossip=self._gossip.state_dict()
+                    params=[b.data.clone() for b in self._buckets],
+                    gossip=self._gossip.state_dict(references=False),
                 )
             self._snapshot.add_buffers(extra)
         self._gossip.discard_all()
@@ -364,7 +419,7 @@ class GossipEngine:
             bucket.data.copy_(saved)
             bucket.push()
         snapshot.restore_buffers()
-        self._gossip.load_state_dict(snapshot.gossip)
+        self._gossip.load_state_dict(snapshot.gossip, references=False)
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average (0 when all agree).
@@ -399,7 +454,11 @@ class GossipEngine:
                 "gossip": {"step": 119, "buffers": [tensor, ...]} or None,  # received, not mixed
                 "snapshot": None,  # or {"params": [...], "gossip": ...} while globally averaged
                 "mixing_factor": 1.0,  # a in x <- (1 - a) x + a W x
+                "compression": None,  # or the wire format, e.g. "bf16" (informative)
             }
+
+        With compression, ``"gossip"`` also holds the payloads of compressed rounds not mixed yet and
+        the groups' references (see :meth:`Gossip.state_dict`), so a resumed run continues bit for bit.
 
         The parameters are included because they differ between replicas, and building an engine
         broadcasts rank 0's; loading restores this replica's own.
@@ -423,6 +482,7 @@ class GossipEngine:
             "gossip": self._gossip.state_dict(),
             "snapshot": snapshot,
             "mixing_factor": self._mixing_factor,
+            "compression": None if self._compression is None else self._compression.wire,
         }
 
     def check_state_dict(self, state: Any) -> None:

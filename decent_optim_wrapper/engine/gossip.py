@@ -20,6 +20,10 @@ group average of low-precision parameters is within one rounding of the exact av
 died or stopped responding makes :meth:`Gossip.wait` raise a :class:`~.errors.GossipError` naming
 the step and the group instead of hanging (on CPU after ``timeout``; on CUDA through the process
 group's timeout, see :func:`~.comm.wait_all`).
+
+With a :class:`~.compression.CompressionPlan`, the groups it names gossip compressed instead: a
+round gathers every member's small difference to the group's shared reference (see
+:mod:`~decent_optim_wrapper.engine.compression` for the update and its guarantees).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.buckets import misfit
 from decent_optim_wrapper.engine.comm import ProcessGroups, reduction_dtype, wait_all
+from decent_optim_wrapper.engine.compression import WIRE_FORMATS, CompressionPlan, codec
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.topo import Group, Topology
 
@@ -47,13 +52,15 @@ class _Round:
     step: int
     group: Group
     work: dist.Work | None  # None once waited for (or when restored from a checkpoint)
+    codec: str | None = None  # a gathered round's codec; None: an all-reduce of the weighted values
 
 
 class Gossip:
     """Per-bucket gossip over ``tensors`` (flat buckets) for one rank of ``topology``.
 
     Memory: one communication buffer per bucket, allocated at the bucket's first launch that
-    communicates.
+    communicates; with compression also the gathered payloads and the references (see
+    :mod:`~decent_optim_wrapper.engine.compression`).
 
     Args:
         tensors: the flat tensors to average; bucket ``b`` is read at ``launch(b)`` and written at
@@ -63,6 +70,7 @@ class Gossip:
         process_groups: the topology's process groups.
         timeout: longest CPU-side wait for a round before :class:`GossipError`; None waits for the
             process groups' own timeout.
+        plan: which groups gossip compressed; None: none do.
     """
 
     def __init__(
@@ -72,6 +80,7 @@ class Gossip:
         rank: int,
         process_groups: ProcessGroups,
         timeout: timedelta | None = None,
+        plan: CompressionPlan | None = None,
     ) -> None:
         self._tensors = list(tensors)
         self._topology = topology
@@ -80,6 +89,14 @@ class Gossip:
         self._timeout = timeout
         self._buffers: list[torch.Tensor | None] = [None] * len(self._tensors)
         self._rounds: list[_Round | None] = [None] * len(self._tensors)
+        self._plan = plan
+        self._gathered: list[torch.Tensor | None] = [None] * len(self._tensors)  # compressed payloads
+        # group ranks -> per bucket, the reference every member of the group holds bit for bit
+        self._references: dict[tuple[int, ...], list[torch.Tensor | None]] = {}
+
+    @property
+    def plan(self) -> CompressionPlan | None:
+        return self._plan
 
     @property
     def num_buckets(self) -> int:
@@ -90,6 +107,9 @@ class Gossip:
         self._tensors.extend(tensors)
         self._buffers.extend([None] * len(tensors))
         self._rounds.extend([None] * len(tensors))
+        self._gathered.extend([None] * len(tensors))
+        for references in self._references.values():
+            references.extend([None] * len(tensors))
 
     def pending(self, bucket: int) -> int | None:
         """The step bucket ``bucket``'s unmixed round was launched at, or None."""
@@ -102,37 +122,78 @@ class Gossip:
 
         Returns the rank's group at ``step``; a group of one sends nothing and stages nothing.
         """
+        return self._stage(bucket, step)[0]
+
+    def _stage(self, bucket: int, step: int) -> tuple[Group, str | None]:
+        """Stage bucket ``bucket`` for ``step``: its group, and the codec of a gathered round (or None)."""
         group = self._topology.group(self._rank, step)
         if group.size == 1:
-            return group
-        tensor, buffer = self._tensors[bucket], self._buffers[bucket]
+            return group, None
+        tensor = self._tensors[bucket]
+        buffer = self._buffers[bucket]
         if buffer is None:
             buffer = self._buffers[bucket] = _new_buffer(tensor)
+        if self._plan is not None and self._plan.compresses(group, tensor.dtype):
+            return group, self._stage_gathered(bucket, group, buffer)
         # Division by k is correctly rounded (exact for k a power of two); x * fl(1/k) would round
         # twice. Low-precision tensors are widened into their fp32 buffer here.
         if group.self_weight is None:
             torch.div(tensor, group.size, out=buffer)
         else:
             torch.mul(tensor, group.peer_weight, out=buffer)
-        return group
+        return group, None
+
+    def _stage_gathered(self, bucket: int, group: Group, scratch: torch.Tensor) -> str:
+        """Encode this member's part of a compressed round into its slot of the gathered payload."""
+        assert self._plan is not None
+        tensor = self._tensors[bucket]
+        reference = self._references.get(group.ranks, [None] * self.num_buckets)[bucket]
+        # A group's first round (no reference yet) sends the values themselves, exactly.
+        name = "exact" if reference is None else self._plan.codec.name
+        coder = codec(name)
+        size = coder.payload_bytes(tensor.numel(), tensor.dtype)
+        gathered = self._gathered[bucket]
+        if gathered is None or gathered.numel() != group.size * size:
+            gathered = self._gathered[bucket] = torch.empty(
+                group.size * size, dtype=torch.uint8, device=tensor.device
+            )
+        slot = group.ranks.index(self._rank)
+        own = gathered[slot * size : (slot + 1) * size]
+        if reference is None:
+            coder.encode(tensor, own)
+        else:
+            torch.sub(tensor, reference, out=scratch)  # small: what changed since the group last met
+            coder.encode(scratch, own)
+        return name
 
     def launch(self, bucket: int, step: int) -> None:
-        """Stage bucket ``bucket`` and start its all-reduce in the rank's group at ``step`` (non-blocking)."""
+        """Stage bucket ``bucket`` and start its all-reduce in the rank's group at ``step`` (non-blocking).
+
+        A compressed round starts an all-gather of the members' payloads instead.
+        """
         pending = self._rounds[bucket]
         if pending is not None:
             raise RuntimeError(
                 f"bucket {bucket}: the gossip round launched at step {pending.step} has not been mixed yet; "
                 "call mix() or discard() before launching it again."
             )
-        group = self.stage(bucket, step)
+        group, name = self._stage(bucket, step)
         if group.size == 1:
             return  # nothing to exchange: W_ii = 1
-        buffer = self._buffers[bucket]
-        assert buffer is not None  # staged above
-        work = dist.all_reduce(
-            buffer, op=dist.ReduceOp.SUM, group=self._process_groups[group.ranks], async_op=True
-        )
-        self._rounds[bucket] = _Round(step, group, work)
+        handle = self._process_groups[group.ranks]
+        if name is not None:
+            gathered = self._gathered[bucket]
+            assert gathered is not None  # staged above
+            slot, size = group.ranks.index(self._rank), gathered.numel() // group.size
+            # In place: this member's input is its own slot of the output.
+            work = dist.all_gather_into_tensor(
+                gathered, gathered[slot * size : (slot + 1) * size], group=handle, async_op=True
+            )
+        else:
+            buffer = self._buffers[bucket]
+            assert buffer is not None  # staged above
+            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True)
+        self._rounds[bucket] = _Round(step, group, work, name)
 
     def wait(self, bucket: int) -> None:
         """Wait until bucket ``bucket``'s round has arrived; its buffer then holds the group sum."""
@@ -153,6 +214,9 @@ class Gossip:
             return
         self.wait(bucket)
         self._rounds[bucket] = None
+        if round_.codec is not None:
+            self._mix_gathered(bucket, round_, factor)
+            return
         group, tensor, buffer = round_.group, self._tensors[bucket], self._buffers[bucket]
         assert buffer is not None  # a pending round has a buffer
         own = group.own_weight - group.peer_weight
@@ -164,6 +228,26 @@ class Gossip:
             tensor.copy_(buffer)
         else:
             torch.add(buffer, tensor, alpha=own, out=tensor)
+
+    def _mix_gathered(self, bucket: int, round_: _Round, factor: float) -> None:
+        """``x_i <- x_i + a c (s - k q_i)`` and ``r <- r + s / k`` with ``s = sum_j q_j`` in rank order."""
+        assert round_.codec is not None
+        group, tensor, gathered = round_.group, self._tensors[bucket], self._gathered[bucket]
+        assert gathered is not None  # a pending gathered round has its payloads
+        coder, k = codec(round_.codec), group.size
+        slots = gathered.view(k, -1)
+        total = coder.decode(slots[0], tensor.numel(), tensor.dtype)
+        for j in range(1, k):  # the same order on every member: identical sums
+            total.add_(coder.decode(slots[j], tensor.numel(), tensor.dtype))
+        own = coder.decode(slots[group.ranks.index(self._rank)], tensor.numel(), tensor.dtype)
+        tensor.add_(own.mul_(-k).add_(total), alpha=factor * group.peer_weight)
+        references = self._references.setdefault(group.ranks, [None] * self.num_buckets)
+        if round_.codec == "exact":
+            references[bucket] = total.div_(k)  # the members' average: the group's first reference
+        else:
+            reference = references[bucket]
+            if reference is not None:  # dropped by a load without references: the next round is exact
+                reference.add_(total.div_(k))
 
     def discard(self, bucket: int) -> None:
         """Finish and drop bucket ``bucket``'s round without mixing it (its values are stale)."""
@@ -188,28 +272,56 @@ class Gossip:
         )
 
     # -- checkpoints ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any] | None:
-        """The rounds still to be mixed (waiting for them first), or None if there are none.
+    def state_dict(self, references: bool = True) -> dict[str, Any] | None:
+        """The rounds still to be mixed (waiting for them first) and the references; None if neither.
 
-        Format: ``{"step": t, "buffers": [tensor or None per bucket]}``; ``None`` marks a bucket with
-        nothing pending. Every pending round must have been launched at the same step ``t`` (true
-        between two steps of either front-end).
+        Format::
+
+            {
+                "step": t,  # the step every pending round was launched at (None if none is)
+                "buffers": [tensor or None per bucket],  # all-reduced sums, not mixed yet
+                "gathered": [uint8 tensor or None per bucket],  # compressed rounds' payloads
+                "codecs": [str or None per bucket],  # their codecs
+                "references": [{"ranks": [...], "tensors": [tensor or None per bucket]}, ...],
+            }
+
+        ``None`` marks a bucket with nothing pending. Every pending round must have been launched at
+        the same step ``t`` (true between two steps of either front-end). With ``references=False``
+        the references are left out (a global average's snapshot: they do not change until its
+        revert).
         """
         steps = {r.step for r in self._rounds if r is not None}
-        if not steps:
-            return None
         if len(steps) > 1:
             raise RuntimeError(
                 f"buckets have gossip in flight from different steps {sorted(steps)}: save between two "
                 "steps (after step() / after backward), not in the middle of one."
             )
+        saved_references = self._references_state() if references else []
+        if not steps and not saved_references:
+            return None
         self.wait_all()
         buffers: list[torch.Tensor | None] = []
-        for round_, buffer in zip(self._rounds, self._buffers, strict=True):
-            buffers.append(None if round_ is None or buffer is None else buffer.clone())
+        gathered: list[torch.Tensor | None] = []
+        codecs: list[str | None] = []
+        for round_, buffer, payload in zip(self._rounds, self._buffers, self._gathered, strict=True):
+            plain = round_ is not None and round_.codec is None
+            buffers.append(buffer.clone() if plain and buffer is not None else None)
+            compressed = round_ is not None and round_.codec is not None and payload is not None
+            gathered.append(payload.clone() if compressed and payload is not None else None)
+            codecs.append(None if round_ is None else round_.codec)
         while buffers and buffers[-1] is None:
             buffers.pop()  # the layout checkpoints of version 1 used: a prefix of the buckets
-        return {"step": steps.pop(), "buffers": buffers}
+        state: dict[str, Any] = {"step": steps.pop() if steps else None, "buffers": buffers}
+        if any(c is not None for c in codecs) or saved_references:
+            state.update(gathered=gathered, codecs=codecs, references=saved_references)
+        return state
+
+    def _references_state(self) -> list[dict[str, Any]]:
+        return [
+            {"ranks": list(ranks), "tensors": [None if t is None else t.clone() for t in tensors]}
+            for ranks, tensors in self._references.items()
+            if any(t is not None for t in tensors)
+        ]
 
     def check_state_dict(self, state: dict[str, Any] | None) -> None:
         """Raise ``ValueError`` if ``state`` (from :meth:`state_dict`) does not fit these buckets."""
@@ -233,14 +345,76 @@ class Gossip:
                     f"gossip buffer {bucket} of {got} does not fit a bucket of shape {tuple(tensor.shape)} "
                     f"and dtype {dtype}; the checkpoint comes from a different parameter layout."
                 )
+        self._check_compressed_state(state)
 
-    def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        """Restore rounds from :meth:`state_dict` as received-but-not-mixed (drops any pending round)."""
+    def _check_compressed_state(self, state: dict[str, Any]) -> None:
+        gathered, codecs = state.get("gathered", []), state.get("codecs", [])
+        if len(gathered) != len(codecs) or len(gathered) > len(self._tensors):
+            raise ValueError(
+                f"gossip state has {len(gathered)} gathered payloads and {len(codecs)} codecs for "
+                f"{len(self._tensors)} buckets; the checkpoint is corrupt or from a different layout."
+            )
+        step = state["step"]
+        for bucket, (payload, name) in enumerate(zip(gathered, codecs, strict=True)):
+            if payload is None and name is None:
+                continue
+            if name not in ("exact", *WIRE_FORMATS) or payload is None or step is None:
+                raise ValueError(f"gossip state of bucket {bucket} has codec {name!r} without a payload.")
+            tensor = self._tensors[bucket]
+            group = self._topology.group(self._rank, int(step))
+            size = group.size * codec(name).payload_bytes(tensor.numel(), tensor.dtype)
+            got = misfit(payload, torch.Size([size]), torch.uint8)
+            if got is not None:
+                raise ValueError(
+                    f"compressed gossip payload {bucket} of {got} does not fit its round ({size} bytes of "
+                    f"uint8); the checkpoint comes from a different parameter layout or topology."
+                )
+        groups = {g.ranks for g in self._topology.distinct_groups()}
+        for entry in state.get("references", []):
+            ranks = tuple(entry["ranks"])
+            if ranks not in groups or self._rank not in ranks:
+                raise ValueError(
+                    f"the checkpoint has a compression reference for group {list(ranks)}, which is not one "
+                    f"of rank {self._rank}'s groups in this topology; resume with the same topology."
+                )
+            if len(entry["tensors"]) > len(self._tensors):
+                raise ValueError(
+                    f"group {list(ranks)} has references for {len(entry['tensors'])} buckets but there are "
+                    f"{len(self._tensors)}; the checkpoint comes from a different parameter layout."
+                )
+            for bucket, (saved, tensor) in enumerate(zip(entry["tensors"], self._tensors, strict=False)):
+                got = None if saved is None else misfit(saved, tensor.shape, tensor.dtype)
+                if got is not None:
+                    raise ValueError(
+                        f"compression reference of group {list(ranks)}, bucket {bucket}, of {got} does not "
+                        f"fit a bucket of shape {tuple(tensor.shape)} and dtype {tensor.dtype}; the "
+                        "checkpoint comes from a different parameter layout."
+                    )
+
+    def load_state_dict(self, state: dict[str, Any] | None, references: bool = True) -> None:
+        """Restore rounds from :meth:`state_dict` as received-but-not-mixed (drops any pending round).
+
+        With ``references`` (a checkpoint), the references are replaced by the state's (none if it
+        has none, so that every member of a group starts it again with an exact round); without (a
+        global average's snapshot), the current references are kept.
+        """
         self.check_state_dict(state)
         self.discard_all()
+        if references:
+            self._references = {}
         if state is None:
             return
-        step = int(state["step"])
+        step = state["step"]
+        if references and self._plan is not None:  # without compression, references are of no use
+            for entry in state.get("references", []):
+                tensors: list[torch.Tensor | None] = [None] * self.num_buckets
+                for bucket, saved in enumerate(entry["tensors"]):
+                    if saved is not None:
+                        tensors[bucket] = saved.to(self._tensors[bucket].device).clone()
+                self._references[tuple(entry["ranks"])] = tensors
+        if step is None:
+            return
+        step = int(step)
         group = self._topology.group(self._rank, step)
         for bucket, saved in enumerate(state["buffers"]):
             if saved is None:
@@ -250,6 +424,13 @@ class Gossip:
                 buffer = self._buffers[bucket] = _new_buffer(self._tensors[bucket])
             buffer.copy_(saved)
             self._rounds[bucket] = _Round(step, group, None)
+        for bucket, (payload, name) in enumerate(
+            zip(state.get("gathered", []), state.get("codecs", []), strict=True)
+        ):
+            if name is None:
+                continue
+            self._gathered[bucket] = payload.to(self._tensors[bucket].device).clone()
+            self._rounds[bucket] = _Round(step, group, None, name)
 
 
 def _new_buffer(tensor: torch.Tensor) -> torch.Tensor:

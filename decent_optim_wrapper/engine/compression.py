@@ -1,0 +1,295 @@
+r"""Compressed gossip: what travels on the wire, and which groups may compress.
+
+Design (difference compression against a shared reference, with error feedback kept in the replica)
+------------------------------------------------------------------------------------------------------
+Sending a replica in bf16 directly does not work: every mix would round it to bf16, and updates
+smaller than a bf16 ulp would vanish. Instead the members of a group ``G`` (of ``k`` ranks, peer
+weight ``c``, mixing factor ``a``) share a *reference* ``r_G`` that every member holds bit for bit,
+and a round sends only the small difference to it. At launch, member ``i`` sends
+
+.. math::
+    q_i = Q(x_i - r_G)
+
+(``Q``: the wire format's rounding; ``q_i`` is what every member decodes, in full precision). Every
+member gathers all ``q_j`` and, at mix, computes in the same order the same sum ``s = \sum_j q_j``:
+
+.. math::
+    x_i \leftarrow x_i + a\, c\, (s - k\, q_i), \qquad r_G \leftarrow r_G + s / k .
+
+With exact ``q`` this is the exact mixing step ``x_i + a c \sum_j (x_j - x_i)``, since ``r_G``
+cancels. With rounded ``q`` it is CHOCO-Gossip's update (Koloskova, Stich and Jaggi, "Decentralized
+Stochastic Optimization and Gossip Algorithms with Compressed Communication", ICML 2019, Algorithm 1
+with step size ``gamma = a c k``) specialised to a clique: ``r_G + q_j`` is member ``j``'s public
+estimate. Its properties:
+
+* **Identical sums.** Every member of ``G`` ends the round with the same ``s`` and the same new
+  ``r_G``: they decode the same bytes with the same operations in rank order.
+* **The mean moves only by rounding in the parameters' dtype.** The updates of the members sum to
+  ``a c (k s - k \sum_i q_i) = 0`` exactly, so the quantization error never reaches the mean of the
+  replicas: it stays in each replica as the part of ``x_i - r_G`` that was not sent (error feedback,
+  Seide et al. 2014; Karimireddy et al. ICML 2019), and goes out with the next difference. What
+  remains is the rounding of ``x_i + a c (s - k q_i)`` in the parameters' dtype, per element at
+  most ``u (|x_i| + |a c (s - k q_i)|)`` with ``u`` the dtype's unit roundoff (``2^-24`` for fp32),
+  so the mean of the replicas moves by at most that, averaged over the members.
+* **Small in magnitude, so accurate.** ``x_i - r_G`` is what changed since the group last met:
+  a few local steps plus the disagreement with other groups. Its rounding error is relative to
+  that, not to the parameters (bf16: ``2^-9`` of it; fp16: ``2^-12``; int8: half a step of
+  ``max|block| / 127`` per block of 256).
+
+A group's first round is *exact*: the members send their parameters in full precision (gathered,
+so every member sums them in the same order) and ``r_G`` becomes their average. References survive
+global averaging and its revert (they are identical on every member either way; a stale reference
+only makes the next difference larger) and are part of a checkpoint, so a resumed run continues bit
+for bit.
+
+Cost
+----
+* **Memory:** one reference per bucket for each group a rank compresses, i.e. up to
+  ``max_references`` copies of the gossiped parameters (ring: 2, one-peer-exponential with ``n``
+  ranks: ``log2 n``), plus the gathered payloads (``k`` times the wire size of a bucket). A rank
+  compresses only its first ``max_references`` groups in schedule order, and a group compresses
+  only if it is among the first ``max_references`` of every member (so that all members agree
+  without talking); the other groups gossip uncompressed.
+* **Bytes:** a round gathers, so each member sends ``(k - 1)`` payloads, where an uncompressed
+  all-reduce sends ``2 (k - 1) / k`` parameter copies. A group compresses only where that is fewer
+  bytes: pairs and triples with 16 bits, groups of up to 7 with 8 bits (for fp32 parameters).
+* **Only fp32 and fp64 buckets compress**: 16-bit parameters have nothing to gain from a 16-bit
+  wire format, and their mix rounds to 16 bits anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+
+import torch
+
+from decent_optim_wrapper.topo import Group, Topology
+
+__all__ = [
+    "WIRE_FORMATS",
+    "Codec",
+    "CompressionPlan",
+    "CompressionSpec",
+    "GossipCompression",
+    "codec",
+    "resolve_compression",
+]
+
+#: The wire formats a compressed round may use, by name.
+WIRE_FORMATS = ("bf16", "fp16", "int8")
+
+#: The bucket dtypes that compress.
+COMPRESSIBLE_DTYPES = (torch.float32, torch.float64)
+
+#: Elements sharing one int8 scale: small enough to follow the local magnitude, large enough that
+#: the fp32 scale costs 1.6% of the payload.
+INT8_BLOCK = 256
+
+
+@dataclass(frozen=True)
+class GossipCompression:
+    """Opt-in compressed gossip (see the module docstring for the algorithm and its guarantees).
+
+    Args:
+        wire: ``"bf16"``, ``"fp16"`` (16 bits per element; fp16 is 8x more precise than bf16 but
+            saturates at 65504, beyond which the excess simply waits for the next round), or
+            ``"int8"`` (8 bits per element plus one fp32 scale per 256 elements).
+        max_references: the most groups a rank keeps a reference for, i.e. the most extra copies of
+            its gossiped parameters that compression may hold.
+    """
+
+    wire: str = "bf16"
+    max_references: int = 4
+
+    def __post_init__(self) -> None:
+        if self.wire not in WIRE_FORMATS:
+            raise ValueError(
+                f"compression wire format {self.wire!r} is not one of {', '.join(WIRE_FORMATS)}; e.g. "
+                "compression='bf16'."
+            )
+        limit = self.max_references
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ValueError(
+                f"max_references must be an int >= 1 (extra parameter copies compression may hold), got "
+                f"{limit!r}."
+            )
+
+
+#: What a ``compression`` argument may be: None (off), a wire format name, or a GossipCompression.
+CompressionSpec = str | GossipCompression | None
+
+
+def resolve_compression(spec: object) -> GossipCompression | None:
+    """Turn a ``compression`` argument into a :class:`GossipCompression` (None: off)."""
+    if spec is None or isinstance(spec, GossipCompression):
+        return spec
+    if isinstance(spec, str):
+        if spec not in WIRE_FORMATS:
+            raise ValueError(
+                f"compression={spec!r} is not a wire format; pass one of "
+                f"{', '.join(map(repr, WIRE_FORMATS))}, a GossipCompression, or None (off)."
+            )
+        return GossipCompression(spec)
+    raise TypeError(
+        f"compression must be None, one of {', '.join(map(repr, WIRE_FORMATS))} or a GossipCompression, got "
+        f"{type(spec).__name__} {spec!r}."
+    )
+
+
+# -- codecs -------------------------------------------------------------------------------------------
+class Codec:
+    """Encodes a flat floating tensor into bytes and back; decoding is deterministic.
+
+    ``name`` is recorded with a round in a checkpoint; ``"exact"`` carries the values bit for bit.
+    """
+
+    name: str
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
+        """Write ``values`` (flat, floating) into ``payload`` (flat uint8 of ``payload_bytes``)."""
+        raise NotImplementedError
+
+    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The values ``payload`` stands for, as a new tensor of ``dtype``."""
+        raise NotImplementedError
+
+
+class _ExactCodec(Codec):
+    """The values' own bytes (a group's first round)."""
+
+    name = "exact"
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return numel * dtype.itemsize
+
+    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
+        payload.view(values.dtype).copy_(values)
+
+    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return payload.view(dtype).clone()
+
+
+class _Float16Codec(Codec):
+    """Round to nearest in a 16-bit float (fp16 saturates: the excess stays in the replica)."""
+
+    def __init__(self, name: str, dtype: torch.dtype) -> None:
+        self.name, self._dtype = name, dtype
+        self._limit = torch.finfo(dtype).max
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        return 2 * numel
+
+    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
+        wire = payload.view(self._dtype)
+        if self._dtype == torch.float16:
+            # Clamped, not overflowed to inf: what is not sent stays in x - r for the next round.
+            torch.clamp(values, -self._limit, self._limit, out=values)
+        wire.copy_(values)
+
+    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        return payload.view(self._dtype).to(dtype)
+
+
+class _Int8Codec(Codec):
+    """Blockwise absmax int8: per block of 256, ``q = round(v / s)`` with ``s = max|v| / 127``.
+
+    Layout: ``ceil(n / 256) * 256`` int8 values (the last block zero-padded), then one fp32 scale
+    per block.
+    """
+
+    name = "int8"
+
+    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
+        blocks = math.ceil(numel / INT8_BLOCK)
+        return blocks * INT8_BLOCK + 4 * blocks
+
+    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
+        numel = values.numel()
+        blocks = math.ceil(numel / INT8_BLOCK)
+        padded = torch.zeros(blocks * INT8_BLOCK, dtype=torch.float32, device=values.device)
+        padded[:numel] = values
+        padded = padded.view(blocks, INT8_BLOCK)
+        scales = padded.abs().amax(dim=1, keepdim=True).div_(127.0)
+        # An all-zero block has scale 0; dividing by 1 instead sends its zeros.
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        quantized = padded.div_(safe).round_().clamp_(-127, 127)
+        payload[: blocks * INT8_BLOCK].view(torch.int8).copy_(quantized.view(-1))
+        payload[blocks * INT8_BLOCK :].view(torch.float32).copy_(scales.view(-1))
+
+    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        blocks = math.ceil(numel / INT8_BLOCK)
+        quantized = payload[: blocks * INT8_BLOCK].view(torch.int8).view(blocks, INT8_BLOCK)
+        scales = payload[blocks * INT8_BLOCK :].view(torch.float32).view(blocks, 1)
+        return (quantized.to(torch.float32) * scales).view(-1)[:numel].to(dtype)
+
+
+_CODECS: dict[str, Codec] = {
+    "exact": _ExactCodec(),
+    "bf16": _Float16Codec("bf16", torch.bfloat16),
+    "fp16": _Float16Codec("fp16", torch.float16),
+    "int8": _Int8Codec(),
+}
+
+
+def codec(name: str) -> Codec:
+    """The codec called ``name`` (a wire format, or ``"exact"``)."""
+    return _CODECS[name]
+
+
+# -- which groups compress -------------------------------------------------------------------------------
+class CompressionPlan:
+    """Decides, identically on every rank, which rounds of a topology go compressed.
+
+    A group compresses a bucket of ``dtype`` when the dtype compresses, gathering the wire format
+    moves fewer bytes than an all-reduce in full precision, and the group is among the first
+    ``max_references`` such groups (in schedule order) of each of its members.
+    """
+
+    def __init__(self, topology: Topology, compression: GossipCompression) -> None:
+        self.compression = compression
+        self._topology = topology
+        self._codec = codec(compression.wire)
+        self._allowed: Callable[[torch.dtype], frozenset[tuple[int, ...]]] = cache(self._allowed_groups)
+
+    @property
+    def codec(self) -> Codec:
+        return self._codec
+
+    def compresses(self, group: Group, dtype: torch.dtype) -> bool:
+        return group.ranks in self._allowed(dtype)
+
+    def _saves_bytes(self, group: Group, dtype: torch.dtype) -> bool:
+        if dtype not in COMPRESSIBLE_DTYPES or group.size == 1:
+            return False
+        large = 1 << 20  # per-element cost, without the rounding of tiny buckets
+        gathered = (group.size - 1) * self._codec.payload_bytes(large, dtype)
+        reduced = 2 * (group.size - 1) / group.size * large * dtype.itemsize
+        return gathered < reduced
+
+    def _allowed_groups(self, dtype: torch.dtype) -> frozenset[tuple[int, ...]]:
+        topology, limit = self._topology, self.compression.max_references
+        firsts: list[set[tuple[int, ...]]] = []
+        for rank in range(topology.world_size):
+            chosen: list[tuple[int, ...]] = []
+            for step in range(topology.period):
+                group = topology.group(rank, step)
+                if len(chosen) < limit and group.ranks not in chosen and self._saves_bytes(group, dtype):
+                    chosen.append(group.ranks)
+            firsts.append(set(chosen))
+        return frozenset(
+            ranks for rank_groups in firsts for ranks in rank_groups if all(ranks in firsts[r] for r in ranks)
+        )
+
+    def bytes_sent(self, group: Group, numel: int, dtype: torch.dtype, reduced_itemsize: int) -> float:
+        """Bytes a member of ``group`` sends in a steady-state round of a bucket (first rounds aside)."""
+        if group.size == 1:
+            return 0.0
+        if self.compresses(group, dtype):
+            return float((group.size - 1) * self._codec.payload_bytes(numel, dtype))
+        return 2 * (group.size - 1) / group.size * numel * reduced_itemsize
