@@ -487,7 +487,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=50, help="steps between progress lines")
     parser.add_argument("--figure", default="runs/quickstart.png")
     parser.add_argument("--json", default=None, help="also write the results here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for method in args.methods:  # one clear message here rather than a traceback from every worker
+        try:
+            parse_method(method)
+        except ValueError as error:
+            parser.error(str(error))
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -109,6 +109,13 @@ def test_command_line_names_the_split(quickstart):
     assert quickstart.split_label("iid", None) == "iid"
 
 
+def test_command_line_rejects_a_bad_method_before_starting_workers(quickstart, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        quickstart.parse_args(["--methods", "ring", "ddp@bf16"])
+    assert exit_info.value.code == 2
+    assert "ddp takes no compression, got 'bf16'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("name", "topology", "module", "compression", "optimizer"),
     [
