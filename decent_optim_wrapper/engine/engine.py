@@ -123,7 +123,6 @@ class GossipEngine:
     ) -> None:
         _check_bucket_cap(bucket_cap_mb)
         _check_timeout(timeout)
-        self._compression = resolve_compression(compression)
         self._as_views = params_as_views
         self._mixing_factor = 1.0
         self._rank, self._world_size, self._local_world_size = resolve_world(
@@ -133,6 +132,7 @@ class GossipEngine:
         self._timeout = timeout
 
         def local_layout() -> tuple[object, ...]:
+            self._compression = resolve_compression(compression)
             topo = resolve_topology(topology, self._world_size, self._local_world_size)
             pairs = named_params() if callable(named_params) else named_params
             params, names = check_named_params(pairs)

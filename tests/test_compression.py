@@ -1,0 +1,359 @@
+"""Multi-process: compressed gossip follows its update rule, keeps the mean, resumes bit for bit.
+
+The update rule (decent_optim_wrapper.engine.compression): a group's first round is exact; later a
+member sends ``q_i = Q(x_i - r)`` and mixes ``x_i <- x_i + c (sum_j q_j - k q_i)``, and every member
+moves the shared reference ``r <- r + sum_j q_j / k``.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import batch, flat, gather, set_distinct, tiny_model, train_steps
+from torch import nn
+
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, GossipEngine, TopologyFactory
+
+
+# -- an independent simulation of the rule, all replicas in one process --------------------------------
+def _quantize(values: torch.Tensor, wire: str) -> torch.Tensor:
+    """Q: what a member's difference becomes on the wire, decoded (written from the rule, not the codec)."""
+    if wire == "bf16":
+        return values.to(torch.bfloat16).to(values.dtype)
+    assert wire == "int8"
+    out = torch.empty_like(values)
+    for start in range(0, values.numel(), 256):
+        block = values[start : start + 256]
+        scale = block.abs().max().float() / 127
+        if scale == 0:
+            out[start : start + 256] = 0
+        else:
+            out[start : start + 256] = ((block.float() / scale).round().clamp(-127, 127) * scale).to(
+                values.dtype
+            )
+    return out
+
+
+def _simulate(world_size: int, topology: str, wire: str, steps: int) -> list[torch.Tensor]:
+    """Every replica's flat parameters after ``steps`` steps of SGD with compressed gossip."""
+    topo = TopologyFactory.create(topology, world_size)
+    models = [tiny_model(dtype=torch.float64) for _ in range(world_size)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    references: dict[tuple[int, ...], torch.Tensor] = {}
+    sent: dict[int, torch.Tensor] | None = None  # per rank, what it sent at the previous step
+    first: set[tuple[int, ...]] = set()  # groups whose pending round is their first (exact)
+
+    def params(i: int) -> list[torch.Tensor]:
+        return list(models[i].parameters())
+
+    for step in range(steps):
+        for rank in range(world_size):
+            x, y = batch(rank, step, torch.float64)
+            optimizers[rank].zero_grad()
+            nn.functional.cross_entropy(models[rank](x), y).backward()
+        with torch.no_grad():
+            if sent is not None:  # mix the round launched at step - 1
+                for group in topo.phase(step - 1):
+                    if group.size == 1:
+                        continue
+                    total = sum(sent[j] for j in group.ranks)
+                    for i in group.ranks:
+                        x_i = torch.cat([p.reshape(-1) for p in params(i)])
+                        x_i = x_i + group.peer_weight * (total - group.size * sent[i])
+                        torch.nn.utils.vector_to_parameters(x_i, params(i))
+                    mean_q = total / group.size
+                    references[group.ranks] = (
+                        mean_q if group.ranks in first else references[group.ranks] + mean_q
+                    )
+            for opt in optimizers:
+                opt.step()
+            sent, first = {}, set()
+            for group in topo.phase(step):
+                for i in group.ranks:
+                    x_i = torch.cat([p.reshape(-1) for p in params(i)])
+                    if group.ranks not in references:
+                        sent[i] = x_i.clone()
+                        first.add(group.ranks)
+                    else:
+                        sent[i] = _quantize(x_i - references[group.ranks], wire)
+    return [torch.cat([p.detach().reshape(-1) for p in params(i)]) for i in range(world_size)]
+
+
+def _compressed_training(topology: str, wire: str, steps: int) -> torch.Tensor:
+    rank = dist.get_rank()
+    model = tiny_model(dtype=torch.float64)
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology=topology, compression=wire
+    )
+    train_steps(model, opt, rank, range(steps))
+    return flat(model)
+
+
+@pytest.mark.parametrize(("world_size", "topology"), [(2, "ring"), (4, "ring"), (3, "complete")])
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_compressed_training_equals_the_independent_simulation(pool, world_size, topology, wire):
+    steps = 8
+    got = pool(world_size).run(_compressed_training, topology, wire, steps)
+    expected = _simulate(world_size, topology, wire, steps)
+    # fp64 throughout; the simulation adds in a different order, so results may differ by a few fp64
+    # roundings (1e-16 relative), far below one wire rounding (bf16: 4e-3 of a difference), which a
+    # wrong reference, a missing error feedback or a mis-ordered mix would show.
+    for rank in range(world_size):
+        torch.testing.assert_close(got[rank], expected[rank], rtol=0, atol=1e-12)
+
+
+# -- the guarantees --------------------------------------------------------------------------------------
+def _mean_around_mixes(topology: str, wire: str, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(replicas before, after) every mix, with random local changes between rounds."""
+    rank = dist.get_rank()
+    model = tiny_model()
+    set_distinct(model, rank)
+    engine = GossipEngine(list(model.named_parameters()), topology=topology, compression=wire)
+    noise = torch.Generator().manual_seed(rank)
+    pairs = []
+    with torch.no_grad():
+        for _ in range(steps):
+            before = gather(flat(model))
+            engine.begin_step()
+            engine.mix_all()
+            pairs.append((before, gather(flat(model))))
+            for p in model.parameters():  # a local update of a few percent
+                p.add_(torch.randn(p.shape, generator=noise), alpha=0.03)
+            engine.launch_all()
+            engine.end_step()
+    return pairs
+
+
+@pytest.mark.parametrize(("world_size", "topology"), [(4, "ring"), (3, "complete")])
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
+def test_mixing_moves_the_mean_only_by_rounding(pool, world_size, topology, wire):
+    pairs = pool(world_size).run(_mean_around_mixes, topology, wire, 10)[0]
+    u = torch.finfo(torch.float32).eps / 2
+    k = TopologyFactory.create(topology, world_size).distinct_groups()[0].size
+    for step, (before, after) in enumerate(pairs):
+        drift = (after.double().mean(0) - before.double().mean(0)).abs()
+        scale = torch.maximum(before.abs().amax(0), after.abs().amax(0)).double()
+        # The members' updates cancel exactly in exact arithmetic; what is left is fp32 rounding:
+        # per member at most 3 roundings of magnitude <= |x| + |update|, and the group sum's k - 1
+        # roundings, with |update|, |q| <= 2 max|x| here: (2k^2 + 3) u max|x| bounds them all.
+        assert torch.all(drift <= (2 * k * k + 3) * u * scale), f"step {step}: drift {drift.max():.3g}"
+        if step >= 3:  # compressed rounds: the replicas did move, by much more than the drift
+            assert (after - before).abs().max() > 1e3 * drift.max()
+
+
+def _consensus_after_training(topology: str, wire: str) -> list[float]:
+    rank = dist.get_rank()
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, compression=wire)
+    train_steps(model, opt, rank, range(10))  # replicas drift apart on their own batches
+    for group in opt.param_groups:
+        group["lr"] = 0.0
+    distances = []
+    for _ in range(40):
+        opt.step()
+        distances.append(opt.consensus_distance())
+    return distances
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_replicas_reach_consensus_below_the_wire_precision(pool, wire):
+    # Error feedback: what a round could not send is sent by the next one, so the replicas keep
+    # converging long past the wire format's own precision (bf16: 2^-9 relative, ~1e-3 here).
+    distances = pool(4).run(_consensus_after_training, "ring", wire)[0]
+    assert distances[0] > 1e-4
+    assert distances[-1] < 1e-6 * max(distances[0], 1.0)
+
+
+def _sums_and_references(topology: str, wire: str) -> list[dict[tuple[int, ...], torch.Tensor]]:
+    rank = dist.get_rank()
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, compression=wire)
+    train_steps(model, opt, rank, range(7))
+    state = opt.engine.state_dict()["gossip"]
+    return {tuple(e["ranks"]): e["tensors"][0] for e in state["references"]}
+
+
+def test_every_member_of_a_group_holds_the_same_reference(pool):
+    per_rank = pool(4).run(_sums_and_references, "ring", "bf16")
+    groups = {ranks for refs in per_rank for ranks in refs}
+    assert groups == {(0, 1), (2, 3), (0, 3), (1, 2)}
+    for ranks in groups:
+        held = [per_rank[r][ranks] for r in ranks]
+        assert all(torch.equal(held[0], other) for other in held[1:]), ranks
+
+
+def _global_avg_and_revert(wire: str, average: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    rank = dist.get_rank()
+    model = tiny_model()
+    opt = DecentOptimWrapper(
+        torch.optim.AdamW(model.parameters(), lr=0.01), topology="ring", compression=wire
+    )
+    train_steps(model, opt, rank, range(6))
+    averaged = None
+    if average:
+        replicas = gather(flat(model))
+        opt.global_avg()
+        averaged = gather(flat(model))
+        # exact: every replica the same, the fp32 average of the replicas (world_size roundings)
+        assert all(torch.equal(averaged[0], a) for a in averaged)
+        u = torch.finfo(torch.float32).eps / 2
+        torch.testing.assert_close(
+            averaged[0].double(), replicas.double().mean(0), rtol=0, atol=4 * u * replicas.abs().max().item()
+        )
+        opt.revert_global_avg()
+    train_steps(model, opt, rank, range(6, 12))
+    return flat(model), averaged
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_global_avg_is_exact_and_revert_continues_bit_for_bit(pool, wire):
+    plain = pool(4).run(_global_avg_and_revert, wire, False)
+    reverted = pool(4).run(_global_avg_and_revert, wire, True)
+    for rank in range(4):
+        assert torch.equal(plain[rank][0], reverted[rank][0]), f"rank {rank}"
+
+
+# -- checkpoints --------------------------------------------------------------------------------------
+def _wrapper_run(wire: str, seed: int = 0):
+    model = tiny_model(seed=seed)
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), topology="ring", compression=wire
+    )
+    return model, opt
+
+
+def _resume_wrapper(wire: str, total: int, save_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rank = dist.get_rank()
+    model, opt = _wrapper_run(wire)
+    train_steps(model, opt, rank, range(total))
+    uninterrupted = flat(model)
+
+    model, opt = _wrapper_run(wire)
+    train_steps(model, opt, rank, range(save_at))
+    saved = opt.state_dict()
+    gossip = saved["decent"]["gossip"]
+    assert gossip["references"] and any(c == wire for c in gossip["codecs"])  # saved mid-compression
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "optimizer": saved}, buffer)
+    train_steps(model, opt, rank, range(save_at, total))  # the saved state must not share storage
+
+    model, opt = _wrapper_run(wire, seed=123)  # a different init: the checkpoint must win
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    train_steps(model, opt, rank, range(save_at, total))
+    return uninterrupted, flat(model)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
+def test_wrapper_resumes_bit_for_bit_with_compression(pool, wire):
+    for rank, (uninterrupted, resumed) in enumerate(pool(4).run(_resume_wrapper, wire, 11, 6)):
+        assert torch.equal(uninterrupted, resumed), f"rank {rank}"
+
+
+def _module_run(wire: str, seed: int = 0) -> DecentralizedDataParallel:
+    model = tiny_model(seed=seed)
+    return DecentralizedDataParallel(
+        model,
+        lambda named: torch.optim.AdamW([p for _, p in named], lr=0.01),
+        topology="ring",
+        bucket_size_in_mb=0.0001,  # several buckets, each with its own references
+        compression=wire,
+    )
+
+
+def _module_steps(ddp: DecentralizedDataParallel, steps: range) -> None:
+    for step in steps:
+        x, y = batch(dist.get_rank(), step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+
+
+def _resume_module(wire: str, total: int, save_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ddp = _module_run(wire)
+    _module_steps(ddp, range(total))
+    uninterrupted = flat(ddp)
+
+    ddp = _module_run(wire)
+    _module_steps(ddp, range(save_at))
+    buffer = io.BytesIO()
+    torch.save(ddp.training_state_dict(), buffer)
+    ddp = _module_run(wire, seed=123)
+    buffer.seek(0)
+    ddp.load_training_state_dict(torch.load(buffer, weights_only=True))
+    _module_steps(ddp, range(save_at, total))
+    return uninterrupted, flat(ddp)
+
+
+def test_module_front_end_resumes_bit_for_bit_with_compression(pool):
+    for rank, (uninterrupted, resumed) in enumerate(pool(4).run(_resume_module, "bf16", 11, 6)):
+        assert torch.equal(uninterrupted, resumed), f"rank {rank}"
+
+
+# -- the rest of the contract -------------------------------------------------------------------------
+def _bytes_per_step(topology: str, wire: str | None) -> tuple[float, int]:
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, compression=wire)
+    (bucket,) = opt.engine.buckets  # what travels: the bucket, alignment padding included
+    return opt.engine.bytes_sent_per_step(), bucket.data.numel()
+
+
+def test_bytes_per_step(pool):
+    plain, numel = pool(4).run(_bytes_per_step, "ring", None)[0]
+    assert plain == 4 * numel  # a pair's all-reduce: one fp32 copy sent per member
+    assert pool(4).run(_bytes_per_step, "ring", "bf16")[0][0] == 2 * numel
+    assert pool(4).run(_bytes_per_step, "ring", "int8")[0][0] == math.ceil(numel / 256) * (256 + 4)
+    # complete at 4: gathering 16 bits three times (6 bytes/element) is no cheaper than the fp32
+    # all-reduce (2 * 3/4 * 4 = 6 bytes/element), so the plan leaves it uncompressed
+    complete = pool(4).run(_bytes_per_step, "complete", "bf16")[0][0]
+    assert complete == pool(4).run(_bytes_per_step, "complete", None)[0][0]
+
+
+def _world_size_one(wire: str) -> tuple[torch.Tensor, torch.Tensor]:
+    results = []
+    for wrap in (False, True):
+        model = tiny_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = DecentOptimWrapper(inner, compression=wire) if wrap else inner
+        train_steps(model, opt, 0, range(5))
+        results.append(flat(model))
+    return results[0], results[1]
+
+
+def test_world_size_one_with_compression_is_the_bare_optimizer(pool):
+    bare, wrapped = pool(1).run(_world_size_one, "int8")[0]
+    assert torch.equal(bare, wrapped)
+
+
+def _mismatched_compression() -> str:
+    model = tiny_model()
+    wire = "bf16" if dist.get_rank() == 0 else None
+    try:
+        DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), compression=wire)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_that_disagree_on_compression_all_get_a_clear_error(pool):
+    for message in pool(2).run(_mismatched_compression):
+        assert "compression differs between rank 0 and rank(s) [1]" in message
+
+
+def _bad_compression(value: object) -> str:
+    model = tiny_model()
+    try:
+        DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), compression=value)
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize("value", ["bf8", "BF16", 16])
+def test_a_bad_compression_argument_names_the_value_and_the_choices(pool, value):
+    message = pool(2).run(_bad_compression, value)[0]
+    assert repr(value) in message and "'bf16'" in message
