@@ -33,8 +33,10 @@ estimate. Its properties:
   so the mean of the replicas moves by at most that, averaged over the members.
 * **Small in magnitude, so accurate.** ``x_i - r_G`` is what changed since the group last met:
   a few local steps plus the disagreement with other groups. Its rounding error is relative to
-  that, not to the parameters (bf16: ``2^-9`` of it; fp16: ``2^-12``; int8: half a step of
-  ``max|block| / 127`` per block of 256).
+  that, not to the parameters (bf16: at most ``2^-8`` of it; fp16: ``2^-11`` down to ``6e-5``,
+  below which fp16 is subnormal and the error an absolute ``2^-25``; int8: half a step of
+  ``max|block| / 127`` per block of 256). fp64 differences are rounded through fp32 on the way
+  (torch's conversion), which adds at most ``2^-24``.
 
 A group's first round is *exact*: the members send their parameters in full precision (gathered,
 so every member sums them in the same order) and ``r_G`` becomes their average. References survive
@@ -152,7 +154,10 @@ class Codec:
         raise NotImplementedError
 
     def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        """Write ``values`` (flat, floating) into ``payload`` (flat uint8 of ``payload_bytes``)."""
+        """Write ``values`` (flat, floating) into ``payload`` (flat uint8 of ``payload_bytes``).
+
+        ``values`` is scratch: an encoder may overwrite it (fp16 clamps it in place).
+        """
         raise NotImplementedError
 
     def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
