@@ -21,6 +21,12 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
     ``mix`` return at once: the engine rows show what that costs, the ops rows what a group would.
     With 2 local gloo processes on a ring every step exchanges with the other rank.
 
+    With ``--compressions`` (default ``bf16 int8``), the 2-rank ring is measured again with each
+    compressed wire format: staging then computes ``x - r`` and encodes it into this member's slot
+    of the gathered payload, and the mix decodes both members' payloads, sums them, updates ``x``
+    and the group's reference ``r``. The compression's own work per step is the difference between
+    its copy-equivalents and the uncompressed ring's.
+
 (b) **Training step at world size 1.** Forward + backward + AdamW step of a modest MLP with the bare
     optimizer, with the same optimizer wrapped (``DecentOptimWrapper``), and with the module
     front-end (``DecentralizedDataParallel``, one AdamW per bucket, stepped inside backward),
@@ -65,11 +71,15 @@ def median_ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples)
 
 
-def measure_gossip(rank: int, world_size: int, width: int, depth: int, reps: int) -> dict[str, Any]:
+def measure_gossip(
+    rank: int, world_size: int, width: int, depth: int, reps: int, compression: str | None = None
+) -> dict[str, Any]:
     """Part (a) on this rank: median ms of staging, mix and a plain copy; their ratio."""
     torch.manual_seed(0)
     model = build_mlp(width, width, depth, width)
-    wrapper = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0), topology="ring")
+    wrapper = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.0), topology="ring", compression=compression
+    )
     gossip = wrapper.engine.gossip
     buckets = range(gossip.num_buckets)
     tensors = [b.data for b in wrapper.buckets]
@@ -171,7 +181,12 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, resu
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        out = {"gossip": measure_gossip(rank, world_size, args.width, args.depth, args.reps)}
+        out: dict[str, Any] = {"gossip": measure_gossip(rank, world_size, args.width, args.depth, args.reps)}
+        if world_size > 1:
+            out["compressed"] = {
+                wire: measure_gossip(rank, world_size, args.width, args.depth, args.reps, wire)
+                for wire in args.compressions
+            }
         if world_size == 1:
             out["train_step"] = measure_training_step(args.train_iters, args.batch)
         results.put((rank, out))
@@ -231,6 +246,14 @@ def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:
                 f"{'':>5} rank {rank}: engine {other['gossip']['engine_copy_equivalents']:.2f}, "
                 f"ops {other['gossip']['ops_copy_equivalents']:.2f} copy-equivalents"
             )
+        for wire, c in sorted(ranks[0].get("compressed", {}).items()):
+            m = c["median_ms"]
+            own = c["engine_copy_equivalents"] - g["engine_copy_equivalents"]
+            print(
+                f"{'@' + wire:>5} {c['threads']:>3} {m['copy']:>8.2f} {m['engine_stage']:>9.2f} "
+                f"{m['engine_mix']:>7.2f} {c['engine_copy_equivalents']:>11.2f}   "
+                f"compression's own work: {own:+.2f} copy-equivalents"
+            )
     print("copy-equivalents = (staging + mix) / one dst.copy_(src) of all parameters; target <= 3")
     print("(floor: 2.0 for uniform groups, copy_ from the buffer; 2.5 for weighted groups, add)")
     t = by_world[1][0]["train_step"]
@@ -264,6 +287,12 @@ def parse_args() -> argparse.Namespace:
         help="torch threads per process (default 1: see the module docstring)",
     )
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2], help="world sizes for (a)")
+    parser.add_argument(
+        "--compressions",
+        nargs="*",
+        default=["bf16", "int8"],
+        help="wire formats measured again on the ring at world sizes > 1 (default: bf16 int8)",
+    )
     parser.add_argument("--max-seconds", type=float, default=300.0, help="deadline per world size")
     parser.add_argument("--json", metavar="PATH", help="write the results as JSON")
     return parser.parse_args()

@@ -273,8 +273,35 @@ def test_cli_local_world_size_and_steps(capsys):
 
 
 @pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        # pairs: one fp32 copy (4 bytes/parameter) uncompressed, 2 bytes with 16 bits, and with int8
+        # 1 byte plus one fp32 scale per 256 parameters: 1 + 4/256 = 1.015625
+        (["ring", "-n", "8", "-c", "bf16"], "with bf16 compression: 2.0000 (uncompressed 4.0000; x0.500)"),
+        (["ring", "-n", "8", "-c", "int8"], "with int8 compression: 1.0156 (uncompressed 4.0000; x0.254)"),
+        # a group of 8 gathers 7 payloads: no fewer bytes than the all-reduce's 2 * 7/8 * 4, so it
+        # stays uncompressed
+        (
+            ["complete", "-n", "8", "-c", "bf16"],
+            "with bf16 compression: 7.0000 (uncompressed 7.0000; x1.000)",
+        ),
+        # one-peer-exp at 16 has 4 groups per rank; a cap of 2 compresses the first two phases only
+        (
+            ["one-peer-exp", "-n", "16", "-c", "bf16", "--max-references", "2"],
+            "with bf16 compression: 3.0000 (uncompressed 4.0000; x0.750)",
+        ),
+    ],
+)
+def test_cli_prints_bytes_per_parameter_with_compression(argv, expected, capsys):
+    assert main(argv) == 0
+    assert expected in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
+        (["ring", "-n", "4", "-c", "bf8"], "argument --compression/-c: invalid choice: 'bf8'"),
+        (["ring", "-n", "4", "-c", "bf16", "--max-references", "0"], "--max-references must be >= 1, got 0"),
         (["torus", "-n", "4"], "unknown topology 'torus'; registered: alternating-exp-ring, complete"),
         (["ring", "-n", "0"], "world_size must be >= 1, got 0"),
         (["ring", "-n", "6", "-l", "4"], "local_world_size=4 must divide world_size=6"),
