@@ -32,6 +32,12 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
     front-end (``DecentralizedDataParallel``, one AdamW per bucket, stepped inside backward),
     interleaved (the order rotates every step) so drift affects all alike. Targets: 1.02 and 1.03.
 
+(c) **Training step at world size 2, by feature.** The same step on a 2-rank ring with
+    ``DecentOptimWrapper``: plain, with gradient tracking (``gradient_tracking=True``: the tracker's
+    own gossip and its update, ``y <- W y + g - g_prev``) and with bf16 compression, interleaved the
+    same way; reported relative to the plain ring. Loopback is fast here, so this is the features'
+    compute and memory traffic, not their bytes.
+
 Each process uses ``--threads`` torch threads (default 1). On a small shared VM a multi-threaded
 memory pass waits for its slowest thread at every kernel, so with more threads than idle cores the
 numbers measure the scheduler; the copy it is compared with always uses the same threads.
@@ -124,19 +130,44 @@ def measure_gossip(
     }
 
 
-def measure_training_step(iters: int, batch: int) -> dict[str, Any]:
-    """Part (b): median seconds per step of the bare model + AdamW, the optimizer front-end and the
-    module front-end, interleaved (the order rotates every step) so drift affects all alike."""
+def measure_training_step(iters: int, batch: int, world_size: int = 1) -> dict[str, Any]:
+    """Parts (b) and (c): median seconds per step of each way of training the same MLP, interleaved
+    (the order rotates every step) so drift affects all alike.
+
+    World size 1: the bare model + AdamW, the optimizer front-end and the module front-end. Larger
+    world sizes: the optimizer front-end on a ring, plain, with gradient tracking and with bf16
+    compression (the first is the reference of the ratios).
+    """
     torch.manual_seed(0)
-    bare_model = build_mlp(512, 1024, 3, 10)
-    wrapped_model, module_model = build_mlp(512, 1024, 3, 10), build_mlp(512, 1024, 3, 10)
-    wrapped_model.load_state_dict(bare_model.state_dict())
-    module_model.load_state_dict(bare_model.state_dict())
-    bare = torch.optim.AdamW(bare_model.parameters(), lr=1e-3)
-    wrapped = DecentOptimWrapper(torch.optim.AdamW(wrapped_model.parameters(), lr=1e-3), topology="ring")
-    module = DecentralizedDataParallel(
-        module_model, lambda params: torch.optim.AdamW([p for _, p in params], lr=1e-3), topology="ring"
-    )
+    reference = build_mlp(512, 1024, 3, 10)
+
+    def copy_of_model() -> nn.Module:
+        model = build_mlp(512, 1024, 3, 10)
+        model.load_state_dict(reference.state_dict())
+        return model
+
+    def adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = {}
+    if world_size == 1:
+        runs["bare"] = (reference, adamw(reference))
+        wrapped_model = copy_of_model()
+        runs["wrapped"] = (wrapped_model, DecentOptimWrapper(adamw(wrapped_model), topology="ring"))
+        module = DecentralizedDataParallel(
+            copy_of_model(),
+            lambda params: torch.optim.AdamW([p for _, p in params], lr=1e-3),
+            topology="ring",
+        )
+        runs["module"] = (module, None)
+    else:
+        for name, options in (
+            ("ring", {}),
+            ("ring-gt", {"gradient_tracking": True}),
+            ("ring@bf16", {"compression": "bf16"}),
+        ):
+            model = copy_of_model()
+            runs[name] = (model, DecentOptimWrapper(adamw(model), topology="ring", **options))
     x, y = torch.randn(batch, 512), torch.randint(0, 10, (batch,))
 
     def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -146,31 +177,30 @@ def measure_training_step(iters: int, batch: int) -> dict[str, Any]:
         if optimizer is not None:
             optimizer.step()
 
-    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = {
-        "bare": (bare_model, bare),
-        "wrapped": (wrapped_model, wrapped),
-        "module": (module, None),
-    }
     names = list(runs)
+    base = names[0]
     times: dict[str, list[float]] = {name: [] for name in names}
     for i in range(iters + 20):
-        order = names[i % 3 :] + names[: i % 3]
+        order = names[i % len(names) :] + names[: i % len(names)]
         for name in order:
             seconds = timed(lambda name=name: train_step(*runs[name]))
             if i >= 20:
                 times[name].append(seconds)
-    params = sum(p.numel() for p in bare_model.parameters())
     out: dict[str, Any] = {
-        "params": params,
+        "params": sum(p.numel() for p in reference.parameters()),
         "batch": batch,
         "iters": iters,
-        "bare_ms": median_ms(times["bare"]),
+        "world_size": world_size,
+        "reference": base,
+        f"{base}_ms": median_ms(times[base]),
     }
-    for name in ("wrapped", "module"):
-        ratios = [w / b for w, b in zip(times[name], times["bare"], strict=True)]
+    if world_size == 1:
+        out["bare_ms"] = median_ms(times["bare"])
+    for name in names[1:]:
+        ratios = [w / b for w, b in zip(times[name], times[base], strict=True)]
         out[name] = {
             "ms": median_ms(times[name]),
-            "ratio_of_medians": statistics.median(times[name]) / statistics.median(times["bare"]),
+            "ratio_of_medians": statistics.median(times[name]) / statistics.median(times[base]),
             "median_paired_ratio": statistics.median(ratios),
         }
     return out
@@ -187,8 +217,8 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, resu
                 wire: measure_gossip(rank, world_size, args.width, args.depth, args.reps, wire)
                 for wire in args.compressions
             }
-        if world_size == 1:
-            out["train_step"] = measure_training_step(args.train_iters, args.batch)
+        if world_size <= 2:
+            out["train_step"] = measure_training_step(args.train_iters, args.batch, world_size)
         results.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -271,6 +301,18 @@ def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:
             f"    {label:<26} {r['ms']:.3f} ms   ratio of medians {r['ratio_of_medians']:.4f}   "
             f"median paired ratio {r['median_paired_ratio']:.4f}   (target <= {target})"
         )
+    if 2 in by_world and "train_step" in by_world[2][0]:
+        t = by_world[2][0]["train_step"]
+        print(
+            f"\n(c) world size 2 (ring on loopback), forward+backward+AdamW, same MLP and batch, "
+            f"{t['iters']} interleaved steps each, relative to the plain ring ({t['ring_ms']:.3f} ms)"
+        )
+        for name, label in (("ring-gt", "gradient_tracking=True"), ("ring@bf16", "compression='bf16'")):
+            r = t[name]
+            print(
+                f"    {label:<26} {r['ms']:.3f} ms   ratio of medians {r['ratio_of_medians']:.4f}   "
+                f"median paired ratio {r['median_paired_ratio']:.4f}"
+            )
 
 
 def parse_args() -> argparse.Namespace:

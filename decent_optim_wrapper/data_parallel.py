@@ -97,6 +97,10 @@ class DecentralizedDataParallel(nn.Module):
             the compressed difference to a reference the group shares, so fp32 parameters move in
             half (16 bits) or about a quarter (int8) of the bytes; global averaging stays exact. See
             :mod:`decent_optim_wrapper.engine.compression`.
+        gradient_tracking: for data that differs between workers (label-skewed shards): gossip a
+            tracker of the average gradient beside the parameters and step with it instead of the
+            local gradient (DSGT). Twice the bytes and three more parameter copies; see
+            :mod:`decent_optim_wrapper.engine.tracking`.
 
     Example::
 
@@ -122,6 +126,7 @@ class DecentralizedDataParallel(nn.Module):
         *,
         timeout: timedelta = DEFAULT_TIMEOUT,
         compression: CompressionSpec = None,
+        gradient_tracking: bool = False,
     ) -> None:
         super().__init__()
         _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -145,6 +150,7 @@ class DecentralizedDataParallel(nn.Module):
             timeout=timeout,
             params_as_views=param_as_bucket_view,
             compression=compression,
+            gradient_tracking=gradient_tracking,
             context="DecentralizedDataParallel",
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)
@@ -367,6 +373,7 @@ class DecentralizedDataParallel(nn.Module):
         engine, optimizer = self._engine, self._optimizers[bucket]
         engine.mix(bucket)
         if not skip_local_update:
+            engine.track(bucket)  # with gradient tracking, the step sees the tracked gradient
             # With a scaler the gradients are unscaled already and the inf decision is taken for the
             # whole model; scaler.step() would also refuse a bucket without gradients (no inf check).
             optimizer.step()

@@ -70,6 +70,12 @@ class DecentOptimWrapper(Optimizer):
             the compressed difference to a reference the group shares, so fp32 parameters move in
             half (16 bits) or about a quarter (int8) of the bytes; global averaging stays exact. See
             :mod:`decent_optim_wrapper.engine.compression`.
+        gradient_tracking: for data that differs between workers (label-skewed shards): gossip a
+            tracker of the average gradient beside the parameters and step with it instead of the
+            local gradient (DSGT). Twice the bytes and three more parameter copies; see
+            :mod:`decent_optim_wrapper.engine.tracking`.
+            The gradients must be final when :meth:`step` is called: no ``closure``, and under a
+            GradScaler, ``scaler.unscale_(optimizer)`` first.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -97,6 +103,7 @@ class DecentOptimWrapper(Optimizer):
         *,
         timeout: timedelta = DEFAULT_TIMEOUT,
         compression: CompressionSpec = None,
+        gradient_tracking: bool = False,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -116,6 +123,7 @@ class DecentOptimWrapper(Optimizer):
             bucket_cap_mb=bucket_cap_mb,
             timeout=timeout,
             compression=compression,
+            gradient_tracking=gradient_tracking,
             context="DecentOptimWrapper",
         )
 
@@ -217,8 +225,14 @@ class DecentOptimWrapper(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step, see above
         found_inf = getattr(self, "found_inf", None)
         engine = self._engine
+        if engine.tracks_gradients:
+            _check_tracking_step(closure, grad_scale)
         engine.begin_step()
         engine.mix_all()
+        # With gradient tracking the inner step sees the tracked gradient; a rank whose (unscaled)
+        # gradients hold inf/NaN leaves its tracker alone, as it skips its update.
+        if engine.tracks_gradients and (found_inf is None or not bool(found_inf.item())):
+            engine.track_all()
         loss = scaled_step(self.optimizer, closure, grad_scale, found_inf)
         engine.launch_all()
         engine.end_step()
@@ -345,4 +359,18 @@ class DecentOptimWrapper(Optimizer):
             f"DecentOptimWrapper(optimizer={type(self.optimizer).__name__}, "
             f"topology={self.topology.name!r}, rank={self.rank}, world_size={self.world_size}, "
             f"buckets={len(self.buckets)})"
+        )
+
+
+def _check_tracking_step(closure: object, grad_scale: object) -> None:
+    """Gradient tracking reads the gradients before the inner step: they must be final and unscaled."""
+    if closure is not None:
+        raise ValueError(
+            "step(closure) with gradient_tracking=True: the tracker needs the gradients before the inner "
+            "step, but a closure computes them inside it. Call backward() before step() instead."
+        )
+    if grad_scale is not None:
+        raise ValueError(
+            "gradient_tracking=True under GradScaler needs unscaled gradients before step(): call "
+            "scaler.unscale_(optimizer) before scaler.step(optimizer) (and skip nothing else)."
         )

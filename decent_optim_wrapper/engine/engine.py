@@ -52,6 +52,7 @@ from decent_optim_wrapper.engine.compression import (
 )
 from decent_optim_wrapper.engine.errors import GlobalAverageError
 from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.tracking import GradientTracker
 from decent_optim_wrapper.topo import Topology, TopologyFactory
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "TopologySpec"]
@@ -104,6 +105,9 @@ class GossipEngine:
         compression: gossip compressed differences instead of the parameters: ``"bf16"``,
             ``"fp16"``, ``"int8"`` or a :class:`~decent_optim_wrapper.engine.compression.GossipCompression`;
             None (default) sends them exactly. See :mod:`~decent_optim_wrapper.engine.compression`.
+        gradient_tracking: gossip a tracker of the average gradient beside the parameters and let
+            the local update use it (:meth:`track`); see :mod:`~decent_optim_wrapper.engine.tracking`.
+            Off at world size 1.
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
@@ -119,8 +123,11 @@ class GossipEngine:
         timeout: timedelta = DEFAULT_TIMEOUT,
         params_as_views: bool = True,
         compression: CompressionSpec = None,
+        gradient_tracking: bool = False,
         context: str = "GossipEngine",
     ) -> None:
+        if not isinstance(gradient_tracking, bool):
+            raise TypeError(f"gradient_tracking must be True or False, got {gradient_tracking!r}.")
         _check_bucket_cap(bucket_cap_mb)
         _check_timeout(timeout)
         self._as_views = params_as_views
@@ -144,6 +151,7 @@ class GossipEngine:
                 topo.fingerprint(),
                 _signatures(buckets),
                 self._compression,
+                gradient_tracking,
             )
 
         # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
@@ -157,6 +165,9 @@ class GossipEngine:
         check_identical(
             "compression", [r[4] for r in reports], "Pass the same compression argument on every rank."
         )
+        check_identical(
+            "gradient_tracking", [r[5] for r in reports], "Pass the same gradient_tracking on every rank."
+        )
 
         self._process_groups = ProcessGroups(self._topology, timeout)
         self._bind_and_broadcast(self._buckets)
@@ -164,6 +175,11 @@ class GossipEngine:
         self._gossip = Gossip(
             [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout, plan
         )
+        self._tracker: GradientTracker | None = None
+        if gradient_tracking and self._world_size > 1:
+            self._tracker = GradientTracker(
+                self._buckets, self._topology, self._rank, self._process_groups, timeout, plan
+            )
         self._step = 0
         self._snapshot: Snapshot | None = None
         logger.debug(
@@ -227,7 +243,13 @@ class GossipEngine:
                     total += plan.bytes_sent(group, bucket.data.numel(), dtype, reduced)
                 elif group.size > 1:
                     total += 2 * (group.size - 1) / group.size * bucket.data.numel() * reduced
-        return total / self._topology.period
+        rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
+        return rounds * total / self._topology.period
+
+    @property
+    def tracks_gradients(self) -> bool:
+        """Whether the local update uses the tracked average gradient (:meth:`track`)."""
+        return self._tracker is not None
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -278,6 +300,8 @@ class GossipEngine:
     @torch.no_grad()
     def mix(self, bucket: int) -> None:
         """Finish bucket ``bucket``'s round launched at the previous step and mix it in."""
+        if self._tracker is not None:  # its rounds outlive a global average: mixed on their own
+            self._tracker.gossip.mix(bucket, self._mixing_factor)
         if self._gossip.pending(bucket) is None:
             return
         target = self._buckets[bucket]
@@ -289,11 +313,31 @@ class GossipEngine:
     def launch(self, bucket: int, step: int | None = None) -> None:
         """Start bucket ``bucket``'s gossip for ``step`` (default: the current step), non-blocking."""
         self._buckets[bucket].pull()
-        self._gossip.launch(bucket, self._step if step is None else step)
+        step = self._step if step is None else step
+        self._gossip.launch(bucket, step)
+        if self._tracker is not None:
+            self._tracker.gossip.launch(bucket, step)
+
+    @torch.no_grad()
+    def track(self, bucket: int) -> None:
+        """With gradient tracking, replace bucket ``bucket``'s gradients by its tracker (else nothing).
+
+        Call it after :meth:`mix` and before the bucket's local update: ``y <- W y + g - g_prev``,
+        and the optimizer then steps with ``y``. See :mod:`~decent_optim_wrapper.engine.tracking`.
+        """
+        if self._tracker is not None:
+            self._tracker.track(bucket)
+
+    def track_all(self) -> None:
+        """:meth:`track` every bucket, in order."""
+        for bucket in range(len(self._buckets)):
+            self.track(bucket)
 
     def wait(self, bucket: int) -> None:
         """Wait for bucket ``bucket``'s round without mixing it (``mix`` waits by itself)."""
         self._gossip.wait(bucket)
+        if self._tracker is not None:
+            self._tracker.gossip.wait(bucket)
 
     @torch.no_grad()
     def mix_all(self) -> None:
@@ -346,6 +390,8 @@ class GossipEngine:
         self._bind_and_broadcast(built)
         self._buckets.extend(built)
         self._gossip.add_tensors([b.data for b in built])
+        if self._tracker is not None:
+            self._tracker.add_buckets(built)
         return built
 
     # -- global averaging ----------------------------------------------------------------------------
@@ -455,6 +501,7 @@ class GossipEngine:
                 "snapshot": None,  # or {"params": [...], "gossip": ...} while globally averaged
                 "mixing_factor": 1.0,  # a in x <- (1 - a) x + a W x
                 "compression": None,  # or the wire format, e.g. "bf16" (informative)
+                "tracking": None,  # with gradient tracking: trackers, previous gradients, their gossip
             }
 
         With compression, ``"gossip"`` also holds the payloads of compressed rounds not mixed yet and
@@ -483,6 +530,7 @@ class GossipEngine:
             "snapshot": snapshot,
             "mixing_factor": self._mixing_factor,
             "compression": None if self._compression is None else self._compression.wire,
+            "tracking": None if self._tracker is None else self._tracker.state_dict(),
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -524,6 +572,8 @@ class GossipEngine:
             )
         _check_flat_tensors("params", state["params"], self._buckets)
         self._gossip.check_state_dict(state.get("gossip"))
+        if self._tracker is not None and state.get("tracking") is not None:
+            self._tracker.check_state_dict(state["tracking"])
         snapshot = state.get("snapshot")
         if snapshot is not None:
             _check_flat_tensors("snapshot params", snapshot["params"], self._buckets)
@@ -540,6 +590,8 @@ class GossipEngine:
             bucket.data.copy_(saved)
             bucket.push()
         self._gossip.load_state_dict(state.get("gossip"))
+        if self._tracker is not None:  # a checkpoint without tracking starts the trackers afresh
+            self._tracker.load_state_dict(state.get("tracking"))
         self._step = int(state["step"])
         self._mixing_factor = float(state.get("mixing_factor", 1.0))  # absent before 0.2
         snapshot = state.get("snapshot")

@@ -1,0 +1,263 @@
+"""Multi-process: gradient tracking follows DSGT's recursion, tracks the mean gradient, resumes bitwise.
+
+The rule (decent_optim_wrapper.engine.tracking): per step, after mixing the round launched at the
+previous step, ``y_i <- sum_j W_ij y_j + g_i - g_i_prev``, the inner optimizer steps with ``y_i``,
+then parameters and trackers are launched to this step's group.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers import batch, flat, gather, tiny_model, train_steps
+from torch import nn
+
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, TopologyFactory
+
+
+def _simulate(world_size: int, topology: str, steps: int) -> list[torch.Tensor]:
+    """Every replica after ``steps`` steps of DSGT with SGD + momentum, all replicas in one process."""
+    topo = TopologyFactory.create(topology, world_size)
+    models = [tiny_model(dtype=torch.float64) for _ in range(world_size)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
+    numel = sum(p.numel() for p in models[0].parameters())
+    trackers = [torch.zeros(numel, dtype=torch.float64) for _ in range(world_size)]
+    previous = [torch.zeros(numel, dtype=torch.float64) for _ in range(world_size)]
+    sent_x: list[torch.Tensor] | None = None
+    sent_y: list[torch.Tensor] | None = None
+
+    def vector(i: int) -> torch.Tensor:
+        return torch.nn.utils.parameters_to_vector(models[i].parameters())
+
+    for step in range(steps):
+        grads = []
+        for rank in range(world_size):
+            x, y = batch(rank, step, torch.float64)
+            optimizers[rank].zero_grad()
+            nn.functional.cross_entropy(models[rank](x), y).backward()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in models[rank].parameters()]))
+        with torch.no_grad():
+            if sent_x is not None and sent_y is not None:
+                w = topo.mixing_matrix(step - 1).double()
+                for i in range(world_size):
+                    mixed = sum(w[i, j] * sent_x[j] for j in range(world_size))
+                    torch.nn.utils.vector_to_parameters(mixed, models[i].parameters())
+                trackers = [sum(w[i, j] * sent_y[j] for j in range(world_size)) for i in range(world_size)]
+            for i in range(world_size):
+                trackers[i] = trackers[i] + grads[i] - previous[i]
+                previous[i] = grads[i]
+                offset = 0
+                for p in models[i].parameters():
+                    p.grad.copy_(trackers[i][offset : offset + p.numel()].view(p.shape))
+                    offset += p.numel()
+                optimizers[i].step()
+            sent_x = [vector(i).clone() for i in range(world_size)]
+            sent_y = [t.clone() for t in trackers]
+    return [vector(i).detach() for i in range(world_size)]
+
+
+def _tracked_training(topology: str, steps: int) -> torch.Tensor:
+    model = tiny_model(dtype=torch.float64)
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), topology=topology, gradient_tracking=True
+    )
+    train_steps(model, opt, dist.get_rank(), range(steps))
+    return flat(model)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "topology"), [(2, "ring"), (4, "ring"), (4, "one-peer-exp"), (3, "complete")]
+)
+def test_tracking_equals_the_independent_simulation(pool, world_size, topology):
+    got = pool(world_size).run(_tracked_training, topology, 8)
+    expected = _simulate(world_size, topology, 8)
+    # fp64; the simulation mixes with the dense matrix (other summation order, a few fp64 roundings)
+    for rank in range(world_size):
+        torch.testing.assert_close(got[rank], expected[rank], rtol=0, atol=1e-12)
+
+
+def _tracker_mean(steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rank = dist.get_rank()
+    model = tiny_model(dtype=torch.float64)
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        topology="ring",
+        bucket_cap_mb=0.0001,
+        gradient_tracking=True,
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    for step in range(steps):
+        x, y = batch(rank, step, torch.float64)
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        own_gradient = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+        opt.step()  # the gradients are now the trackers
+    trackers = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    return gather(trackers), gather(own_gradient)
+
+
+def test_the_trackers_average_is_the_average_gradient(pool):
+    trackers, gradients = pool(4).run(_tracker_mean, 9)[0]
+    # DSGT's invariant: mean_i y_i = mean_i g_i at every step (doubly stochastic W). fp64 with values
+    # of order 1 accumulated over 9 steps: 1e-12 allows thousands of roundings.
+    torch.testing.assert_close(trackers.mean(0), gradients.mean(0), rtol=0, atol=1e-12)
+    assert (trackers - gradients).abs().max() > 1e-3  # yet each rank steps with more than its own
+
+
+def _world_size_one() -> tuple[torch.Tensor, torch.Tensor]:
+    results = []
+    for wrap in (False, True):
+        model = tiny_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = DecentOptimWrapper(inner, gradient_tracking=True) if wrap else inner
+        train_steps(model, opt, 0, range(5))
+        results.append(flat(model))
+    return results[0], results[1]
+
+
+def test_world_size_one_with_tracking_is_the_bare_optimizer(pool):
+    bare, wrapped = pool(1).run(_world_size_one)[0]
+    assert torch.equal(bare, wrapped)
+
+
+def _average_and_revert(average: bool, wire: str | None) -> torch.Tensor:
+    rank = dist.get_rank()
+    model = tiny_model()
+    opt = DecentOptimWrapper(
+        torch.optim.AdamW(model.parameters(), lr=0.01),
+        topology="ring",
+        gradient_tracking=True,
+        compression=wire,
+    )
+    train_steps(model, opt, rank, range(5))
+    if average:
+        opt.global_avg()
+        averaged = gather(flat(model))
+        assert all(torch.equal(averaged[0], a) for a in averaged)
+        opt.revert_global_avg()
+    train_steps(model, opt, rank, range(5, 10))
+    return flat(model)
+
+
+@pytest.mark.parametrize("wire", [None, "bf16"])
+def test_global_avg_and_revert_leave_tracking_bit_for_bit(pool, wire):
+    plain = pool(4).run(_average_and_revert, False, wire)
+    reverted = pool(4).run(_average_and_revert, True, wire)
+    for rank in range(4):
+        assert torch.equal(plain[rank], reverted[rank]), f"rank {rank}"
+
+
+def _resume(front_end: str, total: int, save_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    rank = dist.get_rank()
+
+    def build(seed: int = 0):
+        model = tiny_model(seed=seed)
+        if front_end == "module":
+            ddp = DecentralizedDataParallel(
+                model,
+                lambda named: torch.optim.AdamW([p for _, p in named], lr=0.01),
+                topology="ring",
+                bucket_size_in_mb=0.0001,
+                gradient_tracking=True,
+            )
+            return ddp, None
+        opt = DecentOptimWrapper(
+            torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+            topology="ring",
+            gradient_tracking=True,
+        )
+        return model, opt
+
+    def run(model, opt, steps: range) -> None:
+        if opt is not None:
+            train_steps(model, opt, rank, steps)
+            return
+        for step in steps:
+            x, y = batch(rank, step)
+            nn.functional.cross_entropy(model(x), y).backward()
+
+    def save(model, opt) -> dict:
+        if opt is None:
+            return model.training_state_dict()
+        return {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+    def load(model, opt, state: dict) -> None:
+        if opt is None:
+            model.load_training_state_dict(state)
+        else:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+
+    model, opt = build()
+    run(model, opt, range(total))
+    uninterrupted = flat(model)
+    model, opt = build()
+    run(model, opt, range(save_at))
+    buffer = io.BytesIO()
+    torch.save(save(model, opt), buffer)
+    model, opt = build(seed=123)
+    buffer.seek(0)
+    load(model, opt, torch.load(buffer, weights_only=True))
+    run(model, opt, range(save_at, total))
+    return uninterrupted, flat(model)
+
+
+@pytest.mark.parametrize("front_end", ["optimizer", "module"])
+def test_resume_with_tracking_is_bitwise(pool, front_end):
+    for rank, (uninterrupted, resumed) in enumerate(pool(4).run(_resume, front_end, 10, 6)):
+        assert torch.equal(uninterrupted, resumed), f"rank {rank}"
+
+
+def _bytes(tracking: bool) -> float:
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), gradient_tracking=tracking)
+    return opt.engine.bytes_sent_per_step()
+
+
+def test_tracking_doubles_the_bytes(pool):
+    assert pool(4).run(_bytes, True)[0] == 2 * pool(4).run(_bytes, False)[0]
+
+
+def _misuse(kind: str) -> str:
+    model = tiny_model()
+    try:
+        if kind == "flag":
+            DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), gradient_tracking="yes")
+        elif kind == "disagree":
+            DecentOptimWrapper(
+                torch.optim.SGD(model.parameters(), lr=0.1), gradient_tracking=dist.get_rank() == 0
+            )
+        else:
+            opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), gradient_tracking=True)
+            before = flat(model)
+            x, y = batch(dist.get_rank(), 0)
+
+            def closure() -> torch.Tensor:
+                opt.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                return loss
+
+            try:
+                opt.step(closure)
+            finally:
+                assert torch.equal(flat(model), before)  # refused before anything changed
+    except (TypeError, ValueError) as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("flag", "gradient_tracking must be True or False, got 'yes'"),
+        ("disagree", "gradient_tracking differs between rank 0 and rank(s) [1]"),
+        ("closure", "step(closure) with gradient_tracking=True"),
+    ],
+)
+def test_tracking_misuse_is_a_clear_error(pool, kind, message):
+    for got in pool(2).run(_misuse, kind):
+        assert message in got
