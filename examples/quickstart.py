@@ -5,21 +5,26 @@
 
 Every worker trains its own replica of a small MLP on its own shard of a synthetic task, once per
 topology (ring, one-peer-exp, complete) with DecentOptimWrapper, once with the module front-end
-DecentralizedDataParallel on a ring (``ring-module``: the update happens inside backward), and once
-with PyTorch's DistributedDataParallel as the all-reduce baseline, with the same seeds and
-hyper-parameters. Then it prints a table (final training loss, test accuracy of the globally
-averaged model, consensus distance, ms per iteration, bytes each rank sends per step) and writes a
-figure of loss and consensus distance against step.
+DecentralizedDataParallel on a ring (``ring-module``: the update happens inside backward), once on a
+ring whose gossip is compressed to bf16 (``ring@bf16``: half the bytes), and once with PyTorch's
+DistributedDataParallel as the all-reduce baseline, with the same seeds and hyper-parameters. Then
+it prints a table (final training loss, test accuracy of the globally averaged model, consensus
+distance, ms per iteration, bytes each rank sends per step) and writes a figure of loss and
+consensus distance against step.
 
-A method is named ``topology[-module][@compression][+optimizer]``, or ``ddp[+optimizer]``:
+A method is named ``topology[-module][-gt][@compression][+optimizer]``, or ``ddp[+optimizer]``:
 
 - ``-module``: the module front-end (DecentralizedDataParallel) instead of DecentOptimWrapper;
+- ``-gt``: gradient tracking (``gradient_tracking=True`` of both front-ends), the remedy for
+  label-skewed data: each rank gossips a tracker of the average gradient beside its parameters and
+  steps with it, for twice the bytes. DDP takes none: it already steps with the exact average;
 - ``@bf16``, ``@fp16``, ``@int8``: gossip compressed models (``compression=`` of both front-ends);
   DDP takes none;
 - ``+adamw``, ``+accum-adamw`` (AccumAdamW, accum_iter 4): train with ``--adam-lr``; without one it is
   SGD with momentum at ``--lr``.
 
-For example ``ring@bf16``, ``one-peer-exp@fp16``, ``ring-module@int8+accum-adamw``, ``ddp+adamw``.
+For example ``ring@bf16``, ``one-peer-exp@fp16``, ``ring-module@int8+accum-adamw``, ``ring-gt``,
+``one-peer-exp-gt@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``.
 
 The task needs no download: 10 Gaussian clusters in 32 dimensions with overlapping classes
 (generated from a fixed seed), 16384 training points split across workers and 8192 test points
@@ -49,8 +54,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel, TopologyFactory
 
-METHODS = ("ring", "ring-module", "one-peer-exp", "complete", "ddp")
+METHODS = ("ring", "ring-module", "ring@bf16", "one-peer-exp", "complete", "ddp")
 MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
+TRACKING_SUFFIX = "-gt"  # after -module, if any: gradient tracking
 COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression"; none when none is named
 OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
 SPLITS = ("iid", "dirichlet")
@@ -77,10 +83,14 @@ class Result:
 
 @dataclass(frozen=True)
 class Method:
-    """A method name taken apart: ``topology[-module][@compression][+optimizer]`` or ``ddp[+optimizer]``."""
+    """A method name taken apart.
+
+    The grammar is ``topology[-module][-gt][@compression][+optimizer]`` or ``ddp[+optimizer]``.
+    """
 
     topology: str | None  # None: all-reduce with DistributedDataParallel
     module: bool = False  # the module front-end (the update happens inside backward)
+    tracking: bool = False  # gradient tracking (gossip a tracker of the average gradient too)
     compression: str | None = None
     optimizer: str | None = None  # None: SGD with momentum
 
@@ -90,6 +100,8 @@ class Method:
         name = self.topology or "ddp"
         if self.module:
             name += MODULE_SUFFIX
+        if self.tracking:
+            name += TRACKING_SUFFIX
         if self.compression:
             name += f"@{self.compression}"
         if self.optimizer:
@@ -117,16 +129,30 @@ def parse_method(method: str) -> Method:
             f"method {method!r}: unknown compression {compression!r} after '@'; choose one of "
             f"{', '.join(COMPRESSIONS)} (or leave out '@' for none)"
         )
+    stem = base.removesuffix(TRACKING_SUFFIX)
+    if stem == "ddp" and stem != base:
+        raise ValueError(
+            f"method {method!r}: ddp takes no gradient tracking; all-reduce already steps every rank "
+            f"with the exact average gradient. Drop '{TRACKING_SUFFIX}', or track on a gossip "
+            f"topology, e.g. 'ring{TRACKING_SUFFIX}'."
+        )
+    if base.endswith(TRACKING_SUFFIX + MODULE_SUFFIX):
+        reordered = base.removesuffix(TRACKING_SUFFIX + MODULE_SUFFIX) + MODULE_SUFFIX + TRACKING_SUFFIX
+        raise ValueError(
+            f"method {method!r}: '{TRACKING_SUFFIX}' comes after '{MODULE_SUFFIX}'; write "
+            f"{reordered + method[len(base) :]!r}"
+        )
     if base == "ddp":
         return Method(topology=None, optimizer=optimizer or None)
-    topology = base.removesuffix(MODULE_SUFFIX)
+    topology = stem.removesuffix(MODULE_SUFFIX)
     try:  # an unknown name fails here, before any worker starts training
         TopologyFactory.get(topology)
     except ValueError as error:
         raise ValueError(f"method {method!r}: {error}") from None
     return Method(
         topology=topology,
-        module=base.endswith(MODULE_SUFFIX),
+        module=stem.endswith(MODULE_SUFFIX),
+        tracking=stem != base,
         compression=compression or None,
         optimizer=optimizer or None,
     )
@@ -289,6 +315,7 @@ def train_one_method(
             lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
             topology=spec.topology,
             compression=spec.compression,
+            gradient_tracking=spec.tracking,
         )
     else:
         net = model
@@ -296,6 +323,7 @@ def train_one_method(
             make_optimizer(list(model.named_parameters())),
             topology=spec.topology,
             compression=spec.compression,
+            gradient_tracking=spec.tracking,
         )
     scheduler = None
     if optimizer is not None:  # the module front-end steps its own per-bucket schedulers
@@ -400,7 +428,7 @@ def print_table(results: list[Result], world: int) -> None:
     splits = sorted({split_label(r.split, r.alpha) for r in results})
     print(
         f"\nResults ({world} workers, gloo on CPU, {', '.join(splits)} split; bytes: gossip as the engine "
-        "counts them, compression included; DDP by the ring all-reduce cost model):"
+        "counts them, compression and gradient tracking included; DDP by the ring all-reduce cost model):"
     )
     width = max([13, *(len(r.method) for r in results)])
     header = (

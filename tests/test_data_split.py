@@ -1,14 +1,22 @@
-"""The main job's data splits and method names (examples/quickstart.py), without a process group."""
+"""The main job's data splits and method names (examples/quickstart.py), without a process group.
+
+Also how the convergence benchmark (benchmarks/convergence.py) names the runs a method is compared
+with and judges its targets.
+"""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from helpers import load_script
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+ROOT = Path(__file__).resolve().parents[1]
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+CONVERGENCE = ROOT / "benchmarks" / "convergence.py"
 
 pytestmark = pytest.mark.pure
 
@@ -16,6 +24,15 @@ pytestmark = pytest.mark.pure
 @pytest.fixture(scope="module")
 def quickstart():
     return load_script(QUICKSTART)
+
+
+@pytest.fixture(scope="module")
+def convergence():
+    with pytest.MonkeyPatch.context() as patch:  # the benchmark imports its sibling `common`
+        patch.syspath_prepend(str(CONVERGENCE.parent))
+        module = load_script(CONVERGENCE)
+    yield module
+    sys.modules.pop("common", None)
 
 
 @pytest.fixture(scope="module")
@@ -114,26 +131,41 @@ def test_command_line_rejects_a_bad_method_before_starting_workers(quickstart, c
         quickstart.parse_args(["--methods", "ring", "ddp@bf16"])
     assert exit_info.value.code == 2
     assert "ddp takes no compression, got 'bf16'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        quickstart.parse_args(["--methods", "ring-gt", "ddp-gt"])
+    assert "'ddp-gt': ddp takes no gradient tracking" in capsys.readouterr().err
+
+
+def test_default_methods_show_compressed_gossip(quickstart):
+    assert quickstart.METHODS == ("ring", "ring-module", "ring@bf16", "one-peer-exp", "complete", "ddp")
+    assert quickstart.parse_args([]).methods == list(quickstart.METHODS)
 
 
 @pytest.mark.parametrize(
-    ("name", "topology", "module", "compression", "optimizer"),
+    ("name", "topology", "module", "tracking", "compression", "optimizer"),
     [
-        ("ring", "ring", False, None, None),
-        ("ddp", None, False, None, None),
-        ("ddp+adamw", None, False, None, "adamw"),
-        ("ring@bf16", "ring", False, "bf16", None),
-        ("one-peer-exp@fp16", "one-peer-exp", False, "fp16", None),
-        ("ring-module", "ring", True, None, None),
-        ("ring-module@int8+accum-adamw", "ring", True, "int8", "accum-adamw"),
-        ("alternating-exp-ring@int8+sgd", "alternating-exp-ring", False, "int8", "sgd"),
+        ("ring", "ring", False, False, None, None),
+        ("ddp", None, False, False, None, None),
+        ("ddp+adamw", None, False, False, None, "adamw"),
+        ("ring@bf16", "ring", False, False, "bf16", None),
+        ("one-peer-exp@fp16", "one-peer-exp", False, False, "fp16", None),
+        ("ring-module", "ring", True, False, None, None),
+        ("ring-module@int8+accum-adamw", "ring", True, False, "int8", "accum-adamw"),
+        ("alternating-exp-ring@int8+sgd", "alternating-exp-ring", False, False, "int8", "sgd"),
+        ("ring-gt", "ring", False, True, None, None),
+        ("ring-gt@bf16+adamw", "ring", False, True, "bf16", "adamw"),
+        ("one-peer-exp-gt@bf16", "one-peer-exp", False, True, "bf16", None),
+        ("ring-module-gt", "ring", True, True, None, None),
+        ("ring-module-gt+accum-adamw", "ring", True, True, None, "accum-adamw"),
+        ("hierarchical-module-gt@int8+sgd", "hierarchical", True, True, "int8", "sgd"),
     ],
 )
-def test_method_names_are_read(quickstart, name, topology, module, compression, optimizer):
+def test_method_names_are_read(quickstart, name, topology, module, tracking, compression, optimizer):
     method = quickstart.parse_method(name)
-    assert (method.topology, method.module, method.compression, method.optimizer) == (
+    assert (method.topology, method.module, method.tracking, method.compression, method.optimizer) == (
         topology,
         module,
+        tracking,
         compression,
         optimizer,
     )
@@ -152,8 +184,75 @@ def test_method_names_are_read(quickstart, name, topology, module, compression, 
         ("ring@bf16+", r"unknown optimizer '' after '\+'"),
         ("torus@bf16", r"'torus@bf16': Unknown topology 'torus'"),
         ("ddp-module", r"Unknown topology 'ddp'"),
+        ("ddp-gt", r"'ddp-gt': ddp takes no gradient tracking.*Drop '-gt'.*'ring-gt'"),
+        ("ddp-gt+adamw", r"'ddp-gt\+adamw': ddp takes no gradient tracking"),
+        ("ring-gt-module", r"'ring-gt-module': '-gt' comes after '-module'; write 'ring-module-gt'$"),
+        ("ring-gt-module@bf16+adamw", r"write 'ring-module-gt@bf16\+adamw'$"),
+        ("ring-gt-gt", r"'ring-gt-gt': Unknown topology 'ring-gt'"),
+        ("ring@bf16-gt", r"unknown compression 'bf16-gt'"),  # -gt comes before @
+        ("ring+adamw-gt", r"unknown optimizer 'adamw-gt' after '\+'"),
+        ("-gt", r"'-gt': Unknown topology ''"),
     ],
 )
 def test_bad_method_names_are_rejected_by_name(quickstart, name, message):
     with pytest.raises(ValueError, match=message):
         quickstart.parse_method(name)
+
+
+def test_convergence_compares_each_method_with_its_twins(quickstart, convergence):
+    assert convergence.ddp_reference(quickstart, "ring-module-gt+accum-adamw") == "ddp+adamw"
+    assert convergence.ddp_reference(quickstart, "one-peer-exp-gt") == "ddp"
+    assert convergence.uncompressed_twin(quickstart, "ring-gt@bf16") == "ring-gt"
+    assert convergence.untracked_twin(quickstart, "ring-gt@bf16") == "ring@bf16"
+    assert convergence.untracked_twin(quickstart, "ring-module-gt+accum-adamw") == "ring-module+accum-adamw"
+    assert convergence.untracked_twin(quickstart, "ring@bf16") is None
+    # missing references are added, each once, after the methods asked for
+    assert convergence.with_references(quickstart, ["ring-gt@bf16"]) == [
+        "ring-gt@bf16",
+        "ddp",
+        "ring-gt",
+        "ring@bf16",
+    ]
+    # the defaults already hold every reference they are compared with
+    defaults = convergence.METHODS
+    assert convergence.with_references(quickstart, defaults) == defaults
+    assert {"ring-gt", "one-peer-exp-gt", "ring-gt@bf16", "ring-module-gt+accum-adamw"} <= set(defaults)
+
+
+@pytest.mark.parametrize(
+    ("split", "name", "vs_ddp", "vs_uncompressed", "vs_untracked", "expected"),
+    [
+        ("iid", "ring", 0.4, None, None, "met"),
+        ("iid", "ring", -0.6, None, None, "MISSED (vs DDP)"),
+        ("dirichlet", "ring", -5.0, None, None, "-"),  # untracked: the skew gap is reported, not judged
+        ("dirichlet", "ring@bf16", -5.0, 0.2, None, "met"),
+        ("dirichlet", "ring-gt", -0.4, None, 4.6, "met"),  # the gain over untracked is not judged
+        ("dirichlet", "ring-gt", -0.6, None, 4.4, "MISSED (vs DDP)"),
+        ("dirichlet", "one-peer-exp-gt", 0.6, None, 4.4, "MISSED (vs DDP)"),
+        ("dirichlet", "ring-module-gt+accum-adamw", -0.6, None, 4.4, "MISSED (vs DDP)"),
+        ("dirichlet", "complete-gt", -0.6, None, 0.0, "-"),  # only ring and one-peer-exp are judged
+        ("dirichlet", "ring-gt@bf16", -0.4, -0.4, 4.6, "MISSED (vs uncompressed)"),
+        ("iid", "ring-gt", 0.0, None, 0.05, "met"),
+        ("iid", "ring-gt", 0.0, None, -0.15, "MISSED (vs untracked)"),
+        ("iid", "ring-gt@bf16", 0.6, 0.4, 0.2, "MISSED (vs DDP, vs uncompressed, vs untracked)"),
+    ],
+)
+def test_convergence_judges_its_targets(
+    quickstart, convergence, split, name, vs_ddp, vs_uncompressed, vs_untracked, expected
+):
+    spec = quickstart.parse_method(name)
+    assert convergence.verdict(split, spec, vs_ddp, vs_uncompressed, vs_untracked) == expected
+
+
+def test_convergence_table_shows_the_difference_from_untracked(quickstart, convergence, capsys):
+    def result(method: str, accuracy: float, split: str = "dirichlet") -> SimpleNamespace:
+        return SimpleNamespace(
+            method=method, accuracy=accuracy, final_loss=1.0, bytes_per_step=1.0, split=split, alpha=0.1
+        )
+
+    results = [result("ring", 0.50), result("ring-gt", 0.55), result("ddp", 0.552)]
+    args = SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3)
+    convergence.report(quickstart, results, 8, args)
+    rows = {line.split("|")[0].strip(): line for line in capsys.readouterr().out.splitlines() if "|" in line}
+    assert [cell.strip() for cell in rows["ring-gt"].split("|")[4:]] == ["-0.20", "-", "+5.00", "met"]
+    assert [cell.strip() for cell in rows["ring"].split("|")[4:]] == ["-5.20", "-", "-", "-"]
