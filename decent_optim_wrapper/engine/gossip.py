@@ -53,6 +53,7 @@ class _Round:
     group: Group
     work: dist.Work | None  # None once waited for (or when restored from a checkpoint)
     codec: str | None = None  # a gathered round's codec; None: an all-reduce of the weighted values
+    xor_slot: int | None = None  # a pair gathered by XOR: this slot holds peer ^ own until waited for
 
 
 class Gossip:
@@ -181,19 +182,31 @@ class Gossip:
         if group.size == 1:
             return  # nothing to exchange: W_ii = 1
         handle = self._process_groups[group.ranks]
+        xor_slot = None
+        work: dist.Work | None
         if name is not None:
             gathered = self._gathered[bucket]
             assert gathered is not None  # staged above
             slot, size = group.ranks.index(self._rank), gathered.numel() // group.size
-            # In place: this member's input is its own slot of the output.
-            work = dist.all_gather_into_tensor(
-                gathered, gathered[slot * size : (slot + 1) * size], group=handle, async_op=True
-            )
+            if group.size == 2 and dist.get_backend(handle) == "gloo":
+                # gloo sends an all-gather's two directions one after the other but pipelines an
+                # all-reduce (3.2 MB at 200 Mbit/s: 197 ms vs 132 ms), so a pair gathers with a
+                # bitwise-XOR all-reduce of the other slot, seeded with its own payload: it ends as
+                # own ^ peer, and wait() XORs its own payload out again. Exact, same bytes.
+                xor_slot = 1 - slot
+                other = gathered[xor_slot * size : (xor_slot + 1) * size]
+                other.copy_(gathered[slot * size : (slot + 1) * size])
+                work = dist.all_reduce(_as_words(other), op=dist.ReduceOp.BXOR, group=handle, async_op=True)
+            else:
+                # In place: this member's input is its own slot of the output.
+                work = dist.all_gather_into_tensor(
+                    gathered, gathered[slot * size : (slot + 1) * size], group=handle, async_op=True
+                )
         else:
             buffer = self._buffers[bucket]
             assert buffer is not None  # staged above
             work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True)
-        self._rounds[bucket] = _Round(step, group, work, name)
+        self._rounds[bucket] = _Round(step, group, work, name, xor_slot)
 
     def wait(self, bucket: int) -> None:
         """Wait until bucket ``bucket``'s round has arrived; its buffer then holds the group sum."""
@@ -202,6 +215,14 @@ class Gossip:
             return
         work, round_.work = round_.work, None
         wait_all([work], self._tensors[bucket].device, self._timeout, lambda c: self._failure(round_, c))
+        if round_.xor_slot is not None:
+            gathered = self._gathered[bucket]
+            assert gathered is not None
+            size = gathered.numel() // 2
+            own = gathered[(1 - round_.xor_slot) * size : (2 - round_.xor_slot) * size]
+            peer = gathered[round_.xor_slot * size : (round_.xor_slot + 1) * size]
+            peer.bitwise_xor_(own)  # (own ^ peer) ^ own = peer
+            round_.xor_slot = None
 
     def mix(self, bucket: int, factor: float = 1.0) -> None:
         """Finish bucket ``bucket``'s round (if any) and mix it in: ``x_i <- sum_j W_ij x_j``.
@@ -431,6 +452,13 @@ class Gossip:
                 continue
             self._gathered[bucket] = payload.to(self._tensors[bucket].device).clone()
             self._rounds[bucket] = _Round(step, group, None, name)
+
+
+def _as_words(payload: torch.Tensor) -> torch.Tensor:
+    """A uint8 payload as int32 words where its size allows (a quarter of the elements to reduce)."""
+    if payload.numel() % 4 == 0 and payload.storage_offset() % 4 == 0:
+        return payload.view(torch.int32)
+    return payload
 
 
 def _new_buffer(tensor: torch.Tensor) -> torch.Tensor:
