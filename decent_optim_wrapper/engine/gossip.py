@@ -256,12 +256,15 @@ class Gossip:
         group, tensor, gathered = round_.group, self._tensors[bucket], self._gathered[bucket]
         assert gathered is not None  # a pending gathered round has its payloads
         coder, k = codec(round_.codec), group.size
-        slots = gathered.view(k, -1)
-        total = coder.decode(slots[0], tensor.numel(), tensor.dtype)
+        slots, mine = gathered.view(k, -1), group.ranks.index(self._rank)
+        decoded = [coder.decode(slots[j], tensor.numel(), tensor.dtype) for j in range(k)]
+        own = decoded[mine].clone() if mine == 0 else decoded[mine]
+        total = decoded[0]
         for j in range(1, k):  # the same order on every member: identical sums
-            total.add_(coder.decode(slots[j], tensor.numel(), tensor.dtype))
-        own = coder.decode(slots[group.ranks.index(self._rank)], tensor.numel(), tensor.dtype)
-        tensor.add_(own.mul_(-k).add_(total), alpha=factor * group.peer_weight)
+            total.add_(decoded[j])
+        del decoded
+        # x <- x + a c (s - k q_i): one pass for s - k q_i (into q_i's buffer), one for the update
+        tensor.add_(torch.add(total, own, alpha=-k, out=own), alpha=factor * group.peer_weight)
         references = self._references.setdefault(group.ranks, [None] * self.num_buckets)
         if round_.codec == "exact":
             references[bucket] = total.div_(k)  # the members' average: the group's first reference
