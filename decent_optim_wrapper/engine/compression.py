@@ -164,6 +164,10 @@ class Codec:
         """The values ``payload`` stands for, as a new tensor of ``dtype``."""
         raise NotImplementedError
 
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        """:meth:`decode` into ``out`` (flat), bit for bit the same values."""
+        out.copy_(self.decode(payload, out.numel(), out.dtype))
+
 
 class _ExactCodec(Codec):
     """The values' own bytes (a group's first round)."""
@@ -178,6 +182,9 @@ class _ExactCodec(Codec):
 
     def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return payload.view(dtype).clone()
+
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(payload.view(out.dtype))
 
 
 class _Float16Codec(Codec):
@@ -199,6 +206,9 @@ class _Float16Codec(Codec):
 
     def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         return payload.view(self._dtype).to(dtype)
+
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(payload.view(self._dtype))  # widening is exact: no allocation, one pass
 
 
 class _Int8Codec(Codec):

@@ -92,6 +92,7 @@ class Gossip:
         self._rounds: list[_Round | None] = [None] * len(self._tensors)
         self._plan = plan
         self._gathered: list[torch.Tensor | None] = [None] * len(self._tensors)  # compressed payloads
+        self._decoded: list[torch.Tensor | None] = [None] * len(self._tensors)  # decoding buffers
         # group ranks -> per bucket, the reference every member of the group holds bit for bit
         self._references: dict[tuple[int, ...], list[torch.Tensor | None]] = {}
 
@@ -109,6 +110,7 @@ class Gossip:
         self._buffers.extend([None] * len(tensors))
         self._rounds.extend([None] * len(tensors))
         self._gathered.extend([None] * len(tensors))
+        self._decoded.extend([None] * len(tensors))
         for references in self._references.values():
             references.extend([None] * len(tensors))
 
@@ -257,17 +259,24 @@ class Gossip:
         assert gathered is not None  # a pending gathered round has its payloads
         coder, k = codec(round_.codec), group.size
         slots, mine = gathered.view(k, -1), group.ranks.index(self._rank)
-        decoded = [coder.decode(slots[j], tensor.numel(), tensor.dtype) for j in range(k)]
-        own = decoded[mine].clone() if mine == 0 else decoded[mine]
-        total = decoded[0]
+        # Decoded into two buffers kept per bucket: fresh bucket-sized tensors every step would cost
+        # more (page faults) than the arithmetic.
+        total = self._buffers[bucket]
+        if total is None:  # a round restored from a checkpoint
+            total = self._buffers[bucket] = _new_buffer(tensor)
+        scratch = self._decoded[bucket]
+        if scratch is None:
+            scratch = self._decoded[bucket] = torch.empty_like(total)
+        coder.decode_into(slots[0], total)
         for j in range(1, k):  # the same order on every member: identical sums
-            total.add_(decoded[j])
-        del decoded
-        # x <- x + a c (s - k q_i): one pass for s - k q_i (into q_i's buffer), one for the update
-        tensor.add_(torch.add(total, own, alpha=-k, out=own), alpha=factor * group.peer_weight)
+            coder.decode_into(slots[j], scratch)
+            total.add_(scratch)
+        coder.decode_into(slots[mine], scratch)
+        # x <- x + a c (s - k q_i): one pass for s - k q_i, one for the update
+        tensor.add_(torch.add(total, scratch, alpha=-k, out=scratch), alpha=factor * group.peer_weight)
         references = self._references.setdefault(group.ranks, [None] * self.num_buckets)
         if round_.codec == "exact":
-            references[bucket] = total.div_(k)  # the members' average: the group's first reference
+            references[bucket] = total.div(k)  # the members' average: the group's first reference
         else:
             reference = references[bucket]
             if reference is not None:  # dropped by a load without references: the next round is exact
