@@ -226,22 +226,51 @@ class _Int8Codec(Codec):
 
     def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
         numel = values.numel()
-        blocks = math.ceil(numel / INT8_BLOCK)
-        padded = torch.zeros(blocks * INT8_BLOCK, dtype=torch.float32, device=values.device)
-        padded[:numel] = values
-        padded = padded.view(blocks, INT8_BLOCK)
-        scales = padded.abs().amax(dim=1, keepdim=True).div_(127.0)
-        # An all-zero block has scale 0; dividing by 1 instead sends its zeros.
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-        quantized = padded.div_(safe).round_().clamp_(-127, 127)
-        payload[: blocks * INT8_BLOCK].view(torch.int8).copy_(quantized.view(-1))
-        payload[blocks * INT8_BLOCK :].view(torch.float32).copy_(scales.view(-1))
+        blocks, full = math.ceil(numel / INT8_BLOCK), numel // INT8_BLOCK
+        codes = payload[: blocks * INT8_BLOCK].view(torch.int8)
+        scales = payload[blocks * INT8_BLOCK :].view(torch.float32)
+        if values.dtype == torch.float32:
+            # fp32 scratch: quantize the whole blocks in place, no bucket-sized temporaries
+            _quantize_(values[: full * INT8_BLOCK].view(full, INT8_BLOCK), codes, scales, full)
+            if full == blocks:
+                return
+        tail = torch.zeros(blocks - full if values.dtype == torch.float32 else blocks, INT8_BLOCK)
+        start = full * INT8_BLOCK if values.dtype == torch.float32 else 0
+        tail = tail.to(values.device)
+        tail.view(-1)[: numel - start] = values[start:]
+        first = start // INT8_BLOCK
+        _quantize_(tail, codes[start:], scales[first:], blocks - first)
 
     def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         blocks = math.ceil(numel / INT8_BLOCK)
         quantized = payload[: blocks * INT8_BLOCK].view(torch.int8).view(blocks, INT8_BLOCK)
         scales = payload[blocks * INT8_BLOCK :].view(torch.float32).view(blocks, 1)
         return (quantized.to(torch.float32) * scales).view(-1)[:numel].to(dtype)
+
+    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
+        if out.dtype != torch.float32:
+            super().decode_into(payload, out)
+            return
+        numel = out.numel()
+        blocks, full = math.ceil(numel / INT8_BLOCK), numel // INT8_BLOCK
+        codes = payload[: blocks * INT8_BLOCK].view(torch.int8)
+        scales = payload[blocks * INT8_BLOCK :].view(torch.float32)
+        whole = out[: full * INT8_BLOCK].view(full, INT8_BLOCK)
+        whole.copy_(codes[: full * INT8_BLOCK].view(full, INT8_BLOCK)).mul_(scales[:full, None])
+        if full < blocks:  # the same fp32 product as decode(), for the partial last block
+            out[full * INT8_BLOCK :].copy_(codes[full * INT8_BLOCK : numel]).mul_(scales[full])
+
+
+def _quantize_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: int) -> None:
+    """Quantize ``blocks`` rows of ``values`` (fp32, overwritten) into ``codes`` and ``scales``."""
+    if blocks == 0:
+        return
+    rows = values.view(blocks, INT8_BLOCK)
+    block_scales = torch.linalg.vector_norm(rows, ord=math.inf, dim=1, keepdim=True).div_(127.0)
+    # An all-zero block has scale 0; dividing by 1 instead sends its zeros.
+    safe = torch.where(block_scales > 0, block_scales, torch.ones_like(block_scales))
+    codes[: blocks * INT8_BLOCK].view(blocks, INT8_BLOCK).copy_(rows.div_(safe).round_().clamp_(-127, 127))
+    scales[:blocks].copy_(block_scales.view(-1))
 
 
 _CODECS: dict[str, Codec] = {
