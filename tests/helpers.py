@@ -38,6 +38,20 @@ def train_steps(
             scheduler.step()
 
 
+def bare_and_wrapped(steps: int = 5, **wrapper_options: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parameters after ``steps`` AdamW steps, bare and inside a DecentOptimWrapper(**options)."""
+    from decent_optim_wrapper import DecentOptimWrapper
+
+    results = []
+    for wrap in (False, True):
+        model = tiny_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        opt = DecentOptimWrapper(inner, **wrapper_options) if wrap else inner  # type: ignore[arg-type]
+        train_steps(model, opt, 0, range(steps))
+        results.append(flat(model))
+    return results[0], results[1]
+
+
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 

@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, flat, gather, set_distinct, tiny_model, train_steps
+from helpers import bare_and_wrapped, batch, flat, gather, set_distinct, tiny_model, train_steps
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, GossipEngine, TopologyFactory
@@ -313,19 +313,8 @@ def test_bytes_per_step(pool):
     assert complete == pool(4).run(_bytes_per_step, "complete", None)[0][0]
 
 
-def _world_size_one(wire: str) -> tuple[torch.Tensor, torch.Tensor]:
-    results = []
-    for wrap in (False, True):
-        model = tiny_model()
-        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-        opt = DecentOptimWrapper(inner, compression=wire) if wrap else inner
-        train_steps(model, opt, 0, range(5))
-        results.append(flat(model))
-    return results[0], results[1]
-
-
 def test_world_size_one_with_compression_is_the_bare_optimizer(pool):
-    bare, wrapped = pool(1).run(_world_size_one, "int8")[0]
+    bare, wrapped = pool(1).run(bare_and_wrapped, compression="int8")[0]
     assert torch.equal(bare, wrapped)
 
 

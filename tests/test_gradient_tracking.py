@@ -12,7 +12,7 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, flat, gather, tiny_model, train_steps
+from helpers import bare_and_wrapped, batch, flat, gather, tiny_model, train_steps
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, TopologyFactory
@@ -107,19 +107,8 @@ def test_the_trackers_average_is_the_average_gradient(pool):
     assert (trackers - gradients).abs().max() > 1e-3  # yet each rank steps with more than its own
 
 
-def _world_size_one() -> tuple[torch.Tensor, torch.Tensor]:
-    results = []
-    for wrap in (False, True):
-        model = tiny_model()
-        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-        opt = DecentOptimWrapper(inner, gradient_tracking=True) if wrap else inner
-        train_steps(model, opt, 0, range(5))
-        results.append(flat(model))
-    return results[0], results[1]
-
-
 def test_world_size_one_with_tracking_is_the_bare_optimizer(pool):
-    bare, wrapped = pool(1).run(_world_size_one)[0]
+    bare, wrapped = pool(1).run(bare_and_wrapped, gradient_tracking=True)[0]
     assert torch.equal(bare, wrapped)
 
 
