@@ -215,6 +215,8 @@ class DecentOptimWrapper(Optimizer):
         Adam/AdamW/SGD), ``grad_scale`` and ``found_inf`` are handed to it and nothing is read on
         the host, as GradScaler does for such an optimizer; otherwise gradients are unscaled here
         and ``found_inf`` is read once (the host sync GradScaler itself makes for other optimizers).
+        With gradient tracking, ``found_inf`` is read once in any case (a rank with inf/NaN gradients
+        leaves its tracker alone), and the gradients must have been unscaled before.
 
         Global optimizer step hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
         fire once per call, with this wrapper as the optimizer; per-instance hooks of the wrapper
@@ -225,7 +227,7 @@ class DecentOptimWrapper(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step, see above
         found_inf = getattr(self, "found_inf", None)
         engine = self._engine
-        if engine.tracks_gradients:
+        if engine.gradient_tracking:  # checked at any world size, so a 1-rank test finds the misuse too
             _check_tracking_step(closure, grad_scale)
         engine.begin_step()
         engine.mix_all()
@@ -370,7 +372,7 @@ def _check_tracking_step(closure: object, grad_scale: object) -> None:
             "step, but a closure computes them inside it. Call backward() before step() instead."
         )
     if grad_scale is not None:
-        raise ValueError(
+        raise RuntimeError(
             "gradient_tracking=True under GradScaler needs unscaled gradients before step(): call "
             "scaler.unscale_(optimizer) before scaler.step(optimizer) (and skip nothing else)."
         )

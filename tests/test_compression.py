@@ -346,3 +346,28 @@ def _bad_compression(value: object) -> str:
 def test_a_bad_compression_argument_names_the_value_and_the_choices(pool, value):
     message = pool(2).run(_bad_compression, value)[0]
     assert repr(value) in message and "'bf16'" in message
+
+
+def _partial_revert(wire: str) -> tuple[dict[tuple[int, ...], torch.Tensor], torch.Tensor]:
+    # Every rank averages, only rank 0 reverts; both keep training. The pending compressed round is
+    # mixed on rank 0 only, yet the groups' references must stay identical on every member, or the
+    # replicas would keep an offset (or, for a group's first round, send different sizes and hang).
+    rank = dist.get_rank()
+    model = tiny_model()
+    opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology="ring", compression=wire)
+    train_steps(model, opt, rank, range(1))  # the pending round is a group's first (exact) one
+    opt.global_avg()
+    if rank == 0:
+        opt.revert_global_avg()
+    train_steps(model, opt, rank, range(1, 8))
+    state = opt.engine.state_dict()["gossip"]
+    return {tuple(e["ranks"]): e["tensors"][0] for e in state["references"]}, flat(model)
+
+
+@pytest.mark.parametrize("wire", ["bf16", "int8"])
+def test_a_revert_on_some_ranks_only_keeps_the_references_identical(pool, wire):
+    results = pool(2).run(_partial_revert, wire)
+    (refs0, model0), (refs1, model1) = results
+    assert refs0.keys() == refs1.keys() == {(0, 1)}
+    assert torch.equal(refs0[(0, 1)], refs1[(0, 1)])
+    assert torch.isfinite(model0).all() and torch.isfinite(model1).all()

@@ -250,3 +250,37 @@ def _misuse(kind: str) -> str:
 def test_tracking_misuse_is_a_clear_error(pool, kind, message):
     for got in pool(2).run(_misuse, kind):
         assert message in got
+
+
+def _unused_parameter() -> tuple[torch.Tensor, bool]:
+    # A head that no loss reaches: without tracking AdamW leaves it alone, and so it must with it.
+    model = tiny_model()
+    unused = nn.Linear(3, 3)
+    before = unused.weight.detach().clone()
+    params = [*model.parameters(), *unused.parameters()]
+    opt = DecentOptimWrapper(torch.optim.AdamW(params, lr=0.01), topology="ring", gradient_tracking=True)
+    train_steps(model, opt, dist.get_rank(), range(4))
+    return unused.weight.detach() - before, unused.weight in opt.state
+
+
+def test_a_parameter_without_gradients_is_not_stepped(pool):
+    for change, has_state in pool(2).run(_unused_parameter):
+        assert torch.equal(change, torch.zeros_like(change)) and not has_state
+
+
+def _sparse() -> str:
+    embedding = nn.Embedding(10, 4, sparse=True)
+    opt = DecentOptimWrapper(torch.optim.SGD(embedding.parameters(), lr=0.1), gradient_tracking=True)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    before = embedding.weight.detach().clone()
+    try:
+        opt.step()
+    except ValueError as err:
+        assert torch.equal(embedding.weight.detach(), before)
+        return str(err)
+    return "no error"
+
+
+def test_sparse_gradients_are_refused_by_name(pool):
+    for message in pool(2).run(_sparse):
+        assert "cannot track the sparse gradient of param_groups[0]['params'][0] (shape (10, 4))" in message

@@ -19,8 +19,8 @@ member gathers all ``q_j`` and, at mix, computes in the same order the same sum 
 With exact ``q`` this is the exact mixing step ``x_i + a c \sum_j (x_j - x_i)``, since ``r_G``
 cancels. With rounded ``q`` it is CHOCO-Gossip's update (Koloskova, Stich and Jaggi, "Decentralized
 Stochastic Optimization and Gossip Algorithms with Compressed Communication", ICML 2019, Algorithm 1
-with step size ``gamma = a c k``) specialised to a clique: ``r_G + q_j`` is member ``j``'s public
-estimate. Its properties:
+with step size ``gamma = a c k``) adapted to a clique: where CHOCO keeps one public estimate per
+member, the members here share one reference, ``r_G``, moved by the mean of what they sent. Its properties:
 
 * **Identical sums.** Every member of ``G`` ends the round with the same ``s`` and the same new
   ``r_G``: they decode the same bytes with the same operations in rank order.
@@ -234,9 +234,10 @@ class _Int8Codec(Codec):
             _quantize_(values[: full * INT8_BLOCK].view(full, INT8_BLOCK), codes, scales, full)
             if full == blocks:
                 return
-        tail = torch.zeros(blocks - full if values.dtype == torch.float32 else blocks, INT8_BLOCK)
         start = full * INT8_BLOCK if values.dtype == torch.float32 else 0
-        tail = tail.to(values.device)
+        tail = torch.zeros(
+            blocks - start // INT8_BLOCK, INT8_BLOCK, dtype=torch.float32, device=values.device
+        )
         tail.view(-1)[: numel - start] = values[start:]
         first = start // INT8_BLOCK
         _quantize_(tail, codes[start:], scales[first:], blocks - first)

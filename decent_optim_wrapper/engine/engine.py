@@ -175,6 +175,7 @@ class GossipEngine:
         self._gossip = Gossip(
             [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout, plan
         )
+        self._tracking_requested = gradient_tracking
         self._tracker: GradientTracker | None = None
         if gradient_tracking and self._world_size > 1:
             self._tracker = GradientTracker(
@@ -250,6 +251,11 @@ class GossipEngine:
     def tracks_gradients(self) -> bool:
         """Whether the local update uses the tracked average gradient (:meth:`track`)."""
         return self._tracker is not None
+
+    @property
+    def gradient_tracking(self) -> bool:
+        """Whether gradient tracking was asked for (off at world size 1: see :attr:`tracks_gradients`)."""
+        return self._tracking_requested
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -428,6 +434,9 @@ class GossipEngine:
                     gossip=self._gossip.state_dict(references=False),
                 )
             self._snapshot.add_buffers(extra)
+        # Every rank settles its groups' references before the rounds are dropped, so ranks that
+        # revert and ranks that do not keep identical references.
+        self._gossip.settle_references()
         self._gossip.discard_all()
         step, world_size, timeout = self._step, self._world_size, self._timeout
 

@@ -54,6 +54,7 @@ class _Round:
     work: dist.Work | None  # None once waited for (or when restored from a checkpoint)
     codec: str | None = None  # a gathered round's codec; None: an all-reduce of the weighted values
     xor_slot: int | None = None  # a pair gathered by XOR: this slot holds peer ^ own until waited for
+    reference_applied: bool = False  # its update of the group's reference is done (see settle_references)
 
 
 class Gossip:
@@ -216,7 +217,11 @@ class Gossip:
         if round_ is None or round_.work is None:
             return
         work, round_.work = round_.work, None
-        wait_all([work], self._tensors[bucket].device, self._timeout, lambda c: self._failure(round_, c))
+        try:
+            wait_all([work], self._tensors[bucket].device, self._timeout, lambda c: self._failure(round_, c))
+        except BaseException:
+            self._rounds[bucket] = None  # never mix or save a round that did not arrive
+            raise
         if round_.xor_slot is not None:
             gathered = self._gathered[bucket]
             assert gathered is not None
@@ -255,32 +260,66 @@ class Gossip:
     def _mix_gathered(self, bucket: int, round_: _Round, factor: float) -> None:
         """``x_i <- x_i + a c (s - k q_i)`` and ``r <- r + s / k`` with ``s = sum_j q_j`` in rank order."""
         assert round_.codec is not None
-        group, tensor, gathered = round_.group, self._tensors[bucket], self._gathered[bucket]
+        group, tensor = round_.group, self._tensors[bucket]
+        total, scratch = self._gathered_sum(bucket, round_)
+        slots = self._slots(bucket, round_)
+        codec(round_.codec).decode_into(slots[group.ranks.index(self._rank)], scratch)
+        # x <- x + a c (s - k q_i): one pass for s - k q_i, one for the update
+        tensor.add_(
+            torch.add(total, scratch, alpha=-group.size, out=scratch), alpha=factor * group.peer_weight
+        )
+        if not round_.reference_applied:
+            self._update_reference(bucket, round_, total)
+
+    def _slots(self, bucket: int, round_: _Round) -> torch.Tensor:
+        gathered = self._gathered[bucket]
         assert gathered is not None  # a pending gathered round has its payloads
-        coder, k = codec(round_.codec), group.size
-        slots, mine = gathered.view(k, -1), group.ranks.index(self._rank)
-        # Decoded into two buffers kept per bucket: fresh bucket-sized tensors every step would cost
-        # more (page faults) than the arithmetic.
+        return gathered.view(round_.group.size, -1)
+
+    def _gathered_sum(self, bucket: int, round_: _Round) -> tuple[torch.Tensor, torch.Tensor]:
+        """``s = sum_j q_j`` in rank order (identical on every member), and a scratch buffer.
+
+        Both live in buffers kept per bucket: fresh bucket-sized tensors every step would cost more
+        (page faults) than the arithmetic.
+        """
+        assert round_.codec is not None
+        coder, slots = codec(round_.codec), self._slots(bucket, round_)
         total = self._buffers[bucket]
         if total is None:  # a round restored from a checkpoint
-            total = self._buffers[bucket] = _new_buffer(tensor)
+            total = self._buffers[bucket] = _new_buffer(self._tensors[bucket])
         scratch = self._decoded[bucket]
         if scratch is None:
             scratch = self._decoded[bucket] = torch.empty_like(total)
         coder.decode_into(slots[0], total)
-        for j in range(1, k):  # the same order on every member: identical sums
+        for j in range(1, round_.group.size):
             coder.decode_into(slots[j], scratch)
             total.add_(scratch)
-        coder.decode_into(slots[mine], scratch)
-        # x <- x + a c (s - k q_i): one pass for s - k q_i, one for the update
-        tensor.add_(torch.add(total, scratch, alpha=-k, out=scratch), alpha=factor * group.peer_weight)
-        references = self._references.setdefault(group.ranks, [None] * self.num_buckets)
+        return total, scratch
+
+    def _update_reference(self, bucket: int, round_: _Round, total: torch.Tensor) -> None:
+        """``r <- r + s / k`` (a first, exact round: ``r <- s / k``), the same on every member."""
+        k = round_.group.size
+        references = self._references.setdefault(round_.group.ranks, [None] * self.num_buckets)
         if round_.codec == "exact":
             references[bucket] = total.div(k)  # the members' average: the group's first reference
         else:
             reference = references[bucket]
             if reference is not None:  # dropped by a load without references: the next round is exact
                 reference.add_(total.div_(k))
+        round_.reference_applied = True
+
+    def settle_references(self) -> None:
+        """Apply every pending compressed round's reference update now, without mixing it.
+
+        Global averaging calls this on every rank before it drops the rounds: a rank that later
+        reverts (and mixes the restored rounds) and one that does not then hold the same references.
+        """
+        for bucket, round_ in enumerate(self._rounds):
+            if round_ is None or round_.codec is None or round_.reference_applied:
+                continue
+            self.wait(bucket)
+            if self._rounds[bucket] is round_:
+                self._update_reference(bucket, round_, self._gathered_sum(bucket, round_)[0])
 
     def discard(self, bucket: int) -> None:
         """Finish and drop bucket ``bucket``'s round without mixing it (its values are stale)."""
@@ -392,7 +431,11 @@ class Gossip:
             if payload is None and name is None:
                 continue
             if name not in ("exact", *WIRE_FORMATS) or payload is None or step is None:
-                raise ValueError(f"gossip state of bucket {bucket} has codec {name!r} without a payload.")
+                raise ValueError(
+                    f"gossip state of bucket {bucket} has codec {name!r}, payload "
+                    f"{'missing' if payload is None else 'present'} and step {step!r}: a pending compressed "
+                    "round needs a known codec, its payload and the step it was launched at."
+                )
             tensor = self._tensors[bucket]
             group = self._topology.group(self._rank, int(step))
             size = group.size * codec(name).payload_bytes(tensor.numel(), tensor.dtype)
@@ -463,7 +506,8 @@ class Gossip:
             if name is None:
                 continue
             self._gathered[bucket] = payload.to(self._tensors[bucket].device).clone()
-            self._rounds[bucket] = _Round(step, group, None, name)
+            # A global average's snapshot is restored after its references were settled.
+            self._rounds[bucket] = _Round(step, group, None, name, reference_applied=not references)
 
 
 def _as_words(payload: torch.Tensor) -> torch.Tensor:

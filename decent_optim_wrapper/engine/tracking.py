@@ -86,9 +86,16 @@ class GradientTracker:
         """``y <- y + g - g_prev``, ``g_prev <- g``, then hand ``y`` to the optimizer as the gradient.
 
         Call it after the bucket's gossip was mixed and before its local update. A parameter
-        without a gradient counts as a zero gradient (and then receives the tracker as one).
+        without a gradient on this rank counts as a zero gradient in its tracker, and keeps no
+        gradient, so the optimizer leaves it alone as it would without tracking.
         """
         owner = self._buckets[bucket]
+        for param, name in zip(owner.params, owner.names, strict=True):
+            if param.grad is not None and param.grad.is_sparse:
+                raise ValueError(
+                    f"gradient_tracking=True cannot track the sparse gradient of {name} (e.g. "
+                    "nn.Embedding(sparse=True)); use dense gradients or turn gradient tracking off."
+                )
         trackers = _views(owner, self._trackers[bucket])
         previous = _views(owner, self._previous[bucket])
         with_grad = [i for i, p in enumerate(owner.params) if p.grad is not None]
@@ -101,10 +108,9 @@ class GradientTracker:
             torch._foreach_copy_(prev, grads)
             torch._foreach_copy_(grads, y)
         for i, param in enumerate(owner.params):
-            if param.grad is None and param.requires_grad:
+            if param.grad is None:  # g = 0: y <- y - g_prev, g_prev <- 0
                 trackers[i].sub_(previous[i])
                 previous[i].zero_()
-                param.grad = trackers[i].clone()
 
     # -- checkpoints ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
