@@ -185,31 +185,35 @@ class Gossip:
         if group.size == 1:
             return  # nothing to exchange: W_ii = 1
         handle = self._process_groups[group.ranks]
-        xor_slot = None
-        work: dist.Work | None
         if name is not None:
-            gathered = self._gathered[bucket]
-            assert gathered is not None  # staged above
-            slot, size = group.ranks.index(self._rank), gathered.numel() // group.size
-            if group.size == 2 and dist.get_backend(handle) == "gloo":
-                # gloo sends an all-gather's two directions one after the other but pipelines an
-                # all-reduce (3.2 MB at 200 Mbit/s: 197 ms vs 132 ms), so a pair gathers with a
-                # bitwise-XOR all-reduce of the other slot, seeded with its own payload: it ends as
-                # own ^ peer, and wait() XORs its own payload out again. Exact, same bytes.
-                xor_slot = 1 - slot
-                other = gathered[xor_slot * size : (xor_slot + 1) * size]
-                other.copy_(gathered[slot * size : (slot + 1) * size])
-                work = dist.all_reduce(_as_words(other), op=dist.ReduceOp.BXOR, group=handle, async_op=True)
-            else:
-                # In place: this member's input is its own slot of the output.
-                work = dist.all_gather_into_tensor(
-                    gathered, gathered[slot * size : (slot + 1) * size], group=handle, async_op=True
-                )
-        else:
-            buffer = self._buffers[bucket]
-            assert buffer is not None  # staged above
-            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True)
-        self._rounds[bucket] = _Round(step, group, work, name, xor_slot)
+            work, xor_slot = self._start_gather(bucket, group, handle)
+            self._rounds[bucket] = _Round(step, group, work, name, xor_slot)
+            return
+        buffer = self._buffers[bucket]
+        assert buffer is not None  # staged above
+        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True)
+        self._rounds[bucket] = _Round(step, group, work)
+
+    def _start_gather(
+        self, bucket: int, group: Group, handle: dist.ProcessGroup
+    ) -> tuple[dist.Work | None, int | None]:
+        """Start gathering the members' staged payloads; returns the work and the XOR slot, if any."""
+        gathered = self._gathered[bucket]
+        assert gathered is not None  # staged
+        slot, size = group.ranks.index(self._rank), gathered.numel() // group.size
+        own = gathered[slot * size : (slot + 1) * size]
+        if group.size == 2 and dist.get_backend(handle) == "gloo":
+            # gloo sends an all-gather's two directions one after the other but pipelines an
+            # all-reduce (3.2 MB at 200 Mbit/s: 197 ms vs 132 ms), so a pair gathers with a
+            # bitwise-XOR all-reduce of the other slot, seeded with its own payload: it ends as
+            # own ^ peer, and wait() XORs its own payload out again. Exact, same bytes.
+            other = gathered[(1 - slot) * size : (2 - slot) * size]
+            other.copy_(own)
+            return dist.all_reduce(
+                _as_words(other), op=dist.ReduceOp.BXOR, group=handle, async_op=True
+            ), 1 - slot
+        # In place: this member's input is its own slot of the output.
+        return dist.all_gather_into_tensor(gathered, own, group=handle, async_op=True), None
 
     def wait(self, bucket: int) -> None:
         """Wait until bucket ``bucket``'s round has arrived; its buffer then holds the group sum."""
