@@ -22,6 +22,11 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine
 from decent_optim_wrapper.engine.comm import agree, check_identical
+from decent_optim_wrapper.inner_step import (
+    fire_global_step_post_hooks,
+    fire_global_step_pre_hooks,
+    global_step_hooks_suspended,
+)
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
 from decent_optim_wrapper.topo import Topology
 
@@ -315,8 +320,8 @@ class DecentralizedDataParallel(nn.Module):
             if not self._in_backward:
                 self._in_backward = True
                 self._engine.begin_step()
-                # The same mechanism torch DDP and FSDP use to finish work at the end of backward.
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+                fire_global_step_pre_hooks(self._optimizers[0])  # once per update, not per bucket
+                _queue_at_end_of_backward(self._finish_backward)
             self._waiting[bucket] -= 1
             if self._deferred:
                 return
@@ -335,6 +340,7 @@ class DecentralizedDataParallel(nn.Module):
                 for bucket in range(self._next_bucket, len(self._waiting)):
                     self._update_bucket(bucket, skip_local_update=False)
             self._engine.end_step()
+            fire_global_step_post_hooks(self._optimizers[0])
         finally:
             self._reset_iteration()
 
@@ -369,19 +375,21 @@ class DecentralizedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _update_bucket(self, bucket: int, skip_local_update: bool) -> None:
-        """Mix bucket ``bucket``'s previous round, take its local step, launch its next round."""
-        engine, optimizer = self._engine, self._optimizers[bucket]
-        engine.mix(bucket)
-        if not skip_local_update:
-            engine.track(bucket)  # with gradient tracking, the step sees the tracked gradient
+        """The engine's bucket update with this bucket's optimizer, then its zero_grad and scheduler."""
+        optimizer = self._optimizers[bucket]
+
+        def local_update() -> None:
             # With a scaler the gradients are unscaled already and the inf decision is taken for the
             # whole model; scaler.step() would also refuse a bucket without gradients (no inf check).
-            optimizer.step()
+            # Global step hooks fire once per update (in backward's hooks), not once per bucket.
+            with global_step_hooks_suspended():
+                optimizer.step()
+
+        self._engine.step_bucket(bucket, local_update, skip_local_update=skip_local_update)
         optimizer.zero_grad(set_to_none=True)
         scheduler = self._schedulers[bucket]
         if scheduler is not None:
             scheduler.step()
-        engine.launch(bucket)
 
     # -- averaging -----------------------------------------------------------------------------------
     def global_avg(self, will_revert: bool = True, return_d2c: bool = False) -> float | None:
@@ -506,6 +514,14 @@ class DecentralizedDataParallel(nn.Module):
         if self._scaler is not None:
             self._scaler.load_state_dict(state["scaler"])
         self._engine.load_state_dict(state["decent"])
+
+
+def _queue_at_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass ends (as torch DDP and FSDP finish their work)."""
+    queue = getattr(torch.autograd.graph, "queue_callback", None)
+    if queue is None:  # torch before torch.autograd.graph.queue_callback was public
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+    queue(callback)
 
 
 def _inside_backward() -> bool:

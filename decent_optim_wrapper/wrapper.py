@@ -9,7 +9,7 @@ replica live in :class:`~decent_optim_wrapper.engine.GossipEngine`.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -17,11 +17,10 @@ import torch
 from torch.optim import Optimizer
 
 from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, Bucket, CompressionSpec, GossipEngine, TopologySpec
-from decent_optim_wrapper.engine.buckets import named_param_groups
-from decent_optim_wrapper.optimizer_protocol import scaled_step
+from decent_optim_wrapper.inner_step import scaled_step
 from decent_optim_wrapper.topo import Topology
 
-__all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper"]
+__all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper", "named_param_groups"]
 
 
 class DecentOptimWrapper(Optimizer):
@@ -227,18 +226,11 @@ class DecentOptimWrapper(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)  # set by GradScaler.step, see above
         found_inf = getattr(self, "found_inf", None)
         engine = self._engine
-        if engine.gradient_tracking:  # checked at any world size, so a 1-rank test finds the misuse too
+        if engine.gradient_tracking_requested:  # checked at any world size: a 1-rank test finds misuse too
             _check_tracking_step(closure, grad_scale)
-        engine.begin_step()
-        engine.mix_all()
-        # With gradient tracking the inner step sees the tracked gradient; a rank whose (unscaled)
-        # gradients hold inf/NaN leaves its tracker alone, as it skips its update.
-        if engine.tracks_gradients and (found_inf is None or not bool(found_inf.item())):
-            engine.track_all()
-        loss = scaled_step(self.optimizer, closure, grad_scale, found_inf)
-        engine.launch_all()
-        engine.end_step()
-        return loss
+        return engine.step(
+            lambda: scaled_step(self.optimizer, closure, grad_scale, found_inf), found_inf=found_inf
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of all parameters (see :meth:`torch.optim.Optimizer.zero_grad`)."""
@@ -362,6 +354,15 @@ class DecentOptimWrapper(Optimizer):
             f"topology={self.topology.name!r}, rank={self.rank}, world_size={self.world_size}, "
             f"buckets={len(self.buckets)})"
         )
+
+
+def named_param_groups(param_groups: Iterable[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
+    """``param_groups`` flattened in order; parameters named ``param_groups[G]['params'][P] (shape S)``."""
+    return [
+        (f"param_groups[{g}]['params'][{p}] (shape {tuple(getattr(param, 'shape', ()))})", param)
+        for g, group in enumerate(param_groups)
+        for p, param in enumerate(group["params"])
+    ]
 
 
 def _check_tracking_step(closure: object, grad_scale: object) -> None:

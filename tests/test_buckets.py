@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from decent_optim_wrapper.engine.buckets import ALIGN_BYTES, build_buckets, check_params, plan_buckets
+from decent_optim_wrapper.engine.buckets import ALIGN_BYTES, build_buckets, check_named_params, plan_buckets
+from decent_optim_wrapper.wrapper import named_param_groups
 
 
 def _params(*specs):
@@ -96,7 +97,7 @@ def test_non_dense_parameters_are_rejected():
 )
 def test_check_params_rejects(groups, error, match):
     with pytest.raises(error, match=match):
-        check_params(groups)
+        check_named_params(named_param_groups(groups))
 
 
 def test_check_params_rejects_duplicates():
@@ -104,4 +105,4 @@ def test_check_params_rejects_duplicates():
     with pytest.raises(
         ValueError, match=r"param_groups\[1\]\['params'\]\[0\].*same tensor as.*\[0\]\['params'\]\[0\]"
     ):
-        check_params([{"params": [p]}, {"params": [p]}])
+        check_named_params(named_param_groups([{"params": [p]}, {"params": [p]}]))

@@ -118,13 +118,13 @@ def _mean_around_mixes(topology: str, wire: str, steps: int) -> list[tuple[torch
     with torch.no_grad():
         for _ in range(steps):
             before = gather(flat(model))
-            engine.begin_step()
-            engine.mix_all()
-            pairs.append((before, gather(flat(model))))
-            for p in model.parameters():  # a local update of a few percent
-                p.add_(torch.randn(p.shape, generator=noise), alpha=0.03)
-            engine.launch_all()
-            engine.end_step()
+
+            def local_update(before: torch.Tensor = before) -> None:  # runs after every bucket is mixed
+                pairs.append((before, gather(flat(model))))
+                for p in model.parameters():  # a local update of a few percent
+                    p.add_(torch.randn(p.shape, generator=noise), alpha=0.03)
+
+            engine.step(local_update)
     return pairs
 
 

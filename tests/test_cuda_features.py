@@ -51,16 +51,16 @@ def _mix_with_local_changes(rank: int, device: str, wire: str) -> list[torch.Ten
     history = []
     with torch.no_grad():
         for _ in range(STEPS):
-            engine.begin_step()
-            engine.mix_all()
-            own = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            everyone = [torch.empty_like(own) for _ in range(2)]
-            dist.all_gather(everyone, own)
-            history.append(torch.stack(everyone).cpu())
-            for p in model.parameters():  # a local update, drawn on the CPU so both devices get it
-                p.add_(torch.randn(p.shape, generator=noise).to(device), alpha=0.03)
-            engine.launch_all()
-            engine.end_step()
+
+            def local_update() -> None:  # runs after every bucket is mixed
+                own = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+                everyone = [torch.empty_like(own) for _ in range(2)]
+                dist.all_gather(everyone, own)
+                history.append(torch.stack(everyone).cpu())
+                for p in model.parameters():  # a local update, drawn on the CPU so both devices get it
+                    p.add_(torch.randn(p.shape, generator=noise).to(device), alpha=0.03)
+
+            engine.step(local_update)
     return history
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.optim.optimizer as torch_optimizer
 from helpers import batch, flat, gather, reference_algorithm, set_distinct, tiny_model
 from torch import nn
 from workers import WorkerPool
@@ -48,7 +49,7 @@ def _module_run(topology: str, steps: int, bucket_mb: float) -> torch.Tensor:
     model = tiny_model()
     ddp = DecentralizedDataParallel(model, sgd_fn, topology=topology, bucket_size_in_mb=bucket_mb)
     _train(ddp, dist.get_rank(), range(steps))
-    ddp.engine.gossip.wait_all()
+    ddp.engine.wait_all()
     return flat(model)
 
 
@@ -73,7 +74,7 @@ def _complete_with_identical_data(world_size_unused: int) -> tuple[torch.Tensor,
         nn.functional.cross_entropy(bare_model(x), y).backward()
         bare.step()
         nn.functional.cross_entropy(ddp(x), y).backward()
-    ddp.engine.gossip.wait_all()
+    ddp.engine.wait_all()
     return flat(bare_model), flat(model)
 
 
@@ -155,7 +156,7 @@ def _inf_on_one_rank_skips_its_whole_update() -> dict[str, object]:
     scaler.scale(nn.functional.cross_entropy(ddp(x), y)).backward()
     steps_after = [int(s["step"]) for o in ddp.optimizers for s in o.state.values()]
     moved = not torch.equal(flat(model), replica_before)  # rank 1: by mixing alone
-    ddp.engine.gossip.wait_all()  # hangs (and the test fails) if a rank did not launch this round
+    ddp.engine.wait_all()  # hangs (and the test fails) if a rank did not launch this round
     return {
         "before": steps_before,
         "after": steps_after,
@@ -364,7 +365,7 @@ def _view_and_copy_modes_agree() -> bool:
         ddp.global_avg()
         ddp.revert_global_avg()
         _train(ddp, rank, range(5, 7))
-        ddp.engine.gossip.wait_all()
+        ddp.engine.wait_all()
         results.append(flat(model))
     return torch.equal(*results)
 
@@ -440,7 +441,7 @@ def _build_for_checkpoint(seed: int = 0) -> tuple[nn.Module, DecentralizedDataPa
 def _uninterrupted() -> torch.Tensor:
     model, ddp, scaler = _build_for_checkpoint()
     _train(ddp, dist.get_rank(), range(8), scaler)
-    ddp.engine.gossip.wait_all()
+    ddp.engine.wait_all()
     return flat(model)
 
 
@@ -457,7 +458,7 @@ def _resume(directory: str) -> torch.Tensor:
     model, ddp, scaler = _build_for_checkpoint(seed=5)
     ddp.load_training_state_dict(torch.load(Path(directory) / f"rank{dist.get_rank()}.pt", weights_only=True))
     _train(ddp, dist.get_rank(), range(5, 8), scaler)
-    ddp.engine.gossip.wait_all()
+    ddp.engine.wait_all()
     return flat(model)
 
 
@@ -737,3 +738,35 @@ def test_a_rejected_training_state_changes_nothing(pool):
     assert len(errors) == 2
     assert "does not fit this model" in errors[0] and "2.bias" in errors[0]
     assert "optimizer of bucket 0 has other param groups" in errors[1]
+
+
+def _count_global_step_hooks() -> dict[str, int]:
+    model = tiny_model()
+    ddp = DecentralizedDataParallel(model, sgd_fn, bucket_size_in_mb=SMALL_BUCKETS_MB)
+    counts = {"pre": 0, "post": 0, "bucket": 0}
+
+    def count(key: str):
+        def hook(*_: object) -> None:
+            counts[key] += 1
+
+        return hook
+
+    handles = [
+        torch_optimizer.register_optimizer_step_pre_hook(count("pre")),
+        torch_optimizer.register_optimizer_step_post_hook(count("post")),
+        *(o.register_step_post_hook(count("bucket")) for o in ddp.optimizers),
+    ]
+    try:
+        _train(ddp, dist.get_rank(), range(3))
+    finally:
+        for handle in handles:
+            handle.remove()
+    counts["buckets"] = len(ddp.optimizers)
+    return counts
+
+
+def test_global_step_hooks_fire_once_per_iteration_and_bucket_hooks_once_per_bucket(pool):
+    (counts,) = pool(1).run(_count_global_step_hooks)
+    assert counts["buckets"] > 1
+    assert counts["pre"] == counts["post"] == 3
+    assert counts["bucket"] == 3 * counts["buckets"]

@@ -14,6 +14,7 @@ import pytest
 from topologies import BUILTIN_TOPOLOGIES, scratch_registry
 
 from decent_optim_wrapper import Group, Topology, TopologyFactory
+from decent_optim_wrapper.plan import main as plan_main
 from decent_optim_wrapper.topo.__main__ import main
 from decent_optim_wrapper.topo.analysis import format_ranks
 
@@ -292,16 +293,14 @@ def test_cli_local_world_size_and_steps(capsys):
         ),
     ],
 )
-def test_cli_prints_bytes_per_parameter_with_compression(argv, expected, capsys):
-    assert main(argv) == 0
+def test_plan_prints_bytes_per_parameter_with_compression(argv, expected, capsys):
+    assert plan_main(argv) == 0
     assert expected in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["ring", "-n", "4", "-c", "bf8"], "argument --compression/-c: invalid choice: 'bf8'"),
-        (["ring", "-n", "4", "-c", "bf16", "--max-references", "0"], "--max-references must be >= 1, got 0"),
         (["torus", "-n", "4"], "unknown topology 'torus'; registered: alternating-exp-ring, complete"),
         (["ring", "-n", "0"], "world_size must be >= 1, got 0"),
         (["ring", "-n", "6", "-l", "4"], "local_world_size=4 must divide world_size=6"),
@@ -313,6 +312,29 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
         main(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["ring", "-n", "4", "-c", "bf8"], "argument --compression/-c: invalid choice: 'bf8'"),
+        (["ring", "-n", "4", "-c", "bf16", "--max-references", "0"], "--max-references must be >= 1, got 0"),
+        (["torus", "-n", "4"], "unknown topology 'torus'; registered: alternating-exp-ring, complete"),
+        (["ring", "-n", "6", "-l", "4"], "local_world_size=4 must divide world_size=6"),
+    ],
+)
+def test_plan_errors_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        plan_main(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_without_compression_prints_every_wire_format(capsys):
+    assert plan_main(["ring", "-n", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "uncompressed: 4.0000" in out
+    assert all(f"with {wire} compression" in out for wire in ("bf16", "fp16", "int8"))
 
 
 def test_cli_subprocess():

@@ -8,9 +8,8 @@ devices: casting a bf16 parameter to fp32, or moving it, would silently change t
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from loguru import logger
@@ -20,9 +19,7 @@ __all__ = [
     "BucketSpec",
     "build_buckets",
     "check_named_params",
-    "check_params",
     "misfit",
-    "named_param_groups",
     "plan_buckets",
 ]
 
@@ -183,15 +180,6 @@ def build_buckets(
     return buckets
 
 
-def named_param_groups(param_groups: Iterable[dict[str, Any]]) -> list[tuple[str, torch.Tensor]]:
-    """``param_groups`` flattened in order; parameters named ``param_groups[G]['params'][P] (shape S)``."""
-    return [
-        (f"param_groups[{g}]['params'][{p}] (shape {tuple(getattr(param, 'shape', ()))})", param)
-        for g, group in enumerate(param_groups)
-        for p, param in enumerate(group["params"])
-    ]
-
-
 def check_named_params(
     named_params: Sequence[tuple[str, torch.Tensor]],
 ) -> tuple[list[torch.Tensor], list[str]]:
@@ -227,11 +215,6 @@ def check_named_params(
             "from model.parameters()."
         )
     return params, names
-
-
-def check_params(param_groups: Iterable[dict[str, Any]]) -> tuple[list[torch.Tensor], list[str]]:
-    """:func:`check_named_params` over :func:`named_param_groups`."""
-    return check_named_params(named_param_groups(param_groups))
 
 
 def misfit(saved: object, shape: torch.Size, dtype: torch.dtype) -> str | None:

@@ -69,6 +69,7 @@ from functools import cache
 import torch
 
 from decent_optim_wrapper.topo import Group, Topology
+from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
 __all__ = [
     "WIRE_FORMATS",
@@ -314,7 +315,7 @@ class CompressionPlan:
             return False
         large = 1 << 20  # per-element cost, without the rounding of tiny buckets
         gathered = (group.size - 1) * self._codec.payload_bytes(large, dtype)
-        reduced = 2 * (group.size - 1) / group.size * large * dtype.itemsize
+        reduced = allreduce_models_sent(group.size) * large * dtype.itemsize
         return gathered < reduced
 
     def _allowed_groups(self, dtype: torch.dtype) -> frozenset[tuple[int, ...]]:
@@ -337,4 +338,4 @@ class CompressionPlan:
             return 0.0
         if self.compresses(group, dtype):
             return float((group.size - 1) * self._codec.payload_bytes(numel, dtype))
-        return 2 * (group.size - 1) / group.size * numel * reduced_itemsize
+        return allreduce_models_sent(group.size) * numel * reduced_itemsize

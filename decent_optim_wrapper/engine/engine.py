@@ -4,19 +4,10 @@ It owns everything decentralized training needs besides the local update: cross-
 the topology and the parameter layout, the flat buckets the parameters live in, the process groups,
 the initial broadcast, per-bucket gossip, the step counter, exact global averaging with its
 snapshot, the consensus distance, growing the buckets, and its part of a checkpoint. A front-end
-translates a user's API into calls on it; per step and per bucket ``b``:
-
-.. code-block:: text
-
-    engine.begin_step()       # checks the buckets, drops a global-average snapshot
-    engine.mix(b)             # x_b <- sum_j W_ij x_{j,b}  (round launched at the previous step)
-    <local update of bucket b>
-    engine.launch(b)          # start this step's round for bucket b (non-blocking)
-    engine.end_step()         # step counter + 1
-
-The optimizer front-end mixes and launches all buckets at once (:meth:`GossipEngine.mix_all`,
-:meth:`GossipEngine.launch_all`); a module front-end mixes, updates and launches each bucket as its
-gradients become ready inside backward.
+translates a user's API into calls on it: :meth:`GossipEngine.step` runs one step of the whole
+model (the optimizer front-end), :meth:`GossipEngine.step_bucket` one bucket's update inside a step
+(the module front-end, as each bucket's gradients become ready in backward). See the architecture
+page of the docs for a step's data flow.
 """
 
 from __future__ import annotations
@@ -24,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import torch
 from loguru import logger
@@ -54,6 +45,7 @@ from decent_optim_wrapper.engine.errors import GlobalAverageError
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.tracking import GradientTracker
 from decent_optim_wrapper.topo import Topology, TopologyFactory
+from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "TopologySpec"]
 
@@ -66,6 +58,8 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 #: What a ``topology`` argument may be: a registered name, a Topology subclass, or an instance.
 TopologySpec = str | type[Topology] | Topology
+
+_T = TypeVar("_T")
 
 _CHECKPOINT_KEYS = ("version", "step", "rank", "world_size", "topology", "schedule", "buckets", "params")
 
@@ -242,20 +236,20 @@ class GossipEngine:
                 reduced = reduction_dtype(dtype).itemsize
                 if plan is not None:
                     total += plan.bytes_sent(group, bucket.data.numel(), dtype, reduced)
-                elif group.size > 1:
-                    total += 2 * (group.size - 1) / group.size * bucket.data.numel() * reduced
+                else:
+                    total += allreduce_models_sent(group.size) * bucket.data.numel() * reduced
         rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
         return rounds * total / self._topology.period
 
     @property
-    def tracks_gradients(self) -> bool:
-        """Whether the local update uses the tracked average gradient (:meth:`track`)."""
-        return self._tracker is not None
+    def gradient_tracking_requested(self) -> bool:
+        """Whether ``gradient_tracking=True`` was passed (checked for misuse at any world size)."""
+        return self._tracking_requested
 
     @property
-    def gradient_tracking(self) -> bool:
-        """Whether gradient tracking was asked for (off at world size 1: see :attr:`tracks_gradients`)."""
-        return self._tracking_requested
+    def gradient_tracking_active(self) -> bool:
+        """Whether the local update steps with the tracked gradient: requested and world size > 1."""
+        return self._tracker is not None
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -294,6 +288,50 @@ class GossipEngine:
         return self._snapshot is not None
 
     # -- one step --------------------------------------------------------------------------------
+    # The protocol of a step, in one place for both front-ends: per bucket, mix the round launched at
+    # the previous step, track the gradient (when on), run the caller's local update, launch this
+    # step's round. A rank whose gradients hold inf/NaN skips its local update and leaves its
+    # trackers alone, but still mixes and launches, so no peer waits for it. A round that fails
+    # raises from mix (GossipError) and is dropped: it is never mixed or saved.
+    def step(self, local_update: Callable[[], _T], *, found_inf: torch.Tensor | None = None) -> _T:
+        """One step of the whole model: :meth:`begin_step`, every bucket's update, :meth:`end_step`.
+
+        Mixes every bucket, tracks every bucket's gradients (with gradient tracking, unless
+        ``found_inf`` holds a nonzero value: GradScaler found inf/NaN), runs ``local_update()``
+        once (it decides itself whether to skip on ``found_inf``), and launches every bucket.
+        ``found_inf`` is read on the host only with gradient tracking. Returns what
+        ``local_update`` returns.
+        """
+        self.begin_step()
+        buckets = range(len(self._buckets))
+        for bucket in buckets:
+            self.mix(bucket)
+        if self._tracker is not None and (found_inf is None or not bool(found_inf.item())):
+            for bucket in buckets:
+                self._tracker.track(bucket)
+        result = local_update()
+        for bucket in buckets:
+            self.launch(bucket)
+        self.end_step()
+        return result
+
+    @torch.no_grad()
+    def step_bucket(
+        self, bucket: int, local_update: Callable[[], object], *, skip_local_update: bool = False
+    ) -> None:
+        """One bucket's update inside a step: mix its round, track, ``local_update()``, launch.
+
+        With ``skip_local_update`` (inf/NaN gradients on this rank) only the gossip happens. A
+        module front-end calls this per bucket between :meth:`begin_step` and :meth:`end_step`, in
+        the same bucket order on every rank.
+        """
+        self.mix(bucket)
+        if not skip_local_update:
+            if self._tracker is not None:
+                self._tracker.track(bucket)
+            local_update()
+        self.launch(bucket)
+
     def begin_step(self) -> None:
         """Start a step: check the buckets, and let an un-reverted global average stand.
 
@@ -324,38 +362,15 @@ class GossipEngine:
         if self._tracker is not None:
             self._tracker.gossip.launch(bucket, step)
 
-    @torch.no_grad()
-    def track(self, bucket: int) -> None:
-        """With gradient tracking, replace bucket ``bucket``'s gradients by its tracker (else nothing).
+    def wait_all(self) -> None:
+        """Wait until every bucket's round in flight has arrived, without mixing (the next step mixes).
 
-        Call it after :meth:`mix` and before the bucket's local update: ``y <- W y + g - g_prev``,
-        and the optimizer then steps with ``y``. See :mod:`~decent_optim_wrapper.engine.tracking`.
+        Raises :class:`~decent_optim_wrapper.GossipError` if a peer does not answer in time.
         """
-        if self._tracker is not None:
-            self._tracker.track(bucket)
-
-    def track_all(self) -> None:
-        """:meth:`track` every bucket, in order."""
         for bucket in range(len(self._buckets)):
-            self.track(bucket)
-
-    def wait(self, bucket: int) -> None:
-        """Wait for bucket ``bucket``'s round without mixing it (``mix`` waits by itself)."""
-        self._gossip.wait(bucket)
-        if self._tracker is not None:
-            self._tracker.gossip.wait(bucket)
-
-    @torch.no_grad()
-    def mix_all(self) -> None:
-        """:meth:`mix` every bucket, in order."""
-        for bucket in range(len(self._buckets)):
-            self.mix(bucket)
-
-    @torch.no_grad()
-    def launch_all(self) -> None:
-        """:meth:`launch` every bucket at the current step, in order."""
-        for bucket in range(len(self._buckets)):
-            self.launch(bucket)
+            self._gossip.wait(bucket)
+            if self._tracker is not None:
+                self._tracker.gossip.wait(bucket)
 
     def end_step(self) -> None:
         """Finish a step: the next one gossips in the next phase."""

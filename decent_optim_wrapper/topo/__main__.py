@@ -6,8 +6,6 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-import torch
-
 from decent_optim_wrapper.topo.analysis import TopologyStats, format_ranks, stats
 from decent_optim_wrapper.topo.base import Topology
 from decent_optim_wrapper.topo.factory import TopologyFactory
@@ -28,42 +26,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--steps", "-s", type=int, default=None, help="steps of the schedule to print (default: one period)"
     )
-    parser.add_argument(
-        "--compression",
-        "-c",
-        choices=("bf16", "fp16", "int8"),
-        default=None,
-        help="also print the bytes per fp32 parameter a rank sends per step with this compressed gossip",
-    )
-    parser.add_argument(
-        "--max-references",
-        type=int,
-        default=4,
-        help="with --compression: groups per rank that keep a reference (default: 4)",
-    )
     return parser
-
-
-def compressed_bytes_per_parameter(topology: Topology, wire: str, max_references: int) -> tuple[float, float]:
-    """Bytes per fp32 parameter a rank sends per step (mean over ranks and a period): (compressed, plain).
-
-    A group's first, exact round is left out (it happens once per group).
-    """
-    # The command line is an application of the whole package: the library modules of topo/ never
-    # import the engine, only this entry point does, to use the engine's own plan.
-    from decent_optim_wrapper.engine.compression import CompressionPlan, GossipCompression
-
-    plan = CompressionPlan(topology, GossipCompression(wire, max_references))
-    numel = 1 << 20  # large, so that int8's per-block scales count in proportion
-    compressed = plain = 0.0
-    for rank in range(topology.world_size):
-        for step in range(topology.period):
-            group = topology.group(rank, step)
-            compressed += plan.bytes_sent(group, numel, torch.float32, 4)
-            if group.size > 1:
-                plain += 2 * (group.size - 1) / group.size * numel * 4
-    runs = topology.world_size * topology.period * numel
-    return compressed / runs, plain / runs
 
 
 def _describe_group(group: Group) -> str:
@@ -104,8 +67,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.name not in TopologyFactory.names():
         parser.error(f"unknown topology {args.name!r}; registered: {', '.join(TopologyFactory.names())}")
-    if args.max_references < 1:
-        parser.error(f"--max-references must be >= 1, got {args.max_references}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
     try:
@@ -119,12 +80,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     _print_schedule(topology, figures.period if args.steps is None else args.steps)
     print(format_stats(figures))
-    if args.compression is not None:
-        compressed, plain = compressed_bytes_per_parameter(topology, args.compression, args.max_references)
-        print(
-            f"bytes per fp32 parameter per rank/step with {args.compression} compression: {compressed:.4f} "
-            f"(uncompressed {plain:.4f}; x{compressed / plain if plain else 1.0:.3f})"
-        )
     return 0
 
 

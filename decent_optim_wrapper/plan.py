@@ -1,0 +1,93 @@
+"""What gossip will cost before you run it: ``python -m decent_optim_wrapper.plan NAME --world-size N``.
+
+Prints the bytes per fp32 parameter a rank sends per step (mean over the ranks and one period of the
+schedule) for a registered topology, uncompressed and with each compressed wire format, from the
+engine's own cost rule (:meth:`~decent_optim_wrapper.engine.GossipEngine.bytes_sent_per_step`): a ring
+all-reduce in a group of ``k`` sends ``2 (k - 1) / k`` models per member, a compressed round gathers
+``k - 1`` payloads. A group's first compressed round (exact) is left out: it happens once per group.
+It sits above the engine, so the topologies' own command line (``python -m decent_optim_wrapper.topo``)
+stays free of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from decent_optim_wrapper.engine.compression import WIRE_FORMATS, CompressionPlan, GossipCompression
+from decent_optim_wrapper.topo import Topology, TopologyFactory
+from decent_optim_wrapper.topo.mixing import allreduce_models_sent
+
+__all__ = ["bytes_per_parameter", "main"]
+
+_NUMEL = 1 << 20  # large, so that int8's per-block scales count in proportion
+
+
+def bytes_per_parameter(topology: Topology, compression: GossipCompression | None = None) -> float:
+    """Bytes per fp32 parameter a rank sends per step, averaged over the ranks and one period."""
+    plan = None if compression is None else CompressionPlan(topology, compression)
+    total = 0.0
+    for rank in range(topology.world_size):
+        for step in range(topology.period):
+            group = topology.group(rank, step)
+            if plan is not None:
+                total += plan.bytes_sent(group, _NUMEL, torch.float32, 4)
+            else:
+                total += allreduce_models_sent(group.size) * _NUMEL * 4
+    return total / (topology.world_size * topology.period * _NUMEL)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m decent_optim_wrapper.plan",
+        description="Print the bytes per fp32 parameter a rank sends per step with a topology's gossip, "
+        "uncompressed and compressed.",
+    )
+    parser.add_argument("name", help=f"registered topology: {', '.join(TopologyFactory.names())}")
+    parser.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
+    parser.add_argument("--local-world-size", "-l", type=int, default=1, help="ranks per node (default: 1)")
+    parser.add_argument(
+        "--compression",
+        "-c",
+        choices=WIRE_FORMATS,
+        default=None,
+        help="only this wire format (default: every one)",
+    )
+    parser.add_argument(
+        "--max-references",
+        type=int,
+        default=4,
+        help="groups per rank that keep a compression reference (default: 4)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argument errors exit with status 2)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.name not in TopologyFactory.names():
+        parser.error(f"unknown topology {args.name!r}; registered: {', '.join(TopologyFactory.names())}")
+    if args.max_references < 1:
+        parser.error(f"--max-references must be >= 1, got {args.max_references}")
+    try:
+        topology = TopologyFactory.create(args.name, args.world_size, args.local_world_size)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+    plain = bytes_per_parameter(topology)
+    print(f"{topology.name}: world_size={topology.world_size}, local_world_size={topology.local_world_size}")
+    print(f"bytes per fp32 parameter per rank/step uncompressed: {plain:.4f}")
+    for wire in (args.compression,) if args.compression else WIRE_FORMATS:
+        compressed = bytes_per_parameter(topology, GossipCompression(wire, args.max_references))
+        print(
+            f"bytes per fp32 parameter per rank/step with {wire} compression: {compressed:.4f} "
+            f"(uncompressed {plain:.4f}; x{compressed / plain if plain else 1.0:.3f})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
