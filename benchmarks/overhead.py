@@ -9,11 +9,11 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
     bucket tensors of a ~25M-parameter fp32 model and divided by the time of one plain
     ``dst.copy_(src)`` over a flat tensor of the same size, timed in the same loop. Two ways:
 
-    * ``engine``: the library's own calls, through the public engine of the wrapper
-      (``wrapper.engine.gossip``): ``stage(bucket, step)`` (what ``launch`` does before it starts the
-      all-reduce) is timed for every bucket; ``launch`` then runs untimed (it stages again and starts
-      the collective), ``wait`` runs untimed (that is the network), and ``mix(bucket)`` is timed
-      with nothing left to wait for.
+    * ``engine``: the library's own calls, on a ``Gossip`` over the wrapper's buckets built from the
+      engine's public parts (as the engine builds its own): ``stage(bucket, step)`` (what
+      ``launch`` does before it starts the all-reduce) is timed for every bucket; ``launch`` then
+      runs untimed (it stages again and starts the collective), ``wait`` runs untimed (that is the
+      network), and ``mix(bucket)`` is timed with nothing left to wait for.
     * ``ops``: the same torch ops the engine runs (``torch.div(x, k, out=buf)`` then
       ``x.copy_(buf)``), on the same bucket tensors, with no communication in flight.
 
@@ -64,6 +64,9 @@ from common import build_mlp, free_port
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
+from decent_optim_wrapper.engine.comm import ProcessGroups
+from decent_optim_wrapper.engine.compression import CompressionPlan, resolve_compression
+from decent_optim_wrapper.engine.gossip import Gossip
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -86,9 +89,11 @@ def measure_gossip(
     wrapper = DecentOptimWrapper(
         torch.optim.SGD(model.parameters(), lr=0.0), topology="ring", compression=compression
     )
-    gossip = wrapper.engine.gossip
-    buckets = range(gossip.num_buckets)
     tensors = [b.data for b in wrapper.buckets]
+    spec = resolve_compression(compression)
+    plan = None if spec is None else CompressionPlan(wrapper.topology, spec)
+    gossip = Gossip(tensors, wrapper.topology, rank, ProcessGroups(wrapper.topology), plan=plan)
+    buckets = range(gossip.num_buckets)
     numel = sum(t.numel() for t in tensors)
     src, dst = torch.randn(numel), torch.empty(numel)
     send = [torch.empty_like(t) for t in tensors]

@@ -219,7 +219,7 @@ def _bad_gossip_checkpoint_changes_nothing() -> list[str]:
 def test_rejected_checkpoint_leaves_parameters_gossip_and_optimizer_state_untouched(pool):
     for errors in pool(2).run(_bad_gossip_checkpoint_changes_nothing):
         assert len(errors) == 3
-        assert "gossip buffer 0 of shape (3,)" in errors[0] and "different parameter layout" in errors[0]
+        assert "gossip buffers[0] has shape (3,)" in errors[0] and "different parameter layout" in errors[0]
         assert "params[0] has shape (5,)" in errors[1]
         assert "snapshot params[0] has shape (2,)" in errors[2]
 

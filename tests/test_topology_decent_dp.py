@@ -15,7 +15,7 @@ import pytest
 import torch
 from topologies import BUILTIN_TOPOLOGIES, scratch_registry
 
-from decent_optim_wrapper.engine.engine import resolve_topology
+from decent_optim_wrapper.engine.options import resolve_topology
 from decent_optim_wrapper.topo import (
     AlternatingExpRingTopology,
     CompleteTopology,

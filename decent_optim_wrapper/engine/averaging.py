@@ -9,7 +9,7 @@ summed in fp32 and rounded once (:func:`~.comm.reduction_dtype`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -29,7 +29,9 @@ def average_across_world_(
     group: dist.ProcessGroup | None,
     world_size: int,
     timeout: timedelta | None = None,
-    failure: Callable[[BaseException | None], Exception] | None = None,
+    *,
+    rank: int | None = None,
+    step: int | None = None,
 ) -> None:
     """Replace every tensor by its average over all ranks, in place, identically on every rank.
 
@@ -41,17 +43,15 @@ def average_across_world_(
         group: the process group spanning the world (None: the default group).
         world_size: number of ranks.
         timeout: longest CPU-side wait (see :func:`~.comm.wait_all`).
-        failure: builds the error raised when a peer does not answer; default a
-            :class:`GlobalAverageError` that names the world size.
+        rank, step: named in the :class:`GlobalAverageError` raised when a peer does not answer.
 
     .. warning:: This is a collective: all ranks must call it with the same tensor layout.
     """
     if world_size == 1:
         return
-    if failure is None:
 
-        def failure(cause: BaseException | None) -> Exception:
-            return GlobalAverageError(global_average_message(None, world_size, timeout, cause))
+    def failure(cause: BaseException | None) -> Exception:
+        return GlobalAverageError(_failure_message(rank, step, world_size, timeout, cause))
 
     launched: list[tuple[torch.Tensor, torch.Tensor, dist.Work]] = []
     for tensor in tensors:
@@ -67,20 +67,30 @@ def average_across_world_(
             tensor.copy_(wide.div_(world_size))
 
 
-def global_average_message(
-    step: int | None, world_size: int, timeout: timedelta | None, cause: BaseException | None
+def _failure_message(
+    rank: int | None,
+    step: int | None,
+    world_size: int,
+    timeout: timedelta | None,
+    cause: BaseException | None,
 ) -> str:
     limit = f"within {timeout}" if timeout is not None else "in time"
     at = "" if step is None else f" at step {step}"
     return (
-        f"global_avg(){at}: the all-reduce over all {world_size} ranks did not complete: a peer died, did "
+        ("" if rank is None else f"rank {rank}: ")
+        + f"global_avg(){at}: the all-reduce over all {world_size} ranks did not complete: a peer died, did "
         f"not call global_avg() at the same point, or did not answer {limit}. Every rank must call "
         f"global_avg() at the same point; restart from the last checkpoint. Cause: {cause}"
     )
 
 
-def floating_buffers(module: torch.nn.Module) -> list[torch.Tensor]:
+def floating_buffers(module: object) -> list[torch.Tensor]:
     """The module's floating-point buffers (BatchNorm running statistics, ...), in a fixed order."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            f"buffers must be an nn.Module whose floating buffers to average (e.g. the model), got "
+            f"{type(module).__name__}."
+        )
     return [b for b in module.buffers() if b.is_floating_point()]
 
 

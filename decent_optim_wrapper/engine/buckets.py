@@ -8,7 +8,8 @@ devices: casting a bf16 parameter to fp32, or moving it, would silently change t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,8 @@ __all__ = [
     "BucketSpec",
     "build_buckets",
     "check_named_params",
+    "check_saved_tensors",
+    "current",
     "misfit",
     "plan_buckets",
 ]
@@ -137,6 +140,13 @@ class Bucket:
         if not self.as_views:
             torch._foreach_copy_([p.data for p in self.params], self._views)
 
+    def slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's slice of ``flat`` (a tensor laid out like :attr:`data`), shaped like it."""
+        return [
+            flat[offset : offset + param.numel()].view(param.shape)
+            for param, offset in zip(self.params, self.spec.offsets, strict=True)
+        ]
+
     def check_views(self) -> None:
         """Raise if a parameter no longer points into this bucket (e.g. ``model.to()`` after wrapping)."""
         if not self.as_views:
@@ -161,6 +171,23 @@ class Bucket:
             f"Bucket(dtype={self.spec.dtype}, device={self.spec.device}, params={len(self.params)}, "
             f"numel={self.spec.numel})"
         )
+
+
+@contextmanager
+def current(buckets: Iterable[Bucket], *, write: bool) -> Iterator[None]:
+    """Bring every bucket's :attr:`~Bucket.data` up to date to read it and, with ``write``, copy it back.
+
+    The one place where ``params_as_views=False`` costs its copies: parameters are pulled into their
+    buckets before the block and, if it writes the buckets and succeeds, pushed back after it. With
+    views (the default) both are no-ops.
+    """
+    buckets = list(buckets)
+    for bucket in buckets:
+        bucket.pull()
+    yield
+    if write:
+        for bucket in buckets:
+            bucket.push()
 
 
 def build_buckets(
@@ -215,6 +242,37 @@ def check_named_params(
             "from model.parameters()."
         )
     return params, names
+
+
+def check_saved_tensors(
+    what: str,
+    saved: object,
+    layout: Sequence[tuple[torch.Size, torch.dtype]],
+    *,
+    optional: bool = False,
+) -> None:
+    """Raise ``ValueError`` if ``saved`` (a checkpoint's tensors, one per bucket) does not fit ``layout``.
+
+    ``layout`` holds each bucket's (shape, dtype). With ``optional``, an entry may be None (nothing
+    saved for that bucket) and the list may stop early (a prefix of the buckets).
+    """
+    count_ok = isinstance(saved, list | tuple) and (
+        len(saved) <= len(layout) if optional else len(saved) == len(layout)
+    )
+    if not count_ok:
+        count = len(saved) if isinstance(saved, list | tuple) else type(saved).__name__
+        raise ValueError(
+            f"checkpoint's {what} hold {count} tensors but this run has {len(layout)} buckets; the "
+            "checkpoint is corrupt or comes from a different parameter layout."
+        )
+    assert isinstance(saved, list | tuple)
+    for index, (tensor, (shape, dtype)) in enumerate(zip(saved, layout, strict=False)):
+        got = None if tensor is None and optional else misfit(tensor, shape, dtype)
+        if got is not None:
+            raise ValueError(
+                f"checkpoint's {what}[{index}] has {got} but bucket {index} has shape {tuple(shape)}, "
+                f"dtype {dtype}; the checkpoint is corrupt or comes from a different parameter layout."
+            )
 
 
 def misfit(saved: object, shape: torch.Size, dtype: torch.dtype) -> str | None:

@@ -1,46 +1,32 @@
-r"""Asynchronous gossip averaging of flat buckets along a topology's schedule, bucket by bucket.
+r"""Asynchronous gossip of flat buckets along a topology's schedule, one round in flight per bucket.
 
-Every bucket has at most one round in flight. For bucket ``b`` launched at step ``t``:
-
-* :meth:`Gossip.launch` stages ``c * x_b`` into the bucket's communication buffer and starts a
-  non-blocking all-reduce (sum) in the rank's group ``G_t``;
-* :meth:`Gossip.wait` waits until the sum ``S = sum_{j in G_t} c * x_{j,b}`` has arrived;
-* :meth:`Gossip.mix` applies ``x_b <- (w - c) * x_b + S``, i.e. ``x_{i,b} <- sum_j W_ij x_{j,b}``
-  with the weights of the phase the round was launched in (``w`` self-weight, ``c`` peer weight;
-  uniform groups give ``x_b <- S``).
-
-A front-end launches a bucket as soon as its values are final and mixes it just before it next
-changes the bucket, so the optimizer front-end runs whole rounds (all buckets) once per step, and a
-module front-end can launch each bucket as its gradients become ready. Between launch and mix the
-bucket may change (a local optimizer step does): the received sum is of the values at launch,
-mixed into the values at mix, which is the overlap this library is for.
-
-fp16 and bf16 buckets travel and accumulate in fp32 buffers (:func:`~.comm.reduction_dtype`), so a
-group average of low-precision parameters is within one rounding of the exact average. A peer that
-died or stopped responding makes :meth:`Gossip.wait` raise a :class:`~.errors.GossipError` naming
-the step and the group instead of hanging (on CPU after ``timeout``; on CUDA through the process
-group's timeout, see :func:`~.comm.wait_all`).
-
-With a :class:`~.compression.CompressionPlan`, the groups it names gossip compressed instead: a
-round gathers every member's small difference to the group's shared reference (see
-:mod:`~decent_optim_wrapper.engine.compression` for the update and its guarantees).
+For bucket ``b`` launched at step ``t``, :meth:`Gossip.launch` stages ``c x_b`` (``c`` the peer
+weight) and starts a non-blocking all-reduce in the rank's group ``G_t``; :meth:`Gossip.mix` waits
+for the sum ``S`` and applies ``x_b <- (w - c) x_b + S``, i.e. ``x_i <- sum_j W_ij x_j`` with the
+weights of the phase the round was launched in (``w`` the self-weight). Between launch and mix the
+bucket may change (the local step does): the values sent are those at launch, mixed into those at
+mix — the overlap this library is for. fp16/bf16 buckets travel and accumulate in fp32. A round
+that does not arrive raises :class:`~.errors.GossipError` naming the step and the group, and is
+dropped. Groups a :class:`~.compression.CompressionPlan` names gather compressed differences
+instead (see the compressed gossip page of the docs).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from decent_optim_wrapper.engine.buckets import misfit
+from decent_optim_wrapper.engine.buckets import check_saved_tensors, misfit
 from decent_optim_wrapper.engine.comm import ProcessGroups, reduction_dtype, wait_all
 from decent_optim_wrapper.engine.compression import WIRE_FORMATS, CompressionPlan, codec
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.topo import Group, Topology
+from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
 __all__ = ["Gossip"]
 
@@ -55,6 +41,26 @@ class _Round:
     codec: str | None = None  # a gathered round's codec; None: an all-reduce of the weighted values
     xor_slot: int | None = None  # a pair gathered by XOR: this slot holds peer ^ own until waited for
     reference_applied: bool = False  # its update of the group's reference is done (see settle_references)
+
+
+@dataclass
+class _Channel:
+    """One bucket's gossip: the tensor it averages and everything its rounds need."""
+
+    tensor: torch.Tensor  # read at launch, written at mix
+    buffer: torch.Tensor | None = None  # staged values, then the group sum (allocated at first use)
+    round: _Round | None = None  # launched (or restored) and not mixed yet
+    gathered: torch.Tensor | None = None  # compressed rounds: every member's payload, rank order
+    decoded: torch.Tensor | None = None  # compressed rounds: decoding scratch
+    # group ranks -> the reference every member of that group holds bit for bit
+    references: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+
+    def sum_buffer(self) -> torch.Tensor:
+        if self.buffer is None:
+            self.buffer = torch.empty(
+                self.tensor.shape, dtype=reduction_dtype(self.tensor.dtype), device=self.tensor.device
+            )
+        return self.buffer
 
 
 class Gossip:
@@ -84,18 +90,12 @@ class Gossip:
         timeout: timedelta | None = None,
         plan: CompressionPlan | None = None,
     ) -> None:
-        self._tensors = list(tensors)
+        self._channels = [_Channel(t) for t in tensors]
         self._topology = topology
         self._rank = rank
         self._process_groups = process_groups
         self._timeout = timeout
-        self._buffers: list[torch.Tensor | None] = [None] * len(self._tensors)
-        self._rounds: list[_Round | None] = [None] * len(self._tensors)
         self._plan = plan
-        self._gathered: list[torch.Tensor | None] = [None] * len(self._tensors)  # compressed payloads
-        self._decoded: list[torch.Tensor | None] = [None] * len(self._tensors)  # decoding buffers
-        # group ranks -> per bucket, the reference every member of the group holds bit for bit
-        self._references: dict[tuple[int, ...], list[torch.Tensor | None]] = {}
 
     @property
     def plan(self) -> CompressionPlan | None:
@@ -103,21 +103,35 @@ class Gossip:
 
     @property
     def num_buckets(self) -> int:
-        return len(self._tensors)
+        return len(self._channels)
 
     def add_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Gossip these tensors too, as new buckets at the end (nothing is in flight for them)."""
-        self._tensors.extend(tensors)
-        self._buffers.extend([None] * len(tensors))
-        self._rounds.extend([None] * len(tensors))
-        self._gathered.extend([None] * len(tensors))
-        self._decoded.extend([None] * len(tensors))
-        for references in self._references.values():
-            references.extend([None] * len(tensors))
+        self._channels.extend(_Channel(t) for t in tensors)
+
+    def bytes_sent_per_step(self) -> float:
+        """Bytes this rank sends per step for these buckets, averaged over one period of the schedule.
+
+        Cost model: an all-reduce in a group of ``k`` is a ring, in which each member sends
+        ``2 (k - 1) / k`` buckets (in fp32 for 16-bit buckets); a compressed round is a gather, in
+        which each member sends its payload ``k - 1`` times. A group's first compressed round
+        (exact) is left out: it happens once per group.
+        """
+        total = 0.0
+        for step in range(self._topology.period):
+            group = self._topology.group(self._rank, step)
+            for channel in self._channels:
+                numel, dtype = channel.tensor.numel(), channel.tensor.dtype
+                reduced = reduction_dtype(dtype).itemsize
+                if self._plan is not None:
+                    total += self._plan.bytes_sent(group, numel, dtype, reduced)
+                else:
+                    total += allreduce_models_sent(group.size) * numel * reduced
+        return total / self._topology.period
 
     def pending(self, bucket: int) -> int | None:
         """The step bucket ``bucket``'s unmixed round was launched at, or None."""
-        round_ = self._rounds[bucket]
+        round_ = self._channels[bucket].round
         return None if round_ is None else round_.step
 
     # -- one bucket ------------------------------------------------------------------------------
@@ -126,19 +140,16 @@ class Gossip:
 
         Returns the rank's group at ``step``; a group of one sends nothing and stages nothing.
         """
-        return self._stage(bucket, step)[0]
+        return self._stage(self._channels[bucket], step)[0]
 
-    def _stage(self, bucket: int, step: int) -> tuple[Group, str | None]:
-        """Stage bucket ``bucket`` for ``step``: its group, and the codec of a gathered round (or None)."""
+    def _stage(self, channel: _Channel, step: int) -> tuple[Group, str | None]:
+        """Stage ``channel`` for ``step``: its group, and the codec of a gathered round (or None)."""
         group = self._topology.group(self._rank, step)
         if group.size == 1:
             return group, None
-        tensor = self._tensors[bucket]
-        buffer = self._buffers[bucket]
-        if buffer is None:
-            buffer = self._buffers[bucket] = _new_buffer(tensor)
+        tensor, buffer = channel.tensor, channel.sum_buffer()
         if self._plan is not None and self._plan.compresses(group, tensor.dtype):
-            return group, self._stage_gathered(bucket, group, buffer)
+            return group, self._stage_gathered(channel, group)
         # Division by k is correctly rounded (exact for k a power of two); x * fl(1/k) would round
         # twice. Low-precision tensors are widened into their fp32 buffer here.
         if group.self_weight is None:
@@ -147,25 +158,23 @@ class Gossip:
             torch.mul(tensor, group.peer_weight, out=buffer)
         return group, None
 
-    def _stage_gathered(self, bucket: int, group: Group, scratch: torch.Tensor) -> str:
+    def _stage_gathered(self, channel: _Channel, group: Group) -> str:
         """Encode this member's part of a compressed round into its slot of the gathered payload."""
         assert self._plan is not None
-        tensor = self._tensors[bucket]
-        reference = self._references.get(group.ranks, [None] * self.num_buckets)[bucket]
+        tensor = channel.tensor
+        reference = channel.references.get(group.ranks)
         # A group's first round (no reference yet) sends the values themselves, exactly.
         name = "exact" if reference is None else self._plan.codec.name
         coder = codec(name)
         size = coder.payload_bytes(tensor.numel(), tensor.dtype)
-        gathered = self._gathered[bucket]
-        if gathered is None or gathered.numel() != group.size * size:
-            gathered = self._gathered[bucket] = torch.empty(
-                group.size * size, dtype=torch.uint8, device=tensor.device
-            )
+        if channel.gathered is None or channel.gathered.numel() != group.size * size:
+            channel.gathered = torch.empty(group.size * size, dtype=torch.uint8, device=tensor.device)
         slot = group.ranks.index(self._rank)
-        own = gathered[slot * size : (slot + 1) * size]
+        own = channel.gathered[slot * size : (slot + 1) * size]
         if reference is None:
             coder.encode(tensor, own)
         else:
+            scratch = channel.sum_buffer()  # free until the round arrives
             torch.sub(tensor, reference, out=scratch)  # small: what changed since the group last met
             coder.encode(scratch, own)
         return name
@@ -175,30 +184,28 @@ class Gossip:
 
         A compressed round starts an all-gather of the members' payloads instead.
         """
-        pending = self._rounds[bucket]
-        if pending is not None:
+        channel = self._channels[bucket]
+        if channel.round is not None:
             raise RuntimeError(
-                f"bucket {bucket}: the gossip round launched at step {pending.step} has not been mixed yet; "
-                "call mix() or discard() before launching it again."
+                f"bucket {bucket}: the gossip round launched at step {channel.round.step} has not been mixed "
+                "yet; call mix() or discard() before launching it again."
             )
-        group, name = self._stage(bucket, step)
+        group, name = self._stage(channel, step)
         if group.size == 1:
             return  # nothing to exchange: W_ii = 1
         handle = self._process_groups[group.ranks]
         if name is not None:
-            work, xor_slot = self._start_gather(bucket, group, handle)
-            self._rounds[bucket] = _Round(step, group, work, name, xor_slot)
+            work, xor_slot = self._start_gather(channel, group, handle)
+            channel.round = _Round(step, group, work, name, xor_slot)
             return
-        buffer = self._buffers[bucket]
-        assert buffer is not None  # staged above
-        work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True)
-        self._rounds[bucket] = _Round(step, group, work)
+        work = dist.all_reduce(channel.sum_buffer(), op=dist.ReduceOp.SUM, group=handle, async_op=True)
+        channel.round = _Round(step, group, work)
 
     def _start_gather(
-        self, bucket: int, group: Group, handle: dist.ProcessGroup
+        self, channel: _Channel, group: Group, handle: dist.ProcessGroup
     ) -> tuple[dist.Work | None, int | None]:
         """Start gathering the members' staged payloads; returns the work and the XOR slot, if any."""
-        gathered = self._gathered[bucket]
+        gathered = channel.gathered
         assert gathered is not None  # staged
         slot, size = group.ranks.index(self._rank), gathered.numel() // group.size
         own = gathered[slot * size : (slot + 1) * size]
@@ -217,21 +224,21 @@ class Gossip:
 
     def wait(self, bucket: int) -> None:
         """Wait until bucket ``bucket``'s round has arrived; its buffer then holds the group sum."""
-        round_ = self._rounds[bucket]
+        channel = self._channels[bucket]
+        round_ = channel.round
         if round_ is None or round_.work is None:
             return
         work, round_.work = round_.work, None
         try:
-            wait_all([work], self._tensors[bucket].device, self._timeout, lambda c: self._failure(round_, c))
+            wait_all([work], channel.tensor.device, self._timeout, lambda c: self._failure(round_, c))
         except BaseException:
-            self._rounds[bucket] = None  # never mix or save a round that did not arrive
+            channel.round = None  # never mix or save a round that did not arrive
             raise
         if round_.xor_slot is not None:
-            gathered = self._gathered[bucket]
-            assert gathered is not None
-            size = gathered.numel() // 2
-            own = gathered[(1 - round_.xor_slot) * size : (2 - round_.xor_slot) * size]
-            peer = gathered[round_.xor_slot * size : (round_.xor_slot + 1) * size]
+            assert channel.gathered is not None
+            size = channel.gathered.numel() // 2
+            own = channel.gathered[(1 - round_.xor_slot) * size : (2 - round_.xor_slot) * size]
+            peer = channel.gathered[round_.xor_slot * size : (round_.xor_slot + 1) * size]
             peer.bitwise_xor_(own)  # (own ^ peer) ^ own = peer
             round_.xor_slot = None
 
@@ -241,16 +248,16 @@ class Gossip:
         With ``factor`` ``a`` below 1, only part of the way: ``x_i <- (1 - a) x_i + a sum_j W_ij x_j``,
         i.e. the doubly stochastic ``(1 - a) I + a W``.
         """
-        round_ = self._rounds[bucket]
+        channel = self._channels[bucket]
+        round_ = channel.round
         if round_ is None:
             return
         self.wait(bucket)
-        self._rounds[bucket] = None
+        channel.round = None
         if round_.codec is not None:
-            self._mix_gathered(bucket, round_, factor)
+            self._mix_gathered(channel, round_, factor)
             return
-        group, tensor, buffer = round_.group, self._tensors[bucket], self._buffers[bucket]
-        assert buffer is not None  # a pending round has a buffer
+        group, tensor, buffer = round_.group, channel.tensor, channel.sum_buffer()
         own = group.own_weight - group.peer_weight
         if factor != 1.0:
             # (1 - a) x + a ((w - c) x + S) = (1 - a + a (w - c)) x + a S
@@ -261,56 +268,38 @@ class Gossip:
         else:
             torch.add(buffer, tensor, alpha=own, out=tensor)
 
-    def _mix_gathered(self, bucket: int, round_: _Round, factor: float) -> None:
+    def _mix_gathered(self, channel: _Channel, round_: _Round, factor: float) -> None:
         """``x_i <- x_i + a c (s - k q_i)`` and ``r <- r + s / k`` with ``s = sum_j q_j`` in rank order."""
         assert round_.codec is not None
-        group, tensor = round_.group, self._tensors[bucket]
-        total, scratch = self._gathered_sum(bucket, round_)
-        slots = self._slots(bucket, round_)
+        group = round_.group
+        total, scratch = self._gathered_sum(channel, round_)
+        slots = _slots(channel, round_)
         codec(round_.codec).decode_into(slots[group.ranks.index(self._rank)], scratch)
         # x <- x + a c (s - k q_i): one pass for s - k q_i, one for the update
-        tensor.add_(
+        channel.tensor.add_(
             torch.add(total, scratch, alpha=-group.size, out=scratch), alpha=factor * group.peer_weight
         )
         if not round_.reference_applied:
-            self._update_reference(bucket, round_, total)
+            _update_reference(channel, round_, total)
 
-    def _slots(self, bucket: int, round_: _Round) -> torch.Tensor:
-        gathered = self._gathered[bucket]
-        assert gathered is not None  # a pending gathered round has its payloads
-        return gathered.view(round_.group.size, -1)
-
-    def _gathered_sum(self, bucket: int, round_: _Round) -> tuple[torch.Tensor, torch.Tensor]:
+    @staticmethod
+    def _gathered_sum(channel: _Channel, round_: _Round) -> tuple[torch.Tensor, torch.Tensor]:
         """``s = sum_j q_j`` in rank order (identical on every member), and a scratch buffer.
 
         Both live in buffers kept per bucket: fresh bucket-sized tensors every step would cost more
         (page faults) than the arithmetic.
         """
         assert round_.codec is not None
-        coder, slots = codec(round_.codec), self._slots(bucket, round_)
-        total = self._buffers[bucket]
-        if total is None:  # a round restored from a checkpoint
-            total = self._buffers[bucket] = _new_buffer(self._tensors[bucket])
-        scratch = self._decoded[bucket]
-        if scratch is None:
-            scratch = self._decoded[bucket] = torch.empty_like(total)
+        coder, slots = codec(round_.codec), _slots(channel, round_)
+        total = channel.sum_buffer()
+        if channel.decoded is None:
+            channel.decoded = torch.empty_like(total)
+        scratch = channel.decoded
         coder.decode_into(slots[0], total)
         for j in range(1, round_.group.size):
             coder.decode_into(slots[j], scratch)
             total.add_(scratch)
         return total, scratch
-
-    def _update_reference(self, bucket: int, round_: _Round, total: torch.Tensor) -> None:
-        """``r <- r + s / k`` (a first, exact round: ``r <- s / k``), the same on every member."""
-        k = round_.group.size
-        references = self._references.setdefault(round_.group.ranks, [None] * self.num_buckets)
-        if round_.codec == "exact":
-            references[bucket] = total.div(k)  # the members' average: the group's first reference
-        else:
-            reference = references[bucket]
-            if reference is not None:  # dropped by a load without references: the next round is exact
-                reference.add_(total.div_(k))
-        round_.reference_applied = True
 
     def settle_references(self) -> None:
         """Apply every pending compressed round's reference update now, without mixing it.
@@ -318,17 +307,18 @@ class Gossip:
         Global averaging calls this on every rank before it drops the rounds: a rank that later
         reverts (and mixes the restored rounds) and one that does not then hold the same references.
         """
-        for bucket, round_ in enumerate(self._rounds):
+        for bucket, channel in enumerate(self._channels):
+            round_ = channel.round
             if round_ is None or round_.codec is None or round_.reference_applied:
                 continue
             self.wait(bucket)
-            if self._rounds[bucket] is round_:
-                self._update_reference(bucket, round_, self._gathered_sum(bucket, round_)[0])
+            if channel.round is round_:
+                _update_reference(channel, round_, self._gathered_sum(channel, round_)[0])
 
     def discard(self, bucket: int) -> None:
         """Finish and drop bucket ``bucket``'s round without mixing it (its values are stale)."""
         self.wait(bucket)
-        self._rounds[bucket] = None
+        self._channels[bucket].round = None
 
     # -- every bucket ------------------------------------------------------------------------------
     def wait_all(self) -> None:
@@ -366,7 +356,7 @@ class Gossip:
         the references are left out (a global average's snapshot: they do not change until its
         revert).
         """
-        steps = {r.step for r in self._rounds if r is not None}
+        steps = {c.round.step for c in self._channels if c.round is not None}
         if len(steps) > 1:
             raise RuntimeError(
                 f"buckets have gossip in flight from different steps {sorted(steps)}: save between two "
@@ -379,11 +369,12 @@ class Gossip:
         buffers: list[torch.Tensor | None] = []
         gathered: list[torch.Tensor | None] = []
         codecs: list[str | None] = []
-        for round_, buffer, payload in zip(self._rounds, self._buffers, self._gathered, strict=True):
-            plain = round_ is not None and round_.codec is None
-            buffers.append(buffer.clone() if plain and buffer is not None else None)
-            compressed = round_ is not None and round_.codec is not None and payload is not None
-            gathered.append(payload.clone() if compressed and payload is not None else None)
+        for channel in self._channels:
+            round_ = channel.round
+            plain = round_ is not None and round_.codec is None and channel.buffer is not None
+            buffers.append(channel.buffer.clone() if plain and channel.buffer is not None else None)
+            compressed = round_ is not None and round_.codec is not None and channel.gathered is not None
+            gathered.append(channel.gathered.clone() if compressed and channel.gathered is not None else None)
             codecs.append(None if round_ is None else round_.codec)
         while buffers and buffers[-1] is None:
             buffers.pop()  # the layout checkpoints of version 1 used: a prefix of the buckets
@@ -393,10 +384,10 @@ class Gossip:
         return state
 
     def _references_state(self) -> list[dict[str, Any]]:
+        groups = dict.fromkeys(ranks for c in self._channels for ranks in c.references)  # first seen first
         return [
-            {"ranks": list(ranks), "tensors": [None if t is None else t.clone() for t in tensors]}
-            for ranks, tensors in self._references.items()
-            if any(t is not None for t in tensors)
+            {"ranks": list(ranks), "tensors": [_cloned(c.references.get(ranks)) for c in self._channels]}
+            for ranks in groups
         ]
 
     def check_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -405,30 +396,17 @@ class Gossip:
             return
         if not isinstance(state, dict) or "step" not in state or "buffers" not in state:
             raise ValueError(f"gossip state must be None or a dict with 'step' and 'buffers', got {state!r}.")
-        buffers = state["buffers"]
-        if len(buffers) > len(self._tensors):
-            raise ValueError(
-                f"gossip state has {len(buffers)} buffers but there are {len(self._tensors)} buckets; "
-                "it comes from a different parameter layout."
-            )
-        for bucket, (saved, tensor) in enumerate(zip(buffers, self._tensors, strict=False)):
-            if saved is None:
-                continue
-            dtype = reduction_dtype(tensor.dtype)
-            got = misfit(saved, tensor.shape, dtype)
-            if got is not None:
-                raise ValueError(
-                    f"gossip buffer {bucket} of {got} does not fit a bucket of shape {tuple(tensor.shape)} "
-                    f"and dtype {dtype}; the checkpoint comes from a different parameter layout."
-                )
+        tensors = [c.tensor for c in self._channels]
+        summed = [(t.shape, reduction_dtype(t.dtype)) for t in tensors]
+        check_saved_tensors("gossip buffers", state["buffers"], summed, optional=True)
         self._check_compressed_state(state)
 
     def _check_compressed_state(self, state: dict[str, Any]) -> None:
         gathered, codecs = state.get("gathered", []), state.get("codecs", [])
-        if len(gathered) != len(codecs) or len(gathered) > len(self._tensors):
+        if len(gathered) != len(codecs) or len(gathered) > self.num_buckets:
             raise ValueError(
                 f"gossip state has {len(gathered)} gathered payloads and {len(codecs)} codecs for "
-                f"{len(self._tensors)} buckets; the checkpoint is corrupt or from a different layout."
+                f"{self.num_buckets} buckets; the checkpoint is corrupt or from a different layout."
             )
         step = state["step"]
         for bucket, (payload, name) in enumerate(zip(gathered, codecs, strict=True)):
@@ -440,7 +418,7 @@ class Gossip:
                     f"{'missing' if payload is None else 'present'} and step {step!r}: a pending compressed "
                     "round needs a known codec, its payload and the step it was launched at."
                 )
-            tensor = self._tensors[bucket]
+            tensor = self._channels[bucket].tensor
             group = self._topology.group(self._rank, int(step))
             size = group.size * codec(name).payload_bytes(tensor.numel(), tensor.dtype)
             got = misfit(payload, torch.Size([size]), torch.uint8)
@@ -450,6 +428,7 @@ class Gossip:
                     f"uint8); the checkpoint comes from a different parameter layout or topology."
                 )
         groups = {g.ranks for g in self._topology.distinct_groups()}
+        layout = [(c.tensor.shape, c.tensor.dtype) for c in self._channels]
         for entry in state.get("references", []):
             ranks = tuple(entry["ranks"])
             if ranks not in groups or self._rank not in ranks:
@@ -457,19 +436,7 @@ class Gossip:
                     f"the checkpoint has a compression reference for group {list(ranks)}, which is not one "
                     f"of rank {self._rank}'s groups in this topology; resume with the same topology."
                 )
-            if len(entry["tensors"]) > len(self._tensors):
-                raise ValueError(
-                    f"group {list(ranks)} has references for {len(entry['tensors'])} buckets but there are "
-                    f"{len(self._tensors)}; the checkpoint comes from a different parameter layout."
-                )
-            for bucket, (saved, tensor) in enumerate(zip(entry["tensors"], self._tensors, strict=False)):
-                got = None if saved is None else misfit(saved, tensor.shape, tensor.dtype)
-                if got is not None:
-                    raise ValueError(
-                        f"compression reference of group {list(ranks)}, bucket {bucket}, of {got} does not "
-                        f"fit a bucket of shape {tuple(tensor.shape)} and dtype {tensor.dtype}; the "
-                        "checkpoint comes from a different parameter layout."
-                    )
+            check_saved_tensors(f"references of group {list(ranks)}", entry["tensors"], layout, optional=True)
 
     def load_state_dict(self, state: dict[str, Any] | None, references: bool = True) -> None:
         """Restore rounds from :meth:`state_dict` as received-but-not-mixed (drops any pending round).
@@ -481,37 +448,50 @@ class Gossip:
         self.check_state_dict(state)
         self.discard_all()
         if references:
-            self._references = {}
+            for channel in self._channels:
+                channel.references.clear()
         if state is None:
             return
         step = state["step"]
         if references and self._plan is not None:  # without compression, references are of no use
             for entry in state.get("references", []):
-                tensors: list[torch.Tensor | None] = [None] * self.num_buckets
-                for bucket, saved in enumerate(entry["tensors"]):
+                for channel, saved in zip(self._channels, entry["tensors"], strict=False):
                     if saved is not None:
-                        tensors[bucket] = saved.to(self._tensors[bucket].device).clone()
-                self._references[tuple(entry["ranks"])] = tensors
+                        channel.references[tuple(entry["ranks"])] = saved.to(channel.tensor.device).clone()
         if step is None:
             return
-        step = int(step)
-        group = self._topology.group(self._rank, step)
-        for bucket, saved in enumerate(state["buffers"]):
-            if saved is None:
-                continue
-            buffer = self._buffers[bucket]
-            if buffer is None:
-                buffer = self._buffers[bucket] = _new_buffer(self._tensors[bucket])
-            buffer.copy_(saved)
-            self._rounds[bucket] = _Round(step, group, None)
-        for bucket, (payload, name) in enumerate(
-            zip(state.get("gathered", []), state.get("codecs", []), strict=True)
+        group = self._topology.group(self._rank, int(step))
+        for channel, saved in zip(self._channels, state["buffers"], strict=False):
+            if saved is not None:
+                channel.sum_buffer().copy_(saved)
+                channel.round = _Round(int(step), group, None)
+        for channel, payload, name in zip(
+            self._channels, state.get("gathered", []), state.get("codecs", []), strict=False
         ):
             if name is None:
                 continue
-            self._gathered[bucket] = payload.to(self._tensors[bucket].device).clone()
+            channel.gathered = payload.to(channel.tensor.device).clone()
             # A global average's snapshot is restored after its references were settled.
-            self._rounds[bucket] = _Round(step, group, None, name, reference_applied=not references)
+            channel.round = _Round(int(step), group, None, name, reference_applied=not references)
+
+
+def _slots(channel: _Channel, round_: _Round) -> torch.Tensor:
+    assert channel.gathered is not None  # a pending gathered round has its payloads
+    return channel.gathered.view(round_.group.size, -1)
+
+
+def _update_reference(channel: _Channel, round_: _Round, total: torch.Tensor) -> None:
+    """``r <- r + s / k`` (a first, exact round: ``r <- s / k``), the same on every member."""
+    k, ranks = round_.group.size, round_.group.ranks
+    if round_.codec == "exact":
+        channel.references[ranks] = total.div(k)  # the members' average: the group's first reference
+    elif ranks in channel.references:  # dropped by a load without references: the next round is exact
+        channel.references[ranks].add_(total.div_(k))
+    round_.reference_applied = True
+
+
+def _cloned(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.clone()
 
 
 def _as_words(payload: torch.Tensor) -> torch.Tensor:
@@ -519,7 +499,3 @@ def _as_words(payload: torch.Tensor) -> torch.Tensor:
     if payload.numel() % 4 == 0 and payload.storage_offset() % 4 == 0:
         return payload.view(torch.int32)
     return payload
-
-
-def _new_buffer(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty(tensor.shape, dtype=reduction_dtype(tensor.dtype), device=tensor.device)

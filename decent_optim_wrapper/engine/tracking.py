@@ -1,31 +1,10 @@
-r"""Gradient tracking: every rank steps with an estimate of the *average* gradient, not its own.
+r"""Gradient tracking (DSGT): every rank steps with an estimate of the *average* gradient.
 
-When workers see different data (label-skewed shards, one site or language per worker), each local
-step pulls its replica towards its own data's optimum, and gossip only partly undoes that: the
-heterogeneity term of decentralized SGD's error (Koloskova et al., "A Unified Theory of
-Decentralized SGD with Changing Topology and Local Updates", ICML 2020). Gradient tracking removes
-it. Each rank keeps a tracker ``y_i`` that it gossips beside its parameters, with the recursion of
-DSGT / GT-DSGD (Pu and Nedić, "Distributed Stochastic Gradient Tracking Methods", Math. Prog. 2021;
-Koloskova, Lin and Stich, "An Improved Analysis of Gradient Tracking for Decentralized Machine
-Learning", NeurIPS 2021):
-
-.. math::
-    y_i^{t} = \sum_j W_{ij}\, y_j^{t-1} + g_i^{t} - g_i^{t-1}, \qquad y_i^{0} = g_i^{0},
-
-and the inner optimizer receives ``y_i^t`` as the gradient (so any optimizer works: SGD with
-momentum, AdamW, ...). Because ``W`` is doubly stochastic, the mean of the trackers equals the mean
-of the current gradients at every step (up to rounding): each rank's update direction is its
-neighbours' view of the global gradient, which all-reduce would have given it exactly.
-
-What it keeps and what it costs:
-
-* The parameters' gossip is unchanged, so their mean still moves only by the local updates, and
-  global averaging and its revert stay exact (the trackers are not averaged; they are left as they
-  are, rounds in flight included). At world size 1 tracking is off: the step is the bare optimizer's.
-* Twice the bytes per step (the tracker travels with the same schedule and compression as the
-  parameters) and three more copies of the gossiped parameters: the trackers, the previous
-  gradients, and the trackers' communication buffers.
-* The trackers and previous gradients are part of a checkpoint, so a run resumes bit for bit.
+Each rank gossips a tracker beside its parameters, ``y_i <- sum_j W_ij y_j + g_i - g_i_prev``
+(``y_i = g_i`` at the first step), and the inner optimizer steps with ``y_i`` instead of its own
+gradient ``g_i`` (Pu and Nedić, Math. Prog. 2021; Koloskova, Lin and Stich, NeurIPS 2021). The
+trackers' mean is the mean gradient, so data that differs between workers no longer pulls the
+replicas apart. Costs, guarantees and when to use it: the gradient tracking page of the docs.
 """
 
 from __future__ import annotations
@@ -36,7 +15,7 @@ from typing import Any
 
 import torch
 
-from decent_optim_wrapper.engine.buckets import Bucket, misfit
+from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors
 from decent_optim_wrapper.engine.comm import ProcessGroups
 from decent_optim_wrapper.engine.compression import CompressionPlan
 from decent_optim_wrapper.engine.gossip import Gossip
@@ -69,9 +48,18 @@ class GradientTracker:
         self._gossip = Gossip([], topology, rank, process_groups, timeout, plan)
         self.add_buckets(buckets)
 
-    @property
-    def gossip(self) -> Gossip:
-        return self._gossip
+    # -- the trackers' gossip, with the parameters' schedule ------------------------------------------
+    def mix(self, bucket: int, factor: float) -> None:
+        """Mix tracker ``bucket``'s round in (if one is pending): ``y <- sum_j W_ij y_j``."""
+        self._gossip.mix(bucket, factor)
+
+    def launch(self, bucket: int, step: int) -> None:
+        """Start tracker ``bucket``'s round for ``step`` (non-blocking)."""
+        self._gossip.launch(bucket, step)
+
+    def wait(self, bucket: int) -> None:
+        """Wait for tracker ``bucket``'s round without mixing it."""
+        self._gossip.wait(bucket)
 
     def add_buckets(self, buckets: Sequence[Bucket]) -> None:
         """Track these buckets too (trackers and previous gradients start at zero)."""
@@ -96,8 +84,8 @@ class GradientTracker:
                     f"gradient_tracking=True cannot track the sparse gradient of {name} (e.g. "
                     "nn.Embedding(sparse=True)); use dense gradients or turn gradient tracking off."
                 )
-        trackers = _views(owner, self._trackers[bucket])
-        previous = _views(owner, self._previous[bucket])
+        trackers = owner.slices(self._trackers[bucket])
+        previous = owner.slices(self._previous[bucket])
         with_grad = [i for i, p in enumerate(owner.params) if p.grad is not None]
         grads: list[torch.Tensor] = [owner.params[i].grad for i in with_grad]  # type: ignore[misc]
         y = [trackers[i] for i in with_grad]
@@ -128,20 +116,9 @@ class GradientTracker:
                 "gradient tracking state must be a dict with 'trackers', 'previous' and 'gossip', got "
                 f"{state!r}."
             )
+        layout = [(b.data.shape, b.data.dtype) for b in self._buckets]
         for key in ("trackers", "previous"):
-            saved = state[key]
-            if len(saved) != len(self._buckets):
-                raise ValueError(
-                    f"gradient tracking state has {len(saved)} {key} for {len(self._buckets)} buckets; the "
-                    "checkpoint comes from a different parameter layout."
-                )
-            for index, (tensor, bucket) in enumerate(zip(saved, self._buckets, strict=True)):
-                got = misfit(tensor, bucket.data.shape, bucket.data.dtype)
-                if got is not None:
-                    raise ValueError(
-                        f"gradient tracking {key} {index} of {got} does not fit its bucket "
-                        f"({tuple(bucket.data.shape)}, {bucket.data.dtype})."
-                    )
+            check_saved_tensors(f"gradient tracking {key}", state[key], layout)
         self._gossip.check_state_dict(state["gossip"])
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
@@ -157,11 +134,3 @@ class GradientTracker:
         for mine, saved in zip(self._previous, state["previous"], strict=True):
             mine.copy_(saved)
         self._gossip.load_state_dict(state["gossip"])
-
-
-def _views(bucket: Bucket, flat: torch.Tensor) -> list[torch.Tensor]:
-    """Each parameter's slice of ``flat`` (laid out like ``bucket.data``), shaped like the parameter."""
-    return [
-        flat[offset : offset + param.numel()].view(param.shape)
-        for param, offset in zip(bucket.params, bucket.spec.offsets, strict=True)
-    ]

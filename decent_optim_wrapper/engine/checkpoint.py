@@ -1,0 +1,138 @@
+"""The engine's part of a checkpoint: the ``"decent"`` entry of a front-end's state dict.
+
+Checking a saved entry against the running engine (everything, before anything changes), and the
+pieces :meth:`~decent_optim_wrapper.engine.GossipEngine.state_dict` builds it from. Layout::
+
+    {
+        "version": 1,
+        "step": 120,  # completed steps
+        "rank": 0, "world_size": 4, "local_world_size": 1,
+        "topology": "ring",
+        "schedule": [...],  # the topology's groups and weights, phase by phase
+        "buckets": [...],  # per bucket: dtype, device type, numel, shapes, offsets
+        "params": [tensor, ...],  # this replica's parameters, one flat tensor per bucket
+        "gossip": {"step": 119, "buffers": [tensor, ...]} or None,  # received, not mixed yet
+        "snapshot": None,  # or {"params": [...], "gossip": ...} while globally averaged
+        "mixing_factor": 1.0,  # a in x <- (1 - a) x + a W x
+        "compression": None,  # or the wire format, e.g. "bf16" (informative)
+        "tracking": None,  # with gradient tracking: trackers, previous gradients, their gossip
+    }
+
+With compression, ``"gossip"`` also holds the payloads of compressed rounds not mixed yet and the
+groups' references (:meth:`~decent_optim_wrapper.engine.gossip.Gossip.state_dict`). The parameters
+are saved because they differ between replicas (building an engine broadcasts rank 0's); loading
+restores this replica's own. A resumed run continues bit for bit at the same world size and topology.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from decent_optim_wrapper.engine.averaging import Snapshot
+from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors
+from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.tracking import GradientTracker
+
+__all__ = [
+    "STATE_VERSION",
+    "RunIdentity",
+    "check_engine_state",
+    "plain",
+    "snapshot_from_state",
+    "snapshot_state",
+]
+
+#: Version of the engine's checkpoint entry. Keys added since (gossip references, tracking,
+#: mixing_factor) are optional, so every checkpoint of this version still loads.
+STATE_VERSION = 1
+
+_REQUIRED_KEYS = ("version", "step", "rank", "world_size", "topology", "schedule", "buckets", "params")
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What a checkpoint must share with the run that loads it, in the form it is saved in."""
+
+    rank: int
+    world_size: int
+    local_world_size: int
+    topology: str
+    schedule: object  # the topology's fingerprint, as nested lists
+    buckets: object  # the buckets' signatures, as nested lists
+
+    def as_state(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "local_world_size": self.local_world_size,
+            "topology": self.topology,
+            "schedule": self.schedule,
+            "buckets": self.buckets,
+        }
+
+
+def plain(value: object) -> object:
+    """Nested tuples to lists, so a checkpoint round-trips through torch.save unchanged."""
+    if isinstance(value, tuple | list):
+        return [plain(v) for v in value]
+    return value
+
+
+def check_engine_state(
+    state: Any,
+    run: RunIdentity,
+    buckets: Sequence[Bucket],
+    gossip: Gossip,
+    tracker: GradientTracker | None,
+) -> None:
+    """Raise ``ValueError`` naming the mismatch if ``state`` cannot be loaded into the running engine."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the engine state must be a dict from GossipEngine.state_dict(), got {state!r}.")
+    missing = [key for key in _REQUIRED_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"state_dict['decent'] lacks {missing}; the checkpoint is incomplete or corrupt.")
+    expected = run.as_state()
+    for key in ("version", "world_size", "rank", "topology"):
+        if state[key] != expected[key]:
+            raise ValueError(
+                f"checkpoint has {key}={state[key]!r} but this run has {key}={expected[key]!r}; resume with "
+                f"the same {key} as the run that saved it (and load each rank's own file)."
+            )
+    if state["schedule"] != run.schedule:
+        raise ValueError(
+            f"checkpoint's topology {state['topology']!r} has a different schedule (world size, "
+            "local_world_size, groups or weights) than this run's; resume with the same topology."
+        )
+    if state["buckets"] != run.buckets:
+        raise ValueError(
+            "checkpoint's parameter layout (shapes, dtypes, order or bucket_cap_mb) differs from this "
+            "run's; build the same model and optimizer with the same bucket_cap_mb before loading."
+        )
+    layout = [(b.data.shape, b.data.dtype) for b in buckets]
+    check_saved_tensors("params", state["params"], layout)
+    gossip.check_state_dict(state.get("gossip"))
+    if tracker is not None and state.get("tracking") is not None:
+        tracker.check_state_dict(state["tracking"])
+    snapshot = state.get("snapshot")
+    if snapshot is not None:
+        check_saved_tensors("snapshot params", snapshot["params"], layout)
+        gossip.check_state_dict(snapshot["gossip"])
+
+
+def snapshot_state(snapshot: Snapshot | None) -> dict[str, Any] | None:
+    """A global average's snapshot as saved in a checkpoint (its buffers belong to the model's state)."""
+    if snapshot is None:
+        return None
+    return {"params": [p.clone() for p in snapshot.params], "gossip": snapshot.gossip}
+
+
+def snapshot_from_state(state: dict[str, Any], buckets: Sequence[Bucket]) -> Snapshot | None:
+    """The snapshot a checked checkpoint holds (taken while globally averaged), on the buckets' devices."""
+    saved = state.get("snapshot")
+    if saved is None:
+        return None
+    params = [p.to(b.data.device).clone() for p, b in zip(saved["params"], buckets, strict=True)]
+    return Snapshot(params=params, gossip=saved["gossip"])

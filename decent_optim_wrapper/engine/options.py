@@ -1,0 +1,122 @@
+"""The engine's options: their checks, and what every rank must agree on before communicating.
+
+Everything here runs before the first collective, so bad input is a clear error (on every rank,
+through :func:`~.comm.agree`) instead of a hang.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+from decent_optim_wrapper.engine.comm import check_identical
+from decent_optim_wrapper.engine.compression import GossipCompression
+from decent_optim_wrapper.topo import Topology, TopologyFactory
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "LocalLayout",
+    "TopologySpec",
+    "check_bucket_cap",
+    "check_buckets_agree",
+    "check_layouts_agree",
+    "check_mixing_factor",
+    "check_timeout",
+    "resolve_topology",
+]
+
+#: How long gossip and global averaging wait for a peer before raising, unless ``timeout`` says
+#: otherwise. Well under gloo's 30 minutes, yet long enough for a peer's slow first step (compile).
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+#: What a ``topology`` argument may be: a registered name, a Topology subclass, or an instance.
+TopologySpec = str | type[Topology] | Topology
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """What every rank must agree on before the first collective, compared field by field."""
+
+    local_world_size: int
+    topology: tuple[str, object]  # name and schedule fingerprint
+    buckets: tuple[object, ...]  # each bucket's signature
+    compression: GossipCompression | None
+    gradient_tracking: bool
+
+
+#: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
+AGREEMENT = (
+    ("local_world_size", "local_world_size", "Pass the same local_world_size on every rank."),
+    ("topology", "The topology", "Pass the same topology on every rank."),
+    (
+        "buckets",
+        "The bucket layout (parameter shapes, dtypes, devices or bucket_cap_mb)",
+        "Build the same model and optimizer (same param_groups order) with the same bucket_cap_mb on "
+        "every rank.",
+    ),
+    ("compression", "compression", "Pass the same compression argument on every rank."),
+    ("gradient_tracking", "gradient_tracking", "Pass the same gradient_tracking on every rank."),
+)
+
+
+def check_layouts_agree(reports: list[LocalLayout]) -> None:
+    """Raise the same ``ValueError`` on every rank if the ranks' layouts differ, naming the field."""
+    for name, what, fix in AGREEMENT:
+        check_identical(what, [getattr(r, name) for r in reports], fix)
+
+
+def check_buckets_agree(signatures: list[tuple[object, ...]]) -> None:
+    """Raise the same ``ValueError`` on every rank if the ranks' new buckets differ."""
+    _, what, fix = AGREEMENT[2]
+    check_identical(what, signatures, fix)
+
+
+def check_mixing_factor(factor: object) -> float:
+    """The mixing (adaptive) factor ``a`` in (0, 1], as a float; raises on anything else."""
+    if isinstance(factor, bool) or not isinstance(factor, int | float):
+        raise TypeError(f"the mixing (adaptive) factor must be a number in (0, 1], got {factor!r}.")
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(
+            f"the mixing (adaptive) factor must lie in (0, 1], got {factor!r}: 1 mixes fully, smaller "
+            "values keep part of the replica (x <- (1 - a) x + a W x); 0 would never mix."
+        )
+    return float(factor)
+
+
+def resolve_topology(topology: TopologySpec, world_size: int, local_world_size: int) -> Topology:
+    """Build (or check) the topology for this run and validate its schedule, before any communication."""
+    if isinstance(topology, str):
+        topo = TopologyFactory.create(topology, world_size, local_world_size)
+    elif isinstance(topology, type) and issubclass(topology, Topology):
+        topo = topology(world_size, local_world_size)
+    elif isinstance(topology, Topology):
+        topo = topology
+        if topo.world_size != world_size or topo.local_world_size != local_world_size:
+            raise ValueError(
+                f"topology {topo!r} was built for world_size={topo.world_size}, "
+                f"local_world_size={topo.local_world_size}, but this run has world_size={world_size}, "
+                f"local_world_size={local_world_size}; build it with the run's sizes or pass its name."
+            )
+    else:
+        raise TypeError(
+            f"topology must be a name, a Topology subclass or a Topology instance, got {topology!r}. "
+            f"Registered names: {', '.join(TopologyFactory.names())}."
+        )
+    _ = topo.schedule  # validate now, before any communication
+    return topo
+
+
+def check_bucket_cap(bucket_cap_mb: object) -> None:
+    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float):
+        raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}; e.g. 25.")
+    if bucket_cap_mb <= 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}; e.g. 25.")
+
+
+def check_timeout(timeout: object) -> None:
+    if not isinstance(timeout, timedelta):
+        raise TypeError(
+            f"timeout must be a positive datetime.timedelta, got {timeout!r}; e.g. timedelta(minutes=5)."
+        )
+    if timeout <= timedelta(0):
+        raise ValueError(f"timeout must be positive, got {timeout!r}; e.g. timedelta(minutes=5).")
