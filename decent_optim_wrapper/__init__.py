@@ -1,20 +1,21 @@
 """Decentralized data-parallel training for PyTorch: wrap any optimizer, gossip instead of all-reduce.
 
-Layout (dependencies point up this list, never down):
+Layout (each layer imports only the ones above it):
 
 * :mod:`~decent_optim_wrapper.topo` -- topologies: which ranks average together at each step (pure logic).
-* :mod:`~decent_optim_wrapper.engine` -- the engine: buckets, process groups, per-bucket gossip, global
-  averaging and its snapshot, checkpoint state; :class:`~decent_optim_wrapper.engine.GossipEngine`.
+* :mod:`~decent_optim_wrapper.engine` -- the engine, :class:`~decent_optim_wrapper.engine.GossipEngine`:
+  buckets, process groups, the step protocol, gossip (optionally compressed), gradient tracking,
+  global averaging and its snapshot, its part of a checkpoint.
 * :mod:`~decent_optim_wrapper.optim` -- optimizers (:class:`AccumAdam`, :class:`AccumAdamW`) and the
-  decent-dp factories (``optim_fn_*``, :func:`lr_scheduler_fn_cosine_with_warmup`); depend on torch only.
-* :mod:`~decent_optim_wrapper.optimizer_protocol` -- running an inner optimizer's step as torch expects
-  (GradScaler, global step hooks).
-* :mod:`~decent_optim_wrapper.wrapper` -- :class:`DecentOptimWrapper`, the optimizer front-end.
-* :mod:`~decent_optim_wrapper.data_parallel` -- :class:`DecentralizedDataParallel`, the module front-end
-  (decent-dp's API): each bucket is updated and gossiped inside backward.
-* :mod:`~decent_optim_wrapper.metrics` -- measurements over the replicas (consensus distance).
-* :mod:`~decent_optim_wrapper.launch` -- :func:`initialize_dist`: a process group under torchrun or
-  plain python.
+  decent-dp factories (``optim_fn_*``, :func:`lr_scheduler_fn_cosine_with_warmup`); torch only.
+* The front-ends, which translate a user's API into engine calls:
+  :mod:`~decent_optim_wrapper.wrapper` (:class:`DecentOptimWrapper`, any ``torch.optim.Optimizer``) and
+  :mod:`~decent_optim_wrapper.data_parallel` (:class:`DecentralizedDataParallel`, decent-dp's API, each
+  bucket updated inside backward); :mod:`~decent_optim_wrapper.inner_step` runs the optimizers they
+  step as torch expects (GradScaler, global step hooks).
+* Above them: :mod:`~decent_optim_wrapper.metrics` (consensus distance), :mod:`~decent_optim_wrapper.plan`
+  (``python -m decent_optim_wrapper.plan``: bytes per step), :mod:`~decent_optim_wrapper.launch`
+  (:func:`initialize_dist`).
 """
 
 from loguru import logger

@@ -96,24 +96,17 @@ class DecentralizedDataParallel(nn.Module):
             (BatchNorm statistics), and :meth:`revert_global_avg` restores them.
         bucket_size_in_mb: largest bucket in MiB.
         _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
-        timeout: how long gossip and global averaging wait for a peer before raising.
-        compression: off (None, the default) or a wire format for gossip: ``"bf16"``, ``"fp16"``,
-            ``"int8"``, or a :class:`~decent_optim_wrapper.GossipCompression`. Each round then sends
-            the compressed difference to a reference the group shares, so fp32 parameters move in
-            half (16 bits) or about a quarter (int8) of the bytes; global averaging stays exact. See
-            :mod:`decent_optim_wrapper.engine.compression`.
-        gradient_tracking: for data that differs between workers (label-skewed shards): gossip a
-            tracker of the average gradient beside the parameters and step with it instead of the
-            local gradient (DSGT). Twice the bytes and three more parameter copies; see
-            :mod:`decent_optim_wrapper.engine.tracking`.
+        timeout, compression, gradient_tracking: the engine's options, keyword-only; see
+            :class:`~decent_optim_wrapper.engine.GossipEngine`. Defaults: ten minutes, exact
+            gossip, no tracking.
 
     Example::
 
         model = DecentralizedDataParallel(net, optim_fn_adamw, topology="ring")
         for x, y in loader:
             loss_fn(model(x), y).backward()  # mixes, steps and launches gossip, bucket by bucket
-        model.global_avg()  # evaluate the average model ...
-        model.revert_global_avg()  # ... then continue exactly where training was
+        model.global_avg()  # every replica is now the exact average: evaluate it
+        model.revert_global_avg()  # back to this rank's own replica, bit for bit
     """
 
     def __init__(
@@ -150,10 +143,10 @@ class DecentralizedDataParallel(nn.Module):
         self._engine = GossipEngine(
             list(reversed(trainable)),  # backward produces the last layers' gradients first
             topology=topology,
-            local_world_size=_local_world_size,
-            bucket_cap_mb=bucket_size_in_mb,
-            timeout=timeout,
             params_as_views=param_as_bucket_view,
+            bucket_cap_mb=bucket_size_in_mb,
+            local_world_size=_local_world_size,
+            timeout=timeout,
             compression=compression,
             gradient_tracking=gradient_tracking,
             context="DecentralizedDataParallel",
@@ -225,6 +218,7 @@ class DecentralizedDataParallel(nn.Module):
 
     @property
     def engine(self) -> GossipEngine:
+        """The engine that buckets, gossips and averages this module's parameters."""
         return self._engine
 
     @property

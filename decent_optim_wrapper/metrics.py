@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import GossipEngine
 from decent_optim_wrapper.engine.averaging import tensors_consensus_distance
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
@@ -9,8 +10,8 @@ from decent_optim_wrapper.wrapper import DecentOptimWrapper
 __all__ = ["consensus_distance", "tensors_consensus_distance"]
 
 
-def consensus_distance(replica: DecentOptimWrapper | GossipEngine) -> float:
-    """Consensus distance of the parameters a front-end (or engine) gossips.
+def consensus_distance(replica: DecentOptimWrapper | DecentralizedDataParallel | GossipEngine) -> float:
+    """Consensus distance of the parameters a front-end (or an engine) gossips.
 
     The root-mean-square distance of the replicas to their average, 0 when all agree; see
     :func:`~decent_optim_wrapper.engine.averaging.tensors_consensus_distance`. Gossip still in
@@ -18,11 +19,12 @@ def consensus_distance(replica: DecentOptimWrapper | GossipEngine) -> float:
 
     .. warning:: This is a collective: all ranks must call it.
     """
-    if isinstance(replica, DecentOptimWrapper):
-        return replica.consensus_distance()
+    if isinstance(replica, DecentOptimWrapper | DecentralizedDataParallel):
+        return replica.engine.consensus_distance()
     if isinstance(replica, GossipEngine):
         return replica.consensus_distance()
     raise TypeError(
-        f"consensus_distance() needs a DecentOptimWrapper or a GossipEngine, got {type(replica).__name__}; "
-        "for other tensors use tensors_consensus_distance(tensors, group, world_size)."
+        f"consensus_distance() needs a DecentOptimWrapper, a DecentralizedDataParallel or a GossipEngine, "
+        f"got {type(replica).__name__}; for other tensors use tensors_consensus_distance(tensors, group, "
+        "world_size)."
     )

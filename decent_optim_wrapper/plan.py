@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from decent_optim_wrapper.engine.compression import WIRE_FORMATS, CompressionPlan, GossipCompression
-from decent_optim_wrapper.topo import Topology, TopologyFactory
+from decent_optim_wrapper.topo import Topology
+from decent_optim_wrapper.topo.cli import add_topology_arguments, topology_from_arguments
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
 __all__ = ["bytes_per_parameter", "main"]
@@ -46,9 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the bytes per fp32 parameter a rank sends per step with a topology's gossip, "
         "uncompressed and compressed.",
     )
-    parser.add_argument("name", help=f"registered topology: {', '.join(TopologyFactory.names())}")
-    parser.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
-    parser.add_argument("--local-world-size", "-l", type=int, default=1, help="ranks per node (default: 1)")
+    add_topology_arguments(parser)
     parser.add_argument(
         "--compression",
         "-c",
@@ -69,14 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (argument errors exit with status 2)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.name not in TopologyFactory.names():
-        parser.error(f"unknown topology {args.name!r}; registered: {', '.join(TopologyFactory.names())}")
     if args.max_references < 1:
         parser.error(f"--max-references must be >= 1, got {args.max_references}")
-    try:
-        topology = TopologyFactory.create(args.name, args.world_size, args.local_world_size)
-    except (TypeError, ValueError) as err:
-        parser.error(str(err))
+    topology = topology_from_arguments(parser, args)
     plain = bytes_per_parameter(topology)
     print(f"{topology.name}: world_size={topology.world_size}, local_world_size={topology.local_world_size}")
     print(f"bytes per fp32 parameter per rank/step uncompressed: {plain:.4f}")

@@ -59,22 +59,15 @@ class DecentOptimWrapper(Optimizer):
         topology: a registered name (``"ring"``, ``"complete"``, ...; see :class:`TopologyFactory`),
             a :class:`Topology` subclass, or an instance.
         bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
-        timeout: how long gossip and global averaging wait for a peer before raising (a peer died
-            or hangs); default :data:`DEFAULT_TIMEOUT` (10 minutes). :meth:`step` raises
-            :class:`~decent_optim_wrapper.GossipError` naming the step and the group,
-            :meth:`global_avg` raises :class:`~decent_optim_wrapper.GlobalAverageError` naming the
-            step; both are :class:`~decent_optim_wrapper.DecentError`.
-        compression: off (None, the default) or a wire format for gossip: ``"bf16"``, ``"fp16"``,
-            ``"int8"``, or a :class:`~decent_optim_wrapper.GossipCompression`. Each round then sends
-            the compressed difference to a reference the group shares, so fp32 parameters move in
-            half (16 bits) or about a quarter (int8) of the bytes; global averaging stays exact. See
-            :mod:`decent_optim_wrapper.engine.compression`.
-        gradient_tracking: for data that differs between workers (label-skewed shards): gossip a
-            tracker of the average gradient beside the parameters and step with it instead of the
-            local gradient (DSGT). Twice the bytes and three more parameter copies; see
-            :mod:`decent_optim_wrapper.engine.tracking`.
-            The gradients must be final when :meth:`step` is called: no ``closure``, and under a
-            GradScaler, ``scaler.unscale_(optimizer)`` first.
+        timeout: how long to wait for a peer before raising; default ten minutes. The engine's
+            option, as are the two below: :class:`~decent_optim_wrapper.engine.GossipEngine`
+            describes them.
+        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or a
+            :class:`~decent_optim_wrapper.GossipCompression` to gossip compressed; None (default)
+            gossips exactly.
+        gradient_tracking: step with a gossiped tracker of the average gradient (for data that
+            differs between workers). :meth:`step` then needs final gradients: no ``closure``, and
+            under a GradScaler ``scaler.unscale_(optimizer)`` first.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.

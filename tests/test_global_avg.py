@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import flat, gather, tiny_model, train_steps
+from helpers import batch, flat, gather, tiny_model, train_steps
+from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper
 
@@ -130,3 +131,21 @@ def test_consensus_distance_is_the_rms_distance_to_the_average(pool):
         assert measured == results[0][0]  # the same value on every rank
         assert measured == pytest.approx(expected, rel=1e-12)  # float64 both ways, different order
         assert after_average == 0.0 and measured > 0
+
+
+def _consensus_distance_of_every_front_end() -> list[float]:
+    from decent_optim_wrapper import DecentralizedDataParallel, consensus_distance
+
+    model = tiny_model()
+    ddp = DecentralizedDataParallel(
+        model, lambda params: torch.optim.SGD([p for _, p in params], lr=0.1), topology="ring"
+    )
+    for step in range(3):
+        x, y = batch(dist.get_rank(), step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+    return [consensus_distance(ddp), ddp.consensus_distance(), consensus_distance(ddp.engine)]
+
+
+def test_metrics_consensus_distance_accepts_the_module_front_end_and_the_engine(pool):
+    for by_metric, by_method, by_engine in pool(4).run(_consensus_distance_of_every_front_end):
+        assert by_metric == by_method == by_engine and by_metric > 0

@@ -1,13 +1,18 @@
 """The engine: everything decentralized training needs besides the local update.
 
-* :mod:`~decent_optim_wrapper.engine.buckets` -- flat parameter buckets that parameters become views of.
-* :mod:`~decent_optim_wrapper.engine.comm` -- checked world info, cross-rank agreement, process groups,
-  and how to wait for a collective (timed on CPU, stream-ordered on CUDA).
-* :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
-* :mod:`~decent_optim_wrapper.engine.compression` -- opt-in compressed gossip: wire formats, shared
-  references, which groups compress.
-* :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
+Modules, each importing only those listed before it:
+
 * :mod:`~decent_optim_wrapper.engine.errors` -- what a collective that cannot complete raises.
+* :mod:`~decent_optim_wrapper.engine.buckets` -- flat parameter buckets that parameters become views of.
+* :mod:`~decent_optim_wrapper.engine.comm` -- world info, cross-rank agreement, process groups, and how
+  to wait for a collective (timed on CPU, stream-ordered on CUDA).
+* :mod:`~decent_optim_wrapper.engine.compression` -- opt-in compressed gossip: wire formats and which
+  groups compress.
+* :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
+* :mod:`~decent_optim_wrapper.engine.tracking` -- opt-in gradient tracking.
+* :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
+* :mod:`~decent_optim_wrapper.engine.checkpoint` -- the engine's part of a checkpoint.
+* :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
 """
 

@@ -91,17 +91,20 @@ class GossipEngine:
         world_size: number of processes; defaults to ``torch.distributed.get_world_size()``.
         local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE`` (torchrun), else 1.
         bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
-        timeout: how long gossip and global averaging wait for a peer before raising a
-            :class:`~decent_optim_wrapper.GossipError` / :class:`~decent_optim_wrapper.GlobalAverageError`.
+        timeout: how long gossip and global averaging wait for a peer (dead or hung) before raising
+            :class:`~decent_optim_wrapper.GossipError` (naming the step and the group) or
+            :class:`~decent_optim_wrapper.GlobalAverageError` (naming the step); default
+            :data:`DEFAULT_TIMEOUT`, ten minutes.
         params_as_views: make ``param.data`` a view into its bucket. With False the parameters keep
-            their own storage and are copied into the bucket before it is read (launch, averaging,
-            checkpoints) and back after it is written (mix, averaging, revert, load).
-        compression: gossip compressed differences instead of the parameters: ``"bf16"``,
-            ``"fp16"``, ``"int8"`` or a :class:`~decent_optim_wrapper.engine.compression.GossipCompression`;
-            None (default) sends them exactly. See :mod:`~decent_optim_wrapper.engine.compression`.
-        gradient_tracking: gossip a tracker of the average gradient beside the parameters and
-            step with it instead of the local gradient (DSGT); see
-            :mod:`~decent_optim_wrapper.engine.tracking`. Off at world size 1.
+            their own storage and are copied in before a bucket is read and back after it is written.
+        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or a
+            :class:`~decent_optim_wrapper.engine.compression.GossipCompression`: each round sends the
+            compressed difference to a reference the group shares, so fp32 parameters move in half
+            (16 bits) or about a quarter (int8) of the bytes, and global averaging stays exact. None
+            (default) gossips exactly.
+        gradient_tracking: for data that differs between workers: gossip a tracker of the average
+            gradient beside the parameters and step with it instead of the local gradient (DSGT);
+            twice the bytes and three more parameter copies. Off at world size 1.
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 

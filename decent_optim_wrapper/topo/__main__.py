@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from decent_optim_wrapper.topo.analysis import TopologyStats, format_ranks, stats
 from decent_optim_wrapper.topo.base import Topology
-from decent_optim_wrapper.topo.factory import TopologyFactory
+from decent_optim_wrapper.topo.cli import add_topology_arguments, topology_from_arguments
 from decent_optim_wrapper.topo.group import Group
 
 __all__ = ["main"]
@@ -20,9 +20,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Print the gossip schedule of a registered topology and its figures of merit "
         "(process groups, models sent per step under a ring all-reduce cost model, consensus rate).",
     )
-    parser.add_argument("name", help=f"registered topology: {', '.join(TopologyFactory.names())}")
-    parser.add_argument("--world-size", "-n", type=int, required=True, help="number of ranks")
-    parser.add_argument("--local-world-size", "-l", type=int, default=1, help="ranks per node (default: 1)")
+    add_topology_arguments(parser)
     parser.add_argument(
         "--steps", "-s", type=int, default=None, help="steps of the schedule to print (default: one period)"
     )
@@ -65,15 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (argument errors exit with status 2)."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.name not in TopologyFactory.names():
-        parser.error(f"unknown topology {args.name!r}; registered: {', '.join(TopologyFactory.names())}")
     if args.steps is not None and args.steps < 1:
         parser.error(f"--steps must be >= 1, got {args.steps}")
-    try:
-        topology = TopologyFactory.create(args.name, args.world_size, args.local_world_size)
-        figures = stats(topology)
-    except (TypeError, ValueError) as err:
-        parser.error(str(err))
+    topology = topology_from_arguments(parser, args)
+    figures = stats(topology)
     print(
         f"{figures.name}: world_size={figures.world_size}, local_world_size={figures.local_world_size}, "
         f"{topology.num_nodes} node(s)"
