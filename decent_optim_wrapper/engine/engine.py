@@ -204,10 +204,7 @@ class GossipEngine:
         return self._compression
 
     def bytes_sent_per_step(self) -> float:
-        """Bytes this rank sends per step, averaged over one period of the schedule.
-
-        The parameters' rounds (:meth:`Gossip.bytes_sent_per_step`), twice with gradient tracking.
-        """
+        """Bytes this rank sends per step (:meth:`Gossip.bytes_sent_per_step`; twice with tracking)."""
         rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
         return rounds * self._gossip.bytes_sent_per_step()
 
@@ -308,10 +305,7 @@ class GossipEngine:
             self._tracker.launch(bucket, self._step)
 
     def wait_all(self) -> None:
-        """Wait until every bucket's round in flight has arrived, without mixing (the next step mixes).
-
-        Raises :class:`~decent_optim_wrapper.GossipError` if a peer does not answer in time.
-        """
+        """Wait for every round in flight without mixing it (GossipError if a peer does not answer)."""
         for bucket in range(len(self._buckets)):
             self._gossip.wait(bucket)
             if self._tracker is not None:

@@ -13,7 +13,7 @@ Each module imports only modules listed before it: ``group`` (:class:`Group`, :d
 ``validation`` and ``mixing`` (schedule checks; models sent and consensus rate); ``compat``
 (decent-dp's :class:`Edge` and its conversion to groups); ``base`` (:class:`Topology`); ``factory``
 (:class:`TopologyFactory`, :class:`TopologyReg`); the built-ins ``builtin``, ``exponential``,
-``hierarchical``; then ``analysis`` and ``__main__``.
+``hierarchical``; then ``analysis``, ``cli`` (the arguments that name a topology) and ``__main__``.
 """
 
 from decent_optim_wrapper.topo.base import Phase, Topology
