@@ -18,7 +18,10 @@ pytestmark = pytest.mark.pure
 
 DEVICES = [
     "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")),
+    pytest.param(
+        "cuda",
+        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")],
+    ),
 ]
 PAIRS = [(AccumAdamW, torch.optim.AdamW), (AccumAdam, torch.optim.Adam)]
 

@@ -9,6 +9,8 @@ from torch import nn
 from decent_optim_wrapper.engine.buckets import ALIGN_BYTES, build_buckets, check_named_params, plan_buckets
 from decent_optim_wrapper.wrapper import named_param_groups
 
+pytestmark = pytest.mark.pure
+
 
 def _params(*specs):
     return [nn.Parameter(torch.randn(*shape).to(dtype)) for shape, dtype in specs]

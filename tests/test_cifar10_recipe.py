@@ -1,4 +1,4 @@
-"""Multi-process: examples/cifar10.py trains, evaluates, checkpoints and resumes (CPU, gloo, FakeData)."""
+"""Examples tier: examples/cifar10.py trains, evaluates, checkpoints and resumes (CPU, gloo, FakeData)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 from helpers import load_script
 from workers import WorkerError
+
+pytestmark = pytest.mark.examples
 
 RECIPE = Path(__file__).resolve().parents[1] / "examples" / "cifar10.py"
 # Two ranks, two steps of 16 random images per epoch and 16 test images per rank: a ResNet-18 step

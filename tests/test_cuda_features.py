@@ -15,7 +15,7 @@ from helpers import batch, tiny_model
 from decent_optim_wrapper import DecentOptimWrapper, GossipEngine
 from decent_optim_wrapper.engine.compression import codec
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 STEPS = 8
 

@@ -326,6 +326,7 @@ def test_engine_built_from_named_parameters_averages_exactly_and_reverts(pool):
         assert torch.equal(averaged, mean) and torch.equal(reverted, own)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_step_makes_no_host_sync_on_cuda(tmp_path):
     # One process per GPU (NCCL when there are two or more); under torch.cuda.set_sync_debug_mode
