@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from types import ModuleType
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from decent_optim_wrapper import TopologyFactory
+T = TypeVar("T")
 
 
 def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -38,18 +40,40 @@ def train_steps(
             scheduler.step()
 
 
-def bare_and_wrapped(steps: int = 5, **wrapper_options: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """The parameters after ``steps`` AdamW steps, bare and inside a DecentOptimWrapper(**options)."""
-    from decent_optim_wrapper import DecentOptimWrapper
+def adamw(params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01)
 
-    results = []
-    for wrap in (False, True):
-        model = tiny_model()
-        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-        opt = DecentOptimWrapper(inner, **wrapper_options) if wrap else inner  # type: ignore[arg-type]
-        train_steps(model, opt, 0, range(steps))
-        results.append(flat(model))
-    return results[0], results[1]
+
+def five_steps(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> torch.Tensor:
+    """The flat parameters after 5 steps of ``train_steps`` on rank 0's batches."""
+    assert optimizer is not None, "the module front-end needs a run of its own (forward and backward)"
+    train_steps(model, optimizer, 0, range(5))
+    return flat(model)
+
+
+def bare_and_wrapped(
+    run: Callable[[nn.Module, torch.optim.Optimizer | None], T] = five_steps,
+    make_optimizer: Callable[[Iterable[torch.Tensor]], torch.optim.Optimizer] = adamw,
+    front_end: str = "optimizer",
+    **options: Any,
+) -> tuple[T, T]:
+    """What ``run`` returns for the bare optimizer, and for the same training inside a front-end.
+
+    Each run gets a fresh ``tiny_model()``. Bare: ``run(model, make_optimizer(params))``. Optimizer
+    front-end: ``run(model, DecentOptimWrapper(make_optimizer(params), **options))``. Module front-end:
+    ``run(DecentralizedDataParallel(model, optim_fn, **options), None)``, where ``optim_fn`` applies
+    ``make_optimizer`` to each bucket's parameters; ``run`` then only does forward and backward.
+    """
+    from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
+
+    bare_model = tiny_model()
+    bare = run(bare_model, make_optimizer(bare_model.parameters()))
+    model = tiny_model()
+    if front_end == "module":
+        ddp = DecentralizedDataParallel(model, lambda named: make_optimizer([p for _, p in named]), **options)
+        return bare, run(ddp, None)
+    assert front_end == "optimizer", front_end
+    return bare, run(model, DecentOptimWrapper(make_optimizer(model.parameters()), **options))
 
 
 def flat(model: nn.Module) -> torch.Tensor:
@@ -93,38 +117,3 @@ def load_script(path: Path) -> ModuleType:
             del sys.modules[name]
             raise
     return sys.modules[name]
-
-
-def reference_algorithm(world_size: int, topology: str, steps: int) -> list[torch.Tensor]:
-    """decent-optim-wrapper 0.1.1's algorithm, simulated for all replicas in one process.
-
-    Per step t and replica i: (1) x_i <- sum of x_j / k over i's group of step t-1, as sent at step
-    t-1; (2) the inner SGD step with the gradient computed before step() (at the un-mixed x_i);
-    (3) send x_i / k to the group of step t.
-    """
-    topo = TopologyFactory.create(topology, world_size)
-    models = [tiny_model() for _ in range(world_size)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    sent: list[list[torch.Tensor]] | None = None
-    for step in range(steps):
-        for rank, (model, opt) in enumerate(zip(models, optimizers, strict=True)):
-            x, y = batch(rank, step)
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(model(x), y).backward()
-        with torch.no_grad():
-            if sent is not None:
-                for rank, model in enumerate(models):
-                    group = topo.group(rank, step - 1)
-                    for p, *received in zip(model.parameters(), *(sent[j] for j in group.ranks), strict=True):
-                        total = received[0].clone()
-                        for other in received[1:]:
-                            total += other
-                        p.copy_(total)
-        for opt in optimizers:
-            opt.step()
-        with torch.no_grad():
-            sent = [
-                [p.detach() / topo.group(rank, step).size for p in model.parameters()]
-                for rank, model in enumerate(models)
-            ]
-    return [flat(m) for m in models]

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from helpers import flat, tiny_model, train_steps
-from workers import WorkerPool
+from resume import Resumable, assert_resume_is_bitwise
 
 from decent_optim_wrapper import DecentOptimWrapper
 
@@ -25,52 +26,44 @@ def _build(optimizer_name: str, seed: int = 0):
     return model, opt, scheduler
 
 
-def _uninterrupted(optimizer_name: str) -> torch.Tensor:
-    model, opt, scheduler = _build(optimizer_name)
-    train_steps(model, opt, dist.get_rank(), range(TOTAL), scheduler)
-    return flat(model)
+@dataclass(frozen=True)
+class _Run(Resumable):
+    """Ring, SGD with Nesterov momentum or AdamW, StepLR; saved with gossip in flight."""
+
+    optimizer_name: str
+
+    def build(self, seed: int):
+        return _build(self.optimizer_name, seed)
+
+    def train(self, run, steps: range) -> None:
+        model, opt, scheduler = run
+        train_steps(model, opt, dist.get_rank(), steps, scheduler)
+
+    def state_dict(self, run) -> dict:
+        model, opt, scheduler = run
+        state = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        }
+        assert state["optimizer"]["decent"]["gossip"] is not None  # the save happens with gossip in flight
+        return state
+
+    def load_state_dict(self, run, state: dict) -> None:
+        model, opt, scheduler = run
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+
+    def result(self, run) -> torch.Tensor:
+        return flat(run[0])
 
 
-def _first_half(optimizer_name: str, directory: str) -> None:
-    rank = dist.get_rank()
-    model, opt, scheduler = _build(optimizer_name)
-    train_steps(model, opt, rank, range(SAVE_AT), scheduler)
-    state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": scheduler.state_dict()}
-    assert state["optimizer"]["decent"]["gossip"] is not None  # the save happens with gossip in flight
-    torch.save(state, Path(directory) / f"rank{rank}.pt")
-
-
-def _second_half(optimizer_name: str, directory: str) -> torch.Tensor:
-    rank = dist.get_rank()
-    model, opt, scheduler = _build(optimizer_name, seed=123)  # a different init: the checkpoint must win
-    state = torch.load(Path(directory) / f"rank{rank}.pt", weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    train_steps(model, opt, rank, range(SAVE_AT, TOTAL), scheduler)
-    return flat(model)
-
-
-OPTIMIZERS = ("sgd", "adamw")
-
-
-def test_resume_in_fresh_processes_is_bitwise(pool, tmp_path):
-    # Save with gossip in flight (SGD with Nesterov momentum, AdamW; both with StepLR), then resume
-    # in new processes from a different initialisation: the result must match to the last bit.
-    reference, directories = {}, {}
-    for name in OPTIMIZERS:
-        reference[name] = pool(4).run(_uninterrupted, name)
-        directories[name] = tmp_path / name
-        directories[name].mkdir()
-        pool(4).run(_first_half, name, str(directories[name]))
-    fresh = WorkerPool(4)
-    try:
-        resumed = {name: fresh.run(4, _second_half, name, str(directories[name])) for name in OPTIMIZERS}
-    finally:
-        fresh.close()
-    for name in OPTIMIZERS:
-        for rank in range(4):
-            assert torch.equal(resumed[name][rank], reference[name][rank]), f"{name}: rank {rank} diverged"
+@pytest.mark.parametrize("optimizer_name", ["sgd", "adamw"])
+def test_resume_in_fresh_processes_is_bitwise(pool, resume_pool, tmp_path, optimizer_name):
+    # Save with gossip in flight, then resume in other processes from a different initialisation:
+    # the result must match to the last bit.
+    assert_resume_is_bitwise(pool, resume_pool, 4, _Run(optimizer_name), tmp_path, TOTAL, SAVE_AT)
 
 
 def _mismatches() -> dict[str, str]:

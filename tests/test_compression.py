@@ -7,13 +7,15 @@ moves the shared reference ``r <- r + sum_j q_j / k``.
 
 from __future__ import annotations
 
-import io
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import bare_and_wrapped, batch, flat, gather, set_distinct, tiny_model, train_steps
+from resume import Resumable, assert_resume_is_bitwise
+from simulation import Simulation, sgd_replicas
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, GossipEngine, TopologyFactory
@@ -38,49 +40,36 @@ def _quantize(values: torch.Tensor, wire: str) -> torch.Tensor:
     return out
 
 
-def _simulate(world_size: int, topology: str, wire: str, steps: int) -> list[torch.Tensor]:
-    """Every replica's flat parameters after ``steps`` steps of SGD with compressed gossip."""
-    topo = TopologyFactory.create(topology, world_size)
-    models = [tiny_model(dtype=torch.float64) for _ in range(world_size)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    references: dict[tuple[int, ...], torch.Tensor] = {}
-    sent: dict[int, torch.Tensor] | None = None  # per rank, what it sent at the previous step
-    first: set[tuple[int, ...]] = set()  # groups whose pending round is their first (exact)
+class _CompressedGossip(Simulation):
+    """The rule above: a group's first round is exact; later rounds send Q(x_i - r) and move r."""
 
-    def params(i: int) -> list[torch.Tensor]:
-        return list(models[i].parameters())
+    def __init__(self, topology: str, world_size: int, wire: str) -> None:
+        super().__init__(topology, *sgd_replicas(world_size, torch.float64))
+        self.wire = wire
+        self.references: dict[tuple[int, ...], torch.Tensor] = {}
+        self.sent: dict[int, torch.Tensor] = {}  # per rank, what it sent
+        self.first: set[tuple[int, ...]] = set()  # groups whose pending round is their first (exact)
 
-    for step in range(steps):
-        for rank in range(world_size):
-            x, y = batch(rank, step, torch.float64)
-            optimizers[rank].zero_grad()
-            nn.functional.cross_entropy(models[rank](x), y).backward()
-        with torch.no_grad():
-            if sent is not None:  # mix the round launched at step - 1
-                for group in topo.phase(step - 1):
-                    if group.size == 1:
-                        continue
-                    total = sum(sent[j] for j in group.ranks)
-                    for i in group.ranks:
-                        x_i = torch.cat([p.reshape(-1) for p in params(i)])
-                        x_i = x_i + group.peer_weight * (total - group.size * sent[i])
-                        torch.nn.utils.vector_to_parameters(x_i, params(i))
-                    mean_q = total / group.size
-                    references[group.ranks] = (
-                        mean_q if group.ranks in first else references[group.ranks] + mean_q
-                    )
-            for opt in optimizers:
-                opt.step()
-            sent, first = {}, set()
-            for group in topo.phase(step):
-                for i in group.ranks:
-                    x_i = torch.cat([p.reshape(-1) for p in params(i)])
-                    if group.ranks not in references:
-                        sent[i] = x_i.clone()
-                        first.add(group.ranks)
-                    else:
-                        sent[i] = _quantize(x_i - references[group.ranks], wire)
-    return [torch.cat([p.detach().reshape(-1) for p in params(i)]) for i in range(world_size)]
+    def mix(self, step: int) -> None:
+        for group in self.topo.phase(step):
+            if group.size == 1:
+                continue
+            total = sum(self.sent[j] for j in group.ranks)
+            for i in group.ranks:
+                self.set_vector(i, self.vector(i) + group.peer_weight * (total - group.size * self.sent[i]))
+            mean_q = total / group.size
+            ranks = group.ranks
+            self.references[ranks] = mean_q if ranks in self.first else self.references[ranks] + mean_q
+
+    def launch(self, step: int) -> None:
+        self.sent, self.first = {}, set()
+        for group in self.topo.phase(step):
+            for i in group.ranks:
+                if group.ranks not in self.references:
+                    self.sent[i] = self.vector(i)
+                    self.first.add(group.ranks)
+                else:
+                    self.sent[i] = _quantize(self.vector(i) - self.references[group.ranks], self.wire)
 
 
 def _compressed_training(topology: str, wire: str, steps: int) -> torch.Tensor:
@@ -98,7 +87,7 @@ def _compressed_training(topology: str, wire: str, steps: int) -> torch.Tensor:
 def test_compressed_training_equals_the_independent_simulation(pool, world_size, topology, wire):
     steps = 8
     got = pool(world_size).run(_compressed_training, topology, wire, steps)
-    expected = _simulate(world_size, topology, wire, steps)
+    expected = _CompressedGossip(topology, world_size, wire).run(steps)
     # fp64 throughout; the simulation adds in a different order, so results may differ by a few fp64
     # roundings (1e-16 relative), far below one wire rounding (bf16: 4e-3 of a difference), which a
     # wrong reference, a missing error feedback or a mis-ordered mix would show.
@@ -226,34 +215,35 @@ def _wrapper_run(wire: str, seed: int = 0):
     return model, opt
 
 
-def _resume_wrapper(wire: str, total: int, save_at: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rank = dist.get_rank()
-    model, opt = _wrapper_run(wire)
-    train_steps(model, opt, rank, range(total))
-    uninterrupted = flat(model)
+@dataclass(frozen=True)
+class _WrapperRun(Resumable):
+    wire: str
 
-    model, opt = _wrapper_run(wire)
-    train_steps(model, opt, rank, range(save_at))
-    saved = opt.state_dict()
-    gossip = saved["decent"]["gossip"]
-    assert gossip["references"] and any(c == wire for c in gossip["codecs"])  # saved mid-compression
-    buffer = io.BytesIO()
-    torch.save({"model": model.state_dict(), "optimizer": saved}, buffer)
-    train_steps(model, opt, rank, range(save_at, total))  # the saved state must not share storage
+    def build(self, seed: int):
+        return _wrapper_run(self.wire, seed)
 
-    model, opt = _wrapper_run(wire, seed=123)  # a different init: the checkpoint must win
-    buffer.seek(0)
-    state = torch.load(buffer, weights_only=True)
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
-    train_steps(model, opt, rank, range(save_at, total))
-    return uninterrupted, flat(model)
+    def train(self, run, steps: range) -> None:
+        train_steps(*run, dist.get_rank(), steps)
+
+    def state_dict(self, run) -> dict:
+        model, opt = run
+        saved = opt.state_dict()
+        gossip = saved["decent"]["gossip"]
+        assert gossip["references"] and any(c == self.wire for c in gossip["codecs"])  # saved mid-compression
+        return {"model": model.state_dict(), "optimizer": saved}
+
+    def load_state_dict(self, run, state: dict) -> None:
+        model, opt = run
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+
+    def result(self, run) -> torch.Tensor:
+        return flat(run[0])
 
 
 @pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
-def test_wrapper_resumes_bit_for_bit_with_compression(pool, wire):
-    for rank, (uninterrupted, resumed) in enumerate(pool(4).run(_resume_wrapper, wire, 11, 6)):
-        assert torch.equal(uninterrupted, resumed), f"rank {rank}"
+def test_wrapper_resumes_bit_for_bit_with_compression(pool, resume_pool, tmp_path, wire):
+    assert_resume_is_bitwise(pool, resume_pool, 4, _WrapperRun(wire), tmp_path, total=11, save_at=6)
 
 
 def _module_run(wire: str, seed: int = 0) -> DecentralizedDataParallel:
@@ -273,25 +263,28 @@ def _module_steps(ddp: DecentralizedDataParallel, steps: range) -> None:
         nn.functional.cross_entropy(ddp(x), y).backward()
 
 
-def _resume_module(wire: str, total: int, save_at: int) -> tuple[torch.Tensor, torch.Tensor]:
-    ddp = _module_run(wire)
-    _module_steps(ddp, range(total))
-    uninterrupted = flat(ddp)
+@dataclass(frozen=True)
+class _ModuleRun(Resumable):
+    wire: str
 
-    ddp = _module_run(wire)
-    _module_steps(ddp, range(save_at))
-    buffer = io.BytesIO()
-    torch.save(ddp.training_state_dict(), buffer)
-    ddp = _module_run(wire, seed=123)
-    buffer.seek(0)
-    ddp.load_training_state_dict(torch.load(buffer, weights_only=True))
-    _module_steps(ddp, range(save_at, total))
-    return uninterrupted, flat(ddp)
+    def build(self, seed: int):
+        return _module_run(self.wire, seed)
+
+    def train(self, run, steps: range) -> None:
+        _module_steps(run, steps)
+
+    def state_dict(self, run) -> dict:
+        return run.training_state_dict()
+
+    def load_state_dict(self, run, state: dict) -> None:
+        run.load_training_state_dict(state)
+
+    def result(self, run) -> torch.Tensor:
+        return flat(run)
 
 
-def test_module_front_end_resumes_bit_for_bit_with_compression(pool):
-    for rank, (uninterrupted, resumed) in enumerate(pool(4).run(_resume_module, "bf16", 11, 6)):
-        assert torch.equal(uninterrupted, resumed), f"rank {rank}"
+def test_module_front_end_resumes_bit_for_bit_with_compression(pool, resume_pool, tmp_path):
+    assert_resume_is_bitwise(pool, resume_pool, 4, _ModuleRun("bf16"), tmp_path, total=11, save_at=6)
 
 
 # -- the rest of the contract -------------------------------------------------------------------------

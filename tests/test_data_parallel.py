@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import math
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.optim.optimizer as torch_optimizer
-from helpers import batch, flat, gather, reference_algorithm, set_distinct, tiny_model
+from helpers import bare_and_wrapped, batch, flat, gather, set_distinct, tiny_model
+from resume import Resumable, assert_resume_is_bitwise
+from simulation import reference_algorithm
 from torch import nn
-from workers import WorkerPool
 
 from decent_optim_wrapper import Group, Topology
 from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
@@ -32,8 +32,12 @@ def sgd_fn(params, lr=0.1, momentum=0.9):
     return torch.optim.SGD([p for _, p in params], lr=lr, momentum=momentum)
 
 
-def adamw_fn(params, lr=0.01):
-    return torch.optim.AdamW([p for _, p in params], lr=lr, weight_decay=0.1)
+def adamw(params, lr=0.01):
+    return torch.optim.AdamW(params, lr=lr, weight_decay=0.1)
+
+
+def adamw_fn(named_params, lr=0.01):
+    return adamw([p for _, p in named_params], lr=lr)
 
 
 def _train(ddp: DecentralizedDataParallel, rank: int, steps: range, scaler=None) -> None:
@@ -65,17 +69,19 @@ def test_trajectory_equals_the_independent_simulation(pool, world_size, topology
 
 
 def _complete_with_identical_data(world_size_unused: int) -> tuple[torch.Tensor, torch.Tensor]:
-    bare_model, model = tiny_model(), tiny_model()
-    bare = adamw_fn(list(bare_model.named_parameters()))
-    ddp = DecentralizedDataParallel(model, adamw_fn, topology="complete", bucket_size_in_mb=SMALL_BUCKETS_MB)
-    for step in range(6):
-        x, y = batch(0, step)  # the same data on every rank
-        bare.zero_grad()
-        nn.functional.cross_entropy(bare_model(x), y).backward()
-        bare.step()
-        nn.functional.cross_entropy(ddp(x), y).backward()
-    ddp.engine.wait_all()
-    return flat(bare_model), flat(model)
+    def run(model, opt):  # opt None: the module front-end, which steps inside backward
+        for step in range(6):
+            x, y = batch(0, step)  # the same data on every rank
+            if opt is not None:
+                opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            if opt is not None:
+                opt.step()
+        if opt is None:
+            model.engine.wait_all()
+        return flat(model)
+
+    return bare_and_wrapped(run, adamw, "module", topology="complete", bucket_size_in_mb=SMALL_BUCKETS_MB)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -107,27 +113,33 @@ def _clip_and_scaler_at_world_size_one(mode: str) -> tuple[torch.Tensor, torch.T
                 opt.step()
         return scales
 
-    bare_model, model = tiny_model(), tiny_model()
-    bare_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if mode == "scaler" else None
-    scales = bare_loop(bare_model, adamw_fn(list(bare_model.named_parameters())), bare_scaler)
+    def module_loop(ddp):
+        ddp_scales = []
+        overflow = {"now": False}
+        ddp.module[0].weight.register_hook(lambda g: torch.full_like(g, math.inf) if overflow["now"] else g)
+        for step in range(6):
+            x, y = batch(0, step)
+            loss = nn.functional.cross_entropy(ddp(x), y)
+            if scaler is None:
+                loss.backward()
+                continue
+            overflow["now"] = step == 2
+            scaler.scale(loss).backward()
+            ddp_scales.append(scaler.get_scale())
+        return ddp_scales
+
+    def run(model, opt):  # opt None: the module front-end, with the scaler and clipping it was given
+        if opt is None:
+            return flat(model), module_loop(model)
+        bare_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if mode == "scaler" else None
+        return flat(model), bare_loop(model, opt, bare_scaler)
+
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if mode == "scaler" else None
-    ddp = DecentralizedDataParallel(
-        model, adamw_fn, scaler=scaler, grad_clip_norm=0.05, bucket_size_in_mb=SMALL_BUCKETS_MB
+    (bare, scales), (trained, ddp_scales) = bare_and_wrapped(
+        run, adamw, "module", scaler=scaler, grad_clip_norm=0.05, bucket_size_in_mb=SMALL_BUCKETS_MB
     )
-    ddp_scales = []
-    overflow = {"now": False}
-    model[0].weight.register_hook(lambda g: torch.full_like(g, math.inf) if overflow["now"] else g)
-    for step in range(6):
-        x, y = batch(0, step)
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        if scaler is None:
-            loss.backward()
-            continue
-        overflow["now"] = step == 2
-        scaler.scale(loss).backward()
-        ddp_scales.append(scaler.get_scale())
     assert ddp_scales == scales
-    return flat(bare_model), flat(model), scales
+    return bare, trained, scales
 
 
 @pytest.mark.parametrize("mode", ["clip", "scaler"])
@@ -376,27 +388,30 @@ def test_param_as_bucket_view_false_gives_the_same_numbers(pool):
 
 # -- accumulation, lr, checkpoints ---------------------------------------------------------------------------
 def _accumulation(style: str) -> tuple[torch.Tensor, torch.Tensor, int]:
-    bare_model, model = tiny_model(), tiny_model()
-    bare = adamw_fn(list(bare_model.named_parameters()))
-    ddp = DecentralizedDataParallel(model, adamw_fn, bucket_size_in_mb=SMALL_BUCKETS_MB)
-    for update in range(3):
-        micro = [batch(0, 3 * update + k) for k in range(3)]
-        bare.zero_grad()
-        for x, y in micro:
-            (nn.functional.cross_entropy(bare_model(x), y) / 3).backward()
-        bare.step()
-        if style == "no_sync":
-            with ddp.no_sync():
+    def run(model, opt):  # opt None: the module front-end
+        for update in range(3):
+            micro = [batch(0, 3 * update + k) for k in range(3)]
+            if opt is not None:
+                opt.zero_grad()
+                for x, y in micro:
+                    (nn.functional.cross_entropy(model(x), y) / 3).backward()
+                opt.step()
+                continue
+            if style == "no_sync":
+                with model.no_sync():
+                    for x, y in micro[:-1]:
+                        (nn.functional.cross_entropy(model(x), y) / 3).backward()
+            else:
+                model.set_accumulate_grad(True)
                 for x, y in micro[:-1]:
-                    (nn.functional.cross_entropy(ddp(x), y) / 3).backward()
-        else:
-            ddp.set_accumulate_grad(True)
-            for x, y in micro[:-1]:
-                (nn.functional.cross_entropy(ddp(x), y) / 3).backward()
-            ddp.set_accumulate_grad(False)
-        x, y = micro[-1]
-        (nn.functional.cross_entropy(ddp(x), y) / 3).backward()
-    return flat(bare_model), flat(model), ddp.step_count
+                    (nn.functional.cross_entropy(model(x), y) / 3).backward()
+                model.set_accumulate_grad(False)
+            x, y = micro[-1]
+            (nn.functional.cross_entropy(model(x), y) / 3).backward()
+        return flat(model), None if opt is not None else model.step_count
+
+    (bare, _), (trained, count) = bare_and_wrapped(run, adamw, "module", bucket_size_in_mb=SMALL_BUCKETS_MB)
+    return bare, trained, count
 
 
 @pytest.mark.parametrize("style", ["no_sync", "set_accumulate_grad"])
@@ -438,40 +453,34 @@ def _build_for_checkpoint(seed: int = 0) -> tuple[nn.Module, DecentralizedDataPa
     return model, ddp, scaler
 
 
-def _uninterrupted() -> torch.Tensor:
-    model, ddp, scaler = _build_for_checkpoint()
-    _train(ddp, dist.get_rank(), range(8), scaler)
-    ddp.engine.wait_all()
-    return flat(model)
+class _ModuleRun(Resumable):
+    """AdamW per bucket, StepLR, a GradScaler, a ring; saved with gossip in flight."""
+
+    def build(self, seed: int):
+        return _build_for_checkpoint(seed)
+
+    def train(self, run, steps: range) -> None:
+        _, ddp, scaler = run
+        _train(ddp, dist.get_rank(), steps, scaler)
+
+    def state_dict(self, run) -> dict:
+        _, ddp, _ = run
+        state = ddp.training_state_dict()
+        assert state["decent"]["gossip"] is not None  # saved with gossip in flight
+        assert next(iter(ddp.state_dict())).startswith("_model.")  # decent-dp's state_dict keys
+        return state
+
+    def load_state_dict(self, run, state: dict) -> None:
+        run[1].load_training_state_dict(state)
+
+    def result(self, run) -> torch.Tensor:
+        model, ddp, _ = run
+        ddp.engine.wait_all()
+        return flat(model)
 
 
-def _save(directory: str) -> None:
-    _, ddp, scaler = _build_for_checkpoint()
-    _train(ddp, dist.get_rank(), range(5), scaler)
-    state = ddp.training_state_dict()
-    assert state["decent"]["gossip"] is not None  # saved with gossip in flight
-    assert next(iter(ddp.state_dict())).startswith("_model.")  # decent-dp's state_dict keys
-    torch.save(state, Path(directory) / f"rank{dist.get_rank()}.pt")
-
-
-def _resume(directory: str) -> torch.Tensor:
-    model, ddp, scaler = _build_for_checkpoint(seed=5)
-    ddp.load_training_state_dict(torch.load(Path(directory) / f"rank{dist.get_rank()}.pt", weights_only=True))
-    _train(ddp, dist.get_rank(), range(5, 8), scaler)
-    ddp.engine.wait_all()
-    return flat(model)
-
-
-def test_resume_in_fresh_processes_is_bitwise(pool, tmp_path):
-    reference = pool(2).run(_uninterrupted)
-    pool(2).run(_save, str(tmp_path))
-    fresh = WorkerPool(2)
-    try:
-        resumed = fresh.run(2, _resume, str(tmp_path))
-    finally:
-        fresh.close()
-    for rank in range(2):
-        assert torch.equal(resumed[rank], reference[rank]), f"rank {rank}"
+def test_resume_in_fresh_processes_is_bitwise(pool, resume_pool, tmp_path):
+    assert_resume_is_bitwise(pool, resume_pool, 2, _ModuleRun(), tmp_path, total=8, save_at=5)
 
 
 class WithPreAverageHook(torch.optim.SGD):

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.optim.optimizer as torch_optimizer
-from helpers import batch, flat, set_distinct, tiny_model, train_steps
+from helpers import bare_and_wrapped, batch, flat, set_distinct, tiny_model, train_steps
 from torch import nn
 
 import decent_optim_wrapper
@@ -287,14 +287,12 @@ def _fused_under_grad_scaler(optimizer: str) -> tuple[torch.Tensor, torch.Tensor
             scales.append(scaler.get_scale())
         return flat(model), scales
 
-    def build(model):
+    def build(params):
         cls = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[optimizer]
         kwargs = {"momentum": 0.9} if optimizer == "sgd" else {}
-        return cls(model.parameters(), lr=0.01, fused=True, **kwargs)
+        return cls(params, lr=0.01, fused=True, **kwargs)
 
-    bare_model, wrapped_model = tiny_model(), tiny_model()
-    bare, bare_scales = run(bare_model, build(bare_model))
-    wrapped, scales = run(wrapped_model, DecentOptimWrapper(build(wrapped_model), topology="ring"))
+    (bare, bare_scales), (wrapped, scales) = bare_and_wrapped(run, build, topology="ring")
     assert scales == bare_scales
     return bare, wrapped, scales
 

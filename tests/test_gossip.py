@@ -7,7 +7,8 @@ import itertools
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import flat, gather, reference_algorithm, set_distinct, tiny_model, train_steps
+from helpers import flat, gather, set_distinct, tiny_model, train_steps
+from simulation import reference_algorithm
 
 from decent_optim_wrapper import DecentOptimWrapper
 

@@ -7,56 +7,48 @@ then parameters and trackers are launched to this step's group.
 
 from __future__ import annotations
 
-import io
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import bare_and_wrapped, batch, flat, gather, tiny_model, train_steps
+from resume import Resumable, assert_resume_is_bitwise
+from simulation import Simulation, sgd_replicas
 from torch import nn
 
-from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, TopologyFactory
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 
 
-def _simulate(world_size: int, topology: str, steps: int) -> list[torch.Tensor]:
-    """Every replica after ``steps`` steps of DSGT with SGD + momentum, all replicas in one process."""
-    topo = TopologyFactory.create(topology, world_size)
-    models = [tiny_model(dtype=torch.float64) for _ in range(world_size)]
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in models]
-    numel = sum(p.numel() for p in models[0].parameters())
-    trackers = [torch.zeros(numel, dtype=torch.float64) for _ in range(world_size)]
-    previous = [torch.zeros(numel, dtype=torch.float64) for _ in range(world_size)]
-    sent_x: list[torch.Tensor] | None = None
-    sent_y: list[torch.Tensor] | None = None
+class _Tracking(Simulation):
+    """DSGT with the dense mixing matrix: x and the trackers y mixed alike, y_i += g_i - g_i_prev, and
+    the inner SGD steps with y_i in place of the gradient."""
 
-    def vector(i: int) -> torch.Tensor:
-        return torch.nn.utils.parameters_to_vector(models[i].parameters())
+    def __init__(self, topology: str, world_size: int) -> None:
+        super().__init__(topology, *sgd_replicas(world_size, torch.float64))
+        numel = self.vector(0).numel()
+        self.trackers = [torch.zeros(numel, dtype=torch.float64) for _ in range(world_size)]
+        self.previous = [torch.zeros(numel, dtype=torch.float64) for _ in range(world_size)]
 
-    for step in range(steps):
-        grads = []
-        for rank in range(world_size):
-            x, y = batch(rank, step, torch.float64)
-            optimizers[rank].zero_grad()
-            nn.functional.cross_entropy(models[rank](x), y).backward()
-            grads.append(torch.cat([p.grad.reshape(-1) for p in models[rank].parameters()]))
-        with torch.no_grad():
-            if sent_x is not None and sent_y is not None:
-                w = topo.mixing_matrix(step - 1).double()
-                for i in range(world_size):
-                    mixed = sum(w[i, j] * sent_x[j] for j in range(world_size))
-                    torch.nn.utils.vector_to_parameters(mixed, models[i].parameters())
-                trackers = [sum(w[i, j] * sent_y[j] for j in range(world_size)) for i in range(world_size)]
-            for i in range(world_size):
-                trackers[i] = trackers[i] + grads[i] - previous[i]
-                previous[i] = grads[i]
-                offset = 0
-                for p in models[i].parameters():
-                    p.grad.copy_(trackers[i][offset : offset + p.numel()].view(p.shape))
-                    offset += p.numel()
-                optimizers[i].step()
-            sent_x = [vector(i).clone() for i in range(world_size)]
-            sent_y = [t.clone() for t in trackers]
-    return [vector(i).detach() for i in range(world_size)]
+    def mix(self, step: int) -> None:
+        w, n = self.topo.mixing_matrix(step).double(), self.world_size
+        for i in range(n):
+            self.set_vector(i, sum(w[i, j] * self.sent_x[j] for j in range(n)))
+        self.trackers = [sum(w[i, j] * self.sent_y[j] for j in range(n)) for i in range(n)]
+
+    def local_step(self, grads: list[torch.Tensor]) -> None:
+        for i, model in enumerate(self.models):
+            self.trackers[i] = self.trackers[i] + grads[i] - self.previous[i]
+            self.previous[i] = grads[i]
+            offset = 0
+            for p in model.parameters():
+                p.grad.copy_(self.trackers[i][offset : offset + p.numel()].view(p.shape))
+                offset += p.numel()
+        super().local_step(grads)
+
+    def launch(self, step: int) -> None:
+        self.sent_x = [self.vector(i) for i in range(self.world_size)]
+        self.sent_y = [t.clone() for t in self.trackers]
 
 
 def _tracked_training(topology: str, steps: int) -> torch.Tensor:
@@ -73,7 +65,7 @@ def _tracked_training(topology: str, steps: int) -> torch.Tensor:
 )
 def test_tracking_equals_the_independent_simulation(pool, world_size, topology):
     got = pool(world_size).run(_tracked_training, topology, 8)
-    expected = _simulate(world_size, topology, 8)
+    expected = _Tracking(topology, world_size).run(8)
     # fp64; the simulation mixes with the dense matrix (other summation order, a few fp64 roundings)
     for rank in range(world_size):
         torch.testing.assert_close(got[rank], expected[rank], rtol=0, atol=1e-12)
@@ -139,12 +131,13 @@ def test_global_avg_and_revert_leave_tracking_bit_for_bit(pool, wire):
         assert torch.equal(plain[rank], reverted[rank]), f"rank {rank}"
 
 
-def _resume(front_end: str, total: int, save_at: int) -> tuple[torch.Tensor, torch.Tensor]:
-    rank = dist.get_rank()
+@dataclass(frozen=True)
+class _TrackedRun(Resumable):
+    front_end: str
 
-    def build(seed: int = 0):
+    def build(self, seed: int):
         model = tiny_model(seed=seed)
-        if front_end == "module":
+        if self.front_end == "module":
             ddp = DecentralizedDataParallel(
                 model,
                 lambda named: torch.optim.AdamW([p for _, p in named], lr=0.01),
@@ -160,44 +153,36 @@ def _resume(front_end: str, total: int, save_at: int) -> tuple[torch.Tensor, tor
         )
         return model, opt
 
-    def run(model, opt, steps: range) -> None:
+    def train(self, run, steps: range) -> None:
+        model, opt = run
         if opt is not None:
-            train_steps(model, opt, rank, steps)
+            train_steps(model, opt, dist.get_rank(), steps)
             return
         for step in steps:
-            x, y = batch(rank, step)
+            x, y = batch(dist.get_rank(), step)
             nn.functional.cross_entropy(model(x), y).backward()
 
-    def save(model, opt) -> dict:
+    def state_dict(self, run) -> dict:
+        model, opt = run
         if opt is None:
             return model.training_state_dict()
         return {"model": model.state_dict(), "optimizer": opt.state_dict()}
 
-    def load(model, opt, state: dict) -> None:
+    def load_state_dict(self, run, state: dict) -> None:
+        model, opt = run
         if opt is None:
             model.load_training_state_dict(state)
         else:
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optimizer"])
 
-    model, opt = build()
-    run(model, opt, range(total))
-    uninterrupted = flat(model)
-    model, opt = build()
-    run(model, opt, range(save_at))
-    buffer = io.BytesIO()
-    torch.save(save(model, opt), buffer)
-    model, opt = build(seed=123)
-    buffer.seek(0)
-    load(model, opt, torch.load(buffer, weights_only=True))
-    run(model, opt, range(save_at, total))
-    return uninterrupted, flat(model)
+    def result(self, run) -> torch.Tensor:
+        return flat(run[0])
 
 
 @pytest.mark.parametrize("front_end", ["optimizer", "module"])
-def test_resume_with_tracking_is_bitwise(pool, front_end):
-    for rank, (uninterrupted, resumed) in enumerate(pool(4).run(_resume, front_end, 10, 6)):
-        assert torch.equal(uninterrupted, resumed), f"rank {rank}"
+def test_resume_with_tracking_is_bitwise(pool, resume_pool, tmp_path, front_end):
+    assert_resume_is_bitwise(pool, resume_pool, 4, _TrackedRun(front_end), tmp_path, total=10, save_at=6)
 
 
 def _bytes(tracking: bool) -> float:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, flat, gather, tiny_model, train_steps
+from helpers import bare_and_wrapped, batch, flat, gather, tiny_model, train_steps
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper
@@ -68,10 +68,7 @@ def _bare_and_wrapped(loop: str) -> tuple[torch.Tensor, torch.Tensor]:
                 scaler.update()
         return flat(model)
 
-    bare_model, wrapped_model = tiny_model(), tiny_model()
-    bare = run(bare_model, torch.optim.AdamW(bare_model.parameters(), lr=0.01))
-    wrapped_opt = DecentOptimWrapper(torch.optim.AdamW(wrapped_model.parameters(), lr=0.01), topology="ring")
-    return bare, run(wrapped_model, wrapped_opt)
+    return bare_and_wrapped(run, topology="ring")
 
 
 @pytest.mark.parametrize("loop", ["accumulate", "clip", "amp", "amp-clip"])

@@ -8,24 +8,21 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, flat, tiny_model, train_steps
+from helpers import bare_and_wrapped, batch, flat, tiny_model, train_steps
 from torch import nn
 
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, Topology, TopologyFactory
 
 
 def _bare_vs_wrapped(optimizer_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    def make(model):
+    def make(params):
         if optimizer_name == "adamw":
-            return torch.optim.AdamW(model.parameters(), lr=0.01)
+            return torch.optim.AdamW(params, lr=0.01)
         if optimizer_name == "accum-adamw":  # the optimizers of the module front-end work here too
-            return AccumAdamW(model.parameters(), lr=0.01, weight_decay=0.1, accum_iter=2)
-        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+            return AccumAdamW(params, lr=0.01, weight_decay=0.1, accum_iter=2)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
-    bare_model, wrapped_model = tiny_model(), tiny_model()
-    train_steps(bare_model, make(bare_model), 0, range(5))
-    train_steps(wrapped_model, DecentOptimWrapper(make(wrapped_model), topology="ring"), 0, range(5))
-    return flat(bare_model), flat(wrapped_model)
+    return bare_and_wrapped(make_optimizer=make, topology="ring")
 
 
 @pytest.mark.parametrize("optimizer_name", ["sgd", "adamw", "accum-adamw"])
