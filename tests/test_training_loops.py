@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import bare_and_wrapped, batch, flat, gather, tiny_model, train_steps
+from simulation import Gossip, sgd_replicas
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper
@@ -30,7 +31,17 @@ def _amp_with_inf_on_one_rank() -> dict[str, object]:
         scaler.step(opt)
         scaler.update()
         scales.append(scaler.get_scale())
-    return {"scales": scales, "finite": bool(flat(model).isfinite().all()), "steps": opt.step_count}
+        if step == 2:
+            sent = gather(flat(model))  # what the round of step 2 carries, mixed in at step 3
+        if step == 3:
+            after_inf_step = flat(model)
+    return {
+        "scales": scales,
+        "finite": bool(flat(model).isfinite().all()),
+        "steps": opt.step_count,
+        "mixed": (sent[0] + sent[1]) / 2,  # a pair's average: x/2 + y/2 is exact
+        "after_inf_step": after_inf_step,
+    }
 
 
 def test_grad_scaler_inf_on_one_rank_skips_its_update_but_not_the_gossip(pool):
@@ -39,10 +50,40 @@ def test_grad_scaler_inf_on_one_rank_skips_its_update_but_not_the_gossip(pool):
         assert r["steps"] == 6 and r["finite"]  # every rank took every step: nobody waited forever
         halved = r["scales"][3] == r["scales"][2] / 2
         assert halved == (rank == 1), f"rank {rank}: scales {r['scales']}"
+        # step 3 mixed the round of step 2 on both ranks; only rank 0 then took its own step
+        took_its_step = not torch.equal(r["after_inf_step"], r["mixed"])
+        assert took_its_step == (rank == 0), f"rank {rank}"
 
 
-def _bare_and_wrapped(loop: str) -> tuple[torch.Tensor, torch.Tensor]:
+MAX_NORM = 0.05  # below every gradient norm of these batches (0.4 to 1): every step is clipped
+
+
+def _seen_gradients(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The flat gradient the (inner) optimizer steps with, once per step it takes."""
+    inner = optimizer.optimizer if isinstance(optimizer, DecentOptimWrapper) else optimizer
+    seen: list[torch.Tensor] = []
+
+    def record(opt: torch.optim.Optimizer, args: object, kwargs: object) -> None:
+        seen.append(torch.cat([p.grad.reshape(-1) for g in opt.param_groups for p in g["params"]]))
+
+    inner.register_step_pre_hook(record)
+    return seen
+
+
+def _first_accumulated_gradient() -> torch.Tensor:
+    """The gradients of micro-batches 0 and 1 (loss / 2 each, at the initial parameters), added."""
+    model = tiny_model()
+    grads = []
+    for step in (0, 1):
+        x, y = batch(0, step)
+        loss = nn.functional.cross_entropy(model(x), y) / 2
+        grads.append(torch.cat([g.reshape(-1) for g in torch.autograd.grad(loss, list(model.parameters()))]))
+    return grads[0] + grads[1]
+
+
+def _bare_and_wrapped(loop: str) -> dict[str, object]:
     def run(model, opt):
+        seen, norms = _seen_gradients(opt), []
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
         for step in range(6):
             x, y = batch(0, step)
@@ -56,44 +97,87 @@ def _bare_and_wrapped(loop: str) -> tuple[torch.Tensor, torch.Tensor]:
             elif loop == "clip":
                 opt.zero_grad()
                 nn.functional.cross_entropy(model(x), y).backward()
-                nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+                norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=MAX_NORM)))
                 opt.step()
             else:  # AMP with unscale_ + clipping, the pattern the PyTorch AMP docs give
                 opt.zero_grad()
                 scaler.scale(nn.functional.cross_entropy(model(x), y)).backward()
                 if loop == "amp-clip":
                     scaler.unscale_(opt)
-                    nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+                    norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=MAX_NORM)))
                 scaler.step(opt)
                 scaler.update()
-        return flat(model)
+        return flat(model), seen, norms
 
-    return bare_and_wrapped(run, topology="ring")
+    (bare, bare_seen, _), (wrapped, seen, norms) = bare_and_wrapped(run, topology="ring")
+    return {
+        "bare": bare,
+        "wrapped": wrapped,
+        "bare_seen": bare_seen,
+        "seen": seen,
+        "norms": norms,
+        "first_sum": _first_accumulated_gradient(),
+    }
 
 
 @pytest.mark.parametrize("loop", ["accumulate", "clip", "amp", "amp-clip"])
 def test_loop_patterns_match_the_bare_optimizer_at_world_size_one(pool, loop):
-    ((bare, wrapped),) = pool(1).run(_bare_and_wrapped, loop)
-    assert torch.equal(bare, wrapped)
+    (r,) = pool(1).run(_bare_and_wrapped, loop)
+    assert torch.equal(r["bare"], r["wrapped"])
+    # the inner optimizer stepped as often as the bare one, with the very same gradients
+    assert len(r["seen"]) == len(r["bare_seen"]) == (3 if loop == "accumulate" else 6)
+    assert all(torch.equal(a, b) for a, b in zip(r["seen"], r["bare_seen"], strict=True))
+    if loop == "accumulate":
+        # once per 2 micro-batches, with their summed gradient (autograd adds like `+`: bit for bit)
+        assert torch.equal(r["seen"][0], r["first_sum"])
+    if loop.endswith("clip"):
+        # clipping changed every update: the raw norms exceed max_norm, the optimizer saw max_norm
+        # (clip_grad_norm_ scales by max_norm / (norm + 1e-6): 3e-6 relative for norms above 0.4)
+        assert min(r["norms"]) > 2 * MAX_NORM
+        for grad in r["seen"]:
+            assert grad.double().norm().item() == pytest.approx(MAX_NORM, rel=1e-5)
 
 
-def _accumulate_and_clip_across_ranks() -> torch.Tensor:
+ACCUMULATED_MAX_NORM = 0.25  # below the norms of these summed gradients (0.3 to 1): every step clipped
+
+
+def _accumulate_and_clip_across_ranks() -> tuple[int, torch.Tensor, list[float]]:
     rank = dist.get_rank()
     model = tiny_model()
     opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology="ring")
+    norms = []
     for step in range(8):
         x, y = batch(rank, step)
         (nn.functional.cross_entropy(model(x), y) / 2).backward()
         if step % 2 == 1:
-            nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0)
+            norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm=ACCUMULATED_MAX_NORM)))
             opt.step()
             opt.zero_grad()
-    return torch.tensor([opt.step_count, float(flat(model).isfinite().all())])
+    return opt.step_count, flat(model), norms
+
+
+class _AccumulatedClippedGossip(Gossip):
+    """The gossip rule, where step t's gradient is micro-batches 2t and 2t+1's (loss / 2), clipped."""
+
+    def gradients(self, step: int) -> list[torch.Tensor]:
+        grads = []
+        for rank, (model, opt) in enumerate(zip(self.models, self.optimizers, strict=True)):
+            opt.zero_grad()
+            for micro in (2 * step, 2 * step + 1):
+                x, y = batch(rank, micro)
+                (nn.functional.cross_entropy(model(x), y) / 2).backward()
+            nn.utils.clip_grad_norm_(model.parameters(), max_norm=ACCUMULATED_MAX_NORM)
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        return grads
 
 
 def test_accumulation_and_clipping_across_ranks(pool):
-    for result in pool(4).run(_accumulate_and_clip_across_ranks):
-        assert result.tolist() == [4.0, 1.0]
+    # One update per 2 micro-batches with their summed, clipped gradient, mixed with the ring's pairs:
+    # x/2 + y/2 is exact, so the replicas equal the simulation of the rule bit for bit.
+    expected = _AccumulatedClippedGossip("ring", *sgd_replicas(4, momentum=0.0)).run(4)
+    for rank, (steps, replica, norms) in enumerate(pool(4).run(_accumulate_and_clip_across_ranks)):
+        assert steps == 4 and min(norms) > ACCUMULATED_MAX_NORM  # clipping changed every update
+        assert torch.equal(replica, expected[rank]), f"rank {rank}"
 
 
 def _add_param_group() -> dict[str, object]:
