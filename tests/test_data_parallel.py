@@ -252,12 +252,13 @@ def test_buckets_never_mix_dtypes_and_the_model_keeps_its_dtypes(pool):
     assert result[2:] == ["torch.float32"] * 2 + ["torch.bfloat16"] * 2
 
 
-def _runs_with(topology: str, local_world_size: int) -> tuple[int, bool]:
+def _runs_with(topology: str, local_world_size: int) -> tuple[int, torch.Tensor, torch.Tensor]:
     model = tiny_model()
     ddp = DecentralizedDataParallel(model, sgd_fn, topology=topology, _local_world_size=local_world_size)
     _train(ddp, dist.get_rank(), range(4))
+    replicas = gather(flat(model))
     ddp.global_avg()
-    return ddp.step_count, bool(flat(model).isfinite().all())
+    return ddp.step_count, replicas, gather(flat(model))
 
 
 @pytest.mark.parametrize(
@@ -272,7 +273,19 @@ def _runs_with(topology: str, local_world_size: int) -> tuple[int, bool]:
 )
 def test_world_size_one_odd_sizes_and_one_process_per_node(pool, world_size, topology, local):
     # decent-dp divides by zero at world size 1 and with alternating-exp-ring at one process per node
-    assert pool(world_size).run(_runs_with, topology, local) == [(4, True)] * world_size
+    for steps, replicas, averaged in pool(world_size).run(_runs_with, topology, local):
+        assert steps == 4
+        # global_avg: the very same bits on every rank (one all-reduce), and the replicas' mean
+        assert all(torch.equal(averaged[0], other) for other in averaged)
+        if world_size == 1:
+            assert torch.equal(averaged[0], replicas[0])
+            continue
+        # It first settles the round in flight (which keeps the mean up to k <= n roundings), then
+        # sums n fp32 replicas and divides by n (n roundings); each rounding moves an entry by at
+        # most u max|x|, so 2n u max|x| = n eps max|x| bounds the distance to the float64 mean.
+        atol = world_size * torch.finfo(torch.float32).eps * replicas.abs().max().item()
+        torch.testing.assert_close(averaged[0].double(), replicas.double().mean(0), rtol=0, atol=atol)
+        assert not torch.equal(replicas[0], replicas[1])  # there was something to average
 
 
 class TwoWeights(Topology):

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import bare_and_wrapped, batch, flat, tiny_model, train_steps
+from helpers import bare_and_wrapped, batch, flat, gather, tiny_model, train_steps
+from simulation import Gossip
 from torch import nn
 
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, Topology, TopologyFactory
@@ -68,21 +68,24 @@ def _closure_step() -> tuple[float, float]:
     model = tiny_model()
     opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology="ring")
     x, y = batch(dist.get_rank(), 0)
+    computed = []
 
     def closure():
         opt.zero_grad()
         loss = nn.functional.cross_entropy(model(x), y)
         loss.backward()
+        computed.append(float(loss))
         return loss
 
     first = opt.step(closure)
     second = opt.step(closure)
-    return float(first), float(second)
+    return [float(first), float(second)], computed
 
 
 def test_step_with_closure_returns_the_loss(pool):
-    for first, second in pool(2).run(_closure_step):
-        assert second < first
+    for returned, computed in pool(2).run(_closure_step):
+        assert returned == computed  # each step returns the loss its closure computed
+        assert returned[1] < returned[0]
 
 
 def _zero_grad() -> list[bool]:
@@ -119,6 +122,7 @@ def _seed_quick_start() -> float:
         topology="ring",  # or 'complete'
         bucket_cap_mb=25,
     )
+    start = gather(flat(model))  # (the test's) where the replicas start
     criterion = nn.MSELoss()
     g = torch.Generator().manual_seed(rank)
     dataloader = [(torch.randn(8, 10, generator=g), torch.randn(8, 10, generator=g)) for _ in range(5)]
@@ -131,14 +135,41 @@ def _seed_quick_start() -> float:
             loss = criterion(outputs, targets)
             loss.backward()
             optimizer.step()  # Handles decentralized averaging
+    trained = flat(model)  # (the test's)
     optimizer.global_avg()
+    averaged = gather(flat(model))  # (the test's)
     optimizer.revert_global_avg()
-    return float(loss)
+    return {
+        "start": start,
+        "data": dataloader,
+        "trained": trained,
+        "averaged": averaged,
+        "reverted": flat(model),
+    }
 
 
 def test_seed_quick_start_runs_as_written(pool):
-    losses = pool(2).run(_seed_quick_start)
-    assert all(math.isfinite(loss) for loss in losses)
+    results = pool(2).run(_seed_quick_start)
+    # The claim: step() does decentralized SGD. Its rule, simulated from the same start and data: a
+    # ring of two averages the pair (x/2 + y/2, exact), so the replicas must follow it bit for bit.
+    models = [nn.Linear(10, 10) for _ in results]
+    for model, replica in zip(models, results[0]["start"], strict=True):
+        torch.nn.utils.vector_to_parameters(replica, model.parameters())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.01) for m in models]
+    data = [r["data"] for r in results]
+    simulation = Gossip(
+        "ring",
+        models,
+        optimizers,
+        data=lambda rank, step: data[rank][step % 5],
+        loss_fn=nn.functional.mse_loss,
+    )
+    expected = simulation.run(10)
+    mean = (expected[0] + expected[1]) / 2  # exact for two replicas, as above
+    for rank, r in enumerate(results):
+        assert torch.equal(r["trained"], expected[rank]), f"rank {rank}"
+        assert torch.equal(r["averaged"][rank], mean) and torch.equal(r["averaged"][1 - rank], mean)
+        assert torch.equal(r["reverted"], r["trained"])
 
 
 class MyCustomTopology(Topology):
