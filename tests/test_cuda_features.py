@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from helpers import batch, tiny_model
+from workers import spawn
 
 from decent_optim_wrapper import DecentOptimWrapper, GossipEngine
 from decent_optim_wrapper.engine.compression import codec
@@ -75,7 +75,7 @@ def _worker(rank: int, wire: str, directory: str) -> None:
 
 @pytest.mark.parametrize("wire", ["bf16", "int8"])
 def test_compressed_gossip_on_cuda_tensors_matches_cpu(tmp_path, wire):
-    mp.spawn(_worker, args=(wire, str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, (wire, str(tmp_path)), nprocs=2)  # killed, with its stacks, if it hangs
     results = torch.load(tmp_path / "rank0.pt", weights_only=True)
     for step, (on_gpu, on_cpu) in enumerate(zip(results["cuda"], results["cpu"], strict=True)):
         # The GPU may fuse a multiply and an add that the CPU rounds twice (fp32 ulps), and an ulp
@@ -111,7 +111,7 @@ def _tracking_worker(rank: int, directory: str) -> None:
 
 
 def test_gradient_tracking_on_cuda_tensors_matches_cpu(tmp_path):
-    mp.spawn(_tracking_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    spawn(_tracking_worker, (str(tmp_path),), nprocs=2)
     for rank in range(2):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         # fp64 and no quantization: only the GPU's other summation orders (1e-16 relative per op)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.optim.optimizer as torch_optimizer
 from helpers import bare_and_wrapped, batch, flat, set_distinct, tiny_model, train_steps
 from torch import nn
+from workers import spawn
 
 import decent_optim_wrapper
 from decent_optim_wrapper import (
@@ -329,10 +330,8 @@ def test_engine_built_from_named_parameters_averages_exactly_and_reverts(pool):
 def test_step_makes_no_host_sync_on_cuda(tmp_path):
     # One process per GPU (NCCL when there are two or more); under torch.cuda.set_sync_debug_mode
     # ("error"), any synchronizing call inside step() raises.
-    import torch.multiprocessing as mp
-
     world_size = min(2, torch.cuda.device_count())
-    mp.spawn(_cuda_no_sync_worker, args=(world_size, str(tmp_path)), nprocs=world_size, join=True)
+    spawn(_cuda_no_sync_worker, (world_size, str(tmp_path)), nprocs=world_size)
 
 
 def _cuda_no_sync_worker(rank: int, world_size: int, directory: str) -> None:

@@ -6,12 +6,16 @@ ranks (milliseconds), and the others sit it out. A test sends a module-level fun
 the requested world runs it and the parent gets the results.
 Every run has a deadline: on a hang the pool dumps each rank's Python stacks, is killed, and the
 test fails with those stacks, instead of the suite hanging.
+
+``spawn`` is the same for a test that needs processes of its own (e.g. one per GPU): fresh processes,
+one deadline, the stacks of hung ranks, every process killed before it returns.
 """
 
 from __future__ import annotations
 
 import faulthandler
 import multiprocessing as mp
+import multiprocessing.connection
 import os
 import pickle
 import queue
@@ -114,7 +118,14 @@ class WorkerPool:
         task_id = self._next_task
         for inbox in self._inboxes[:world_size]:
             inbox.put((task_id, *self._world, fn, args, kwargs))
-        return self._collect(task_id, timeout, what=f"{fn.__name__}")
+        try:
+            return self._collect(task_id, timeout, what=f"{fn.__name__}")
+        except Exception:
+            raise
+        except BaseException:
+            # Interrupted (Ctrl-C, pytest-timeout): the ranks may still be busy with this task.
+            self.close(kill=True)
+            raise
 
     def _collect(self, task_id: Any, timeout: float, what: str) -> list[Any]:
         results: dict[int, Any] = {}
@@ -155,16 +166,7 @@ class WorkerPool:
         return [results[r] for r in range(self.world_size)]
 
     def _dump_stacks(self) -> str:
-        for proc in self._procs[: self.world_size]:
-            if proc.is_alive() and proc.pid is not None:
-                os.kill(proc.pid, signal.SIGUSR1)
-        time.sleep(1.0)
-        parts = []
-        for rank in range(self.world_size):
-            path = Path(self._workdir) / f"stacks-{rank}.txt"
-            text = path.read_text() if path.exists() else ""
-            parts.append(f"--- rank {rank} ---\n{text[-4000:]}")
-        return "\n".join(parts)
+        return _dump_stacks(self._procs[: self.world_size], self._workdir)
 
     def close(self, kill: bool = False) -> None:
         self.broken = True
@@ -183,3 +185,75 @@ def _format(what: str, errors: dict[int, str]) -> str:
     return f"{what} raised on rank(s) {sorted(errors)}:\n" + "\n".join(
         f"--- rank {rank} ---\n{message}" for rank, message in sorted(errors.items())
     )
+
+
+def _dump_stacks(procs: list[Any], workdir: str) -> str:
+    """The Python stacks of the ranks still alive (each registered faulthandler on SIGUSR1)."""
+    for proc in procs:
+        if proc.is_alive() and proc.pid is not None:
+            os.kill(proc.pid, signal.SIGUSR1)
+    time.sleep(1.0)
+    parts = []
+    for rank in range(len(procs)):
+        path = Path(workdir) / f"stacks-{rank}.txt"
+        text = path.read_text() if path.exists() else ""
+        parts.append(f"--- rank {rank} ---\n{text[-4000:]}")
+    return "\n".join(parts)
+
+
+def _spawned_main(rank: int, workdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    dump = open(Path(workdir) / f"stacks-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    try:
+        fn(rank, *args)
+    except BaseException:
+        (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+
+
+def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 2, timeout: float = 90.0) -> None:
+    """Run ``fn(rank, *args)`` in ``nprocs`` fresh spawned processes and wait at most ``timeout`` s.
+
+    Like ``torch.multiprocessing.spawn`` (``fn`` sets up its own process group), with the pool's
+    guarantees: an error on a rank is a ``WorkerError`` with its traceback (the others get 5 s to
+    finish, as they may wait for it forever), a hang a ``TimeoutError`` with the stacks of the ranks
+    still running, and no process outlives the call.
+    """
+    workdir = tempfile.mkdtemp(prefix="dow-spawn-")
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_spawned_main, args=(rank, workdir, fn, args), daemon=True)
+        for rank in range(nprocs)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(proc.is_alive() for proc in procs):
+            if any(proc.exitcode not in (None, 0) for proc in procs):
+                deadline = min(deadline, time.monotonic() + 5.0)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            running = [proc.sentinel for proc in procs if proc.is_alive()]
+            multiprocessing.connection.wait(running, timeout=min(remaining, 1.0))
+        errors = {}
+        for rank, proc in enumerate(procs):
+            if proc.exitcode not in (None, 0):
+                path = Path(workdir) / f"error-{rank}.txt"
+                errors[rank] = path.read_text() if path.exists() else f"exit code {proc.exitcode}"
+        hung = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+        if errors:
+            raise WorkerError(
+                _format(fn.__name__, errors) + (f"\nranks {hung} hung afterwards." if hung else "")
+            )
+        if hung:
+            stacks = _dump_stacks(procs, workdir)
+            raise TimeoutError(
+                f"{fn.__name__} did not finish within {timeout:.0f} s on ranks {hung}. Stacks:\n{stacks}"
+            )
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
