@@ -36,7 +36,7 @@ FRONT_ENDS = {
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("front_end", FRONT_ENDS)
-def test_train_checkpoint_resume(pool, tmp_path, front_end):
+def test_train_checkpoint_resume(pool, resume_pool, tmp_path, front_end):
     changed, refusal, engine_state = FRONT_ENDS[front_end]
     directory = tmp_path / "ckpt"
     args = ("--front-end", front_end, "--checkpoint-dir", str(directory))
@@ -61,9 +61,9 @@ def test_train_checkpoint_resume(pool, tmp_path, front_end):
         pool(2).run(_main, *args, "--resume", *changed, timeout=100)
     assert "raised on rank(s) [0, 1]" in str(refused.value)
 
-    # Build everything afresh, load the files, run the remaining epoch (the same pool processes: the
-    # recipe keeps no state between main() calls).
-    resumed = pool(2).run(_main, *args, "--resume", timeout=100)
+    # Build everything afresh, load the files, run the remaining epoch in other processes (those of
+    # the resume pool, which never ran the first epoch).
+    resumed = resume_pool(2).run(_main, *args, "--resume", timeout=100)
     for metrics in resumed:
         assert metrics["start_epoch"] == 1 and metrics["epochs_done"] == 2
         assert metrics["steps"] == 4  # the front-end's step count came back from the checkpoint
