@@ -4,8 +4,9 @@
     uv run benchmarks/convergence.py --splits iid --methods ring ring@bf16     # adds ddp itself
     uv run benchmarks/convergence.py --splits dirichlet --methods ring-gt   # adds ring and ddp
 
-Trains the main job's task (examples/quickstart.py: 10 overlapping Gaussian clusters, an MLP) with
-the same steps, seeds and hyper-parameters for every method, once per split of the training set:
+Trains the main job's task (``synthetic_task.py``: 10 overlapping Gaussian clusters, an MLP; the
+same as examples/quickstart.py's) with ``runner.py``, methods named as in ``methods.py``, with the
+same steps, seeds and hyper-parameters for every method, once per split of the training set:
 ``iid`` (points dealt out in turn) and ``dirichlet`` (each class divided among the workers in
 proportions drawn from Dirichlet(``--alpha``), 0.1 by default: most workers see mostly one or two
 classes). The test set is the same balanced one for both. It prints one table per split: final
@@ -44,10 +45,8 @@ per-worker gradients, so it aims at the same point.)
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -55,8 +54,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from common import free_port
+from methods import Method, parse_method
+from runner import Result, run
+from synthetic_task import SPLITS, split_label
 
-QUICKSTART = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
 METHODS = [
     "ring",
     "one-peer-exp",
@@ -82,47 +83,43 @@ TARGET_VS_UNTRACKED = 0.1  # points, judged on the iid split only
 ADAM_OPTIMIZERS = ("adamw", "accum-adamw")
 
 
-def load_quickstart():
-    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quickstart"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def ddp_reference(quickstart, method: str) -> str:
+def ddp_reference(method: str) -> str:
     """The all-reduce run that ``method`` is compared with: the same optimizer family."""
-    optimizer = quickstart.parse_method(method).optimizer
+    optimizer = parse_method(method).optimizer
     return "ddp+adamw" if optimizer in ADAM_OPTIMIZERS else "ddp"
 
 
-def uncompressed_twin(quickstart, method: str) -> str | None:
+def uncompressed_twin(method: str) -> str | None:
     """``method`` without its compression, or None if it has none.
 
     ``ring@bf16`` -> ``ring``; ``ring-module@int8+accum-adamw`` -> ``ring-module+accum-adamw``.
     """
-    spec = quickstart.parse_method(method)
+    spec = parse_method(method)
     return replace(spec, compression=None).name if spec.compression else None
 
 
-def untracked_twin(quickstart, method: str) -> str | None:
+def untracked_twin(method: str) -> str | None:
     """``method`` without gradient tracking, or None if it has none.
 
     ``ring-gt`` -> ``ring``; ``ring-gt@bf16`` -> ``ring@bf16``;
     ``ring-module-gt+accum-adamw`` -> ``ring-module+accum-adamw``.
     """
-    spec = quickstart.parse_method(method)
+    spec = parse_method(method)
     return replace(spec, tracking=False).name if spec.tracking else None
 
 
-def with_references(quickstart, methods: list[str]) -> list[str]:
-    """``methods``, then each DDP run and twin (uncompressed, untracked) they are compared with if missing."""
+def with_references(methods: list[str]) -> list[str]:
+    """``methods``, then each DDP run and twin (uncompressed, untracked) they are compared with if missing.
+
+    A reference's own references are added too (``ring-gt@bf16`` brings ``ring-gt``, whose untracked
+    twin ``ring`` the table needs as well).
+    """
     wanted = list(methods)
-    for method in methods:
+    for method in wanted:  # the list grows as the loop goes: added references are visited in turn
         references = (
-            ddp_reference(quickstart, method),
-            uncompressed_twin(quickstart, method),
-            untracked_twin(quickstart, method),
+            ddp_reference(method),
+            uncompressed_twin(method),
+            untracked_twin(method),
         )
         for reference in references:
             if reference is not None and reference not in wanted:
@@ -135,10 +132,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     try:
-        quickstart = load_quickstart()
         results = []
         for split in args.splits:
-            results += quickstart.run(
+            results += run(
                 args.methods,
                 args.steps,
                 args.batch_size,
@@ -150,7 +146,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             )
         if rank == 0:
             for split in args.splits:
-                report(quickstart, [r for r in results if r.split == split], world, args)
+                report([r for r in results if r.split == split], world, args)
             if args.json:
                 Path(args.json).write_text(json.dumps([asdict(r) for r in results]))
     finally:
@@ -158,11 +154,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
 
 def verdict(
-    split: str, spec, vs_ddp: float, vs_uncompressed: float | None, vs_untracked: float | None
+    split: str, spec: Method, vs_ddp: float, vs_uncompressed: float | None, vs_untracked: float | None
 ) -> str:
     """``met``, ``MISSED (...)`` naming the targets missed, or ``-`` where none is judged.
 
-    ``spec`` is the method's :class:`quickstart.Method`; the differences are in points, None where
+    ``spec`` is the method taken apart; the differences are in points, None where
     the method has no such twin.
     """
     judged = []
@@ -178,12 +174,12 @@ def verdict(
     return f"MISSED ({', '.join(missed)})" if missed else "met"
 
 
-def report(quickstart, results, world: int, args: argparse.Namespace) -> None:
+def report(results: list[Result], world: int, args: argparse.Namespace) -> None:
     """One table: the results of one split."""
     by_method = {r.method: r for r in results}
     split = results[0].split
     print(
-        f"\nConvergence, {quickstart.split_label(split, results[0].alpha)} split: {world} workers, "
+        f"\nConvergence, {split_label(split, results[0].alpha)} split: {world} workers, "
         f"{args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, adam lr {args.adam_lr}"
     )
     header = (
@@ -197,15 +193,15 @@ def report(quickstart, results, world: int, args: argparse.Namespace) -> None:
         status = "-"
         if not r.method.startswith("ddp"):
             references = (
-                ddp_reference(quickstart, r.method),
-                uncompressed_twin(quickstart, r.method),
-                untracked_twin(quickstart, r.method),
+                ddp_reference(r.method),
+                uncompressed_twin(r.method),
+                untracked_twin(r.method),
             )
             vs_ddp, vs_uncompressed, vs_untracked = (
                 None if ref is None else 100 * (r.accuracy - by_method[ref].accuracy) for ref in references
             )
             columns = ["-" if d is None else f"{d:+.2f}" for d in (vs_ddp, vs_uncompressed, vs_untracked)]
-            status = verdict(split, quickstart.parse_method(r.method), vs_ddp, vs_uncompressed, vs_untracked)
+            status = verdict(split, parse_method(r.method), vs_ddp, vs_uncompressed, vs_untracked)
         print(
             f"{r.method:>28} | {r.final_loss:>10.4f} | {r.accuracy:>13.4f} | {r.bytes_per_step:>12,.0f} | "
             f"{columns[0]:>15} | {columns[1]:>15} | {columns[2]:>12} | {status}"
@@ -220,13 +216,14 @@ def report(quickstart, results, world: int, args: argparse.Namespace) -> None:
     print(f"Targets: {judged}compressed within {TARGET_VS_UNCOMPRESSED} points of uncompressed.")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with the references each method is compared with added to ``--methods``."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--methods", nargs="+", default=METHODS)
-    parser.add_argument("--splits", nargs="+", choices=("iid", "dirichlet"), default=["iid", "dirichlet"])
+    parser.add_argument("--splits", nargs="+", choices=SPLITS, default=list(SPLITS))
     parser.add_argument(
         "--alpha", type=float, default=0.1, help="Dirichlet concentration of the skewed split"
     )
@@ -235,12 +232,17 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--adam-lr", type=float, default=3e-3)
     parser.add_argument("--json", default=None, help="write every result (each names its split) here")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     args.splits = list(dict.fromkeys(args.splits))  # each split once, in the order given
     try:  # a misspelt method fails here, before eight workers start
-        args.methods = with_references(load_quickstart(), args.methods)
+        args.methods = with_references(args.methods)
     except ValueError as error:
         parser.error(str(error))
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     mp.spawn(worker, args=(args.workers, free_port(), args), nprocs=args.workers)
 
 

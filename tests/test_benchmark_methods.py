@@ -1,7 +1,9 @@
-"""The main job's data splits and method names (examples/quickstart.py), without a process group.
+"""The benchmarks' method names, data splits and verdicts, without a process group.
 
-Also how the convergence benchmark (benchmarks/convergence.py) names the runs a method is compared
-with and judges its targets.
+What is checked: the grammar of ``benchmarks/methods.py`` (names read, round-tripped, rejected by
+name), the splits of ``benchmarks/synthetic_task.py``, how ``benchmarks/convergence.py`` names the
+runs a method is compared with, reads its command line and judges its targets, and that the main job
+(examples/quickstart.py) trains the benchmarks' task with the methods their names say.
 """
 
 from __future__ import annotations
@@ -15,48 +17,58 @@ import torch
 from helpers import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
-QUICKSTART = ROOT / "examples" / "quickstart.py"
-CONVERGENCE = ROOT / "benchmarks" / "convergence.py"
+# The benchmark scripts import their siblings by plain name, with benchmarks/ on sys.path (as
+# `uv run benchmarks/convergence.py` runs them); nothing else on sys.path has these names.
+sys.path.append(str(ROOT / "benchmarks"))
+
+import convergence  # noqa: E402
+import methods  # noqa: E402
+import synthetic_task  # noqa: E402
 
 pytestmark = pytest.mark.pure
 
 
 @pytest.fixture(scope="module")
-def quickstart():
-    return load_script(QUICKSTART)
-
-
-@pytest.fixture(scope="module")
-def convergence():
-    with pytest.MonkeyPatch.context() as patch:  # the benchmark imports its sibling `common`
-        patch.syspath_prepend(str(CONVERGENCE.parent))
-        module = load_script(CONVERGENCE)
-    yield module
-    sys.modules.pop("common", None)
-
-
-@pytest.fixture(scope="module")
-def labels(quickstart) -> torch.Tensor:
-    return quickstart.make_data()[1]
+def labels() -> torch.Tensor:
+    return synthetic_task.make_data()[1]
 
 
 def class_shares(labels: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
     return torch.bincount(labels[shard], minlength=10).double() / len(shard)
 
 
+def test_quickstart_trains_the_benchmark_task_with_the_methods_it_names():
+    # The main job keeps its own copy of the task, so that it reads on its own; the convergence
+    # benchmark's results are quoted as the main job's task: the two must stay the same, bit for bit.
+    quickstart = load_script(ROOT / "examples" / "quickstart.py")
+    for ours, theirs in zip(quickstart.make_data(), synthetic_task.make_data(), strict=True):
+        assert torch.equal(ours, theirs)
+    ours, theirs = quickstart.make_model().state_dict(), synthetic_task.make_model().state_dict()
+    assert list(ours) == list(theirs) and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    # its default methods show both front-ends, compressed gossip and the all-reduce baseline
+    assert list(quickstart.METHODS) == ["ring", "ring-module", "ring@bf16", "one-peer-exp", "complete", "ddp"]
+    for name, (front_end, keywords) in quickstart.METHODS.items():  # each name means what the grammar says
+        method = methods.parse_method(name)
+        expected = "all-reduce" if method.topology is None else "module" if method.module else "optimizer"
+        assert front_end == expected
+        assert keywords.get("topology") == method.topology
+        assert keywords.get("compression") == method.compression
+        assert not method.tracking and method.optimizer is None  # the quickstart trains SGD untracked
+
+
 @pytest.mark.parametrize("world", [1, 3, 8])
-def test_iid_split_is_the_strided_shard_of_before(quickstart, world):
+def test_iid_split_is_the_strided_shard_of_before(world):
     # the default split must train on exactly the points (and order) of train_x[rank::world]
-    train_x, train_y, _, _ = quickstart.make_data()
-    shards = quickstart.split_data(train_y, world)
+    train_x, train_y, _, _ = synthetic_task.make_data()
+    shards = synthetic_task.split_data(train_y, world)
     for rank, shard in enumerate(shards):
         assert torch.equal(train_x[shard], train_x[rank::world])
         assert torch.equal(train_y[shard], train_y[rank::world])
 
 
 @pytest.mark.parametrize(("world", "alpha", "seed"), [(2, 0.1, 0), (8, 0.1, 0), (8, 0.1, 3), (5, 1.0, 1)])
-def test_dirichlet_split_is_a_partition(quickstart, labels, world, alpha, seed):
-    shards = quickstart.split_data(labels, world, "dirichlet", alpha, min_size=32, seed=seed)
+def test_dirichlet_split_is_a_partition(labels, world, alpha, seed):
+    shards = synthetic_task.split_data(labels, world, "dirichlet", alpha, min_size=32, seed=seed)
     assert len(shards) == world
     every = torch.cat(shards)
     # each training point exactly once: the sorted concatenation is 0, 1, ..., n - 1
@@ -65,80 +77,75 @@ def test_dirichlet_split_is_a_partition(quickstart, labels, world, alpha, seed):
         assert torch.equal(shard, shard.sort().values)  # in dataset order
 
 
-def test_dirichlet_split_is_the_same_on_every_call_and_changes_with_the_seed(quickstart, labels):
+def test_dirichlet_split_is_the_same_on_every_call_and_changes_with_the_seed(labels):
     # every rank computes the partition alone: it must not depend on anything but the arguments
     torch.manual_seed(1234)
-    first = quickstart.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=0)
+    first = synthetic_task.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=0)
     torch.manual_seed(99)  # the global random state must neither matter ...
     state = torch.get_rng_state()
-    again = quickstart.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=0)
+    again = synthetic_task.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=0)
     assert torch.equal(torch.get_rng_state(), state)  # ... nor be consumed
     assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
-    other = quickstart.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=1)
+    other = synthetic_task.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=1)
     assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
 
 
-def test_dirichlet_split_skews_the_labels(quickstart, labels):
+def test_dirichlet_split_skews_the_labels(labels):
     # Balanced, a worker's most frequent class holds ~1/10 of its points (the iid split: < 0.15 on
     # 8 workers). With alpha 0.1 most of a class goes to one or two workers: across 5 seeds the
     # smallest such share seen is 0.32, so 0.25 for at least 3 workers in 4 leaves a wide margin.
     shares = []
     for seed in range(5):
-        for shard in quickstart.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=seed):
+        for shard in synthetic_task.split_data(labels, 8, "dirichlet", 0.1, min_size=32, seed=seed):
             shares.append(class_shares(labels, shard).max().item())
     assert sum(s > 0.25 for s in shares) >= 0.75 * len(shares)
-    iid = [class_shares(labels, shard).max().item() for shard in quickstart.split_data(labels, 8)]
+    iid = [class_shares(labels, shard).max().item() for shard in synthetic_task.split_data(labels, 8)]
     assert max(iid) < 0.15
     # a large alpha approaches the balanced split
-    flat = quickstart.split_data(labels, 8, "dirichlet", 1000.0, min_size=32)
+    flat = synthetic_task.split_data(labels, 8, "dirichlet", 1000.0, min_size=32)
     assert max(class_shares(labels, shard).max().item() for shard in flat) < 0.15
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_dirichlet_split_gives_every_worker_the_minimum(quickstart, labels, seed):
+def test_dirichlet_split_gives_every_worker_the_minimum(labels, seed):
     # 16 workers at alpha 0.1: an unconstrained draw leaves some worker below 200 points for these
     # seeds (checked first, so the minimum is really exercised); the split redraws until none is
-    unconstrained = quickstart.split_data(labels, 16, "dirichlet", 0.1, min_size=1, seed=seed)
+    unconstrained = synthetic_task.split_data(labels, 16, "dirichlet", 0.1, min_size=1, seed=seed)
     assert min(len(s) for s in unconstrained) < 200
-    shards = quickstart.split_data(labels, 16, "dirichlet", 0.1, min_size=200, seed=seed)
+    shards = synthetic_task.split_data(labels, 16, "dirichlet", 0.1, min_size=200, seed=seed)
     assert min(len(s) for s in shards) >= 200
     assert sum(len(s) for s in shards) == len(labels)
 
 
-def test_dirichlet_split_rejects_what_it_cannot_do(quickstart, labels, monkeypatch):
+def test_dirichlet_split_rejects_what_it_cannot_do(labels, monkeypatch):
     with pytest.raises(ValueError, match=r"alpha must be a positive number, got 0"):
-        quickstart.split_data(labels, 4, "dirichlet", 0)
+        synthetic_task.split_data(labels, 4, "dirichlet", 0)
     with pytest.raises(ValueError, match=r"need 20000 points; there are 16384"):
-        quickstart.split_data(labels, 8, "dirichlet", 0.1, min_size=2500)
-    monkeypatch.setattr(quickstart, "MAX_DIRICHLET_DRAWS", 3)  # a tiny alpha: every draw fails
+        synthetic_task.split_data(labels, 8, "dirichlet", 0.1, min_size=2500)
+    monkeypatch.setattr(synthetic_task, "MAX_DIRICHLET_DRAWS", 3)  # a tiny alpha: every draw fails
     with pytest.raises(ValueError, match=r"in 3 draws .* raise alpha"):
-        quickstart.split_data(labels, 8, "dirichlet", 1e-3, min_size=2000)
+        synthetic_task.split_data(labels, 8, "dirichlet", 1e-3, min_size=2000)
     with pytest.raises(ValueError, match=r"unknown split 'skewed'"):
-        quickstart.split_data(labels, 4, "skewed")
+        synthetic_task.split_data(labels, 4, "skewed")
 
 
-def test_command_line_names_the_split(quickstart):
-    args = quickstart.parse_args([])
-    assert (args.split, args.alpha) == ("iid", 0.1)
-    args = quickstart.parse_args(["--split", "dirichlet", "--alpha", "0.5"])
-    assert (args.split, args.alpha) == ("dirichlet", 0.5)
-    assert quickstart.split_label("dirichlet", 0.5) == "dirichlet(alpha=0.5)"
-    assert quickstart.split_label("iid", None) == "iid"
+def test_command_line_names_the_split():
+    args = convergence.parse_args([])
+    assert (args.splits, args.alpha) == (["iid", "dirichlet"], 0.1)
+    args = convergence.parse_args(["--splits", "dirichlet", "iid", "dirichlet", "--alpha", "0.5"])
+    assert (args.splits, args.alpha) == (["dirichlet", "iid"], 0.5)  # each once, in the order given
+    assert synthetic_task.split_label("dirichlet", 0.5) == "dirichlet(alpha=0.5)"
+    assert synthetic_task.split_label("iid", None) == "iid"
 
 
-def test_command_line_rejects_a_bad_method_before_starting_workers(quickstart, capsys):
+def test_command_line_rejects_a_bad_method_before_starting_workers(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        quickstart.parse_args(["--methods", "ring", "ddp@bf16"])
+        convergence.parse_args(["--methods", "ring", "ddp@bf16"])
     assert exit_info.value.code == 2
     assert "ddp takes no compression, got 'bf16'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        quickstart.parse_args(["--methods", "ring-gt", "ddp-gt"])
+        convergence.parse_args(["--methods", "ring-gt", "ddp-gt"])
     assert "'ddp-gt': ddp takes no gradient tracking" in capsys.readouterr().err
-
-
-def test_default_methods_show_compressed_gossip(quickstart):
-    assert quickstart.METHODS == ("ring", "ring-module", "ring@bf16", "one-peer-exp", "complete", "ddp")
-    assert quickstart.parse_args([]).methods == list(quickstart.METHODS)
 
 
 @pytest.mark.parametrize(
@@ -160,8 +167,8 @@ def test_default_methods_show_compressed_gossip(quickstart):
         ("hierarchical-module-gt@int8+sgd", "hierarchical", True, True, "int8", "sgd"),
     ],
 )
-def test_method_names_are_read(quickstart, name, topology, module, tracking, compression, optimizer):
-    method = quickstart.parse_method(name)
+def test_method_names_are_read(name, topology, module, tracking, compression, optimizer):
+    method = methods.parse_method(name)
     assert (method.topology, method.module, method.tracking, method.compression, method.optimizer) == (
         topology,
         module,
@@ -194,28 +201,30 @@ def test_method_names_are_read(quickstart, name, topology, module, tracking, com
         ("-gt", r"'-gt': Unknown topology ''"),
     ],
 )
-def test_bad_method_names_are_rejected_by_name(quickstart, name, message):
+def test_bad_method_names_are_rejected_by_name(name, message):
     with pytest.raises(ValueError, match=message):
-        quickstart.parse_method(name)
+        methods.parse_method(name)
 
 
-def test_convergence_compares_each_method_with_its_twins(quickstart, convergence):
-    assert convergence.ddp_reference(quickstart, "ring-module-gt+accum-adamw") == "ddp+adamw"
-    assert convergence.ddp_reference(quickstart, "one-peer-exp-gt") == "ddp"
-    assert convergence.uncompressed_twin(quickstart, "ring-gt@bf16") == "ring-gt"
-    assert convergence.untracked_twin(quickstart, "ring-gt@bf16") == "ring@bf16"
-    assert convergence.untracked_twin(quickstart, "ring-module-gt+accum-adamw") == "ring-module+accum-adamw"
-    assert convergence.untracked_twin(quickstart, "ring@bf16") is None
-    # missing references are added, each once, after the methods asked for
-    assert convergence.with_references(quickstart, ["ring-gt@bf16"]) == [
+def test_convergence_compares_each_method_with_its_twins():
+    assert convergence.ddp_reference("ring-module-gt+accum-adamw") == "ddp+adamw"
+    assert convergence.ddp_reference("one-peer-exp-gt") == "ddp"
+    assert convergence.uncompressed_twin("ring-gt@bf16") == "ring-gt"
+    assert convergence.untracked_twin("ring-gt@bf16") == "ring@bf16"
+    assert convergence.untracked_twin("ring-module-gt+accum-adamw") == "ring-module+accum-adamw"
+    assert convergence.untracked_twin("ring@bf16") is None
+    # missing references are added, each once, after the methods asked for; a reference's own
+    # references too (ring-gt is compared with ring), so that every row of the table has its twins
+    assert convergence.with_references(["ring-gt@bf16"]) == [
         "ring-gt@bf16",
         "ddp",
         "ring-gt",
         "ring@bf16",
+        "ring",
     ]
     # the defaults already hold every reference they are compared with
     defaults = convergence.METHODS
-    assert convergence.with_references(quickstart, defaults) == defaults
+    assert convergence.with_references(defaults) == defaults
     assert {"ring-gt", "one-peer-exp-gt", "ring-gt@bf16", "ring-module-gt+accum-adamw"} <= set(defaults)
 
 
@@ -237,14 +246,12 @@ def test_convergence_compares_each_method_with_its_twins(quickstart, convergence
         ("iid", "ring-gt@bf16", 0.6, 0.4, 0.2, "MISSED (vs DDP, vs uncompressed, vs untracked)"),
     ],
 )
-def test_convergence_judges_its_targets(
-    quickstart, convergence, split, name, vs_ddp, vs_uncompressed, vs_untracked, expected
-):
-    spec = quickstart.parse_method(name)
+def test_convergence_judges_its_targets(split, name, vs_ddp, vs_uncompressed, vs_untracked, expected):
+    spec = methods.parse_method(name)
     assert convergence.verdict(split, spec, vs_ddp, vs_uncompressed, vs_untracked) == expected
 
 
-def test_convergence_table_shows_the_difference_from_untracked(quickstart, convergence, capsys):
+def test_convergence_table_shows_the_difference_from_untracked(capsys):
     def result(method: str, accuracy: float, split: str = "dirichlet") -> SimpleNamespace:
         return SimpleNamespace(
             method=method, accuracy=accuracy, final_loss=1.0, bytes_per_step=1.0, split=split, alpha=0.1
@@ -252,7 +259,7 @@ def test_convergence_table_shows_the_difference_from_untracked(quickstart, conve
 
     results = [result("ring", 0.50), result("ring-gt", 0.55), result("ddp", 0.552)]
     args = SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3)
-    convergence.report(quickstart, results, 8, args)
+    convergence.report(results, 8, args)
     rows = {line.split("|")[0].strip(): line for line in capsys.readouterr().out.splitlines() if "|" in line}
     assert [cell.strip() for cell in rows["ring-gt"].split("|")[4:]] == ["-0.20", "-", "+5.00", "met"]
     assert [cell.strip() for cell in rows["ring"].split("|")[4:]] == ["-5.20", "-", "-", "-"]

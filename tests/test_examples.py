@@ -1,0 +1,169 @@
+"""The main job and the convergence benchmark end to end on a few steps, and the runner behind the latter.
+
+examples/quickstart.py and benchmarks/convergence.py run as a user runs them (a subprocess that
+starts its own gloo workers, with a hard deadline); the benchmarks' runner (benchmarks/runner.py)
+trains on the shared pool. The grammar, the splits and the verdicts are checked without workers in
+test_benchmark_methods.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[1]
+# The benchmark scripts import their siblings by plain name, with benchmarks/ on sys.path (as
+# `uv run benchmarks/convergence.py` runs them); the pool's workers import this module, so they get it too.
+sys.path.append(str(ROOT / "benchmarks"))
+
+import convergence  # noqa: E402
+import runner  # noqa: E402
+
+pytestmark = pytest.mark.examples
+
+QUICKSTART_METHODS = ["ring", "ring-module", "ring@bf16", "one-peer-exp", "complete", "ddp"]
+SCRIPT_DEADLINE_S = 150  # a script's whole run: starting 2 workers (seconds each on 2 cores) and training
+
+
+def run_script(*argv: str) -> str:
+    """What ``python argv...`` prints, run from the repository root in a process group of its own.
+
+    Past the deadline the whole group (the script and the workers it started) is killed and the test
+    fails with the output so far; a non-zero exit fails it with the output.
+    """
+    with subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            output, _ = process.communicate(timeout=SCRIPT_DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"{argv[0]} ran past {SCRIPT_DEADLINE_S} s; it printed:\n{output}")
+    assert process.returncode == 0, f"{argv[0]} exited with {process.returncode}:\n{output}"
+    return output
+
+
+@pytest.fixture(scope="module")
+def quickstart(tmp_path_factory) -> SimpleNamespace:
+    """One short run of the main job on 2 workers: what it printed, its results and its figure."""
+    directory = tmp_path_factory.mktemp("quickstart")
+    figure, results = directory / "quickstart.png", directory / "results.json"
+    short = ["--workers", "2", "--steps", "30", "--batch-size", "16"]
+    output = run_script("examples/quickstart.py", *short, "--figure", str(figure), "--json", str(results))
+    return SimpleNamespace(
+        output=output, figure=figure, results=[SimpleNamespace(**r) for r in json.loads(results.read_text())]
+    )
+
+
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 30)
+def test_quickstart_trains_every_method_and_writes_a_table_and_a_figure(quickstart):
+    results = quickstart.results
+    assert [r.method for r in results] == QUICKSTART_METHODS
+    by_method = {r.method: r for r in results}
+    # the two front-ends run the same recursion with the same optimizer: the same losses
+    assert by_method["ring-module"].losses == by_method["ring"].losses
+    # the engine counts what bf16 gossip sends: half the bytes of fp32 gossip (the exact first round
+    # of each group is left out of the count)
+    assert by_method["ring@bf16"].bytes_per_step == by_method["ring"].bytes_per_step / 2
+    for r in results:
+        assert len(r.losses) == 30 and r.losses[-1] < r.losses[0]  # it learns
+        assert 0.0 <= r.accuracy <= 1.0 and r.ms_per_iteration > 0 and r.bytes_per_step > 0
+        final_distance = r.distances[-1][1]
+        assert (final_distance == 0.0) == (r.method == "ddp")
+    table = quickstart.output[quickstart.output.index("Results (2 workers") :]
+    assert "avg-model acc" in table and "bytes sent/rank/step" in table
+    for r in results:  # one row per method, with the numbers of its results
+        assert f"{r.method:>13} | {r.final_loss:>10.4f} | {r.accuracy:>13.4f} |" in table
+    assert f"Figure written to {quickstart.figure}" in quickstart.output
+    assert quickstart.figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _short_run(methods: list[str], steps: int = 30, log_every: int = 10, **data) -> list[dict]:
+    results = runner.run(methods, steps=steps, batch_size=16, lr=0.05, log_every=log_every, **data)
+    return [asdict(r) for r in results] if dist.get_rank() == 0 else []
+
+
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 60)
+def test_benchmark_runner_trains_the_quickstarts_methods_to_the_same_numbers(pool, quickstart):
+    # The convergence benchmark's runner and the main job train the same task with the same seeds:
+    # the same method gives the same losses, bit for bit, in either.
+    # (the quickstart measures the consensus distance every 50 steps: so does the runner here)
+    results = [SimpleNamespace(**r) for r in pool(2).run(_short_run, QUICKSTART_METHODS, log_every=50)[0]]
+    for ours, theirs in zip(quickstart.results, results, strict=True):
+        assert ours.method == theirs.method
+        assert ours.losses == theirs.losses
+        assert ours.final_loss == theirs.final_loss and ours.accuracy == theirs.accuracy
+        assert ours.bytes_per_step == theirs.bytes_per_step
+        assert [d for _, d in ours.distances] == theirs.distances
+        assert (theirs.split, theirs.alpha) == ("iid", None)
+
+
+def test_benchmark_runner_trains_compressed_gossip_on_a_label_skewed_split(pool, capsys):
+    methods = ["ring@bf16", "ring", "ddp"]
+    results = pool(2).run(_short_run, methods, steps=10, split="dirichlet", alpha=0.1)[0]
+    results = [SimpleNamespace(**r) for r in results]
+    assert [r.method for r in results] == methods
+    by_method = {r.method: r for r in results}
+    for r in results:
+        assert (r.split, r.alpha) == ("dirichlet", 0.1)
+        assert len(r.losses) == 10 and all(map(math.isfinite, r.losses))
+        assert 0.0 <= r.accuracy <= 1.0
+    # the engine counts what bf16 gossip sends: fewer bytes than the same topology uncompressed
+    assert 0 < by_method["ring@bf16"].bytes_per_step < by_method["ring"].bytes_per_step
+    convergence.report(results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3))
+    out = capsys.readouterr().out
+    assert "dirichlet(alpha=0.1) split" in out and "ring@bf16" in out
+
+
+def test_benchmark_runner_trains_with_gradient_tracking_on_both_front_ends(pool, capsys):
+    # with the runs the convergence table compares them with: ddp and ring-module (untracked)
+    methods = convergence.with_references(["ring-gt", "ring-module-gt", "ring-gt@bf16", "ring", "ring@bf16"])
+    assert methods == ["ring-gt", "ring-module-gt", "ring-gt@bf16", "ring", "ring@bf16", "ddp", "ring-module"]
+    results = pool(2).run(_short_run, methods, steps=10, split="dirichlet", alpha=0.1)[0]
+    results = [SimpleNamespace(**r) for r in results]
+    assert [r.method for r in results] == methods
+    by_method = {r.method: r for r in results}
+    for r in results:
+        assert len(r.losses) == 10 and all(map(math.isfinite, r.losses))
+        assert 0.0 <= r.accuracy <= 1.0 and (r.final_distance > 0) == (r.method != "ddp")
+    # both front-ends track the same way (the module one per bucket inside backward): the same losses
+    assert by_method["ring-module-gt"].losses == by_method["ring-gt"].losses
+    # tracking changes the update: the tracked run is not the plain one
+    assert by_method["ring-gt"].losses != by_method["ring"].losses
+    # the tracker travels beside the parameters, compressed like them: twice the bytes
+    assert by_method["ring-gt"].bytes_per_step == 2 * by_method["ring"].bytes_per_step
+    assert by_method["ring-gt@bf16"].bytes_per_step == 2 * by_method["ring@bf16"].bytes_per_step
+    convergence.report(results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3))
+    assert "ring-module-gt" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(SCRIPT_DEADLINE_S + 30)
+def test_convergence_benchmark_adds_the_references_and_judges_them(tmp_path):
+    results_file = tmp_path / "convergence.json"
+    short = ["--workers", "2", "--steps", "4", "--batch-size", "16", "--splits", "dirichlet"]
+    output = run_script(
+        "benchmarks/convergence.py", *short, "--methods", "ring-gt", "--json", str(results_file)
+    )
+    results = json.loads(results_file.read_text())
+    # ring-gt is compared with DDP and with ring (untracked): both are trained after it
+    assert [r["method"] for r in results] == ["ring-gt", "ddp", "ring"]
+    assert all((r["split"], r["alpha"]) == ("dirichlet", 0.1) for r in results)
+    assert "Convergence, dirichlet(alpha=0.1) split: 2 workers, 4 steps" in output
+    ring_gt = next(line for line in output.splitlines() if line.strip().startswith("ring-gt |"))
+    assert ring_gt.rstrip().endswith(("met", "MISSED (vs DDP)"))  # judged: tracked ring on skewed data
