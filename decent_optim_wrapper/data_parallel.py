@@ -22,6 +22,7 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine
 from decent_optim_wrapper.engine.comm import agree, check_identical
+from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.inner_step import (
     fire_global_step_post_hooks,
     fire_global_step_pre_hooks,
@@ -47,7 +48,7 @@ class _Scaler(Protocol):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
-class DecentralizedDataParallel(nn.Module):
+class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
     r"""Decentralized data parallelism for an ``nn.Module``, updating bucket by bucket inside backward.
 
     Every rank keeps its own replica and, instead of all-reducing gradients, averages parameters
@@ -217,11 +218,6 @@ class DecentralizedDataParallel(nn.Module):
         return self._model
 
     @property
-    def engine(self) -> GossipEngine:
-        """The engine that buckets, gossips and averages this module's parameters."""
-        return self._engine
-
-    @property
     def optimizers(self) -> list[Optimizer]:
         """One optimizer per bucket, in bucket order."""
         return list(self._optimizers)
@@ -229,11 +225,6 @@ class DecentralizedDataParallel(nn.Module):
     @property
     def lr_schedulers(self) -> list[LRScheduler | None]:
         return list(self._schedulers)
-
-    @property
-    def step_count(self) -> int:
-        """Completed updates (iterations); iteration ``t`` gossips in phase ``t % period``."""
-        return self._engine.step_count
 
     def get_lr(self) -> float:
         """The learning rate the next update uses (of the first bucket's first param group)."""
@@ -415,13 +406,6 @@ class DecentralizedDataParallel(nn.Module):
         Raises :class:`RuntimeError` (parameters untouched) if there is nothing to revert.
         """
         self._engine.revert_global_avg()
-
-    def consensus_distance(self) -> float:
-        """Root-mean-square distance of the replicas to their average; the same on every rank.
-
-        .. warning:: This is a collective: all ranks must call it.
-        """
-        return self._engine.consensus_distance()
 
     def set_adaptive_factor(self, factor: float) -> None:
         """Mix only part of the way: ``x <- (1 - a) x + a sum_j W_ij x_j`` with ``a = factor`` in (0, 1]."""

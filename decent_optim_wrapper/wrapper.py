@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, Bucket, CompressionSpec, GossipEngine, TopologySpec
+from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine, TopologySpec
+from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.inner_step import scaled_step
-from decent_optim_wrapper.topo import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper", "named_param_groups"]
 
 
-class DecentOptimWrapper(Optimizer):
+class DecentOptimWrapper(EngineFrontEnd, Optimizer):
     r"""Decentralized data parallelism for any ``torch.optim.Optimizer``.
 
     Every rank keeps its own replica ``x_i`` and, instead of all-reducing gradients, averages
@@ -158,37 +158,6 @@ class DecentOptimWrapper(Optimizer):
     def defaults(self, value: dict[str, Any]) -> None:
         self.optimizer.defaults = value
 
-    # -- read-only facts ---------------------------------------------------------------------------
-    @property
-    def engine(self) -> GossipEngine:
-        """The engine this front-end drives."""
-        return self._engine
-
-    @property
-    def topology(self) -> Topology:
-        return self._engine.topology
-
-    @property
-    def rank(self) -> int:
-        return self._engine.rank
-
-    @property
-    def world_size(self) -> int:
-        return self._engine.world_size
-
-    @property
-    def local_world_size(self) -> int:
-        return self._engine.local_world_size
-
-    @property
-    def step_count(self) -> int:
-        """Number of completed :meth:`step` calls; step ``t`` gossips in phase ``t % period``."""
-        return self._engine.step_count
-
-    @property
-    def buckets(self) -> list[Bucket]:
-        return self._engine.buckets
-
     # -- the algorithm -----------------------------------------------------------------------------
     #: GradScaler calls ``step()`` even when it found inf/NaN gradients (telling us through
     #: ``found_inf``), so a rank that skips its local update still joins this step's gossip; otherwise
@@ -280,15 +249,6 @@ class DecentOptimWrapper(Optimizer):
         snapshot: ``global_avg(may_revert=True)`` was not called, or a step or revert came since.
         """
         self._engine.revert_global_avg()
-
-    def consensus_distance(self) -> float:
-        """Root-mean-square distance of the replicas to their average (0 when all agree).
-
-        See :meth:`~decent_optim_wrapper.engine.GossipEngine.consensus_distance`.
-
-        .. warning:: This is a collective: all ranks must call it.
-        """
-        return self._engine.consensus_distance()
 
     # -- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

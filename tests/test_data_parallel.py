@@ -792,3 +792,31 @@ def test_global_step_hooks_fire_once_per_iteration_and_bucket_hooks_once_per_buc
     assert counts["buckets"] > 1
     assert counts["pre"] == counts["post"] == 3
     assert counts["bucket"] == 3 * counts["buckets"]
+
+
+# -- what both front-ends report -------------------------------------------------------------------------
+def _front_end_facts() -> list[tuple[object, ...]]:
+    from decent_optim_wrapper import DecentOptimWrapper
+
+    model, other = tiny_model(), tiny_model()
+    ddp = DecentralizedDataParallel(model, sgd_fn, topology="ring", bucket_size_in_mb=SMALL_BUCKETS_MB)
+    wrapper = DecentOptimWrapper(torch.optim.SGD(other.parameters(), lr=0.1), topology="ring")
+    _train(ddp, dist.get_rank(), range(3))
+    for step in range(2):
+        x, y = batch(dist.get_rank(), step, torch.float32)
+        wrapper.zero_grad()
+        nn.functional.cross_entropy(other(x), y).backward()
+        wrapper.step()
+    return [
+        (f.rank, f.world_size, f.local_world_size, f.topology.name, f.step_count, len(f.buckets))
+        for f in (ddp, wrapper)
+    ]
+
+
+def test_both_front_ends_report_rank_world_and_progress(pool) -> None:
+    """rank, world_size, topology and step_count come from the engine on both front-ends."""
+    reports = pool(2).run(_front_end_facts)
+    for rank, (module, optimizer) in enumerate(reports):
+        assert module[:4] == optimizer[:4] == (rank, 2, 1, "ring")
+        assert (module[4], optimizer[4]) == (3, 2)  # updates done: 3 backward passes, 2 step() calls
+        assert module[5] > optimizer[5] == 1  # small buckets on the module, one 25 MiB bucket on the wrapper

@@ -14,12 +14,14 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.checkpoint` -- the engine's part of a checkpoint.
 * :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
+* :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.
 """
 
 from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.compression import CompressionSpec, GossipCompression
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError
+from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.gossip import Gossip
 
 __all__ = [
@@ -28,6 +30,7 @@ __all__ = [
     "Bucket",
     "CompressionSpec",
     "DecentError",
+    "EngineFrontEnd",
     "GlobalAverageError",
     "Gossip",
     "GossipCompression",

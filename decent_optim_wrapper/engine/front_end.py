@@ -1,0 +1,64 @@
+"""What every front-end reports of the engine it drives: :class:`EngineFrontEnd`.
+
+Both front-ends (the optimizer wrapper and the module front-end) inherit these read-only facts and the
+consensus distance, so they answer alike and there is one place that says what each means.
+"""
+
+from __future__ import annotations
+
+from decent_optim_wrapper.engine.buckets import Bucket
+from decent_optim_wrapper.engine.engine import GossipEngine
+from decent_optim_wrapper.topo import Topology
+
+__all__ = ["EngineFrontEnd"]
+
+
+class EngineFrontEnd:
+    """A front-end's view of its :class:`~decent_optim_wrapper.engine.GossipEngine`.
+
+    A subclass sets ``self._engine`` in its constructor.
+    """
+
+    _engine: GossipEngine
+
+    @property
+    def engine(self) -> GossipEngine:
+        """The engine that buckets, gossips and averages the parameters."""
+        return self._engine
+
+    @property
+    def topology(self) -> Topology:
+        """The topology whose schedule says who gossips with whom at each step."""
+        return self._engine.topology
+
+    @property
+    def rank(self) -> int:
+        return self._engine.rank
+
+    @property
+    def world_size(self) -> int:
+        return self._engine.world_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Processes per node."""
+        return self._engine.local_world_size
+
+    @property
+    def step_count(self) -> int:
+        """Completed updates; update ``t`` gossips in phase ``t % topology.period``."""
+        return self._engine.step_count
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        """The flat buckets the parameters live in, in the order they are updated and gossiped."""
+        return self._engine.buckets
+
+    def consensus_distance(self) -> float:
+        """Root-mean-square distance of the replicas to their average; the same on every rank.
+
+        See :meth:`~decent_optim_wrapper.engine.GossipEngine.consensus_distance`.
+
+        .. warning:: This is a collective: all ranks must call it.
+        """
+        return self._engine.consensus_distance()
