@@ -56,7 +56,7 @@ def _step(optimizer: Optimizer, closure: Callable[[], float] | None) -> float | 
 
 @torch.no_grad()
 def unscale_grads_(param_groups: list[dict[str, Any]], grad_scale: torch.Tensor) -> None:
-    """Divide every gradient by ``grad_scale`` with GradScaler.unscale_'s arithmetic.
+    """Divide every gradient by ``grad_scale`` with ``GradScaler.unscale_``'s arithmetic.
 
     That is: multiply by the fp32 reciprocal of the scale, so results match the bare optimizer's.
     """

@@ -104,11 +104,11 @@ class Bucket:
     def __init__(
         self, spec: BucketSpec, params: Sequence[torch.Tensor], names: Sequence[str], as_views: bool = True
     ) -> None:
-        self.spec = spec
-        self.params = [params[i] for i in spec.param_indices]
-        self.names = [names[i] for i in spec.param_indices]
-        self.as_views = as_views
-        self.data = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)
+        self.spec = spec  #: The layout (dtype, device, size, which parameters).
+        self.params = [params[i] for i in spec.param_indices]  #: The member parameters, in bucket order.
+        self.names = [names[i] for i in spec.param_indices]  #: Their names, for error messages.
+        self.as_views = as_views  #: Whether the parameters are views of :attr:`data`.
+        self.data = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)  #: The flat tensor.
         self._views: list[torch.Tensor] = []  # each parameter's slice of data, shaped like it
 
     @torch.no_grad()

@@ -1,62 +1,11 @@
 r"""Compressed gossip: what travels on the wire, and which groups may compress.
 
-Design (difference compression against a shared reference, with error feedback kept in the replica)
-------------------------------------------------------------------------------------------------------
-Sending a replica in bf16 directly does not work: every mix would round it to bf16, and updates
-smaller than a bf16 ulp would vanish. Instead the members of a group ``G`` (of ``k`` ranks, peer
-weight ``c``, mixing factor ``a``) share a *reference* ``r_G`` that every member holds bit for bit,
-and a round sends only the small difference to it. At launch, member ``i`` sends
-
-.. math::
-    q_i = Q(x_i - r_G)
-
-(``Q``: the wire format's rounding; ``q_i`` is what every member decodes, in full precision). Every
-member gathers all ``q_j`` and, at mix, computes in the same order the same sum ``s = \sum_j q_j``:
-
-.. math::
-    x_i \leftarrow x_i + a\, c\, (s - k\, q_i), \qquad r_G \leftarrow r_G + s / k .
-
-With exact ``q`` this is the exact mixing step ``x_i + a c \sum_j (x_j - x_i)``, since ``r_G``
-cancels. With rounded ``q`` it is CHOCO-Gossip's update (Koloskova, Stich and Jaggi, "Decentralized
-Stochastic Optimization and Gossip Algorithms with Compressed Communication", ICML 2019, Algorithm 1
-with step size ``gamma = a c k``) adapted to a clique: where CHOCO keeps one public estimate per
-member, the members here share one reference, ``r_G``, moved by the mean of what they sent. Its properties:
-
-* **Identical sums.** Every member of ``G`` ends the round with the same ``s`` and the same new
-  ``r_G``: they decode the same bytes with the same operations in rank order.
-* **The mean moves only by rounding in the parameters' dtype.** The updates of the members sum to
-  ``a c (k s - k \sum_i q_i) = 0`` exactly, so the quantization error never reaches the mean of the
-  replicas: it stays in each replica as the part of ``x_i - r_G`` that was not sent (error feedback,
-  Seide et al. 2014; Karimireddy et al. ICML 2019), and goes out with the next difference. What
-  remains is the rounding of ``x_i + a c (s - k q_i)`` in the parameters' dtype, per element at
-  most ``u (|x_i| + |a c (s - k q_i)|)`` with ``u`` the dtype's unit roundoff (``2^-24`` for fp32),
-  so the mean of the replicas moves by at most that, averaged over the members.
-* **Small in magnitude, so accurate.** ``x_i - r_G`` is what changed since the group last met:
-  a few local steps plus the disagreement with other groups. Its rounding error is relative to
-  that, not to the parameters (bf16: at most ``2^-8`` of it; fp16: ``2^-11`` down to ``6e-5``,
-  below which fp16 is subnormal and the error an absolute ``2^-25``; int8: half a step of
-  ``max|block| / 127`` per block of 256). fp64 differences are rounded through fp32 on the way
-  (torch's conversion), which adds at most ``2^-24``.
-
-A group's first round is *exact*: the members send their parameters in full precision (gathered,
-so every member sums them in the same order) and ``r_G`` becomes their average. References survive
-global averaging and its revert (they are identical on every member either way; a stale reference
-only makes the next difference larger) and are part of a checkpoint, so a resumed run continues bit
-for bit.
-
-Cost
-----
-* **Memory:** one reference per bucket for each group a rank compresses, i.e. up to
-  ``max_references`` copies of the gossiped parameters (ring: 2, one-peer-exponential with ``n``
-  ranks: ``log2 n``), plus the gathered payloads (``k`` times the wire size of a bucket). A rank
-  compresses only its first ``max_references`` groups in schedule order, and a group compresses
-  only if it is among the first ``max_references`` of every member (so that all members agree
-  without talking); the other groups gossip uncompressed.
-* **Bytes:** a round gathers, so each member sends ``(k - 1)`` payloads, where an uncompressed
-  all-reduce sends ``2 (k - 1) / k`` parameter copies. A group compresses only where that is fewer
-  bytes: pairs and triples with 16 bits, groups of up to 7 with 8 bits (for fp32 parameters).
-* **Only fp32 and fp64 buckets compress**: 16-bit parameters have nothing to gain from a 16-bit
-  wire format, and their mix rounds to 16 bits anyway.
+A round sends each member's difference to a reference its group shares, ``q_i = Q(x_i - r_G)``, in a
+16-bit or 8-bit wire format; every member mixes ``x_i <- x_i + a c (sum_j q_j - k q_i)`` and moves the
+reference by ``sum_j q_j / k``, so the quantization error stays in the replica (error feedback) and
+the mean of the replicas moves only by rounding in the parameters' dtype. This module holds the
+option (:class:`GossipCompression`), the codecs, and the plan of which groups compress. The
+algorithm, its guarantees, costs and figures: the compressed gossip page of the docs.
 """
 
 from __future__ import annotations
@@ -87,14 +36,14 @@ WIRE_FORMATS = ("bf16", "fp16", "int8")
 #: The bucket dtypes that compress.
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float64)
 
-#: Elements sharing one int8 scale: small enough to follow the local magnitude, large enough that
+#: Elements sharing one int8 scale, small enough to follow the local magnitude, large enough that
 #: the fp32 scale costs 1.6% of the payload.
 INT8_BLOCK = 256
 
 
 @dataclass(frozen=True)
 class GossipCompression:
-    """Opt-in compressed gossip (see the module docstring for the algorithm and its guarantees).
+    """Opt-in compressed gossip (the compressed gossip page of the docs explains the algorithm).
 
     Args:
         wire: ``"bf16"``, ``"fp16"`` (16 bits per element; fp16 is 8x more precise than bf16 but

@@ -215,7 +215,7 @@ class GossipEngine:
 
     @property
     def gradient_tracking_active(self) -> bool:
-        """Whether the local update steps with the tracked gradient: requested and world size > 1."""
+        """Whether the local update steps with the tracked gradient (requested, and world size > 1)."""
         return self._tracker is not None
 
     @property

@@ -7,7 +7,8 @@ and ``hierarchical``. ``python -m decent_optim_wrapper.topo NAME --world-size N`
 its figures (:mod:`decent_optim_wrapper.topo.analysis`).
 
 Topologies written for decent-dp (``_get_topo_edges()`` returning :class:`Edge` lists, registered with
-``@TopologyReg.register(name)``) work unchanged; see "Coming from decent-dp" in ``docs/topologies.md``.
+``@TopologyReg.register(name)``) work unchanged. The topologies page of the docs describes the
+built-ins, their figures, and how to write and check your own.
 
 Each module imports only modules listed before it: ``group`` (:class:`Group`, :data:`Phase`);
 ``validation`` and ``mixing`` (schedule checks; models sent and consensus rate); ``compat``

@@ -141,7 +141,7 @@ class Topology:
 
     @property
     def num_nodes(self) -> int:
-        """Number of nodes: ``world_size // local_world_size``."""
+        """Number of nodes, ``world_size // local_world_size``."""
         return self._num_nodes
 
     @property
@@ -157,7 +157,7 @@ class Topology:
 
     @cached_property
     def schedule(self) -> tuple[Phase, ...]:
-        """The validated schedule: one :data:`Phase` per step of the period, groups ordered by first rank."""
+        """The validated schedule, one :data:`Phase` per step of the period, groups ordered by first rank."""
         owner = type(self).__name__
         source = _schedule_source(type(self))
         if source is None:

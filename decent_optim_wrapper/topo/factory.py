@@ -102,7 +102,7 @@ class TopologyReg:
         TopologyReg.registry["custom-topology"] is TopologyFactory.get("custom-topology")  # True
     """
 
-    #: Name -> class: a live, read-only view of ``TopologyFactory``'s registry. Register through
+    #: Name -> class, a live, read-only view of ``TopologyFactory``'s registry. Register through
     #: :meth:`register` (or ``TopologyFactory.add_topology``), which also keeps :attr:`Topology.name` right.
     registry: ClassVar[Mapping[str, type[Topology]]] = MappingProxyType(TopologyFactory._registry)
 

@@ -83,5 +83,5 @@ class Group:
         return rank in self.ranks
 
 
-#: One phase of a schedule: disjoint groups that together cover every rank.
+#: One phase of a schedule, disjoint groups that together cover every rank.
 Phase = tuple[Group, ...]

@@ -1,6 +1,7 @@
 """What one period of a schedule costs and achieves: models sent per rank, period product, consensus rate.
 
-These are the figures behind :meth:`Topology.models_sent_per_step` and :meth:`Topology.consensus_rate`;
+These are the figures behind :meth:`~decent_optim_wrapper.topo.Topology.models_sent_per_step` and
+:meth:`~decent_optim_wrapper.topo.Topology.consensus_rate`;
 :mod:`decent_optim_wrapper.topo.analysis` re-exports them with the cost model and the consensus rate
 explained. They sit below :mod:`~decent_optim_wrapper.topo.base` and take any object with a schedule
 (:class:`SupportsSchedule`), so that ``base`` can use them without importing the figures module, which
