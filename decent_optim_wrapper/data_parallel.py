@@ -3,7 +3,8 @@ r"""The module front-end: :class:`DecentralizedDataParallel`, decent-dp's API on
 The update happens inside ``loss.backward()``: as soon as every gradient of a bucket has been
 accumulated, the bucket's round from the previous iteration is mixed in, the bucket's own
 optimizer takes its step, and the bucket's next round is launched, while backward goes on for the
-buckets of earlier layers. The user never calls ``optimizer.step()``.
+buckets of earlier layers. The user never calls ``optimizer.step()``. The docs' module front-end
+page covers its use, and the page on migrating from decent-dp what changed.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 It translates the optimizer API into engine calls: ``step()`` mixes every bucket, runs the inner
 optimizer's step, and launches every bucket's gossip; ``state_dict()`` composes the inner
 optimizer's state with the engine's. Buckets, gossip, global averaging and checkpoints of the
-replica live in :class:`~decent_optim_wrapper.engine.GossipEngine`.
+replica live in :class:`~decent_optim_wrapper.engine.GossipEngine`. The docs' training loops page
+shows it with AMP, clipping, accumulation, schedulers and checkpoints.
 """
 
 from __future__ import annotations
