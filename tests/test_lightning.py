@@ -229,8 +229,19 @@ def test_validation_sees_the_average_and_training_continues_bitwise(pool: Any) -
         assert not torch.equal(with_val[0]["before"][k], with_val[1]["before"][k])
     for rank in range(2):
         assert torch.equal(with_val[rank]["end"], without[rank]["end"])
-    # sync_dist metrics are the same on every rank (EarlyStopping saw the same values everywhere)
+    # sync_dist metrics are the same on every rank (EarlyStopping saw the same values everywhere) ...
     assert torch.equal(with_val[0]["val_loss"], with_val[1]["val_loss"])
+    # ... and are the loss of the averaged model on the whole validation set: the last validation ran on
+    # the average of the replicas recorded just before it. Lightning averages per-batch means over
+    # ranks and steps while this takes the mean of all 64 losses at once; with equal batch sizes the
+    # two agree up to float32 rounding of sums of 64 terms, well within 64 * 2**-24 relative.
+    model = Net()
+    average = (with_val[0]["before"][-1] + with_val[1]["before"][-1]) / 2
+    torch.nn.utils.vector_to_parameters(average.clone(), model.parameters())
+    x, y = dataset().tensors
+    with torch.no_grad():
+        expected = torch.nn.functional.cross_entropy(model.net(x), y)
+    assert torch.allclose(with_val[0]["val_loss"], expected, rtol=64 * 2**-24, atol=0)
 
 
 # -- checkpoints: resume equals the uninterrupted run; the exported model is the average --------------------

@@ -289,8 +289,7 @@ class DecentralizedStrategy(DDPStrategy):
         Outside ``fit`` (validate, test, predict) the checkpoint's averaged model is loaded as is.
         """
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        module = self.lightning_module
-        if module is None or module._trainer is None or module.trainer.state.fn != TrainerFn.FITTING:
+        if not self._fitting():
             return checkpoint
         path = rank_part_path(os.path.realpath(checkpoint_path), self.global_rank)
         if not os.path.exists(path):
@@ -310,6 +309,13 @@ class DecentralizedStrategy(DDPStrategy):
             if not key.startswith("decent_"):
                 checkpoint[key] = value
         return checkpoint
+
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        try:
+            return module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        except RuntimeError:  # the module is not attached to a Trainer
+            return False
 
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 removes the checkpoint; every rank removes its own part."""

@@ -19,6 +19,7 @@ try:
     import transformers
     from accelerate.utils import DistributedType
     from transformers import Trainer
+    from transformers.trainer import SCHEDULER_NAME
     from transformers.training_args import ParallelMode
 except ImportError as err:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -254,7 +255,7 @@ class DecentralizedTrainerMixin:
         part = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
         self.model.load_state_dict(part["model"])
         self._replicas.wrappers[0].load_state_dict(part["optimizer"])
-        scheduler = os.path.join(checkpoint, "scheduler.pt")
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
