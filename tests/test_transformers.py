@@ -76,6 +76,23 @@ class Recorder(transformers.TrainerCallback):
         self.at_end = params(model)  # before the trainer settles every rank on the average
 
 
+class CountingTrainer(transformers.Trainer):
+    """A Trainer subclass of the kind libraries ship (TRL's trainers override compute_loss too)."""
+
+    def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+        self.losses_computed = getattr(self, "losses_computed", 0) + 1
+        return super().compute_loss(*args, **kwargs)
+
+
+def _decentralized_counting_trainer() -> type:
+    from decent_optim_wrapper.integrations.transformers import DecentralizedTrainerMixin
+
+    class Counting(DecentralizedTrainerMixin, CountingTrainer):
+        pass
+
+    return Counting
+
+
 def fit(
     directory: str,
     *,
@@ -89,6 +106,7 @@ def fit(
 
     from decent_optim_wrapper.integrations.transformers import DecentralizedTrainer
 
+    DecentralizedCountingTrainer = _decentralized_counting_trainer()
     AcceleratorState._reset_state(True)  # the pool's processes outlive one Trainer: forget the last world
     with launched_by_torchrun():
         model = tiny_gpt2()
@@ -108,7 +126,11 @@ def fit(
         kwargs: dict[str, Any] = {}
         if sgd:
             kwargs["optimizers"] = (torch.optim.SGD(model.parameters(), lr=0.5), None)
-        cls = DecentralizedTrainer if trainer_class == "decentralized" else transformers.Trainer
+        cls = {
+            "decentralized": DecentralizedTrainer,
+            "transformers": transformers.Trainer,
+            "subclass": DecentralizedCountingTrainer,
+        }[trainer_class]
         data = sequences()
         trainer = cls(
             model=model, args=args, train_dataset=data, eval_dataset=data[:16], callbacks=[recorder], **kwargs
@@ -122,6 +144,7 @@ def fit(
             "at_end": recorder.at_end,
             "final": params(trainer.model),
             "wrapped": type(trainer.model_wrapped).__name__,
+            "losses_computed": getattr(trainer, "losses_computed", None),
         }
 
 
@@ -201,6 +224,9 @@ def test_world_size_one_equals_the_trainer(pool: Any, tmp_path: Path) -> None:
     (ours,) = pool(1).run(fit, str(tmp_path / "ours"), **options)
     (theirs,) = pool(1).run(fit, str(tmp_path / "theirs"), trainer_class="transformers", **options)
     assert equal(ours["final"], theirs["final"])
+    # the mixin on a Trainer subclass: the subclass's own override runs, the result is the same
+    (mixed,) = pool(1).run(fit, str(tmp_path / "mixed"), trainer_class="subclass", **options)
+    assert equal(mixed["final"], theirs["final"]) and mixed["losses_computed"] == 8
 
 
 @pytest.mark.pure
