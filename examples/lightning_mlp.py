@@ -133,11 +133,11 @@ def compare(args: argparse.Namespace) -> None:
         results[name] = json.loads(Path(out).read_text())
         os.unlink(out)
     print(f"\n{args.devices} CPU processes, {args.epochs} epochs, the same seeds:")
-    print(f"{'strategy':<15}{'train_loss':>12}{'val_loss':>10}{'val_acc':>9}{'ms/step':>9}")
+    print(f"{'strategy':<22}{'train_loss':>12}{'val_loss':>10}{'val_acc':>9}{'ms/step':>9}")
     for name, r in results.items():
         label = f"{name} ({args.topology})" if name == "decentralized" else name
         print(
-            f"{label:<15}{r['train_loss']:>12.4f}{r['val_loss']:>10.4f}{r['val_acc']:>9.4f}{r['ms_per_step']:>9.2f}"
+            f"{label:<22}{r['train_loss']:>12.4f}{r['val_loss']:>10.4f}{r['val_acc']:>9.4f}{r['ms_per_step']:>9.2f}"
         )
 
 
