@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any, TypeVar
@@ -117,3 +119,29 @@ def load_script(path: Path) -> ModuleType:
             del sys.modules[name]
             raise
     return sys.modules[name]
+
+
+@contextlib.contextmanager
+def launched_by_torchrun() -> Iterator[None]:
+    """This pool rank looks to Lightning and Accelerate like a process torchrun started (env restored)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    env = {
+        "TORCHELASTIC_RUN_ID": "pool",
+        "RANK": str(rank),
+        "GROUP_RANK": "0",
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",  # never used: the process group exists already
+    }
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

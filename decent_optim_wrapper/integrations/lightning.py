@@ -1,0 +1,338 @@
+"""PyTorch Lightning: :class:`DecentralizedStrategy`, gossip instead of DDP's gradient all-reduce.
+
+``Trainer(strategy=DecentralizedStrategy(topology="ring"), devices=N, num_nodes=M)``, or
+``strategy="decentralized"`` once this module is imported (importing it registers the name in
+Lightning's ``StrategyRegistry``). The user's ``LightningModule`` is unchanged. Needs the
+``[lightning]`` extra (Lightning 2.6).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from torch.optim import LBFGS, Optimizer
+
+try:
+    import lightning
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.fabric.strategies.registry import _StrategyRegistry
+    from lightning.fabric.utilities.types import _PATH
+    from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
+    from lightning.pytorch.utilities import GradClipAlgorithmType
+except ImportError as err:  # pragma: no cover - exercised only without the extra
+    raise ImportError(
+        "decent_optim_wrapper.integrations.lightning needs PyTorch Lightning: "
+        "pip install 'decent-optim-wrapper[lightning]'"
+    ) from err
+
+from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, TopologySpec
+from decent_optim_wrapper.integrations.common import GossipOptions, Replicas, require_version
+from decent_optim_wrapper.wrapper import DecentOptimWrapper
+
+__all__ = ["DecentralizedStrategy", "rank_part_path"]
+
+SUPPORTED = ((2, 6), (2, 7))
+
+
+def rank_part_path(filepath: _PATH, rank: int) -> str:
+    """Where rank ``rank``'s part of the checkpoint ``filepath`` lives: ``<filepath>.rank<r>``."""
+    return f"{os.fspath(filepath)}.rank{rank}"
+
+
+class _ClosureFirstWrapper(DecentOptimWrapper):
+    """A wrapper that runs Lightning's closure (forward, backward) before the step, not inside it.
+
+    That is the order of a hand-written loop (``backward()``, then ``step()``): the gradient is taken
+    at the replica as it is, then the previous round is mixed in and the update applied. It also
+    lets gradient tracking, which needs final gradients before the step, work under Lightning's
+    automatic optimization. An optimizer that evaluates its closure several times (LBFGS) is refused.
+    """
+
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        if closure is None:
+            return super().step()
+        with torch.enable_grad():
+            loss = closure()
+        super().step()
+        return loss
+
+
+class _UnscalingMixedPrecision(MixedPrecision):
+    """Lightning's mixed precision for an optimizer that takes GradScaler's ``found_inf`` itself.
+
+    The wrapper tells GradScaler it handles scaling (so a rank with inf/NaN gradients still gossips
+    instead of skipping ``step()`` and leaving its peers waiting), which makes Lightning's plugin
+    skip unscaling and refuse gradient clipping (under ``bf16-mixed`` too, without a scaler). This
+    plugin unscales right after the closure, as it does for a plain optimizer, so clipping,
+    ``on_before_optimizer_step`` and gradient tracking see the true gradients; GradScaler then
+    hands the wrapper only ``found_inf``.
+    """
+
+    def optimizer_step(  # type: ignore[override]
+        self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
+        scaler = self.scaler
+        if scaler is None:  # bf16-mixed: nothing to unscale
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
+        def unscaling_closure() -> Any:
+            result = closure()
+            if not (result is None and model.automatic_optimization):  # backward was not skipped
+                scaler.unscale_(optimizer)
+            return result
+
+        return super().optimizer_step(optimizer, model=model, closure=unscaling_closure, **kwargs)
+
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: int | float = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        # the gradients are unscaled by now (see optimizer_step), so clipping them is correct
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
+
+
+class DecentralizedStrategy(DDPStrategy):
+    r"""Decentralized data parallelism for Lightning: each rank trains its own replica and gossips.
+
+    Launching, the process group, data sharding (``DistributedSampler``), ``self.log(...,
+    sync_dist=True)`` (a real all-reduce), barriers and broadcasts are DDP's; what changes:
+
+    * the model is **not** wrapped in ``DistributedDataParallel`` (no gradient all-reduce), and every
+      optimizer ``configure_optimizers`` returns is wrapped in a
+      :class:`~decent_optim_wrapper.DecentOptimWrapper` (LR schedulers keep working on the optimizer
+      they were built on: the wrapper shares its ``param_groups``). Each step runs
+      ``x_i <- sum_j W_ij x_j`` (the round launched at the previous step), then the optimizer's update
+      with this rank's gradient, then launches this step's round, as in the wrapper;
+    * validation, test and predict inside ``fit`` run on the exact global average of the replicas
+      (parameters and floating buffers); training then continues from each rank's own replica, bit
+      for bit. When ``fit`` ends, every rank holds the global average;
+    * a checkpoint's ``state_dict`` (what ``ModelCheckpoint`` writes, what a user deploys) is the
+      global average; each rank also writes its part (its replica, its optimizer and gossip state)
+      to ``<checkpoint>.rank<r>``, and ``fit(ckpt_path=...)`` resumes every rank from its own part.
+
+    .. warning:: Every rank must make the same calls (fit, validate, save_checkpoint) as under DDP;
+        gossip waits for peers at most ``timeout`` and then raises
+        :class:`~decent_optim_wrapper.GossipError`.
+
+    Args:
+        topology: who averages with whom (``"ring"``, ``"complete"``, ``"one-peer-exp"``, ... or a
+            :class:`~decent_optim_wrapper.Topology`); ranks per node is ``devices``.
+        bucket_cap_mb: largest gossip bucket in MiB.
+        timeout: how long gossip and averaging wait for a peer before raising.
+        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or None (exact gossip).
+        gradient_tracking: step with a gossiped tracker of the average gradient.
+
+    The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
+    ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``start_method``) are those of
+    Lightning's ``DDPStrategy``. The engine options are described once, on
+    :class:`~decent_optim_wrapper.engine.GossipEngine`.
+    """
+
+    strategy_name = "decentralized"
+
+    def __init__(
+        self,
+        topology: TopologySpec = "ring",
+        *,
+        bucket_cap_mb: float = 25,
+        timeout: timedelta = DEFAULT_TIMEOUT,
+        compression: CompressionSpec = None,
+        gradient_tracking: bool = False,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        require_version("lightning", lightning.__version__, *SUPPORTED)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
+        )
+        self._options = GossipOptions(
+            topology=topology,
+            bucket_cap_mb=bucket_cap_mb,
+            timeout=timeout,
+            compression=compression,
+            gradient_tracking=gradient_tracking,
+        )
+        self._replicas = Replicas()
+
+    # -- setup: no DDP, wrapped optimizers -----------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        plugin = self.precision_plugin
+        if type(plugin) is MixedPrecision:
+            precision: Literal["16-mixed", "bf16-mixed"] = (
+                "16-mixed" if plugin.precision == "16-mixed" else "bf16-mixed"
+            )
+            self.precision_plugin = _UnscalingMixedPrecision(precision, plugin.device, plugin.scaler)
+        super().setup(trainer)
+
+    def configure_ddp(self) -> None:
+        """Nothing to do: the model is not wrapped in ``DistributedDataParallel`` (gossip replaces it)."""
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Build the optimizers and schedulers as Lightning does, then wrap each optimizer to gossip.
+
+        A collective (the wrappers broadcast rank 0's parameters): all ranks build the same optimizers.
+        """
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, LBFGS):
+                raise ValueError(
+                    "DecentralizedStrategy does not support torch.optim.LBFGS: it evaluates its closure "
+                    "several times per step, and the strategy runs the closure once before the step. "
+                    "Use a first-order optimizer (SGD, Adam, AdamW, ...)."
+                )
+        self._options = GossipOptions(**{**vars(self._options), "local_world_size": self.num_processes})
+        wrapped = [self._options.wrap(optimizer, _ClosureFirstWrapper) for optimizer in self.optimizers]
+        self._replicas.clear()
+        self._replicas.wrappers = wrapped
+        self.optimizers = list(wrapped)
+
+    @property
+    def replicas(self) -> Replicas:
+        """The wrapped optimizers of the current fit (empty outside one) and whether they are averaged."""
+        return self._replicas
+
+    # -- evaluation on the global average ------------------------------------------------------------
+    def _average(self) -> None:
+        assert self.lightning_module is not None
+        self._replicas.average(self.lightning_module)
+
+    def on_validation_start(self) -> None:
+        self._average()
+
+    def on_validation_end(self) -> None:
+        self._replicas.restore()
+
+    def on_test_start(self) -> None:
+        self._average()
+
+    def on_test_end(self) -> None:
+        self._replicas.restore()
+
+    def on_predict_start(self) -> None:
+        self._average()
+
+    def on_predict_end(self) -> None:
+        self._replicas.restore()
+
+    def on_train_end(self) -> None:
+        """Training is over: every rank's model becomes the global average, for good."""
+        assert self.lightning_module is not None
+        self._replicas.settle(self.lightning_module)
+
+    def teardown(self) -> None:
+        self._replicas = Replicas()  # the wrappers belong to the finished fit
+        super().teardown()
+
+    # -- checkpoints ---------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The global average's state dict: what a checkpoint exports (a collective during ``fit``)."""
+        assert self.lightning_module is not None
+        return self._replicas.averaged_state_dict(self.lightning_module)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None
+    ) -> None:
+        """Rank 0 writes ``checkpoint`` (the averaged model); every rank writes its part beside it.
+
+        The part, at :func:`rank_part_path`, holds what this rank needs to resume bit for bit: its
+        replica's state dict (parameters and buffers), its optimizers' state dicts (with the gossip
+        state in their ``"decent"`` entry) and the precision plugin's state.
+        """
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        if not self._replicas.training:
+            return
+        part = self._rank_part(checkpoint)
+        self.checkpoint_io.save_checkpoint(part, rank_part_path(filepath, self.global_rank), storage_options)
+
+    def _rank_part(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        module = self.lightning_module
+        assert module is not None
+        averaged = self._replicas.averaged
+        self._replicas.restore()  # saved during evaluation: this rank's part is its replica, not the average
+        try:
+            part = {
+                "decent_rank": self.global_rank,
+                "decent_world_size": self.world_size,
+                "state_dict": {key: value.clone() for key, value in module.state_dict().items()},
+                "optimizer_states": [optimizer.state_dict() for optimizer in self._replicas.wrappers],
+            }
+        finally:
+            if averaged:
+                self._average()
+        precision_key = type(self.precision_plugin).__qualname__
+        if precision_key in checkpoint:
+            part[precision_key] = self.precision_plugin.state_dict()
+        return part
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """The checkpoint; when resuming ``fit``, with this rank's part (replica, optimizers) in place.
+
+        Outside ``fit`` (validate, test, predict) the checkpoint's averaged model is loaded as is.
+        """
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        if not self._fitting():
+            return checkpoint
+        path = rank_part_path(os.path.realpath(checkpoint_path), self.global_rank)
+        if not os.path.exists(path):
+            raise FileNotFoundError(
+                f"rank {self.global_rank}'s part of checkpoint {os.fspath(checkpoint_path)!r} is missing: "
+                f"expected {path!r}. Resume with the world size that saved it (each rank r reads "
+                "<checkpoint>.rank<r>), or load the averaged model with LightningModule.load_from_checkpoint."
+            )
+        part = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        if part.get("decent_world_size") != self.world_size or part.get("decent_rank") != self.global_rank:
+            raise ValueError(
+                f"{path!r} was saved by rank {part.get('decent_rank')} of world size "
+                f"{part.get('decent_world_size')}; this is rank {self.global_rank} of {self.world_size}. "
+                "Resume with the world size and ranks that saved the checkpoint."
+            )
+        for key, value in part.items():
+            if not key.startswith("decent_"):
+                checkpoint[key] = value
+        return checkpoint
+
+    def _fitting(self) -> bool:
+        module = self.lightning_module
+        try:
+            return module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        except RuntimeError:  # the module is not attached to a Trainer
+            return False
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rank 0 removes the checkpoint; every rank removes its own part."""
+        super().remove_checkpoint(filepath)
+        path = rank_part_path(filepath, self.global_rank)
+        if os.path.exists(path):
+            self.checkpoint_io.remove_checkpoint(path)
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="Decentralized (gossip) data parallelism: DecentOptimWrapper instead of DDP",
+        )
+
+
+if DecentralizedStrategy.strategy_name not in StrategyRegistry:
+    DecentralizedStrategy.register_strategies(StrategyRegistry)

@@ -1,0 +1,68 @@
+"""The Lightning and Hugging Face examples end to end, as a user runs them, on a short run each.
+
+Each script starts its own processes (Lightning's launcher; torchrun for the Trainer) and runs in a
+process group of its own with a hard deadline, in a temporary directory (they write under runs/).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.examples
+
+ROOT = Path(__file__).resolve().parents[1]
+DEADLINE_S = 150  # starting 2 processes that import torch and a framework (seconds each), then training
+
+
+def run_script(cwd: Path, *argv: str) -> str:
+    """What the script prints; past the deadline its whole process group is killed and the test fails."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            output, _ = process.communicate(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"{argv[0]} ran past {DEADLINE_S} s; it printed:\n{output}")
+    assert process.returncode == 0, f"{argv[0]} exited with {process.returncode}:\n{output}"
+    return output
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_lightning_example_trains_with_lightnings_launcher(tmp_path: Path) -> None:
+    pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
+    results = tmp_path / "results.json"
+    output = run_script(
+        tmp_path, str(ROOT / "examples/lightning_mlp.py"), "--epochs", "1", "--json", str(results)
+    )
+    metrics = json.loads(results.read_text())
+    assert metrics["val_acc"] > 0.3  # 10 classes: chance is 0.1
+    assert "decentralized: val_loss" in output and "val_acc" in output
+    assert list((tmp_path / "runs" / "lightning-decentralized").rglob("*.ckpt.rank1"))  # each rank's part
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_hf_example_trains_under_torchrun(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
+    results = tmp_path / "results.json"
+    output = run_script(tmp_path, str(ROOT / "examples/hf_gpt2.py"), "--steps", "8", "--json", str(results))
+    metrics = json.loads(results.read_text())
+    assert metrics["eval_loss"] < metrics["train_loss"] + 1.0 and metrics["ms_per_step"] > 0
+    assert "best possible loss" in output and "eval_loss" in output
+    checkpoint = tmp_path / "runs" / "hf-decentralized" / "checkpoint-4"
+    assert (checkpoint / "decent_rank0-of-2.pt").exists() and (checkpoint / "decent_rank1-of-2.pt").exists()
