@@ -20,7 +20,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine
+from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine, OuterFactory
 from decent_optim_wrapper.engine.comm import agree, check_identical
 from decent_optim_wrapper.inner_step import (
     fire_global_step_post_hooks,
@@ -96,9 +96,10 @@ class DecentralizedDataParallel(nn.Module):
             (BatchNorm statistics), and :meth:`revert_global_avg` restores them.
         bucket_size_in_mb: largest bucket in MiB.
         _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
-        timeout, compression, gradient_tracking: the engine's options, keyword-only; see
-            :class:`~decent_optim_wrapper.engine.GossipEngine`. Defaults: ten minutes, exact
-            gossip, no tracking.
+        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay: the
+            engine's options, keyword-only; see :class:`~decent_optim_wrapper.engine.GossipEngine`.
+            Defaults: ten minutes, exact gossip, no tracking, per-step gossip (``sync_every > 1``
+            gives low-communication gossip: local steps, an outer optimizer, anchors gossiped).
 
     Example::
 
@@ -125,6 +126,9 @@ class DecentralizedDataParallel(nn.Module):
         timeout: timedelta = DEFAULT_TIMEOUT,
         compression: CompressionSpec = None,
         gradient_tracking: bool = False,
+        sync_every: int = 1,
+        outer_optimizer: OuterFactory | None = None,
+        sync_delay: int | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -149,6 +153,9 @@ class DecentralizedDataParallel(nn.Module):
             timeout=timeout,
             compression=compression,
             gradient_tracking=gradient_tracking,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            sync_delay=sync_delay,
             context="DecentralizedDataParallel",
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)
@@ -225,6 +232,11 @@ class DecentralizedDataParallel(nn.Module):
     def optimizers(self) -> list[Optimizer]:
         """One optimizer per bucket, in bucket order."""
         return list(self._optimizers)
+
+    @property
+    def outer_optimizer(self) -> Optimizer | None:
+        """The outer optimizer of low-communication gossip (an LR scheduler may drive it), or None."""
+        return self._engine.outer_optimizer
 
     @property
     def lr_schedulers(self) -> list[LRScheduler | None]:
