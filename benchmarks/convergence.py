@@ -82,6 +82,7 @@ METHODS = [
     "ddp+adamw",
     "ring~h8",
     "ring~h8n",
+    "ring~h8nd0",
     "one-peer-exp~h8n",
     "complete~h8nd0",
     "ring~h32n",

@@ -44,6 +44,7 @@ METHODS = [
     "ring+adamw",
     "ring~h8+adamw",
     "ring~h8n+adamw",
+    "ring~h8nd0+adamw",
     "one-peer-exp~h8n+adamw",
     "complete~h8nd0+adamw",
     "ring~h32n+adamw",
