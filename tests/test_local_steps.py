@@ -648,6 +648,7 @@ def _bad(case: str) -> str:
             "outer_optimizer": nesterov(model.parameters()) if rank == 1 else nesterov,
         },
         "outer-class": {"sync_every": 4, "outer_optimizer": adam if rank == 1 else nesterov},
+        "outer-lr": {"sync_every": 4, "outer_optimizer": heavy_ball if rank == 1 else nesterov},
     }[case]
     try:
         DecentOptimWrapper(inner, topology="ring", **options)
@@ -668,6 +669,7 @@ def _bad(case: str) -> str:
         ("raises", "outer_optimizer\\(params\\) raised IndexError"),
         ("instance", "outer_optimizer must be None or a function"),
         ("outer-class", "Low-communication gossip .* differs"),
+        ("outer-lr", "Low-communication gossip .* differs"),
     ],
 )
 def test_bad_input_fails_on_every_rank(pool, case, message):

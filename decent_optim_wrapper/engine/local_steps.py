@@ -75,8 +75,11 @@ class LocalStepsSpec:
     outer_optimizer: OuterFactory | None
 
     def agreement(self, outer: torch.optim.Optimizer | None) -> tuple[object, ...]:
-        """What every rank must agree on: H, D, and the outer optimizer's class and group count."""
-        described = None if outer is None else (type(outer).__name__, len(outer.param_groups))
+        """What every rank must agree on: H, D, and the outer optimizer's class, group count and
+        defaults (ranks with different outer learning rates would no longer follow one rule)."""
+        described = None
+        if outer is not None:
+            described = (type(outer).__name__, len(outer.param_groups), repr(sorted(outer.defaults.items())))
         return (self.sync_every, self.sync_delay, described)
 
 
