@@ -10,7 +10,8 @@ A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, 
   steps with it, for twice the bytes. DDP takes none: it already steps with the exact average;
 - ``~hH``, ``~hHn``, ``~hHnD`` (``D`` after a ``d``): low-communication gossip with ``sync_every=H``:
   ``~h8`` is periodic gossip (8 local steps, then a gossip round of the parameters), ``~h8n`` adds
-  DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9), ``~h8nd0`` with ``sync_delay=0``
+  DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9; ``~h8n0.3``: outer lr 0.3),
+  ``~h8nd0`` with ``sync_delay=0``
   (blocking; without ``d`` the default, a whole round); ``complete~h8nd0`` is DiLoCo;
 - ``@bf16``, ``@fp16``, ``@int8``: gossip compressed models (``compression=`` of both front-ends);
   DDP takes none;
@@ -37,13 +38,24 @@ MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
 TRACKING_SUFFIX = "-gt"  # after -module, if any: gradient tracking
 COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression"; none when none is named
 OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
-LOCAL = re.compile(r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n)?(?:d(?P<delay>[0-9]+))?")  # after "~"
+LOCAL = re.compile(  # after "~"
+    r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n(?P<lr>[0-9]*\.[0-9]+)?)?(?:d(?P<delay>[0-9]+))?"
+)
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
 
 
 def nesterov_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: SGD with lr 0.7 and Nesterov momentum 0.9."""
     return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
+def nesterov_outer_with_lr(lr: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer with another learning rate (``~h8n0.3``: lr 0.3)."""
+
+    def build(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=OUTER_MOMENTUM, nesterov=True)
+
+    return build
 
 
 @dataclass(frozen=True)
@@ -60,6 +72,7 @@ class Method:
     optimizer: str | None = None  # None: SGD with momentum
     sync_every: int = 1  # low-communication gossip: inner steps per round (1: per-step gossip)
     nesterov: bool = False  # with DiLoCo's outer optimizer
+    outer_lr: float | None = None  # its learning rate, if not DiLoCo's 0.7
     sync_delay: int | None = None  # None: the library's default (a whole round)
 
     @property
@@ -70,6 +83,7 @@ class Method:
         return (
             f"h{self.sync_every}"
             + ("n" if self.nesterov else "")
+            + ("" if self.outer_lr is None else str(self.outer_lr))
             + ("" if self.sync_delay is None else f"d{self.sync_delay}")
         )
 
@@ -83,7 +97,13 @@ class Method:
         if self.local:
             options.update(
                 sync_every=self.sync_every,
-                outer_optimizer=nesterov_outer if self.nesterov else None,
+                outer_optimizer=(
+                    None
+                    if not self.nesterov
+                    else nesterov_outer
+                    if self.outer_lr is None
+                    else nesterov_outer_with_lr(self.outer_lr)
+                ),
                 sync_delay=self.sync_delay,
             )
         return options
@@ -115,7 +135,7 @@ def parse_method(method: str) -> Method:
         )
     base, at, compression = front.partition("@")
     base, tilde, local = base.partition("~")
-    every, nesterov, delay = 1, False, None
+    every, nesterov, delay, outer_lr = 1, False, None, None
     if tilde:
         match = LOCAL.fullmatch(local)
         if base == "ddp" or match is None:
@@ -125,6 +145,7 @@ def parse_method(method: str) -> Method:
                 f"gossip topology, got {local!r}"
             )
         every, nesterov = int(match["every"]), match["nesterov"] is not None
+        outer_lr = None if match["lr"] is None else float(match["lr"])
         delay = None if match["delay"] is None else int(match["delay"])
         if delay is not None and delay > every:
             raise ValueError(f"method {method!r}: the delay d{delay} exceeds the round of h{every} steps")
@@ -167,6 +188,7 @@ def parse_method(method: str) -> Method:
         optimizer=optimizer or None,
         sync_every=every,
         nesterov=nesterov,
+        outer_lr=outer_lr,
         sync_delay=delay,
     )
 

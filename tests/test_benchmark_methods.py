@@ -214,6 +214,7 @@ def test_bad_method_names_are_rejected_by_name(name, message):
         ("complete~h8nd0", 8, True, 0),
         ("one-peer-exp-module~h32n@bf16+adamw", 32, True, None),
         ("ring~h4d4", 4, False, 4),
+        ("ring~h8n0.3d0", 8, True, 0),
     ],
 )
 def test_low_communication_names_are_read(name, sync_every, nesterov, delay):
@@ -222,7 +223,11 @@ def test_low_communication_names_are_read(name, sync_every, nesterov, delay):
     assert method.name == name
     options = method.engine_options()
     assert options["sync_every"] == sync_every and options["sync_delay"] == delay
-    assert (options["outer_optimizer"] is methods.nesterov_outer) == nesterov
+    outer = options["outer_optimizer"]
+    assert (outer is not None) == nesterov
+    if nesterov:  # DiLoCo's outer optimizer, with the learning rate the name gives
+        group = outer([torch.zeros(1)]).param_groups[0]
+        assert (group["lr"], group["momentum"], group["nesterov"]) == (method.outer_lr or 0.7, 0.9, True)
     assert "sync_every" not in methods.parse_method("ring").engine_options()  # per-step gossip untouched
 
 
