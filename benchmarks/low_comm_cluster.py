@@ -59,6 +59,7 @@ TARGET_VS_NOCOMM, TARGET_VS_DDP = 1.10, 5.0
 def compute_seconds(args: argparse.Namespace, steps: int = 30) -> tuple[float, int]:
     """Median seconds of one training step (forward, backward, AdamW) here, and the model's bytes."""
     torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # as the workers do
     torch.manual_seed(0)
     model = build_mlp(args.inputs, args.width, args.depth, 10)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

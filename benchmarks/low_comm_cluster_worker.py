@@ -69,10 +69,12 @@ def build(
 def run_segment(method: str, args: argparse.Namespace) -> tuple[list[float], int, float | None]:
     model, optimizer, sent = build(method, args)
     generator = torch.Generator().manual_seed(args.rank)
-    x = torch.randn(args.batch, args.inputs, generator=generator)
-    y = torch.randint(0, 10, (args.batch,), generator=generator)
     times: list[float] = []
     for i in range(args.warmup + args.iters):
+        # A fresh batch every step (drawn outside the timed part): a fixed batch is memorised within
+        # a few dozen steps, and its vanishing gradients turn denormal and slow every kernel down.
+        x = torch.randn(args.batch, args.inputs, generator=generator)
+        y = torch.randint(0, 10, (args.batch,), generator=generator)
         if i == args.warmup:
             dist.barrier()
         start = time.perf_counter()
@@ -134,6 +136,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
+    torch.set_flush_denormal(True)  # the same for every method: no kernel slowed down by denormals
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size, timeout=COLLECTIVE_TIMEOUT)
     try:
         run_rounds(args)
