@@ -20,8 +20,10 @@ after its ``+`` is compared with ``ddp+adamw`` (all-reduce with AdamW, the same 
 others with ``ddp``. Missing references are added to the run.
 
 Low-communication methods (``~``: ``ring~h8n`` is 8 local steps per round with DiLoCo's outer
-optimizer, ``complete~h8nd0`` is DiLoCo itself, ``ring~h8`` periodic gossip without an outer
-optimizer) are compared with DDP like the others, at equal samples (the same steps and batch).
+optimizer, Nesterov SGD with lr 0.7; ``ring~h8n0.1`` the same with outer lr 0.1, which suits 8
+local steps of this task's SGD; ``complete~h8n0.1d0`` is DiLoCo itself; ``ring~h8`` periodic
+gossip without an outer optimizer) are compared with DDP like the others, at equal samples (the
+same steps and batch).
 
 Targets, marked met or MISSED:
 
@@ -82,12 +84,12 @@ METHODS = [
     "ddp+adamw",
     "ring~h8",
     "ring~h8n",
-    "ring~h8nd0",
-    "one-peer-exp~h8n",
-    "complete~h8nd0",
-    "ring~h32n",
-    "one-peer-exp~h32n",
-    "complete~h32nd0",
+    "ring~h8n0.1",
+    "one-peer-exp~h8n0.1",
+    "complete~h8n0.1d0",
+    "ring~h32n0.1",
+    "one-peer-exp~h32n0.1",
+    "complete~h32n0.1d0",
 ]
 TARGET_VS_DDP = 0.5  # points; on the dirichlet split judged for tracked methods only (module docstring)
 TRACKED_ON_SKEW = ("ring", "one-peer-exp")  # topologies whose tracked methods are judged on dirichlet

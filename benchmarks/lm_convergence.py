@@ -44,12 +44,10 @@ METHODS = [
     "ring+adamw",
     "ring~h8+adamw",
     "ring~h8n+adamw",
-    "ring~h8nd0+adamw",
-    "one-peer-exp~h8n+adamw",
-    "complete~h8nd0+adamw",
-    "ring~h32n+adamw",
-    "one-peer-exp~h32n+adamw",
-    "complete~h32nd0+adamw",
+    "ring~h8n0.2+adamw",
+    "one-peer-exp~h8n0.2+adamw",
+    "complete~h8n0.2d0+adamw",
+    "ring~h32n0.2+adamw",
 ]
 TARGET_RATIO = 1.02  # validation loss within 2% of DDP's, for sync_every <= 8, iid split
 JUDGED_SYNC_EVERY = 8
