@@ -1,6 +1,6 @@
 """How the benchmarks name a training method, and what each part of a name turns on.
 
-A method is named ``topology[-module][-gt][@compression][+optimizer]``, or ``ddp[+optimizer]``:
+A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, or ``ddp[+optimizer]``:
 
 - ``topology``: any name ``TopologyFactory`` knows (``ring``, ``one-peer-exp``, ``complete``, ...),
   trained with DecentOptimWrapper; ``ddp`` is PyTorch's DistributedDataParallel (all-reduce);
@@ -8,19 +8,27 @@ A method is named ``topology[-module][-gt][@compression][+optimizer]``, or ``ddp
 - ``-gt``: gradient tracking (``gradient_tracking=True`` of both front-ends), the remedy for
   label-skewed data: each rank gossips a tracker of the average gradient beside its parameters and
   steps with it, for twice the bytes. DDP takes none: it already steps with the exact average;
+- ``~hH``, ``~hHn``, ``~hHnD`` (``D`` after a ``d``): low-communication gossip with ``sync_every=H``:
+  ``~h8`` is periodic gossip (8 local steps, then a gossip round of the parameters), ``~h8n`` adds
+  DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9; ``~h8n0.3``: outer lr 0.3),
+  ``~h8nd0`` with ``sync_delay=0``
+  (blocking; without ``d`` the default, a whole round); ``complete~h8nd0`` is DiLoCo;
 - ``@bf16``, ``@fp16``, ``@int8``: gossip compressed models (``compression=`` of both front-ends);
   DDP takes none;
 - ``+adamw``, ``+accum-adamw`` (AccumAdamW, accum_iter 4): train with the Adam learning rate;
   without one (or with ``+sgd``) it is SGD with momentum.
 
 For example ``ring@bf16``, ``one-peer-exp@fp16``, ``ring-module@int8+accum-adamw``, ``ring-gt``,
-``one-peer-exp-gt@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``.
+``one-peer-exp-gt@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``, ``ring~h8n``,
+``one-peer-exp~h32n@bf16+adamw``.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,6 +38,24 @@ MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
 TRACKING_SUFFIX = "-gt"  # after -module, if any: gradient tracking
 COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression"; none when none is named
 OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
+LOCAL = re.compile(  # after "~"
+    r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n(?P<lr>[0-9]*\.[0-9]+)?)?(?:d(?P<delay>[0-9]+))?"
+)
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
+
+
+def nesterov_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: SGD with lr 0.7 and Nesterov momentum 0.9."""
+    return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+
+
+def nesterov_outer_with_lr(lr: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer with another learning rate (``~h8n0.3``: lr 0.3)."""
+
+    def build(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=lr, momentum=OUTER_MOMENTUM, nesterov=True)
+
+    return build
 
 
 @dataclass(frozen=True)
@@ -44,6 +70,43 @@ class Method:
     tracking: bool = False  # gradient tracking (gossip a tracker of the average gradient too)
     compression: str | None = None
     optimizer: str | None = None  # None: SGD with momentum
+    sync_every: int = 1  # low-communication gossip: inner steps per round (1: per-step gossip)
+    nesterov: bool = False  # with DiLoCo's outer optimizer
+    outer_lr: float | None = None  # its learning rate, if not DiLoCo's 0.7
+    sync_delay: int | None = None  # None: the library's default (a whole round)
+
+    @property
+    def local(self) -> str:
+        """The ``~`` part of the name, without the ``~`` ("" for per-step gossip)."""
+        if self.sync_every == 1 and not self.nesterov and self.sync_delay is None:
+            return ""
+        return (
+            f"h{self.sync_every}"
+            + ("n" if self.nesterov else "")
+            + ("" if self.outer_lr is None else str(self.outer_lr))
+            + ("" if self.sync_delay is None else f"d{self.sync_delay}")
+        )
+
+    def engine_options(self) -> dict[str, Any]:
+        """The keywords both front-ends take for this method's gossip."""
+        options: dict[str, Any] = {
+            "topology": self.topology,
+            "compression": self.compression,
+            "gradient_tracking": self.tracking,
+        }
+        if self.local:
+            options.update(
+                sync_every=self.sync_every,
+                outer_optimizer=(
+                    None
+                    if not self.nesterov
+                    else nesterov_outer
+                    if self.outer_lr is None
+                    else nesterov_outer_with_lr(self.outer_lr)
+                ),
+                sync_delay=self.sync_delay,
+            )
+        return options
 
     @property
     def name(self) -> str:
@@ -53,6 +116,8 @@ class Method:
             name += MODULE_SUFFIX
         if self.tracking:
             name += TRACKING_SUFFIX
+        if self.local:
+            name += f"~{self.local}"
         if self.compression:
             name += f"@{self.compression}"
         if self.optimizer:
@@ -69,6 +134,21 @@ def parse_method(method: str) -> Method:
             f"choose one of {', '.join(OPTIMIZERS)}"
         )
     base, at, compression = front.partition("@")
+    base, tilde, local = base.partition("~")
+    every, nesterov, delay, outer_lr = 1, False, None, None
+    if tilde:
+        match = LOCAL.fullmatch(local)
+        if base == "ddp" or match is None:
+            raise ValueError(
+                f"method {method!r}: after '~' write hH for H local steps per round, then n for DiLoCo's "
+                "outer optimizer and dD for a delay of D steps (e.g. 'ring~h8n', 'ring~h8nd0'), after a "
+                f"gossip topology, got {local!r}"
+            )
+        every, nesterov = int(match["every"]), match["nesterov"] is not None
+        outer_lr = None if match["lr"] is None else float(match["lr"])
+        delay = None if match["delay"] is None else int(match["delay"])
+        if delay is not None and delay > every:
+            raise ValueError(f"method {method!r}: the delay d{delay} exceeds the round of h{every} steps")
     if at and base == "ddp":
         raise ValueError(
             f"method {method!r}: ddp takes no compression, got {compression!r}; all-reduce sends "
@@ -106,6 +186,10 @@ def parse_method(method: str) -> Method:
         tracking=stem != base,
         compression=compression or None,
         optimizer=optimizer or None,
+        sync_every=every,
+        nesterov=nesterov,
+        outer_lr=outer_lr,
+        sync_delay=delay,
     )
 
 

@@ -12,11 +12,12 @@ puts it there), so its modules import each other by their plain names.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from methods import optimizer_factory, parse_method
+from methods import Method, optimizer_factory, parse_method
 from synthetic_task import describe_split, make_data, make_model, split_data, split_label
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -45,6 +46,43 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def build_training(
+    spec: Method,
+    model: nn.Module,
+    make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
+    steps: int,
+) -> tuple[
+    nn.Module,
+    torch.optim.Optimizer | None,
+    DecentOptimWrapper | DecentralizedDataParallel | None,
+    torch.optim.lr_scheduler.LRScheduler | None,
+]:
+    """What trains ``model`` with ``spec``: the module to call, the optimizer to step (None for the
+    module front-end, which steps inside backward), what gossips (None for DDP), and a cosine
+    schedule over ``steps`` (None for the module front-end, which steps its own per bucket)."""
+    optimizer: torch.optim.Optimizer | None = None
+    replicas: DecentOptimWrapper | DecentralizedDataParallel | None = None
+    if spec.topology is None:
+        net: nn.Module = DistributedDataParallel(model)
+        optimizer = make_optimizer(list(model.named_parameters()))
+    elif spec.module:  # the update happens inside backward, one optimizer per bucket
+        net = replicas = DecentralizedDataParallel(
+            model,
+            make_optimizer,
+            lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
+            **spec.engine_options(),
+        )
+    else:
+        net = model
+        optimizer = replicas = DecentOptimWrapper(
+            make_optimizer(list(model.named_parameters())), **spec.engine_options()
+        )
+    scheduler = None
+    if optimizer is not None:
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    return net, optimizer, replicas, scheduler
+
+
 def train_one_method(
     method: str,
     steps: int,
@@ -68,31 +106,7 @@ def train_one_method(
     shard = split_data(train_y, world, split, alpha, min_size=batch_size)[rank]
     shard_x, shard_y = train_x[shard], train_y[shard]
     model = make_model()
-    optimizer: torch.optim.Optimizer | None = None
-    replicas: DecentOptimWrapper | DecentralizedDataParallel | None = None  # what gossips
-    if spec.topology is None:
-        net: nn.Module = DistributedDataParallel(model)
-        optimizer = make_optimizer(list(model.named_parameters()))
-    elif spec.module:  # the update happens inside backward, one optimizer per bucket
-        net = replicas = DecentralizedDataParallel(
-            model,
-            make_optimizer,
-            lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
-            topology=spec.topology,
-            compression=spec.compression,
-            gradient_tracking=spec.tracking,
-        )
-    else:
-        net = model
-        optimizer = replicas = DecentOptimWrapper(
-            make_optimizer(list(model.named_parameters())),
-            topology=spec.topology,
-            compression=spec.compression,
-            gradient_tracking=spec.tracking,
-        )
-    scheduler = None
-    if optimizer is not None:  # the module front-end steps its own per-bucket schedulers
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, steps)
     loss_fn = nn.CrossEntropyLoss()
     sampler = torch.Generator().manual_seed(100 + rank)
     losses = torch.zeros(steps, dtype=torch.float64)

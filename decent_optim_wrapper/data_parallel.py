@@ -21,7 +21,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine
+from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine, OuterFactory
 from decent_optim_wrapper.engine.comm import agree, check_identical
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.inner_step import (
@@ -98,9 +98,10 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             (BatchNorm statistics), and :meth:`revert_global_avg` restores them.
         bucket_size_in_mb: largest bucket in MiB.
         _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
-        timeout, compression, gradient_tracking: the engine's options, keyword-only; see
-            :class:`~decent_optim_wrapper.engine.GossipEngine`. Defaults: ten minutes, exact
-            gossip, no tracking.
+        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay: the
+            engine's options, keyword-only; see :class:`~decent_optim_wrapper.engine.GossipEngine`.
+            Defaults: ten minutes, exact gossip, no tracking, per-step gossip (``sync_every > 1``
+            gives low-communication gossip: local steps, an outer optimizer, anchors gossiped).
 
     Example::
 
@@ -127,6 +128,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         timeout: timedelta = DEFAULT_TIMEOUT,
         compression: CompressionSpec = None,
         gradient_tracking: bool = False,
+        sync_every: int = 1,
+        outer_optimizer: OuterFactory | None = None,
+        sync_delay: int | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -151,6 +155,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             timeout=timeout,
             compression=compression,
             gradient_tracking=gradient_tracking,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            sync_delay=sync_delay,
             context="DecentralizedDataParallel",
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine, TopologySpec
+from decent_optim_wrapper.engine import (
+    DEFAULT_TIMEOUT,
+    CompressionSpec,
+    GossipEngine,
+    OuterFactory,
+    TopologySpec,
+)
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.inner_step import scaled_step
 
@@ -69,6 +75,11 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         gradient_tracking: step with a gossiped tracker of the average gradient (for data that
             differs between workers). :meth:`step` then needs final gradients: no ``closure``, and
             under a GradScaler ``scaler.unscale_(optimizer)`` first.
+        sync_every, outer_optimizer, sync_delay: low-communication gossip: ``sync_every`` local
+            steps per round, then an outer step (``outer_optimizer(anchors)`` builds it; None:
+            periodic gossip of the parameters) and a gossip round of the anchors that may run
+            ``sync_delay`` steps behind (default: a whole round). Defaults: per-step gossip.
+            See :mod:`~decent_optim_wrapper.engine.local_steps` and the low-communication page.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -97,6 +108,9 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         timeout: timedelta = DEFAULT_TIMEOUT,
         compression: CompressionSpec = None,
         gradient_tracking: bool = False,
+        sync_every: int = 1,
+        outer_optimizer: OuterFactory | None = None,
+        sync_delay: int | None = None,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -117,6 +131,9 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             timeout=timeout,
             compression=compression,
             gradient_tracking=gradient_tracking,
+            sync_every=sync_every,
+            outer_optimizer=outer_optimizer,
+            sync_delay=sync_delay,
             context="DecentOptimWrapper",
         )
 

@@ -206,6 +206,45 @@ def test_bad_method_names_are_rejected_by_name(name, message):
         methods.parse_method(name)
 
 
+@pytest.mark.parametrize(
+    ("name", "sync_every", "nesterov", "delay"),
+    [
+        ("ring~h8", 8, False, None),
+        ("ring~h8n", 8, True, None),
+        ("complete~h8nd0", 8, True, 0),
+        ("one-peer-exp-module~h32n@bf16+adamw", 32, True, None),
+        ("ring~h4d4", 4, False, 4),
+        ("ring~h8n0.3d0", 8, True, 0),
+    ],
+)
+def test_low_communication_names_are_read(name, sync_every, nesterov, delay):
+    method = methods.parse_method(name)
+    assert (method.sync_every, method.nesterov, method.sync_delay) == (sync_every, nesterov, delay)
+    assert method.name == name
+    options = method.engine_options()
+    assert options["sync_every"] == sync_every and options["sync_delay"] == delay
+    outer = options["outer_optimizer"]
+    assert (outer is not None) == nesterov
+    if nesterov:  # DiLoCo's outer optimizer, with the learning rate the name gives
+        group = outer([torch.zeros(1)]).param_groups[0]
+        assert (group["lr"], group["momentum"], group["nesterov"]) == (method.outer_lr or 0.7, 0.9, True)
+    assert "sync_every" not in methods.parse_method("ring").engine_options()  # per-step gossip untouched
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ddp~h8", r"after '~' write hH"),
+        ("ring~h0", r"after '~' write hH"),
+        ("ring~8n", r"after '~' write hH"),
+        ("ring~h4d5", r"the delay d5 exceeds the round of h4 steps"),
+    ],
+)
+def test_bad_low_communication_names_are_rejected(name, message):
+    with pytest.raises(ValueError, match=message):
+        methods.parse_method(name)
+
+
 def test_convergence_compares_each_method_with_its_twins():
     assert convergence.ddp_reference("ring-module-gt+accum-adamw") == "ddp+adamw"
     assert convergence.ddp_reference("one-peer-exp-gt") == "ddp"

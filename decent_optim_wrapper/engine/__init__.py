@@ -10,6 +10,8 @@ Modules, each importing only those listed before it:
   groups compress.
 * :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
 * :mod:`~decent_optim_wrapper.engine.tracking` -- opt-in gradient tracking.
+* :mod:`~decent_optim_wrapper.engine.local_steps` -- opt-in low-communication gossip: local steps, an
+  outer optimizer, anchors gossiped behind the next inner steps.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
 * :mod:`~decent_optim_wrapper.engine.checkpoint` -- the engine's part of a checkpoint.
 * :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
@@ -23,6 +25,7 @@ from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, G
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.local_steps import OuterFactory
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -36,5 +39,6 @@ __all__ = [
     "GossipCompression",
     "GossipEngine",
     "GossipError",
+    "OuterFactory",
     "TopologySpec",
 ]

@@ -101,6 +101,7 @@ class Snapshot:
     params: list[torch.Tensor]
     gossip: dict[str, Any] | None
     buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, saved)
+    local: dict[str, Any] | None = None  # low-communication gossip: anchors and rounds to fold in
 
     def add_buffers(self, buffers: Sequence[torch.Tensor]) -> None:
         """Save buffers not saved yet (a second ``global_avg`` keeps the first values)."""
@@ -133,7 +134,7 @@ def tensors_consensus_distance(
         return 0.0
     squared = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
     for tensor in tensors:
-        mean = tensor.to(torch.float64)
+        mean = tensor.to(torch.float64, copy=True)  # a float64 tensor must not be reduced in place
         dist.all_reduce(mean, group=group)
         mean.div_(world_size)
         squared += (tensor.to(torch.float64) - mean).square().sum()

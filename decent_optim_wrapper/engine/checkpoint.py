@@ -16,6 +16,8 @@ pieces :meth:`~decent_optim_wrapper.engine.GossipEngine.state_dict` builds it fr
         "mixing_factor": 1.0,  # a in x <- (1 - a) x + a W x
         "compression": None,  # or the wire format, e.g. "bf16" (informative)
         "tracking": None,  # with gradient tracking: trackers, previous gradients, their gossip
+        "local_steps": None,  # low-communication gossip: sync_every, sync_delay, anchors,
+                              # the outer optimizer's state, the anchors' round still to fold in
     }
 
 With compression, ``"gossip"`` also holds the payloads of compressed rounds not mixed yet and the
@@ -33,6 +35,7 @@ from typing import Any
 from decent_optim_wrapper.engine.averaging import Snapshot
 from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors
 from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.local_steps import LocalSteps
 from decent_optim_wrapper.engine.tracking import GradientTracker
 
 __all__ = [
@@ -87,6 +90,7 @@ def check_engine_state(
     buckets: Sequence[Bucket],
     gossip: Gossip,
     tracker: GradientTracker | None,
+    local: LocalSteps | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the mismatch if ``state`` cannot be loaded into the running engine."""
     if not isinstance(state, dict):
@@ -116,17 +120,29 @@ def check_engine_state(
     gossip.check_state_dict(state.get("gossip"))
     if tracker is not None and state.get("tracking") is not None:
         tracker.check_state_dict(state["tracking"])
+    saved_local = state.get("local_steps")
+    if local is not None:
+        local.check_state_dict(saved_local)
+    elif saved_local is not None:
+        raise ValueError(
+            "checkpoint was saved with low-communication gossip (sync_every="
+            f"{saved_local.get('sync_every')!r}) but this run gossips every step; resume with the same "
+            "sync_every, sync_delay and outer_optimizer."
+        )
     snapshot = state.get("snapshot")
     if snapshot is not None:
         check_saved_tensors("snapshot params", snapshot["params"], layout)
         gossip.check_state_dict(snapshot["gossip"])
+        if local is not None and snapshot.get("local") is not None:
+            check_saved_tensors("snapshot anchors", snapshot["local"]["anchors"], layout)
 
 
 def snapshot_state(snapshot: Snapshot | None) -> dict[str, Any] | None:
     """A global average's snapshot as saved in a checkpoint (its buffers belong to the model's state)."""
     if snapshot is None:
         return None
-    return {"params": [p.clone() for p in snapshot.params], "gossip": snapshot.gossip}
+    params = [p.clone() for p in snapshot.params]
+    return {"params": params, "gossip": snapshot.gossip, "local": snapshot.local}
 
 
 def snapshot_from_state(state: dict[str, Any], buckets: Sequence[Bucket]) -> Snapshot | None:
@@ -135,4 +151,8 @@ def snapshot_from_state(state: dict[str, Any], buckets: Sequence[Bucket]) -> Sna
     if saved is None:
         return None
     params = [p.to(b.data.device).clone() for p, b in zip(saved["params"], buckets, strict=True)]
-    return Snapshot(params=params, gossip=saved["gossip"])
+    local = saved.get("local")
+    if local is not None:
+        anchors = [a.to(b.data.device).clone() for a, b in zip(local["anchors"], buckets, strict=True)]
+        local = {**local, "anchors": anchors}
+    return Snapshot(params=params, gossip=saved["gossip"], local=local)

@@ -44,6 +44,7 @@ from decent_optim_wrapper.engine.compression import (
     resolve_compression,
 )
 from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.local_steps import LocalSteps, OuterFactory, resolve_local_steps
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
     LocalLayout,
@@ -105,6 +106,15 @@ class GossipEngine:
         gradient_tracking: for data that differs between workers: gossip a tracker of the average
             gradient beside the parameters and step with it instead of the local gradient (DSGT);
             twice the bytes and three more parameter copies. Off at world size 1.
+        sync_every: inner steps per round of low-communication gossip (``H``): with ``H > 1`` (or an
+            ``outer_optimizer``, or a ``sync_delay``) the parameters are not gossiped after every
+            step; every ``H`` steps each rank takes an outer step on its anchor and gossips the
+            anchors (:mod:`~decent_optim_wrapper.engine.local_steps`). 1 (default): per-step gossip.
+        outer_optimizer: a function from the anchors (one tensor per parameter) to the outer
+            ``torch.optim.Optimizer`` over them, e.g. ``lambda p: torch.optim.SGD(p, lr=0.7,
+            momentum=0.9, nesterov=True)`` (DiLoCo's); None: periodic gossip of the parameters.
+        sync_delay: inner steps a round's exchange may run behind (``D``, ``0 <= D <= H``): 0 blocks
+            at the end of the round; None (default) gives it a whole round (``D = H``).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
@@ -121,6 +131,9 @@ class GossipEngine:
         params_as_views: bool = True,
         compression: CompressionSpec = None,
         gradient_tracking: bool = False,
+        sync_every: int = 1,
+        outer_optimizer: OuterFactory | None = None,
+        sync_delay: int | None = None,
         context: str = "GossipEngine",
     ) -> None:
         if not isinstance(gradient_tracking, bool):
@@ -134,20 +147,31 @@ class GossipEngine:
         )
         self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self._timeout = timeout
+        self._local: LocalSteps | None = None
 
         def local_layout() -> LocalLayout:
             self._compression = resolve_compression(compression)
             topo = resolve_topology(topology, self._world_size, self._local_world_size)
+            local = resolve_local_steps(sync_every, sync_delay, outer_optimizer)
+            if local is not None and gradient_tracking:
+                raise ValueError(
+                    "gradient_tracking=True cannot be combined with low-communication gossip (sync_every="
+                    f"{sync_every}, outer_optimizer={outer_optimizer!r}, sync_delay={sync_delay!r}): the "
+                    "trackers are gossiped every step, which is what sync_every > 1 avoids. Use one or the "
+                    "other."
+                )
             pairs = named_params() if callable(named_params) else named_params
             params, names = check_named_params(pairs)
             buckets = build_buckets(params, names, self._bucket_cap_bytes, self._as_views)
             self._topology, self._buckets = topo, buckets
+            self._local = None if local is None else LocalSteps(buckets, local)
             return LocalLayout(
                 self._local_world_size,
                 (topo.name, topo.fingerprint()),
                 _signatures(buckets),
                 self._compression,
                 gradient_tracking,
+                None if self._local is None else self._local.agreement(),
             )
 
         # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
@@ -161,6 +185,8 @@ class GossipEngine:
         self._gossip = Gossip(
             [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout, plan
         )
+        if self._local is not None:
+            self._local.connect(self._topology, self._rank, self._process_groups, timeout, plan)
         self._tracking_requested = gradient_tracking
         self._tracker: GradientTracker | None = None
         if gradient_tracking and self._world_size > 1:
@@ -204,7 +230,10 @@ class GossipEngine:
         return self._compression
 
     def bytes_sent_per_step(self) -> float:
-        """Bytes this rank sends per step (:meth:`Gossip.bytes_sent_per_step`; twice with tracking)."""
+        """Bytes this rank sends per step (:meth:`Gossip.bytes_sent_per_step`; twice with tracking;
+        with low-communication gossip, one anchor round's bytes over ``sync_every`` steps)."""
+        if self._local is not None:
+            return self._local.bytes_sent_per_step()
         rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
         return rounds * self._gossip.bytes_sent_per_step()
 
@@ -217,6 +246,26 @@ class GossipEngine:
     def gradient_tracking_active(self) -> bool:
         """Whether the local update steps with the tracked gradient (requested, and world size > 1)."""
         return self._tracker is not None
+
+    @property
+    def sync_every(self) -> int:
+        """How many inner steps a round has (1 for per-step gossip)."""
+        return 1 if self._local is None else self._local.spec.sync_every
+
+    @property
+    def sync_delay(self) -> int | None:
+        """Inner steps a round's exchange may run behind; None for per-step gossip."""
+        return None if self._local is None else self._local.spec.sync_delay
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The outer optimizer over the anchors (e.g. for an LR scheduler of its own), or None."""
+        return None if self._local is None else self._local.outer_optimizer
+
+    @property
+    def anchors(self) -> list[torch.Tensor]:
+        """The flat anchors of low-communication gossip, one per bucket (live); empty without it."""
+        return [] if self._local is None else self._local.anchors
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -283,9 +332,14 @@ class GossipEngine:
         self._launch(bucket)
 
     def begin_step(self) -> None:
-        """Start a step: check the buckets; an un-reverted global average stands (snapshot dropped)."""
+        """Start a step: check the buckets; an un-reverted global average stands (snapshot dropped).
+
+        With low-communication gossip the first step sets the anchors to the parameters.
+        """
         self.check_buckets()
         self._snapshot = None
+        if self._local is not None and self._step == 0:
+            self._local.reset_anchors()
 
     @torch.no_grad()
     def _mix(self, bucket: int) -> None:
@@ -298,7 +352,14 @@ class GossipEngine:
 
     @torch.no_grad()
     def _launch(self, bucket: int) -> None:
-        """Start bucket ``bucket``'s gossip for the current step, non-blocking."""
+        """Start bucket ``bucket``'s gossip for the current step, non-blocking.
+
+        With low-communication gossip: fold in a round that is due, and at the end of a round take
+        the outer step and launch the anchors' round instead.
+        """
+        if self._local is not None:
+            self._local.end_of_step(bucket, self._step, self._mixing_factor)
+            return
         with current([self._buckets[bucket]], write=False):
             self._gossip.launch(bucket, self._step)
         if self._tracker is not None:
@@ -310,6 +371,8 @@ class GossipEngine:
             self._gossip.wait(bucket)
             if self._tracker is not None:
                 self._tracker.wait(bucket)
+        if self._local is not None:
+            self._local.wait_all()
 
     def end_step(self) -> None:
         """Finish a step: the next one gossips in the next phase."""
@@ -350,6 +413,8 @@ class GossipEngine:
         self._bind_and_broadcast(built)
         self._buckets.extend(built)
         self._gossip.add_tensors([b.data for b in built])
+        if self._local is not None:
+            self._local.add_buckets(built)
         if self._tracker is not None:
             self._tracker.add_buckets(built)
         return built
@@ -377,13 +442,16 @@ class GossipEngine:
                     self._snapshot = Snapshot(
                         params=[b.data.clone() for b in self._buckets],
                         gossip=self._gossip.state_dict(references=False),
+                        local=None if self._local is None else self._local.snapshot(),
                     )
                 self._snapshot.add_buffers(extra)
             # Every rank settles its groups' references before the rounds are dropped, so ranks that
             # revert and ranks that do not keep identical references.
             self._gossip.settle_references()
             self._gossip.discard_all()
-            tensors = [b.data for b in self._buckets] + extra
+            # With low-communication gossip both the parameters and the anchors are averaged.
+            anchors = [] if self._local is None else self._local.prepare_global_avg()
+            tensors = [b.data for b in self._buckets] + anchors + extra
             average_across_world_(
                 tensors,
                 self._process_groups.world,
@@ -412,6 +480,8 @@ class GossipEngine:
         self._restore_params(snapshot.params)
         snapshot.restore_buffers()
         self._gossip.load_state_dict(snapshot.gossip, references=False)
+        if self._local is not None and snapshot.local is not None:
+            self._local.restore(snapshot.local)
 
     def _restore_params(self, saved: Sequence[torch.Tensor]) -> None:
         # A snapshot taken before add_parameters() covers only the buckets that existed then.
@@ -450,6 +520,7 @@ class GossipEngine:
             "mixing_factor": self._mixing_factor,
             "compression": None if self._compression is None else self._compression.wire,
             "tracking": None if self._tracker is None else self._tracker.state_dict(),
+            "local_steps": None if self._local is None else self._local.state_dict(),
         }
 
     def check_state_dict(self, state: Any) -> None:
@@ -458,7 +529,7 @@ class GossipEngine:
         Checks everything :meth:`load_state_dict` will use, so a front-end can check the engine's
         part before it changes anything of its own.
         """
-        check_engine_state(state, self._identity(), self._buckets, self._gossip, self._tracker)
+        check_engine_state(state, self._identity(), self._buckets, self._gossip, self._tracker, self._local)
 
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -473,6 +544,8 @@ class GossipEngine:
             self._tracker.load_state_dict(state.get("tracking"))
         self._step = int(state["step"])
         self._mixing_factor = float(state.get("mixing_factor", 1.0))  # absent in the oldest checkpoints
+        if self._local is not None:
+            self._local.load_state_dict(state["local_steps"])
         self._snapshot = snapshot_from_state(state, self._buckets)
 
     def _identity(self) -> RunIdentity:

@@ -6,6 +6,8 @@ consensus distance, so they answer alike and there is one place that says what e
 
 from __future__ import annotations
 
+import torch
+
 from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.engine import GossipEngine
 from decent_optim_wrapper.topo import Topology
@@ -53,6 +55,11 @@ class EngineFrontEnd:
     def buckets(self) -> list[Bucket]:
         """The flat buckets the parameters live in, in the order they are updated and gossiped."""
         return self._engine.buckets
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The outer optimizer of low-communication gossip (an LR scheduler may drive it), or None."""
+        return self._engine.outer_optimizer
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average; the same on every rank.

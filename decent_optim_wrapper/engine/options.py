@@ -42,6 +42,7 @@ class LocalLayout:
     buckets: tuple[object, ...]  # each bucket's signature
     compression: GossipCompression | None
     gradient_tracking: bool
+    local_steps: tuple[object, ...] | None  # sync_every, sync_delay, the outer optimizer's class, ...
 
 
 #: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
@@ -56,6 +57,11 @@ AGREEMENT = (
     ),
     ("compression", "compression", "Pass the same compression argument on every rank."),
     ("gradient_tracking", "gradient_tracking", "Pass the same gradient_tracking on every rank."),
+    (
+        "local_steps",
+        "Low-communication gossip (sync_every, sync_delay, the outer optimizer's class, groups, defaults)",
+        "Pass the same sync_every, sync_delay and outer_optimizer on every rank.",
+    ),
 )
 
 

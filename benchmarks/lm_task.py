@@ -1,0 +1,110 @@
+"""A small language-modelling task that needs no download: a byte-level causal transformer trained
+on the Python standard library's own source files.
+
+Corpus: the top-level ``*.py`` files of the running interpreter's standard library (about 4.7 MB
+for CPython 3.11), sorted by name and read as bytes (vocabulary 256). The last 10% of the files (by
+name) are the validation set; the other files are the training set. Two splits of the training
+set: ``iid`` (every worker samples windows from all of it) and ``files`` (worker ``r`` gets the
+``r``-th contiguous run of files, so each worker sees its own modules: data that differs between
+workers). The model is a GPT-style decoder (pre-norm, learned positions, tied embeddings).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+CONTEXT = 64
+VOCAB = 256
+LM_SPLITS = ("iid", "files")
+VALIDATION_SHARE = 0.1
+
+
+def corpus_files() -> list[Path]:
+    """The standard library's top-level source files, sorted by name (the same list on every rank)."""
+    return sorted(Path(os.__file__).parent.glob("*.py"))
+
+
+def describe_corpus() -> str:
+    files = corpus_files()
+    size = sum(f.stat().st_size for f in files)
+    return f"{len(files)} files of the Python {sys.version.split()[0]} standard library, {size / 1e6:.1f} MB"
+
+
+def _bytes(files: list[Path]) -> torch.Tensor:
+    data = b"".join(f.read_bytes() for f in files)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+
+
+def make_lm_data(world: int, rank: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """This worker's training tokens and the validation tokens."""
+    if split not in LM_SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(LM_SPLITS)}")
+    files = corpus_files()
+    cut = len(files) - max(1, int(len(files) * VALIDATION_SHARE))
+    train, validation = files[:cut], files[cut:]
+    if split == "files":
+        per = math.ceil(len(train) / world)
+        train = train[rank * per : (rank + 1) * per]
+    return _bytes(train), _bytes(validation)
+
+
+def windows(tokens: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-byte targets for windows of ``CONTEXT`` bytes starting at ``starts``."""
+    index = starts[:, None] + torch.arange(CONTEXT + 1)
+    chunk = tokens[index]
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.attention = nn.MultiheadAttention(width, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+        mask = torch.triu(torch.full((CONTEXT, CONTEXT), float("-inf")), diagonal=1)
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm1(x)
+        n = x.shape[1]
+        x = x + self.attention(h, h, h, attn_mask=self.mask[:n, :n], need_weights=False)[0]
+        return x + self.mlp(self.norm2(x))
+
+
+class TinyGPT(nn.Module):
+    """Byte-level causal transformer: embeddings, ``depth`` pre-norm blocks, tied output layer."""
+
+    def __init__(self, width: int = 64, depth: int = 2, heads: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, width)
+        nn.init.normal_(self.embed.weight, std=0.02)  # tied with the output layer: small logits at first
+        self.position = nn.Parameter(torch.zeros(CONTEXT, width))
+        self.blocks = nn.ModuleList(_Block(width, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(width)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens) + self.position[: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.embed.weight.T
+
+
+def make_lm_model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT()
+
+
+@torch.no_grad()
+def validation_loss(model: nn.Module, tokens: torch.Tensor, count: int = 256) -> float:
+    """Mean next-byte cross-entropy (nats) over ``count`` fixed windows of the validation set."""
+    g = torch.Generator().manual_seed(1)
+    starts = torch.randint(0, len(tokens) - CONTEXT - 1, (count,), generator=g)
+    x, y = windows(tokens, starts)
+    logits = model(x)
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()

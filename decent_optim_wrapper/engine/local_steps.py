@@ -1,0 +1,355 @@
+r"""Low-communication gossip: ``H`` local steps, an outer optimizer, and the anchors gossiped behind
+the next inner steps (DiLoCo's rule with gossip in place of the all-reduce).
+
+Every rank ``i`` keeps an *anchor* ``a_i`` beside its replica ``x_i`` (the parameters the inner
+optimizer steps). Round ``r`` ends after inner step ``t_r = (r + 1) H - 1``; then, per bucket,
+
+.. math::
+    \Delta_i &= a_i - x_i
+        &&\text{the pseudo-gradient: minus the inner progress of the round} \\
+    a_i' &= \mathrm{OuterStep}_i(a_i, \Delta_i)
+        &&\text{the outer optimizer, its state kept per rank} \\
+    x_i &\leftarrow a_i'
+        &&\text{the next inner steps start from it} \\
+    &\text{launch gossip of } a_i' \text{ in } G_r(i)
+        &&\text{non-blocking}
+
+and at the end of inner step ``t_r + D`` (``0 <= D <= H``, the *delay*), the round is folded in:
+
+.. math::
+    \tilde a_i = \sum_{j \in G_r(i)} W^{(r)}_{ij}\, a_j', \qquad
+    x_i \leftarrow x_i + (\tilde a_i - a_i'), \qquad a_i \leftarrow \tilde a_i ,
+
+so the ``D`` inner steps taken while the round was in flight are kept, and the next pseudo-gradient
+measures all ``H`` inner steps of the round against the mixed anchor. ``D = 0`` blocks (the
+exchange is folded in before the next inner step, as DiLoCo does); ``D = H`` gives the exchange a
+whole round to arrive. Rounds use the topology's phases in turn (round ``r`` gossips in phase
+``r % period``), whatever ``H`` is. Without an outer optimizer ``a_i' = x_i`` (periodic gossip of
+the parameters). The anchors start as the parameters at the first step.
+
+Properties (``W`` doubly stochastic):
+
+* **Complete topology, no delay: DiLoCo.** Every anchor becomes ``mean_j a_j'``. For an outer rule
+  linear in its gradient and state (SGD, with or without momentum or Nesterov) that is the outer
+  step applied to the mean pseudo-gradient, DiLoCo's rule (Douillard et al., "DiLoCo: Distributed
+  Low-Communication Training of Language Models", 2023), up to the rounding of the average.
+* **The mean follows DiLoCo for linear outer rules,** on any topology: mixing keeps the mean of the
+  anchors, so the mean anchor and the mean outer state evolve by the outer rule applied to the
+  mean pseudo-gradient.
+* **Consensus:** the anchors are gossiped every round, so their spread contracts like gossip's
+  (with a zero inner learning rate, ``H`` steps of this rule are one gossip round of the anchors).
+
+The outer step before the mixing is GASLoC's order in its non-accelerated form (Cagnasso, Belilovsky
+and Oyallon, "Unifying Local Communications and Local Updates for LLM Pretraining", 2026:
+``theta <- W (theta + eta g)``), with any outer optimizer in place of ``eta g``. The documentation's
+low-communication page compares it with NoLoCo and gives the costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors, current
+from decent_optim_wrapper.engine.comm import ProcessGroups
+from decent_optim_wrapper.engine.compression import CompressionPlan
+from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.topo import Topology
+
+__all__ = ["LocalSteps", "LocalStepsSpec", "OuterFactory", "resolve_local_steps"]
+
+#: Builds the outer optimizer from the anchors (one tensor per parameter, shaped like it).
+OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+@dataclass(frozen=True)
+class LocalStepsSpec:
+    """The checked options: period ``H``, delay ``D``, and the outer optimizer's factory (or None)."""
+
+    sync_every: int
+    sync_delay: int
+    outer_optimizer: OuterFactory | None
+
+    def agreement(self, outer: torch.optim.Optimizer | None) -> tuple[object, ...]:
+        """What every rank must agree on: H, D, and the outer optimizer's class, group count and
+        defaults (ranks with different outer learning rates would no longer follow one rule)."""
+        described = None
+        if outer is not None:
+            described = (type(outer).__name__, len(outer.param_groups), repr(sorted(outer.defaults.items())))
+        return (self.sync_every, self.sync_delay, described)
+
+
+def resolve_local_steps(
+    sync_every: object, sync_delay: object, outer_optimizer: object
+) -> LocalStepsSpec | None:
+    """Check the three options; None when they ask for per-step gossip (the defaults).
+
+    ``sync_delay`` None means a whole round (``sync_every``).
+    """
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+        raise TypeError(
+            f"sync_every must be a positive int (inner steps per round), got {sync_every!r}; e.g. 8, or 1 "
+            "to gossip after every step."
+        )
+    if sync_every < 1:
+        raise ValueError(
+            f"sync_every must be >= 1 (inner steps per round), got {sync_every}; e.g. 8, or 1 to gossip "
+            "after every step."
+        )
+    if sync_delay is not None and (isinstance(sync_delay, bool) or not isinstance(sync_delay, int)):
+        raise TypeError(
+            f"sync_delay must be None or an int in [0, sync_every], got {sync_delay!r}; 0 blocks, "
+            f"sync_every={sync_every} (the default) lets the exchange run behind a whole round."
+        )
+    if sync_delay is not None and not 0 <= sync_delay <= sync_every:
+        raise ValueError(
+            f"sync_delay must lie in [0, sync_every={sync_every}], got {sync_delay}: a round must be folded "
+            "in before the next one starts. 0 blocks; None (the default) means a whole round."
+        )
+    if outer_optimizer is not None and (
+        isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer)
+    ):
+        raise TypeError(
+            f"outer_optimizer must be None or a function from the anchors (a list of tensors) to a "
+            f"torch.optim.Optimizer over them, got {outer_optimizer!r}; e.g. lambda params: "
+            "torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)."
+        )
+    if sync_every == 1 and sync_delay is None and outer_optimizer is None:
+        return None
+    delay = sync_every if sync_delay is None else sync_delay
+    return LocalStepsSpec(sync_every, delay, outer_optimizer)
+
+
+def build_outer(factory: OuterFactory, anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """``factory(anchors)``, checked: a ``torch.optim.Optimizer`` over exactly these tensors, once each."""
+    try:
+        outer = factory(list(anchors))
+    except (ValueError, TypeError, RuntimeError):
+        raise
+    except Exception as err:  # any failure of the user's factory becomes an error on every rank
+        raise TypeError(f"outer_optimizer(params) raised {type(err).__name__}: {err}") from err
+    if not isinstance(outer, torch.optim.Optimizer):
+        raise TypeError(
+            f"outer_optimizer(params) returned {type(outer).__name__}, not a torch.optim.Optimizer; return "
+            "one built on the tensors it is given, e.g. torch.optim.SGD(params, lr=0.7, momentum=0.9, "
+            "nesterov=True)."
+        )
+    held = [p for group in outer.param_groups for p in group["params"]]
+    if {id(p) for p in held} != {id(p) for p in anchors} or len(held) != len(anchors):
+        raise ValueError(
+            f"outer_optimizer(params) built an optimizer over {len(held)} tensors, but it must cover exactly "
+            f"the {len(anchors)} anchor tensors it is given, once each (not the model's parameters)."
+        )
+    return outer
+
+
+class LocalSteps:
+    """The anchors, the outer optimizer and the anchors' gossip of one rank (see the module docstring).
+
+    Memory: one anchor per bucket (a copy of the parameters), the outer optimizer's state (SGD with
+    momentum: one copy; Adam: two), the anchor gossip's buffer (one copy, in fp32 for 16-bit
+    buckets) and, with compression, its references. The pseudo-gradient of one bucket lives only
+    during its outer step.
+
+    Args:
+        buckets: the parameter buckets (anchor ``b`` has bucket ``b``'s layout and dtype).
+        spec: the checked options.
+    """
+
+    def __init__(self, buckets: Sequence[Bucket], spec: LocalStepsSpec) -> None:
+        self._spec = spec
+        self._buckets: list[Bucket] = []
+        self._anchors: list[torch.Tensor] = []  # a_i, one flat tensor per bucket
+        self._views: list[list[torch.Tensor]] = []  # per bucket: each parameter's slice of its anchor
+        self._gossip: Gossip | None = None
+        self._add(buckets)
+        views = [v for per_bucket in self._views for v in per_bucket]
+        factory = spec.outer_optimizer
+        self._outer = None if factory is None else build_outer(factory, views)
+
+    def _add(self, buckets: Sequence[Bucket]) -> list[torch.Tensor]:
+        anchors = [b.data.clone() for b in buckets]
+        self._buckets.extend(buckets)
+        self._anchors.extend(anchors)
+        views = [b.slices(a) for b, a in zip(buckets, anchors, strict=True)]
+        self._views.extend(views)
+        return [v for per_bucket in views for v in per_bucket]
+
+    def connect(
+        self,
+        topology: Topology,
+        rank: int,
+        process_groups: ProcessGroups,
+        timeout: timedelta | None,
+        plan: CompressionPlan | None,
+    ) -> None:
+        """Start the anchors' gossip (after the process groups exist) and copy the broadcast parameters."""
+        self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan)
+        self.reset_anchors()
+
+    @property
+    def spec(self) -> LocalStepsSpec:
+        return self._spec
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        return self._outer
+
+    @property
+    def anchors(self) -> list[torch.Tensor]:
+        """The flat anchors, one per bucket (live)."""
+        return list(self._anchors)
+
+    def agreement(self) -> tuple[object, ...]:
+        return self._spec.agreement(self._outer)
+
+    @property
+    def _channels(self) -> Gossip:
+        assert self._gossip is not None, "connect() first"
+        return self._gossip
+
+    def bytes_sent_per_step(self) -> float:
+        """The anchors' gossip bytes per round (mean over the schedule's phases), over ``H`` steps."""
+        return self._channels.bytes_sent_per_step() / self._spec.sync_every
+
+    # -- the rule ------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_anchors(self) -> None:
+        """``a_i <- x_i`` for every bucket (the first step: the anchors start as the parameters)."""
+        with current(self._buckets, write=False):
+            for bucket, anchor in zip(self._buckets, self._anchors, strict=True):
+                anchor.copy_(bucket.data)
+
+    def _launch_step(self, round_: int) -> int:
+        return (round_ + 1) * self._spec.sync_every - 1
+
+    @torch.no_grad()
+    def end_of_step(self, bucket: int, step: int, mixing_factor: float) -> None:
+        """After bucket ``bucket``'s local update of inner step ``step``: fold a round that is due in,
+        and at the end of a round take the outer step and launch the anchors' gossip."""
+        gossip = self._channels
+        pending = gossip.pending(bucket)
+        boundary = (step + 1) % self._spec.sync_every == 0
+        due = pending is not None and step >= self._launch_step(pending) + self._spec.sync_delay
+        if not (due or boundary):
+            return
+        with current([self._buckets[bucket]], write=True):
+            if due:
+                self._fold(bucket, mixing_factor)
+            if boundary:
+                self._outer_step(bucket)
+                gossip.launch(bucket, (step + 1) // self._spec.sync_every - 1)
+                if self._spec.sync_delay == 0:
+                    self._fold(bucket, mixing_factor)
+
+    def _fold(self, bucket: int, mixing_factor: float) -> None:
+        """``x <- x + (mixed - sent)``, ``a <- mixed``: two roundings, none when ``x`` is still ``a'``."""
+        x, anchor = self._buckets[bucket].data, self._anchors[bucket]
+        x.sub_(anchor)  # the inner progress since the launch (exactly 0 with no delay)
+        self._channels.mix(bucket, mixing_factor)
+        x.add_(anchor)
+
+    def _outer_step(self, bucket: int) -> None:
+        """``a <- OuterStep(a, a - x)`` (or ``a <- x`` without an outer optimizer), then ``x <- a``."""
+        x, anchor = self._buckets[bucket].data, self._anchors[bucket]
+        if self._outer is None:
+            anchor.copy_(x)
+            return
+        views = self._views[bucket]
+        # The other buckets' anchors have no gradient, so the outer optimizer leaves them alone.
+        for view, delta in zip(views, self._buckets[bucket].slices(torch.sub(anchor, x)), strict=True):
+            view.grad = delta
+        try:
+            self._outer.step()
+        finally:
+            for view in views:
+                view.grad = None
+        x.copy_(anchor)
+
+    # -- growing, averaging ------------------------------------------------------------------------------
+    def add_buckets(self, buckets: Sequence[Bucket]) -> None:
+        """Anchor new buckets at their current values; the outer optimizer gets them as a new group."""
+        views = self._add(buckets)
+        self._channels.add_tensors(self._anchors[-len(buckets) :])
+        if self._outer is not None and views:
+            self._outer.add_param_group({"params": views})
+
+    def prepare_global_avg(self) -> list[torch.Tensor]:
+        """Drop the rounds in flight (references settled on every rank first); the anchors to average.
+
+        A dropped round changes no mean: mixing keeps the mean of the anchors, so averaging ``a'``
+        gives what averaging the mixed anchors would.
+        """
+        self._channels.settle_references()
+        self._channels.discard_all()
+        return list(self._anchors)
+
+    def snapshot(self) -> dict[str, Any]:
+        """What a revert of the global average restores: the anchors and the rounds still to fold in."""
+        return {
+            "anchors": [a.clone() for a in self._anchors],
+            "gossip": self._channels.state_dict(references=False),
+        }
+
+    @torch.no_grad()
+    def restore(self, snapshot: dict[str, Any]) -> None:
+        for anchor, saved in zip(self._anchors, snapshot["anchors"], strict=False):
+            anchor.copy_(saved)
+        self._channels.load_state_dict(snapshot["gossip"], references=False)
+
+    # -- checkpoints -----------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"sync_every", "sync_delay", "anchors", "outer", "gossip"}``; waits for rounds in flight."""
+        return {
+            "sync_every": self._spec.sync_every,
+            "sync_delay": self._spec.sync_delay,
+            "anchors": [a.clone() for a in self._anchors],
+            "outer": None if self._outer is None else self._outer.state_dict(),
+            "gossip": self._channels.state_dict(),
+        }
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the mismatch if ``state`` does not fit this run's options/layout."""
+        if not isinstance(state, dict) or not {"sync_every", "sync_delay", "anchors", "gossip"} <= set(state):
+            raise ValueError(
+                "the checkpoint has no local-steps state (anchors, outer optimizer): it was saved with "
+                f"per-step gossip, but this run has sync_every={self._spec.sync_every}; resume with the "
+                "options it was saved with."
+            )
+        for key in ("sync_every", "sync_delay"):
+            if state[key] != getattr(self._spec, key):
+                raise ValueError(
+                    f"checkpoint has {key}={state[key]!r} but this run has "
+                    f"{key}={getattr(self._spec, key)!r}; resume with the same sync_every and sync_delay."
+                )
+        layout = [(a.shape, a.dtype) for a in self._anchors]
+        check_saved_tensors("anchors", state["anchors"], layout)
+        if (state.get("outer") is None) != (self._outer is None):
+            raise ValueError(
+                "checkpoint and this run disagree on whether an outer optimizer is used; pass the same "
+                "outer_optimizer."
+            )
+        if self._outer is not None:
+            sizes = [len(g["params"]) for g in self._outer.param_groups]
+            if [len(g["params"]) for g in state["outer"]["param_groups"]] != sizes:
+                raise ValueError(
+                    f"checkpoint's outer optimizer has other param groups than this run's ({sizes} tensors "
+                    "per group); pass the same outer_optimizer."
+                )
+        self._channels.check_state_dict(state["gossip"])
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a checked :meth:`state_dict`: anchors, outer state and the round still to fold in."""
+        for anchor, saved in zip(self._anchors, state["anchors"], strict=True):
+            anchor.copy_(saved)
+        if self._outer is not None:
+            self._outer.load_state_dict(state["outer"])
+        self._channels.load_state_dict(state["gossip"])
+
+    def wait_all(self) -> None:
+        self._channels.wait_all()
