@@ -32,11 +32,13 @@ from decent_optim_wrapper.plan import (
     NoComm,
     allreduce_scheme,
     gossip_scheme,
+    predict,
     simulate,
 )
 from decent_optim_wrapper.topo import TopologyFactory
 
 RESULTS = Path(__file__).with_name("results") / "scaling"
+FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "scaling.png"
 #: Ranks of one node talk through the kernel's loopback: a fast link next to the shaped ones.
 LOOPBACK = Link(10e9, 20e-6)
 
@@ -168,16 +170,110 @@ def validate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path) -> None:
+    """Time per iteration / no communication against nodes: one panel per scenario (1 rank per node)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in records if r["args"]["workers_per_node"] == 1]
+    scenarios = list(dict.fromkeys(s for r in single for s in r["args"]["scenarios"]))
+    methods = [m for m in dict.fromkeys(m for r in single for m in r["args"]["methods"]) if m != "nocomm"]
+    predicted = {
+        (r["nodes"], r["scenario"], r["method"]): r["predicted_ms"]
+        for r in rows
+        if r["workers_per_node"] == 1
+    }
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8), sharey=True)
+    for ax, scenario in zip(axes, scenarios, strict=True):
+        for index, method in enumerate(methods):
+            nodes, measured, simulated = [], [], []
+            for record in single:
+                ms = measured_ms(record, f"{scenario}/{method}")
+                base = measured_ms(record, f"{scenario}/nocomm")
+                if ms and base:
+                    n = record["args"]["nodes"]
+                    nodes.append(n)
+                    measured.append(ms / base)
+                    simulated.append(predicted[(n, scenario, method)] / base)
+            color = f"C{index}"
+            ax.plot(nodes, measured, "o-", color=color, label=method)
+            ax.plot(nodes, simulated, "x--", color=color, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["args"]["nodes"] for r in single], [str(r["args"]["nodes"]) for r in single])
+        ax.set_title(
+            {
+                "none": "constant compute",
+                "lognormal": "transient jitter (log-normal)",
+                "straggler": "one rank 1.5x slower",
+            }.get(scenario, scenario)
+        )
+        ax.set_xlabel("nodes (1 rank each)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("time per iteration / no communication")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        "Emulated cluster, 20 Mbit/s links, exchange ~ compute: measured (o) and simulated (x)", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"figure written to {path}")
+
+
+#: Prediction grid: fp32 models, compute per step on one accelerator, and two kinds of link.
+MODELS = {"125M": (125e6 * 4, 0.10), "1B": (1e9 * 4, 0.80)}
+LINKS = {"datacentre": Link(25e9, 10e-6), "internet": Link(1e9, 50e-3)}
+NODES = (32, 64, 256, 1024)
+
+
+def predictions(sigma: float) -> list[dict[str, Any]]:
+    """DDP and per-step gossip at scale, from the simulator alone (log-normal jitter ``sigma``)."""
+    out = []
+    print(f"\npredicted ms per step (log-normal compute jitter sigma={sigma}; one rank per node)")
+    header = f"  {'model':<6}{'link':<12}{'nodes':>6}{'nocomm':>9}{'ddp':>10}{'ddp-tree':>10}{'ddp-bf16':>10}"
+    print(header + f"{'ring':>9}{'one-peer-exp':>13}{'ring@bf16':>10}{'ddp/ring':>9}{'tree/1pe':>9}")
+    for model, (model_bytes, compute_s) in MODELS.items():
+        for link_name, link in LINKS.items():
+            for nodes in NODES:
+                compute = ComputeTimes(compute_s, "lognormal", sigma)
+                found = predict(
+                    model_bytes,
+                    compute,
+                    Network(link),
+                    nodes,
+                    ["ring", "one-peer-exp"],
+                    compressions=("bf16",),
+                    steps=30,
+                )
+                ms = {p.method: 1e3 * p.step_s for p in found}
+                # DDP with a tree all-reduce's latency (2 log2 N messages, as NCCL does at scale)
+                tree = Network(link, tree_latency=True)
+                ms["ddp-tree"] = 1e3 * predict(model_bytes, compute, tree, nodes, [], ())[1].step_s
+                out.append({"model": model, "link": link_name, "nodes": nodes, "ms": ms})
+                print(
+                    f"  {model:<6}{link_name:<12}{nodes:>6}{ms['nocomm']:>9.0f}{ms['ddp']:>10.0f}"
+                    f"{ms['ddp-tree']:>10.0f}{ms['ddp-bf16']:>10.0f}{ms['ring']:>9.0f}"
+                    f"{ms['one-peer-exp']:>13.0f}{ms['ring@bf16']:>10.0f}{ms['ddp'] / ms['ring']:>9.2f}"
+                    f"{ms['ddp-tree'] / ms['one-peer-exp']:>9.2f}"
+                )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
-    parser.add_argument("--json", type=Path, help="write the validation and predictions here")
+    parser.add_argument("--figure", type=Path, default=FIGURE)
+    parser.add_argument("--sigma", type=float, default=0.2, help="jitter of the predictions")
+    parser.add_argument("--json", type=Path, default=RESULTS / "report.json")
     args = parser.parse_args()
     records = load(args.results, "emulated")
     tables(records)
     rows = validate(records)
-    if args.json:
-        args.json.write_text(json.dumps({"validation": rows}, indent=1))
+    figure(records, rows, args.figure)
+    predicted = predictions(args.sigma)
+    args.json.write_text(json.dumps({"validation": rows, "predictions": predicted}, indent=1))
+    print(f"validation and predictions written to {args.json}")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ class AllReduce:
 class Gossip:
     """Per-step gossip: ``phase(t)`` groups the ranks at step ``t``, ``seconds(t)`` times each group's round.
 
-    Build one from a topology with :func:`~decent_optim_wrapper.plan.model.gossip`.
+    Build one from a topology with :func:`~decent_optim_wrapper.plan.schemes.gossip_scheme`.
     """
 
     world_size: int
@@ -71,15 +71,26 @@ Scheme = NoComm | AllReduce | Gossip
 
 @dataclass
 class Run:
-    """The simulated end of every step on every rank (``ends[t][r]``, seconds from the start)."""
+    """The simulated end of every step on every rank (``ends[t][r]``, seconds from the start).
+
+    ``barriers[t]``: when the barrier before step ``t`` let every rank go.
+    """
 
     ends: list[list[float]] = field(default_factory=list)
+    barriers: dict[int, float] = field(default_factory=dict)
 
     def iteration_s(self, skip: int = 0) -> float:
-        """Mean seconds per step over the ranks, steps ``skip ..`` (``skip`` steps of warm-up left out)."""
+        """Mean seconds per step over the ranks, steps ``skip ..`` (``skip`` steps of warm-up left out).
+
+        Timed from the barrier before step ``skip`` if there is one (as the benchmark times).
+        """
         if not 0 <= skip < len(self.ends):
             raise ValueError(f"skip must be in [0, {len(self.ends)}), got {skip}")
-        first = self.ends[skip - 1] if skip else [0.0] * len(self.ends[-1])
+        n = len(self.ends[-1])
+        if skip in self.barriers:
+            first = [self.barriers[skip]] * n
+        else:
+            first = self.ends[skip - 1] if skip else [0.0] * n
         last = self.ends[-1]
         steps = len(self.ends) - skip
         return sum(b - a for a, b in zip(first, last, strict=True)) / (len(last) * steps)
@@ -97,6 +108,7 @@ def simulate(scheme: Scheme, compute: ComputeTimes, steps: int, barrier_at: int 
     for t in range(steps):
         if t == barrier_at:
             previous = [max(previous)] * n
+            run.barriers[t] = previous[0]
         computed = [previous[r] + draws[r][t] for r in range(n)]
         if isinstance(scheme, NoComm):
             ends = [c + scheme.overhead_s for c in computed]
