@@ -260,6 +260,75 @@ def predictions(sigma: float) -> list[dict[str, Any]]:
     return out
 
 
+def markdown(
+    records: list[dict[str, Any]], rows: list[dict[str, Any]], predicted: list[dict[str, Any]]
+) -> str:
+    """The tables of docs/scaling.md: measured per scenario, simulator errors, predictions."""
+    out = []
+    errors = {(r["nodes"], r["workers_per_node"], r["scenario"], r["method"]): r["error"] for r in rows}
+    for local in sorted({r["args"]["workers_per_node"] for r in records}):
+        group = [r for r in records if r["args"]["workers_per_node"] == local]
+        cols = [r["args"]["nodes"] for r in group]
+        for scenario in dict.fromkeys(s for r in group for s in r["args"]["scenarios"]):
+            out.append(
+                f"\n**{scenario}**, {local} rank(s) per node: ms per iteration (x no-communication) "
+                "[simulator error]\n"
+            )
+            out.append("| method | " + " | ".join(f"{n} nodes" for n in cols) + " |")
+            out.append("|---" * (len(cols) + 1) + "|")
+            for method in dict.fromkeys(m for r in group for m in r["args"]["methods"]):
+                cells = []
+                for record in group:
+                    ms = measured_ms(record, f"{scenario}/{method}")
+                    base = measured_ms(record, f"{scenario}/nocomm")
+                    err = errors.get((record["args"]["nodes"], local, scenario, method))
+                    cells.append(
+                        f"{ms:.0f} ({ms / base:.2f}x) [{100 * err:+.0f}%]"
+                        if ms and base and err is not None
+                        else "-"
+                    )
+                out.append(f"| {method} | " + " | ".join(cells) + " |")
+    columns = ["model", "link", "nodes", "no comm", "DDP (ring)", "DDP (tree latency)", "ddp-bf16", "ring"]
+    columns += ["one-peer-exp", "ring@bf16", "DDP / one-peer-exp"]
+    out.append("\n| " + " | ".join(columns) + " |")
+    out.append("|---" * 11 + "|")
+    for row in predicted:
+        ms = row["ms"]
+        cells = [
+            ms[k] for k in ("nocomm", "ddp", "ddp-tree", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16")
+        ]
+        out.append(
+            f"| {row['model']} | {row['link']} | {row['nodes']} | "
+            + " | ".join(f"{c:,.0f}" for c in cells)
+            + f" | {ms['ddp'] / ms['one-peer-exp']:.2f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
+    """Per run: each rank's own CPU per step (ms) and the machine's busy share, per method."""
+    out = [
+        "\n| nodes x ranks | method | CPU per rank and step (ms) | ranks' CPU / cores | machine busy |",
+        "|---|---|---|---|---|",
+    ]
+    for record in records:
+        args = record["args"]
+        for method in args["methods"]:
+            run = record["runs"].get(f"{scenario}/{method}")
+            if not run:
+                continue
+            ranks = len(run["rank_means_s"])
+            steps = len(run["round_medians_s"]) * args["iters"]
+            cpu = sum(sum(per_rank) for per_rank in run["measured"]["cpu_s"])
+            summary = record["summary"][f"{scenario}/{method}"]
+            where = f"{args['nodes']} x {args['workers_per_node']}"
+            out.append(
+                f"| {where} | {method} | {1e3 * cpu / ranks / steps:.1f} | "
+                f"{100 * summary['ranks_cpu_fraction']:.0f}% | {100 * summary['machine_cpu_fraction']:.0f}% |"
+            )
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -273,7 +342,8 @@ def main() -> None:
     figure(records, rows, args.figure)
     predicted = predictions(args.sigma)
     args.json.write_text(json.dumps({"validation": rows, "predictions": predicted}, indent=1))
-    print(f"validation and predictions written to {args.json}")
+    args.json.with_suffix(".md").write_text(markdown(records, rows, predicted) + cpu_table(records))
+    print(f"validation and predictions written to {args.json} (tables: {args.json.with_suffix('.md')})")
 
 
 if __name__ == "__main__":
