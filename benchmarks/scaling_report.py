@@ -329,6 +329,30 @@ def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
     return "\n".join(out) + "\n"
 
 
+def calibration(folder: Path) -> str:
+    """Real compute vs emulated compute (constant) at the same cluster size, per method."""
+    out = [
+        "\n| nodes | method | real compute (ms) | emulated compute (ms) | emulated / real - 1 |",
+        "|---|---|---|---|---|",
+    ]
+    print("\ncalibration: real vs emulated compute (constant), mean ms per iteration")
+    for real in load(folder, "real"):
+        args = real["args"]
+        name = f"emulated-{args['nodes']}x{args['workers_per_node']}.json"
+        if not (folder / name).exists():
+            continue
+        emulated = json.loads((folder / name).read_text())
+        for method in args["methods"]:
+            a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
+            if a and b:
+                out.append(f"| {args['nodes']} | {method} | {a:.1f} | {b:.1f} | {100 * (b / a - 1):+.1f}% |")
+                change = 100 * (b / a - 1)
+                print(
+                    f"  {args['nodes']} nodes {method:<14} real {a:7.1f}  emulated {b:7.1f}  {change:+6.1f}%"
+                )
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", type=Path, default=RESULTS)
@@ -342,7 +366,8 @@ def main() -> None:
     figure(records, rows, args.figure)
     predicted = predictions(args.sigma)
     args.json.write_text(json.dumps({"validation": rows, "predictions": predicted}, indent=1))
-    args.json.with_suffix(".md").write_text(markdown(records, rows, predicted) + cpu_table(records))
+    tables_md = markdown(records, rows, predicted) + cpu_table(records) + calibration(args.results)
+    args.json.with_suffix(".md").write_text(tables_md)
     print(f"validation and predictions written to {args.json} (tables: {args.json.with_suffix('.md')})")
 
 
