@@ -237,18 +237,8 @@ def worker_command(
     }
     node = cluster.namespace(rank // args.workers_per_node)
     flags = [str(item) for pair in options.items() for item in pair]
-    return [
-        "ip",
-        "netns",
-        "exec",
-        node,
-        sys.executable,
-        str(WORKER),
-        *flags,
-        "--methods",
-        *args.methods,
-        *extra,
-    ]
+    command = ["ip", "netns", "exec", node, sys.executable, str(WORKER), *flags]
+    return [*command, "--methods", *args.methods, *extra]
 
 
 def start_workers(

@@ -1,12 +1,17 @@
-"""The scaling benchmark's pieces that need no cluster: the emulated model, and the simulator's check.
+"""The scaling benchmark's pieces that need no cluster: the worker, the emulated model, the simulator's check.
 
-``benchmarks/emulated.py`` must keep the real model's parameters (so DDP and the engine bucket and
-send the same bytes) and sleep the compute it is given; ``benchmarks/scaling_report.py`` must
-reproduce every committed run of the emulated cluster within the 15% the simulator promises.
+``benchmarks/cluster_worker.py`` must run every method under every scenario (two ranks on loopback,
+the ``examples`` tier); ``benchmarks/emulated.py`` must keep the real model's parameters (so DDP and
+the engine bucket and send the same bytes) and sleep the compute it is given;
+``benchmarks/scaling_report.py`` must reproduce every committed run of the emulated cluster within
+the 15% the simulator promises.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -49,3 +54,48 @@ def test_simulator_reproduces_every_committed_run_within_15_percent():
     rows = scaling_report.validate(RECORDS)
     worst = max(rows, key=lambda row: abs(row["error"]))
     assert abs(worst["error"]) <= 0.15, worst
+
+
+@pytest.mark.examples
+def test_worker_runs_every_method_and_scenario_on_loopback(tmp_path):
+    """Two ranks of ``cluster_worker.py`` on 127.0.0.1 (no namespaces, no root): the keys and counts."""
+    from common import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    flags = ["--world-size", "2", "--rounds", "1", "--iters", "2", "--warmup", "1", "--inputs", "16"]
+    flags += [
+        "--width",
+        "16",
+        "--compute",
+        "emulated",
+        "--compute-ms",
+        "5",
+        "--scenarios",
+        "none",
+        "lognormal",
+    ]
+    flags += ["--methods", "nocomm", "ddp", "ring@bf16"]
+    worker = str(ROOT / "benchmarks" / "cluster_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, "--rank", str(r), "--out", str(tmp_path / f"{r}.json"), *flags],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:  # a hung rank must not outlive the test
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    result = json.loads((tmp_path / "0.json").read_text())
+    keys = [f"{s}/{m}" for s in ("none", "lognormal") for m in ("nocomm", "ddp", "ring@bf16")]
+    assert sorted(result["times"]) == sorted(keys)
+    assert all(len(result["times"][k]) == 2 for k in keys)
+    assert all(t >= 0.005 for k in keys for t in result["times"][k])  # each step slept its compute
+    assert result["bytes_sent_per_step"]["none/nocomm"] == 0
+    assert "busy_s" in result["measured"]["none/ddp"]  # rank 0 reads the machine's CPU
