@@ -161,12 +161,14 @@ def validate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             f"  {row['nodes']:>2} x {row['workers_per_node']:<5}{row['scenario']:<11}{row['method']:<14}"
             f"{row['measured_ms']:>10.1f}{row['predicted_ms']:>10.1f}{100 * row['error']:>7.1f}%"
         )
-    worst = max(rows, key=lambda r: abs(r["error"]))
-    print(
-        f"worst error {100 * worst['error']:+.1f}% ({worst['method']}, {worst['scenario']}, "
-        f"{worst['nodes']} x {worst['workers_per_node']}); mean |error| "
-        f"{100 * statistics.fmean(abs(r['error']) for r in rows):.1f}%"
-    )
+    for local in sorted({r["workers_per_node"] for r in rows}):
+        group = [r for r in rows if r["workers_per_node"] == local]
+        worst = max(group, key=lambda r: abs(r["error"]))
+        print(
+            f"{local} rank(s) per node: worst error {100 * worst['error']:+.1f}% ({worst['method']}, "
+            f"{worst['scenario']}, {worst['nodes']} nodes); mean |error| "
+            f"{100 * statistics.fmean(abs(r['error']) for r in group):.1f}% over {len(group)} runs"
+        )
     return rows
 
 
