@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -220,8 +221,10 @@ def measure_link(cluster: Cluster, megabytes: int, port: int) -> float:
             receiver.kill()
 
 
-def worker_command(cluster: Cluster, rank: int, outdir: Path, args: argparse.Namespace) -> list[str]:
-    """``ip netns exec <node> python cluster_worker.py ...`` for ``rank``."""
+def worker_command(
+    cluster: Cluster, rank: int, outdir: Path, args: argparse.Namespace, extra: Sequence[str] = ()
+) -> list[str]:
+    """``ip netns exec <node> python cluster_worker.py ...`` for ``rank``, ``extra`` flags appended."""
     options = {
         "--rank": rank,
         "--world-size": args.nodes * args.workers_per_node,
@@ -234,10 +237,13 @@ def worker_command(cluster: Cluster, rank: int, outdir: Path, args: argparse.Nam
     }
     node = cluster.namespace(rank // args.workers_per_node)
     flags = [str(item) for pair in options.items() for item in pair]
-    return ["ip", "netns", "exec", node, sys.executable, str(WORKER), *flags, "--methods", *args.methods]
+    command = ["ip", "netns", "exec", node, sys.executable, str(WORKER), *flags]
+    return [*command, "--methods", *args.methods, *extra]
 
 
-def start_workers(cluster: Cluster, port: int, outdir: Path, args: argparse.Namespace) -> list:
+def start_workers(
+    cluster: Cluster, port: int, outdir: Path, args: argparse.Namespace, extra: Sequence[str] = ()
+) -> list:
     """One process per rank, each in its node's namespace, in its own session (killed as a group)."""
     procs = []
     for rank in range(args.nodes * args.workers_per_node):
@@ -249,7 +255,7 @@ def start_workers(cluster: Cluster, port: int, outdir: Path, args: argparse.Name
             OMP_NUM_THREADS="1",
         )
         with open(outdir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
-            cmd = worker_command(cluster, rank, outdir, args)
+            cmd = worker_command(cluster, rank, outdir, args, extra)
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
@@ -265,13 +271,22 @@ def stop(procs: list) -> None:
         proc.wait()
 
 
-def run_workers(cluster: Cluster, port: int, seconds: float, args: argparse.Namespace) -> dict | None:
+def run_workers(
+    cluster: Cluster,
+    port: int,
+    seconds: float,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+    keys: Sequence[str] | None = None,
+) -> dict | None:
     """All methods, ``--rounds`` times, on every rank; per-method times of all ranks, or None on failure.
 
-    At the deadline the workers are killed and the rounds that every rank finished are kept.
+    ``extra``: more worker flags; ``keys``: the worker's result keys (default: the methods; with
+    ``--scenarios``, ``scenario/method``). At the deadline the workers are killed and the rounds that
+    every rank finished are kept.
     """
     outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
-    procs = start_workers(cluster, port, outdir, args)
+    procs = start_workers(cluster, port, outdir, args, extra)
     try:
         deadline = time.monotonic() + seconds
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
@@ -298,16 +313,24 @@ def run_workers(cluster: Cluster, port: int, seconds: float, args: argparse.Name
             f"  timed out after {seconds:.0f} s: keeping the {rounds} of {args.rounds} rounds that every "
             "rank finished"
         )
-    return {method: summarize(method, ranks, rounds, args.iters) for method in args.methods}
+    return {key: summarize(key, ranks, rounds, args.iters) for key in keys or args.methods}
 
 
 def summarize(method: str, ranks: list[dict[str, Any]], rounds: int, iters: int) -> dict[str, Any]:
     """Over all ranks' first ``rounds`` rounds of ``method``: median and mean step, each round's median.
 
-    Also each rank's bytes sent per step (None where the library does not count them).
+    Also each rank's bytes sent per step (None where the library does not count them), each rank's
+    mean step, and what the workers measured besides (``measured``: CPU seconds per rank and round,
+    rank 0's machine-wide busy seconds per round, per-step compute times with real compute).
     """
     pooled = [t for r in ranks for t in r["times"][method][: rounds * iters]]
+    measured: dict[str, list[Any]] = {}
+    for r in ranks:
+        for name, values in r.get("measured", {}).get(method, {}).items():
+            measured.setdefault(name, []).append(values[:rounds])
     return {
+        "rank_means_s": [statistics.fmean(r["times"][method][: rounds * iters]) for r in ranks],
+        "measured": measured,
         "params": ranks[0]["params"],
         "median_s": statistics.median(pooled),
         "mean_s": statistics.fmean(pooled),

@@ -20,6 +20,14 @@ so far to ``--out`` as JSON. Methods:
 All methods use AdamW on the same model and batch; only the communication differs. Each method's
 bytes sent per step and rank are written beside its times: 0 for ``nocomm``, a ring all-reduce's
 ``2 (n - 1) / n`` gradients for the DDP methods, and the engine's own count for gossip.
+
+With ``--compute emulated`` forward and backward are waits (``emulated.EmulatedMLP``): ``--compute-ms``
+per step on average, drawn per rank and step by ``decent_optim_wrapper.plan.ComputeTimes`` for each
+of ``--scenarios`` (``none``: constant; ``lognormal``: heavy-tailed with the same mean; ``straggler``:
+rank 0 is ``--slow-factor`` times slower). Every method then runs once per scenario, and its results
+are keyed ``scenario/method``. Beside the times each rank writes the CPU seconds its process used in
+each timed window, and rank 0 the whole machine's busy CPU seconds in it (``/proc/stat``), so that
+the cost of the emulation itself can be judged.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import time
 from datetime import timedelta
@@ -34,10 +43,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from common import build_mlp
+from emulated import ROWS, EmulatedMLP
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
+from decent_optim_wrapper.plan import JITTERS, ComputeTimes
 
 #: How long any collective may wait for a peer before raising (the driver also kills at its deadline).
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
@@ -68,10 +79,18 @@ def parse_gossip_method(method: str) -> tuple[str, bool, str | None]:
     return topology, base.endswith(MODULE_SUFFIX), compression or None
 
 
-def make_training(method: str, args: argparse.Namespace) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """A fresh model (wrapped by DDP or the module front-end) and optimizer (None: updated in backward)."""
+def make_model(args: argparse.Namespace) -> nn.Module:
+    """The MLP, computing for real or sleeping its compute (``--compute emulated``)."""
     torch.manual_seed(0)
-    model: nn.Module = build_mlp(args.inputs, args.width, args.depth, 10)
+    if args.compute == "emulated":
+        return EmulatedMLP(args.inputs, args.width, args.depth, 10, args.forward_fraction)
+    return build_mlp(args.inputs, args.width, args.depth, 10)
+
+
+def make_training(
+    method: str, model: nn.Module, args: argparse.Namespace
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """``model`` wrapped by DDP or the module front-end, and its optimizer (None: updated in backward)."""
     if method in BASELINES:
         if method != "nocomm":
             model = nn.parallel.DistributedDataParallel(model)
@@ -125,55 +144,112 @@ def bytes_sent_per_step(
     return None if count is None else float(count())
 
 
-def run_segment(method: str, args: argparse.Namespace) -> tuple[list[float], int, float | None]:
-    """Warm-up steps, then the timed ones.
+def busy_cpu_seconds() -> float:
+    """Seconds all cores of the machine spent busy since boot (``/proc/stat``: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process, all its threads (gloo's included), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def run_segment(
+    method: str, scenario: str | None, args: argparse.Namespace, round_: int = 0
+) -> dict[str, object]:
+    """Warm-up steps, then the timed ones; compute times drawn with seed ``--seed + round_``.
 
     Returns:
-        Seconds per timed step, the parameter count, and the bytes sent per step (None: not counted).
+        ``times``: seconds per timed step; ``params``: the parameter count; ``sent``: bytes sent per
+        step (None: not counted); ``cpu_s``: this process's CPU seconds in the timed window; rank 0's
+        also ``busy_s``, the machine's busy CPU seconds in it; with real compute ``compute_s``, the
+        seconds of forward + backward of each timed step and ``forward_s`` of the forward alone.
     """
-    model, optimizer = make_training(method, args)
+    net = make_model(args)
+    model, optimizer = make_training(method, net, args)
     generator = torch.Generator().manual_seed(args.rank)
-    x = torch.randn(args.batch, args.inputs, generator=generator)
-    y = torch.randint(0, 10, (args.batch,), generator=generator)
+    rows = ROWS if args.compute == "emulated" else args.batch
+    x = torch.randn(rows, args.inputs, generator=generator)
+    y = torch.randint(0, 10, (rows,), generator=generator)
+    compute = ComputeTimes(
+        args.compute_ms / 1e3,
+        scenario or "none",
+        args.sigma,
+        slow_factor=args.slow_factor,
+        seed=args.seed + round_,
+    ).draws(args.rank, args.warmup + args.iters)
     times: list[float] = []
+    forward_s: list[float] = []
+    compute_s: list[float] = []
+    cpu = busy = 0.0
     for i in range(args.warmup + args.iters):
         if i == args.warmup:
             dist.barrier()  # every rank starts the timed window together
+            cpu, busy = own_cpu_seconds(), busy_cpu_seconds()
+        if isinstance(net, EmulatedMLP):
+            net.compute_s = compute[i]
         start = time.perf_counter()
         if optimizer is not None:
             optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
+        loss = nn.functional.cross_entropy(model(x), y)
+        forward = time.perf_counter()
+        loss.backward()
+        backward = time.perf_counter()
         if optimizer is not None:
             optimizer.step()
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
-    sent = bytes_sent_per_step(method, model, optimizer, args.world_size)
+            forward_s.append(forward - start)
+            compute_s.append(backward - start)
+    segment: dict[str, object] = {
+        "times": times,
+        "cpu_s": own_cpu_seconds() - cpu,
+        "params": sum(p.numel() for p in net.parameters()),
+        "sent": bytes_sent_per_step(method, model, optimizer, args.world_size),
+    }
+    if args.rank == 0:
+        segment["busy_s"] = busy_cpu_seconds() - busy
+    if args.compute == "real":
+        segment["compute_s"], segment["forward_s"] = compute_s, forward_s
     if isinstance(optimizer, DecentOptimWrapper):
         optimizer.global_avg(may_revert=False)  # finishes the last gossip round; untimed
     if isinstance(model, DecentralizedDataParallel):
         model.global_avg(will_revert=False)
     dist.barrier()  # the next segment starts on every rank together
-    return times, sum(p.numel() for p in model.parameters()), sent
+    return segment
 
 
 def run_rounds(args: argparse.Namespace) -> None:
-    """Every method once per round, so load that drifts during the run hits all methods alike.
+    """Every method (under every scenario) once per round, so load that drifts hits all alike.
 
-    Round ``r`` starts with method ``r`` (mod the number of methods), so no method is always first; a
-    process's first steps are slow (lazy imports, allocator growth), so an untimed segment comes first.
-    ``--out`` is rewritten after every round: a driver that hits its deadline keeps the rounds done.
+    Round ``r`` starts with segment ``r`` (mod the number of segments), so no method is always first;
+    a process's first steps are slow (lazy imports, allocator growth), so an untimed segment comes
+    first. ``--out`` is rewritten after every round: a driver that hits its deadline keeps the rounds
+    done.
     """
-    times: dict[str, list[float]] = {m: [] for m in args.methods}
-    sent: dict[str, float | None] = {}
+    segments = [(s, m) for s in args.scenarios or [None] for m in args.methods]
+    keys = [m if s is None else f"{s}/{m}" for s, m in segments]
+    times: dict[str, list[float]] = {k: [] for k in keys}
+    extra: dict[str, dict[str, list[object]]] = {k: {} for k in keys}
+    sent: dict[str, object] = {}
     rounds: list[dict[str, float]] = []
-    params = 0
-    run_segment("nocomm", args)
+    params: object = 0
+    run_segment("nocomm", None, args)
     for r in range(args.rounds):
         medians = {}
-        for method in args.methods[r % len(args.methods) :] + args.methods[: r % len(args.methods)]:
-            segment, params, sent[method] = run_segment(method, args)
-            times[method].extend(segment)
-            medians[method] = statistics.median(segment)
+        start = r % len(segments)
+        for (scenario, method), key in (
+            list(zip(segments, keys, strict=True))[start:] + list(zip(segments, keys, strict=True))[:start]
+        ):
+            segment = run_segment(method, scenario, args, r)
+            times[key].extend(segment.pop("times"))  # type: ignore[arg-type]
+            params, sent[key] = segment.pop("params"), segment.pop("sent")
+            medians[key] = statistics.median(times[key][-args.iters :])
+            for name, value in segment.items():  # per round: CPU seconds; per step: compute times
+                extra[key].setdefault(name, []).append(value)
         rounds.append(medians)
         result = {
             "rank": args.rank,
@@ -181,6 +257,7 @@ def run_rounds(args: argparse.Namespace) -> None:
             "times": times,
             "round_medians": rounds,
             "bytes_sent_per_step": sent,
+            "measured": extra,
         }
         write_atomically(args.out, result)
 
@@ -212,6 +289,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--out", required=True, help="JSON file for this rank's results")
+    parser.add_argument("--compute", choices=("real", "emulated"), default="real")
+    parser.add_argument("--compute-ms", type=float, default=200.0, help="emulated: mean compute per step")
+    parser.add_argument(
+        "--forward-fraction", type=float, default=1 / 3, help="emulated: share of the compute in forward"
+    )
+    parser.add_argument(
+        "--scenarios", nargs="+", choices=JITTERS, default=None, help="emulated: compute-time scenarios"
+    )
+    parser.add_argument("--sigma", type=float, default=0.5, help="lognormal scenario's shape")
+    parser.add_argument(
+        "--slow-factor", type=float, default=1.5, help="straggler scenario: rank 0's slowdown"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the compute-time draws")
     return parser.parse_args()
 
 

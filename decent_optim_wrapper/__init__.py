@@ -14,8 +14,8 @@ Layout (each layer imports only the ones above it):
   bucket updated inside backward); :mod:`~decent_optim_wrapper.inner_step` runs the optimizers they
   step as torch expects (GradScaler, global step hooks).
 * Above them: :mod:`~decent_optim_wrapper.metrics` (consensus distance), :mod:`~decent_optim_wrapper.plan`
-  (``python -m decent_optim_wrapper.plan``: bytes per step), :mod:`~decent_optim_wrapper.launch`
-  (:func:`initialize_dist`).
+  (``python -m decent_optim_wrapper.plan``: predicted step times, bytes per step),
+  :mod:`~decent_optim_wrapper.launch` (:func:`initialize_dist`).
 """
 
 from loguru import logger

@@ -294,7 +294,7 @@ def test_cli_local_world_size_and_steps(capsys):
     ],
 )
 def test_plan_prints_bytes_per_parameter_with_compression(argv, expected, capsys):
-    assert plan_main(argv) == 0
+    assert plan_main(["bytes", *argv]) == 0
     assert expected in capsys.readouterr().out
 
 
@@ -325,13 +325,13 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
 )
 def test_plan_errors_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as info:
-        plan_main(argv)
+        plan_main(["bytes", *argv])
     assert info.value.code == 2
     assert message in capsys.readouterr().err
 
 
 def test_plan_without_compression_prints_every_wire_format(capsys):
-    assert plan_main(["ring", "-n", "4"]) == 0
+    assert plan_main(["bytes", "ring", "-n", "4"]) == 0
     out = capsys.readouterr().out
     assert "uncompressed: 4.0000" in out
     assert all(f"with {wire} compression" in out for wire in ("bf16", "fp16", "int8"))

@@ -1,4 +1,4 @@
-"""What gossip will cost before you run it: ``python -m decent_optim_wrapper.plan NAME --world-size N``.
+"""Bytes per step of a topology's gossip: ``python -m decent_optim_wrapper.plan bytes NAME --world-size N``.
 
 Prints the bytes per fp32 parameter a rank sends per step (mean over the ranks and one period of the
 schedule) for a registered topology, uncompressed and with each compressed wire format, from the
@@ -12,7 +12,6 @@ stays free of it.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -22,7 +21,7 @@ from decent_optim_wrapper.topo import Topology
 from decent_optim_wrapper.topo.cli import add_topology_arguments, topology_from_arguments
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
-__all__ = ["bytes_per_parameter", "main"]
+__all__ = ["bytes_main", "bytes_per_parameter"]
 
 _NUMEL = 1 << 20  # large, so that int8's per-block scales count in proportion
 
@@ -43,7 +42,7 @@ def bytes_per_parameter(topology: Topology, compression: GossipCompression | Non
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m decent_optim_wrapper.plan",
+        prog="python -m decent_optim_wrapper.plan bytes",
         description="Print the bytes per fp32 parameter a rank sends per step with a topology's gossip, "
         "uncompressed and compressed.",
     )
@@ -64,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def bytes_main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (argument errors exit with status 2)."""
     parser = _parser()
     args = parser.parse_args(argv)
@@ -81,7 +80,3 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"(uncompressed {plain:.4f}; x{compressed / plain if plain else 1.0:.3f})"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,377 @@
+"""Tables, figure and simulator check of ``scaling.py``'s runs, and the simulator's predictions.
+
+Reads every ``emulated-*.json`` (and ``real-*.json``) that ``scaling.py`` wrote to ``--results``, then:
+
+1. prints one table per scenario: each method's mean iteration time and its ratio to no
+   communication, against the number of nodes;
+2. replays every measured run in the simulator (``decent_optim_wrapper.plan``): the same compute-time
+   draws, the link rate and round trip measured before the run, the bytes from the engine's rule, and
+   per-step CPU work taken from the same run's no-communication time; prints predicted vs measured and
+   the worst error;
+3. draws the figure (time per iteration / no-communication against nodes, measured as markers,
+   simulated as lines) to ``--figure``;
+4. predicts 64, 256 and 1024 nodes for a 125M- and a 1B-parameter model on a datacentre and an
+   internet link (``--predict``), and 32 nodes beside the published decent-dp ratio.
+
+``uv run benchmarks/scaling_report.py`` (no root, no cluster; seconds to a minute).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from decent_optim_wrapper import GossipCompression
+from decent_optim_wrapper.plan import (
+    ComputeTimes,
+    Link,
+    Network,
+    NoComm,
+    allreduce_scheme,
+    gossip_scheme,
+    predict,
+    simulate,
+)
+from decent_optim_wrapper.topo import TopologyFactory
+
+RESULTS = Path(__file__).with_name("results") / "scaling"
+FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "scaling.png"
+#: Ranks of one node talk through the kernel's loopback: a fast link next to the shaped ones.
+LOOPBACK = Link(10e9, 20e-6)
+
+
+def load(folder: Path, kind: str) -> list[dict[str, Any]]:
+    records = [json.loads(p.read_text()) for p in sorted(folder.glob(f"{kind}-*.json"))]
+    return sorted(records, key=lambda r: (r["args"]["workers_per_node"], r["args"]["nodes"]))
+
+
+def measured_ms(record: dict[str, Any], key: str) -> float | None:
+    run = record["runs"].get(key)
+    return 1e3 * statistics.fmean(run["rank_means_s"]) if run else None
+
+
+def scheme_for(method: str, ranks: int, local: int, numel: int, network: Network, overhead_s: float) -> Any:
+    """The simulator's scheme of a benchmark method (nocomm, ddp, ddp-bf16, topology[@compression])."""
+    if method == "nocomm":
+        return NoComm(ranks, overhead_s)
+    if method in ("ddp", "ddp-bf16"):
+        wire = 0.5 if method == "ddp-bf16" else 1.0
+        return allreduce_scheme(
+            ranks, network, model_bytes=4 * numel, overhead_s=overhead_s, wire_fraction=wire
+        )
+    name, _, wire_format = method.partition("@")
+    topology = TopologyFactory.create(name, ranks, local)
+    compression = GossipCompression(wire_format) if wire_format else None
+    return gossip_scheme(topology, numel, network, compression, overhead_s)
+
+
+def replay(record: dict[str, Any], scenario: str, method: str) -> float:
+    """Simulated mean iteration time (ms) of one measured run: same draws, rounds, warm-up and barrier."""
+    args = record["args"]
+    ranks, local = args["nodes"] * args["workers_per_node"], args["workers_per_node"]
+    network = Network(Link(record["link_mbit_s"] * 1e6, record["round_trip_ms"] / 2e3), LOOPBACK, local)
+    numel = record["runs"][f"{scenario}/nocomm"]["params"]
+    rounds = len(record["runs"][f"{scenario}/{method}"]["round_medians_s"])
+    steps = args["warmup"] + args["iters"]
+    # Per-step CPU work besides the waits (the optimizer step, Python, sleeps' overshoot): what the
+    # same run's no-communication steps took beyond their drawn compute, without jitter.
+    overhead = overhead_s(record, "none")
+    scheme = scheme_for(method, ranks, local, numel, network, overhead)
+    times = []
+    for r in range(rounds):
+        compute = compute_times(args, scenario, r)
+        times.append(simulate(scheme, compute, steps, barrier_at=args["warmup"]).iteration_s(args["warmup"]))
+    return 1e3 * statistics.fmean(times)
+
+
+def compute_times(args: dict[str, Any], scenario: str, round_: int) -> ComputeTimes:
+    return ComputeTimes(
+        args["compute_ms"] / 1e3,
+        scenario,
+        args["sigma"],
+        slow_factor=args["slow_factor"],
+        seed=args["seed"] + round_,
+    )
+
+
+def overhead_s(record: dict[str, Any], scenario: str) -> float:
+    """Measured no-communication step minus the mean drawn compute of its timed steps."""
+    args = record["args"]
+    ranks = args["nodes"] * args["workers_per_node"]
+    rounds = len(record["runs"][f"{scenario}/nocomm"]["round_medians_s"])
+    drawn = [
+        t
+        for r in range(rounds)
+        for rank in range(ranks)
+        for t in compute_times(args, scenario, r).draws(rank, args["warmup"] + args["iters"])[
+            args["warmup"] :
+        ]
+    ]
+    return measured_ms(record, f"{scenario}/nocomm") / 1e3 - statistics.fmean(drawn)  # type: ignore[operator]
+
+
+def tables(records: list[dict[str, Any]]) -> None:
+    """One table per scenario and workers per node: ms and / nocomm per method (rows) and nodes (columns)."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for record in records:
+        for scenario in record["args"]["scenarios"]:
+            groups.setdefault((scenario, record["args"]["workers_per_node"]), []).append(record)
+    for (scenario, local), group in groups.items():
+        print(f"\nscenario {scenario}, {local} worker(s) per node: mean ms per iteration (/ nocomm)")
+        print(f"  {'method':<14}" + "".join(f"{str(r['args']['nodes']) + ' nodes':>20}" for r in group))
+        methods = dict.fromkeys(m for r in group for m in r["args"]["methods"])
+        for method in methods:
+            cells = []
+            for record in group:
+                ms = measured_ms(record, f"{scenario}/{method}")
+                base = measured_ms(record, f"{scenario}/nocomm")
+                cells.append(f"{ms:9.1f} ({ms / base:5.2f}x)" if ms and base else f"{'-':>20}")
+            print(f"  {method:<14}" + "".join(f"{c:>20}" for c in cells))
+
+
+def validate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Predicted vs measured for every run, scenario and method; prints them and the worst error."""
+    rows = []
+    for record in records:
+        args = record["args"]
+        for scenario in args["scenarios"]:
+            for method in args["methods"]:
+                ms = measured_ms(record, f"{scenario}/{method}")
+                if ms is None:
+                    continue
+                predicted = replay(record, scenario, method)
+                rows.append(
+                    {
+                        "nodes": args["nodes"],
+                        "workers_per_node": args["workers_per_node"],
+                        "scenario": scenario,
+                        "method": method,
+                        "measured_ms": ms,
+                        "predicted_ms": predicted,
+                        "error": predicted / ms - 1,
+                    }
+                )
+    print(f"\nsimulator vs measurement ({len(rows)} runs): predicted / measured - 1")
+    print(f"  {'nodes x L':<10}{'scenario':<11}{'method':<14}{'measured':>10}{'predicted':>10}{'error':>8}")
+    for row in rows:
+        print(
+            f"  {row['nodes']:>2} x {row['workers_per_node']:<5}{row['scenario']:<11}{row['method']:<14}"
+            f"{row['measured_ms']:>10.1f}{row['predicted_ms']:>10.1f}{100 * row['error']:>7.1f}%"
+        )
+    for local in sorted({r["workers_per_node"] for r in rows}):
+        group = [r for r in rows if r["workers_per_node"] == local]
+        worst = max(group, key=lambda r: abs(r["error"]))
+        print(
+            f"{local} rank(s) per node: worst error {100 * worst['error']:+.1f}% ({worst['method']}, "
+            f"{worst['scenario']}, {worst['nodes']} nodes); mean |error| "
+            f"{100 * statistics.fmean(abs(r['error']) for r in group):.1f}% over {len(group)} runs"
+        )
+    return rows
+
+
+def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path) -> None:
+    """Time per iteration / no communication against nodes: one panel per scenario (1 rank per node)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in records if r["args"]["workers_per_node"] == 1]
+    scenarios = list(dict.fromkeys(s for r in single for s in r["args"]["scenarios"]))
+    methods = [m for m in dict.fromkeys(m for r in single for m in r["args"]["methods"]) if m != "nocomm"]
+    predicted = {
+        (r["nodes"], r["scenario"], r["method"]): r["predicted_ms"]
+        for r in rows
+        if r["workers_per_node"] == 1
+    }
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8), sharey=True)
+    for ax, scenario in zip(axes, scenarios, strict=True):
+        for index, method in enumerate(methods):
+            nodes, measured, simulated = [], [], []
+            for record in single:
+                ms = measured_ms(record, f"{scenario}/{method}")
+                base = measured_ms(record, f"{scenario}/nocomm")
+                if ms and base:
+                    n = record["args"]["nodes"]
+                    nodes.append(n)
+                    measured.append(ms / base)
+                    simulated.append(predicted[(n, scenario, method)] / base)
+            color = f"C{index}"
+            ax.plot(nodes, measured, "o-", color=color, label=method)
+            ax.plot(nodes, simulated, "x--", color=color, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["args"]["nodes"] for r in single], [str(r["args"]["nodes"]) for r in single])
+        ax.set_title(
+            {
+                "none": "constant compute",
+                "lognormal": "transient jitter (log-normal)",
+                "straggler": "one rank 1.5x slower",
+            }.get(scenario, scenario)
+        )
+        ax.set_xlabel("nodes (1 rank each)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("time per iteration / no communication")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        "Emulated cluster, 20 Mbit/s links, exchange ~ compute: measured (o) and simulated (x)", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"figure written to {path}")
+
+
+#: Prediction grid: fp32 models, compute per step on one accelerator, and two kinds of link.
+MODELS = {"125M": (125e6 * 4, 0.10), "1B": (1e9 * 4, 0.80)}
+LINKS = {"datacentre": Link(25e9, 10e-6), "internet": Link(1e9, 50e-3)}
+NODES = (32, 64, 256, 1024)
+
+
+def predictions(sigma: float) -> list[dict[str, Any]]:
+    """DDP and per-step gossip at scale, from the simulator alone (log-normal jitter ``sigma``)."""
+    out = []
+    print(f"\npredicted ms per step (log-normal compute jitter sigma={sigma}; one rank per node)")
+    header = f"  {'model':<6}{'link':<12}{'nodes':>6}{'nocomm':>9}{'ddp':>10}{'ddp-tree':>10}{'ddp-bf16':>10}"
+    print(header + f"{'ring':>9}{'one-peer-exp':>13}{'ring@bf16':>10}{'ddp/ring':>9}{'tree/1pe':>9}")
+    for model, (model_bytes, compute_s) in MODELS.items():
+        for link_name, link in LINKS.items():
+            for nodes in NODES:
+                compute = ComputeTimes(compute_s, "lognormal", sigma)
+                found = predict(
+                    model_bytes,
+                    compute,
+                    Network(link),
+                    nodes,
+                    ["ring", "one-peer-exp"],
+                    compressions=("bf16",),
+                    steps=30,
+                )
+                ms = {p.method: 1e3 * p.step_s for p in found}
+                # DDP with a tree all-reduce's latency (2 log2 N messages, as NCCL does at scale)
+                tree = Network(link, tree_latency=True)
+                ms["ddp-tree"] = 1e3 * predict(model_bytes, compute, tree, nodes, [], ())[1].step_s
+                out.append({"model": model, "link": link_name, "nodes": nodes, "ms": ms})
+                print(
+                    f"  {model:<6}{link_name:<12}{nodes:>6}{ms['nocomm']:>9.0f}{ms['ddp']:>10.0f}"
+                    f"{ms['ddp-tree']:>10.0f}{ms['ddp-bf16']:>10.0f}{ms['ring']:>9.0f}"
+                    f"{ms['one-peer-exp']:>13.0f}{ms['ring@bf16']:>10.0f}{ms['ddp'] / ms['ring']:>9.2f}"
+                    f"{ms['ddp-tree'] / ms['one-peer-exp']:>9.2f}"
+                )
+    return out
+
+
+def markdown(
+    records: list[dict[str, Any]], rows: list[dict[str, Any]], predicted: list[dict[str, Any]]
+) -> str:
+    """The tables of docs/scaling.md: measured per scenario, simulator errors, predictions."""
+    out = []
+    errors = {(r["nodes"], r["workers_per_node"], r["scenario"], r["method"]): r["error"] for r in rows}
+    for local in sorted({r["args"]["workers_per_node"] for r in records}):
+        group = [r for r in records if r["args"]["workers_per_node"] == local]
+        cols = [r["args"]["nodes"] for r in group]
+        for scenario in dict.fromkeys(s for r in group for s in r["args"]["scenarios"]):
+            out.append(
+                f"\n**{scenario}**, {local} rank(s) per node: ms per iteration (x no-communication) "
+                "[simulator error]\n"
+            )
+            out.append("| method | " + " | ".join(f"{n} nodes" for n in cols) + " |")
+            out.append("|---" * (len(cols) + 1) + "|")
+            for method in dict.fromkeys(m for r in group for m in r["args"]["methods"]):
+                cells = []
+                for record in group:
+                    ms = measured_ms(record, f"{scenario}/{method}")
+                    base = measured_ms(record, f"{scenario}/nocomm")
+                    err = errors.get((record["args"]["nodes"], local, scenario, method))
+                    cells.append(
+                        f"{ms:.0f} ({ms / base:.2f}x) [{100 * err:+.0f}%]"
+                        if ms and base and err is not None
+                        else "-"
+                    )
+                out.append(f"| {method} | " + " | ".join(cells) + " |")
+    columns = ["model", "link", "nodes", "no comm", "DDP (ring)", "DDP (tree latency)", "ddp-bf16", "ring"]
+    columns += ["one-peer-exp", "ring@bf16", "DDP / one-peer-exp"]
+    out.append("\n| " + " | ".join(columns) + " |")
+    out.append("|---" * 11 + "|")
+    for row in predicted:
+        ms = row["ms"]
+        cells = [
+            ms[k] for k in ("nocomm", "ddp", "ddp-tree", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16")
+        ]
+        out.append(
+            f"| {row['model']} | {row['link']} | {row['nodes']} | "
+            + " | ".join(f"{c:,.0f}" for c in cells)
+            + f" | {ms['ddp'] / ms['one-peer-exp']:.2f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
+    """Per run: each rank's own CPU per step (ms) and the machine's busy share, per method."""
+    out = [
+        "\n| nodes x ranks | method | CPU per rank and step (ms) | ranks' CPU / cores | machine busy |",
+        "|---|---|---|---|---|",
+    ]
+    for record in records:
+        args = record["args"]
+        for method in args["methods"]:
+            run = record["runs"].get(f"{scenario}/{method}")
+            if not run:
+                continue
+            ranks = len(run["rank_means_s"])
+            steps = len(run["round_medians_s"]) * args["iters"]
+            cpu = sum(sum(per_rank) for per_rank in run["measured"]["cpu_s"])
+            summary = record["summary"][f"{scenario}/{method}"]
+            where = f"{args['nodes']} x {args['workers_per_node']}"
+            out.append(
+                f"| {where} | {method} | {1e3 * cpu / ranks / steps:.1f} | "
+                f"{100 * summary['ranks_cpu_fraction']:.0f}% | {100 * summary['machine_cpu_fraction']:.0f}% |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def calibration(folder: Path) -> str:
+    """Real compute vs emulated compute (constant) at the same cluster size, per method."""
+    out = [
+        "\n| nodes | method | real compute (ms) | emulated compute (ms) | emulated / real - 1 |",
+        "|---|---|---|---|---|",
+    ]
+    print("\ncalibration: real vs emulated compute (constant), mean ms per iteration")
+    for real in load(folder, "real"):
+        args = real["args"]
+        name = f"emulated-{args['nodes']}x{args['workers_per_node']}.json"
+        if not (folder / name).exists():
+            continue
+        emulated = json.loads((folder / name).read_text())
+        for method in args["methods"]:
+            a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
+            if a and b:
+                out.append(f"| {args['nodes']} | {method} | {a:.1f} | {b:.1f} | {100 * (b / a - 1):+.1f}% |")
+                change = 100 * (b / a - 1)
+                print(
+                    f"  {args['nodes']} nodes {method:<14} real {a:7.1f}  emulated {b:7.1f}  {change:+6.1f}%"
+                )
+    return "\n".join(out) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--figure", type=Path, default=FIGURE)
+    parser.add_argument("--sigma", type=float, default=0.2, help="jitter of the predictions")
+    parser.add_argument("--json", type=Path, default=RESULTS / "report.json")
+    args = parser.parse_args()
+    records = load(args.results, "emulated")
+    tables(records)
+    rows = validate(records)
+    figure(records, rows, args.figure)
+    predicted = predictions(args.sigma)
+    args.json.write_text(json.dumps({"validation": rows, "predictions": predicted}, indent=1))
+    tables_md = markdown(records, rows, predicted) + cpu_table(records) + calibration(args.results)
+    args.json.with_suffix(".md").write_text(tables_md)
+    print(f"validation and predictions written to {args.json} (tables: {args.json.with_suffix('.md')})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Plan a run before renting the cluster: bytes per step, and step times predicted by simulation.
+
+``python -m decent_optim_wrapper.plan`` prints the predicted step time of every gossip topology (with
+and without compression) and of DDP for a model size, compute time and network
+(:mod:`.cli`, :func:`.predict`); ``python -m decent_optim_wrapper.plan bytes NAME -n N`` the bytes a topology
+sends per parameter (:mod:`.traffic`). Underneath: compute-time distributions (:mod:`.compute`), the
+network and collective cost model (:mod:`.costs`), schemes built from them (:mod:`.schemes`) and the
+simulator of the step dependency graph (:mod:`.simulator`). It sits above the engine and the
+topologies, whose byte rules it uses; nothing below imports it.
+"""
+
+from decent_optim_wrapper.plan.cli import main
+from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
+from decent_optim_wrapper.plan.costs import Link, Network, ddp_buckets, gossip_round_bytes
+from decent_optim_wrapper.plan.predict import Prediction, predict
+from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
+from decent_optim_wrapper.plan.simulator import AllReduce, Gossip, NoComm, Run, Scheme, simulate
+from decent_optim_wrapper.plan.traffic import bytes_per_parameter
+
+__all__ = [
+    "JITTERS",
+    "AllReduce",
+    "ComputeTimes",
+    "Gossip",
+    "Link",
+    "Network",
+    "NoComm",
+    "Prediction",
+    "Run",
+    "Scheme",
+    "allreduce_scheme",
+    "bytes_per_parameter",
+    "ddp_buckets",
+    "gossip_round_bytes",
+    "gossip_scheme",
+    "main",
+    "predict",
+    "simulate",
+]

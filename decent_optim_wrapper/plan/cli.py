@@ -1,0 +1,135 @@
+"""``python -m decent_optim_wrapper.plan``: predicted step times before renting a cluster.
+
+``python -m decent_optim_wrapper.plan --model-bytes 500M --compute-ms 100 --bandwidth 25gbit
+--latency 10us --nodes 64`` simulates DDP and every topology's gossip (uncompressed, bf16 and int8)
+on that cluster and prints each one's mean step time, its ratio to training without communication,
+and the bytes a rank sends per step. ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
+topology's bytes per parameter (:mod:`.traffic`). The assumptions are those of :mod:`.costs` and
+:mod:`.simulator`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+
+from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
+from decent_optim_wrapper.plan.costs import Link, Network
+from decent_optim_wrapper.plan.predict import predict
+from decent_optim_wrapper.plan.traffic import bytes_main
+
+__all__ = ["main", "parse_quantity"]
+
+_UNITS = {
+    "bytes": {
+        "": 1,
+        "b": 1,
+        "k": 1e3,
+        "kb": 1e3,
+        "m": 1e6,
+        "mb": 1e6,
+        "g": 1e9,
+        "gb": 1e9,
+        "t": 1e12,
+        "tb": 1e12,
+    },
+    "bandwidth": {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12},
+    "latency": {"": 1, "s": 1, "ms": 1e-3, "us": 1e-6, "ns": 1e-9},
+}
+
+
+def parse_quantity(text: str, kind: str) -> float:
+    """``"500M"`` bytes, ``"25gbit"`` bit/s, ``"10us"`` seconds -> a float in bytes, bit/s or seconds."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    units = _UNITS[kind]
+    if match is None or match.group(2) not in units:
+        raise ValueError(
+            f"{text!r} is not a {kind}; write a number with one of the units "
+            f"{', '.join(u for u in units if u)} (e.g. 500M, 25gbit, 10us)"
+        )
+    return float(match.group(1)) * units[match.group(2)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m decent_optim_wrapper.plan",
+        description="Predict the step time of DDP and of gossip on every topology (with and without "
+        "compression) by simulating the step dependency graph; 'bytes NAME -n N' prints a topology's "
+        "bytes per parameter instead.",
+    )
+    parser.add_argument("--model-bytes", required=True, help="bytes of the fp32 parameters: 500M, 4G, ...")
+    parser.add_argument("--compute-ms", type=float, required=True, help="forward + backward per step (ms)")
+    parser.add_argument("--bandwidth", required=True, help="per node and direction: 25gbit, 1gbit, 200mbit")
+    parser.add_argument("--latency", default="0", help="per message between nodes: 10us, 50ms (default 0)")
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--workers-per-node", type=int, default=1, help="ranks per node (default 1)")
+    parser.add_argument(
+        "--intra-bandwidth", default="100gbit", help="between ranks of a node (default 100gbit)"
+    )
+    parser.add_argument(
+        "--overhead-ms", type=float, default=0.0, help="CPU/GPU work per step besides compute"
+    )
+    parser.add_argument("--forward-fraction", type=float, default=1 / 3, help="forward's share of compute")
+    parser.add_argument("--jitter", choices=JITTERS, default="none", help="compute-time scenario")
+    parser.add_argument("--sigma", type=float, default=0.3, help="lognormal jitter's shape (default 0.3)")
+    parser.add_argument("--slow-factor", type=float, default=1.5, help="straggler's slowdown (rank 0)")
+    parser.add_argument(
+        "--topologies", nargs="+", default=None, help="default: every registered one that fits"
+    )
+    parser.add_argument(
+        "--tree-latency", action="store_true", help="all-reduces pay log2(k) latencies (NCCL)"
+    )
+    parser.add_argument("--steps", type=int, default=40, help="simulated steps (the first 10 are warm-up)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (argument errors exit with status 2)."""
+    import sys
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bytes"]:
+        return bytes_main(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        model_bytes = parse_quantity(args.model_bytes, "bytes")
+        inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
+        intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
+        compute = ComputeTimes(args.compute_ms / 1e3, args.jitter, args.sigma, slow_factor=args.slow_factor)
+    except ValueError as err:
+        parser.error(str(err))
+    if args.nodes < 1 or args.workers_per_node < 1 or args.steps <= 10 or model_bytes < 4:
+        parser.error(
+            f"need --nodes >= 1, --workers-per-node >= 1, --steps > 10 and --model-bytes >= 4, got "
+            f"{args.nodes}, {args.workers_per_node}, {args.steps} and {args.model_bytes}"
+        )
+    network = Network(inter, intra, args.workers_per_node, args.tree_latency)
+    try:
+        predictions = predict(
+            model_bytes,
+            compute,
+            network,
+            args.nodes,
+            args.topologies,
+            steps=args.steps,
+            overhead_s=args.overhead_ms / 1e3,
+            forward_fraction=args.forward_fraction,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    ranks = args.nodes * args.workers_per_node
+    print(
+        f"{ranks} ranks ({args.nodes} nodes x {args.workers_per_node}); model {model_bytes / 1e6:.1f} MB; "
+        f"compute {args.compute_ms:.1f} ms/step ({args.jitter} jitter); links "
+        f"{inter.bandwidth / 1e9:g} Gbit/s, {inter.latency_s * 1e3:g} ms per message"
+    )
+    base = predictions[0].step_s
+    print(f"{'method':<28}{'ms/step':>10}{'/ no-comm':>11}{'MB sent/step/rank':>19}")
+    for p in predictions:
+        print(f"{p.method:<28}{1e3 * p.step_s:>10.1f}{p.step_s / base:>11.3f}{p.sent_bytes / 1e6:>19.2f}")
+    ddp = next(p for p in predictions if p.method == "ddp")
+    best = min(predictions[1:], key=lambda p: p.step_s)
+    print(f"fastest: {best.method} ({ddp.step_s / best.step_s:.2f}x faster than DDP)")
+    return 0

@@ -1,0 +1,83 @@
+"""Predicted step time of DDP and of every topology's gossip for one model, cluster and network."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from decent_optim_wrapper.engine.compression import GossipCompression
+from decent_optim_wrapper.plan.compute import ComputeTimes
+from decent_optim_wrapper.plan.costs import Network, ddp_buckets
+from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
+from decent_optim_wrapper.plan.simulator import NoComm, Scheme, simulate
+from decent_optim_wrapper.plan.traffic import bytes_per_parameter
+from decent_optim_wrapper.topo import Topology, TopologyFactory
+
+__all__ = ["Prediction", "predict"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """One method's simulated mean step time and the bytes a rank sends per step."""
+
+    method: str
+    step_s: float
+    sent_bytes: float
+
+
+def predict(
+    model_bytes: float,
+    compute: ComputeTimes,
+    network: Network,
+    nodes: int,
+    topologies: Sequence[str] | None = None,
+    compressions: Sequence[str] = ("bf16", "int8"),
+    steps: int = 40,
+    warmup: int = 10,
+    overhead_s: float = 0.0,
+    forward_fraction: float = 1 / 3,
+) -> list[Prediction]:
+    """Simulate ``steps`` steps of no communication, DDP (fp32 and bf16 gradients) and gossip.
+
+    Args:
+        model_bytes: bytes of the fp32 parameters.
+        compute: every rank's compute time per step.
+        network: links and ranks per node.
+        nodes: number of nodes (``nodes * network.local_world_size`` ranks).
+        topologies: registered topology names (default: all that build at this size).
+        compressions: wire formats to try on every topology besides uncompressed.
+        steps, warmup: simulated steps; the mean over the last ``steps - warmup`` is reported.
+        overhead_s: CPU seconds per step besides compute (optimizer step, staging and mixing).
+        forward_fraction: share of the compute in forward (DDP starts all-reducing in backward).
+    """
+    ranks = nodes * network.local_world_size
+    numel = int(model_bytes // 4)
+    buckets = ddp_buckets(model_bytes, forward_fraction)
+    results = [Prediction("nocomm", _mean(NoComm(ranks, overhead_s), compute, steps, warmup), 0.0)]
+    for name, wire in (("ddp", 1.0), ("ddp-bf16", 0.5)):
+        scheme: Scheme = allreduce_scheme(ranks, network, buckets, overhead_s=overhead_s, wire_fraction=wire)
+        sent = 2 * (ranks - 1) / ranks * model_bytes * wire
+        results.append(Prediction(name, _mean(scheme, compute, steps, warmup), sent))
+    for topology in _topologies(topologies, ranks, network.local_world_size):
+        for wire_format in (None, *compressions):
+            compression = None if wire_format is None else GossipCompression(wire_format)
+            scheme = gossip_scheme(topology, numel, network, compression, overhead_s)
+            sent = bytes_per_parameter(topology, compression) * numel
+            name = topology.name + (f"@{wire_format}" if wire_format else "")
+            results.append(Prediction(name, _mean(scheme, compute, steps, warmup), sent))
+    return results
+
+
+def _topologies(names: Sequence[str] | None, ranks: int, local: int) -> list[Topology]:
+    built = []
+    for name in names or TopologyFactory.names():
+        try:
+            built.append(TopologyFactory.create(name, ranks, local))
+        except ValueError:
+            if names:  # asked for by name: say why it does not fit
+                raise
+    return built
+
+
+def _mean(scheme: Scheme, compute: ComputeTimes, steps: int, warmup: int) -> float:
+    return simulate(scheme, compute, steps).iteration_s(warmup)

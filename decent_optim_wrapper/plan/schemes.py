@@ -1,0 +1,68 @@
+"""Simulator schemes built from what a user knows: model size, topology, compression and network."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cache
+
+import torch
+
+from decent_optim_wrapper.engine.compression import CompressionPlan, GossipCompression
+from decent_optim_wrapper.plan.costs import Network, ddp_buckets, gossip_round_bytes
+from decent_optim_wrapper.plan.simulator import AllReduce, Gossip
+from decent_optim_wrapper.topo import Topology
+from decent_optim_wrapper.topo.group import Group
+from decent_optim_wrapper.topo.mixing import allreduce_models_sent
+
+__all__ = ["allreduce_scheme", "gossip_scheme"]
+
+
+def gossip_scheme(
+    topology: Topology,
+    numel: int,
+    network: Network,
+    compression: GossipCompression | None = None,
+    overhead_s: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+) -> Gossip:
+    """Per-step gossip on ``topology`` of a model of ``numel`` parameters of ``dtype``."""
+    if network.local_world_size != topology.local_world_size:
+        raise ValueError(
+            f"network.local_world_size={network.local_world_size} differs from the topology's "
+            f"local_world_size={topology.local_world_size}; build both with the same ranks per node"
+        )
+    plan = None if compression is None else CompressionPlan(topology, compression)
+
+    @cache
+    def phase_seconds(index: int) -> tuple[float, ...]:
+        phase = topology.schedule[index]
+        sent = [gossip_round_bytes(group, numel, plan, dtype) for group in phase]
+        return tuple(network.allreduce_seconds(phase, sent))
+
+    return Gossip(
+        world_size=topology.world_size,
+        phase=topology.phase,
+        seconds=lambda step: phase_seconds(step % topology.period),
+        overhead_s=overhead_s,
+    )
+
+
+def allreduce_scheme(
+    world_size: int,
+    network: Network,
+    buckets: Sequence[tuple[float, float]] | None = None,
+    model_bytes: float = 0.0,
+    overhead_s: float = 0.0,
+    wire_fraction: float = 1.0,
+) -> AllReduce:
+    """DDP on ``world_size`` ranks; ``buckets``: ``(bytes, ready_fraction)``, else DDP's own.
+
+    ``wire_fraction``: bytes on the wire per gradient byte (0.5 with torch's ``bf16_compress_hook`` on
+    fp32 gradients).
+    """
+    if buckets is None:
+        buckets = ddp_buckets(model_bytes)
+    world = Group(tuple(range(world_size)))
+    sent = allreduce_models_sent(world_size) * wire_fraction
+    seconds = [(network.allreduce_seconds([world], [sent * nbytes])[0], f) for nbytes, f in buckets]
+    return AllReduce(world_size=world_size, buckets=seconds, overhead_s=overhead_s)

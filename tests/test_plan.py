@@ -1,0 +1,258 @@
+"""Pure logic of the planner: compute-time draws, the cost model, the simulator and the command line.
+
+The simulator is checked against closed forms it must reproduce exactly (up to float rounding, hence
+``rel=1e-12``): a zero-jitter ring steps every ``max(compute, exchange) + overhead``, DDP every
+slowest compute plus its all-reduce, a ring all-reduce takes ``2 (k - 1) / k`` of the bytes over the
+link plus ``2 (k - 1)`` latencies; and against the property that makes gossip scale: a rank waits for
+its group, so gossip never ends a step later than DDP with the same exchange time.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+
+from decent_optim_wrapper import GossipCompression
+from decent_optim_wrapper.plan import (
+    AllReduce,
+    ComputeTimes,
+    Gossip,
+    Link,
+    Network,
+    NoComm,
+    allreduce_scheme,
+    bytes_per_parameter,
+    ddp_buckets,
+    gossip_round_bytes,
+    gossip_scheme,
+    main,
+    simulate,
+)
+from decent_optim_wrapper.plan.cli import parse_quantity
+from decent_optim_wrapper.topo import TopologyFactory
+from decent_optim_wrapper.topo.group import Group
+
+pytestmark = pytest.mark.pure
+
+EXACT = 1e-12  # sums of a few dozen float64 times of ~0.1 s: rounding only
+
+
+def constant_gossip(topology_name: str, n: int, exchange_s: float, overhead_s: float) -> Gossip:
+    topology = TopologyFactory.create(topology_name, n)
+    return Gossip(n, topology.phase, lambda step: [exchange_s] * len(topology.phase(step)), overhead_s)
+
+
+# -- compute times -------------------------------------------------------------------------------
+
+
+def test_lognormal_keeps_the_mean_and_is_reproducible_per_rank():
+    times = ComputeTimes(0.2, "lognormal", sigma=0.5, seed=3)
+    draws = [t for rank in range(40) for t in times.draws(rank, 500)]
+    # 20,000 draws of a log-normal with sigma 0.5: standard error sqrt(e^{0.25} - 1) * 0.2 / sqrt(20000)
+    # = 7.5e-4; allow 4 standard errors.
+    assert statistics.fmean(draws) == pytest.approx(0.2, abs=4 * 7.5e-4)
+    assert max(draws) > 3 * 0.2  # a heavy right tail
+    assert times.draws(7, 10) == times.draws(7, 30)[:10]  # rank 7's stream, whatever the step count
+    assert times.draws(7, 10) != ComputeTimes(0.2, "lognormal", sigma=0.5, seed=4).draws(7, 10)
+
+
+def test_straggler_slows_one_rank_only():
+    times = ComputeTimes(0.1, "straggler", slow_rank=2, slow_factor=1.5)
+    assert times.draws(2, 3) == [pytest.approx(0.15)] * 3
+    assert times.draws(0, 3) == times.draws(5, 3) == [0.1] * 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mean_s": 0.0}, "mean_s must be > 0"),
+        ({"mean_s": 0.1, "jitter": "gamma"}, "jitter must be one of none, lognormal, straggler"),
+        ({"mean_s": 0.1, "slow_factor": 0.0}, "slow_factor > 0"),
+    ],
+)
+def test_compute_times_reject_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ComputeTimes(**kwargs)
+
+
+# -- cost model -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [2, 3, 8, 64])
+def test_ring_allreduce_closed_form(k):
+    link = Link(1e9, 1e-4)
+    seconds = Network(link).allreduce_seconds([Group(tuple(range(k)))], [2 * (k - 1) / k * 1e6])
+    assert seconds == [pytest.approx(2 * (k - 1) / k * 8e6 / 1e9 + 2 * (k - 1) * 1e-4, rel=EXACT)]
+    tree = Network(link, tree_latency=True).allreduce_seconds([Group(tuple(range(k)))], [0.0])
+    assert tree == [pytest.approx(2 * math.ceil(math.log2(k)) * 1e-4, rel=EXACT)]
+
+
+def test_ranks_of_a_node_share_its_link_and_talk_fast_inside_it():
+    # hierarchical on 2 nodes x 2: phase 0 averages inside each node, phase 1 pairs local rank l of
+    # node 0 with local rank l of node 1, so both of a node's ranks send on its one link at once
+    topology = TopologyFactory.create("hierarchical", 4, 2)
+    network = Network(Link(8e6), Link(8e9), local_world_size=2)
+    intra, inter = (network.allreduce_seconds(p, [1e6] * len(p)) for p in topology.schedule[:2])
+    assert intra == [pytest.approx(1e-3)] * 2  # 1 MB at 1 GB/s
+    assert inter == [pytest.approx(2.0)] * 2  # 1 MB at half of 1 MB/s
+
+
+def test_bytes_follow_the_engine_rule():
+    topology = TopologyFactory.create("ring", 8)
+    pair = topology.group(0, 0)
+    assert gossip_round_bytes(pair, 1000) == 4000  # one fp32 model to the peer
+    plan = gossip_scheme(topology, 1 << 20, Network(Link(1e9)), GossipCompression("bf16"))
+    assert list(plan.seconds(0)) == [pytest.approx(2 * (1 << 20) * 8 / 1e9)] * 4  # a bf16 payload per hop
+    assert bytes_per_parameter(topology, GossipCompression("bf16")) == 2.0
+
+
+def test_ddp_buckets_cover_the_model_in_backward_order():
+    buckets = ddp_buckets(60e6, forward_fraction=0.25)
+    assert [b for b, _ in buckets] == [
+        1024 * 1024,
+        25 * 1024 * 1024,
+        25 * 1024 * 1024,
+        pytest.approx(60e6 - 51 * 1024 * 1024),
+    ]
+    fractions = [f for _, f in buckets]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0 and fractions[0] > 0.25
+    assert ddp_buckets(1e5) == [(1e5, 1.0)]  # a small model: one bucket, ready when backward ends
+
+
+# -- simulator ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("compute", "exchange"), [(0.2, 0.15), (0.2, 0.3)])
+def test_zero_jitter_ring_steps_every_max_of_compute_and_exchange(compute, exchange):
+    run = simulate(constant_gossip("ring", 16, exchange, 0.01), ComputeTimes(compute), 30)
+    assert run.iteration_s(skip=1) == pytest.approx(max(compute, exchange) + 0.01, rel=EXACT)
+    assert run.ends[0] == [pytest.approx(compute + 0.01)] * 16  # nothing to wait for at step 0
+
+
+def test_allreduce_waits_every_step_for_the_slowest_rank():
+    times = ComputeTimes(0.2, "lognormal", sigma=0.5, seed=1)
+    n, steps = 16, 20
+    draws = [times.draws(r, steps) for r in range(n)]
+    run = simulate(AllReduce(n, [(0.05, 1.0)], 0.01), times, steps)
+    ends = [0.0] + [run.ends[t][0] for t in range(steps)]
+    for t in range(steps):
+        assert run.ends[t] == [ends[t + 1]] * n  # every rank leaves the step together
+        assert ends[t + 1] - ends[t] == pytest.approx(max(d[t] for d in draws) + 0.05 + 0.01, rel=EXACT)
+
+
+def test_allreduce_of_an_early_bucket_overlaps_the_rest_of_backward():
+    # the first bucket is ready half way through the compute and its all-reduce fits in the rest
+    run = simulate(AllReduce(4, [(0.05, 0.5), (0.05, 1.0)]), ComputeTimes(0.2), 5)
+    assert run.iteration_s() == pytest.approx(0.25, rel=EXACT)
+
+
+def test_no_communication_is_compute_plus_overhead():
+    assert simulate(NoComm(3, 0.002), ComputeTimes(0.1), 4).iteration_s() == pytest.approx(0.102, rel=EXACT)
+
+
+@pytest.mark.parametrize("topology", ["ring", "one-peer-exp"])
+def test_gossip_never_ends_a_step_after_ddp_with_the_same_exchange(topology):
+    times = ComputeTimes(0.2, "lognormal", sigma=0.7, seed=5)
+    gossip = simulate(constant_gossip(topology, 16, 0.2, 0.001), times, 40)
+    ddp = simulate(AllReduce(16, [(0.2, 1.0)], 0.001), times, 40)
+    assert all(
+        g <= d for gs, ds in zip(gossip.ends, ddp.ends, strict=True) for g, d in zip(gs, ds, strict=True)
+    )
+    # transient jitter costs DDP the expected maximum of 16 draws, gossip much less
+    assert ddp.iteration_s(10) > 1.5 * gossip.iteration_s(10)
+
+
+def test_a_persistent_straggler_sets_the_pace_of_a_connected_topology():
+    times = ComputeTimes(0.1, "straggler", slow_rank=0, slow_factor=2.0)
+    run = simulate(constant_gossip("ring", 8, 0.05, 0.0), times, 60)
+    assert run.iteration_s(skip=30) == pytest.approx(0.2, rel=EXACT)  # every rank, not just rank 0
+
+
+def test_barrier_starts_a_step_on_every_rank_together():
+    times = ComputeTimes(0.1, "straggler", slow_factor=3.0)
+    run = simulate(NoComm(2), times, 3, barrier_at=2)
+    assert run.ends[1] == [pytest.approx(0.6), pytest.approx(0.2)]
+    assert run.ends[2] == [pytest.approx(0.9), pytest.approx(0.7)]
+    assert run.iteration_s(2) == pytest.approx(0.2)  # timed from the barrier (0.6), as the benchmark times
+
+
+def test_ddp_scheme_sends_a_ring_allreduce_of_the_buckets():
+    scheme = allreduce_scheme(4, Network(Link(8e6, 0.001)), [(1e6, 1.0)], wire_fraction=0.5)
+    assert scheme.buckets == [(pytest.approx(2 * 3 / 4 * 0.5 + 6 * 0.001), 1.0)]
+
+
+def test_simulate_rejects_bad_input():
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        simulate(NoComm(2), ComputeTimes(0.1), 0)
+    with pytest.raises(ValueError, match="skip must be in"):
+        simulate(NoComm(2), ComputeTimes(0.1), 3).iteration_s(3)
+    with pytest.raises(ValueError, match="local_world_size"):
+        gossip_scheme(TopologyFactory.create("ring", 4, 2), 10, Network(Link(1e9)))
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+
+def test_plan_prints_every_method_and_the_fastest(capsys):
+    argv = ["--model-bytes", "500M", "--compute-ms", "100", "--bandwidth", "1gbit", "--latency", "1ms"]
+    assert main([*argv, "--nodes", "8", "--topologies", "ring", "one-peer-exp"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines()[2:-1]}
+    assert list(rows) == [
+        "nocomm",
+        "ddp",
+        "ddp-bf16",
+        "ring",
+        "ring@bf16",
+        "ring@int8",
+        "one-peer-exp",
+        "one-peer-exp@bf16",
+        "one-peer-exp@int8",
+    ]
+    # DDP: 2 * 7/8 * 500 MB at 1 Gbit/s (7 s), in 21 buckets (1 MiB, then 25 MiB) of 14 latencies of
+    # 1 ms each, the first starting once forward (33 ms) and that bucket's share of backward are done
+    ddp = float(rows["ddp"][0]) / 1e3
+    assert 7.0 + 21 * 0.014 + 0.033 < ddp < 7.0 + 21 * 0.014 + 0.034
+    assert float(rows["ring"][0]) == pytest.approx(4000 + 2 + 0, abs=0.1)  # one model per step + 2 latencies
+    assert rows["ring"][2] == "500.00" and rows["ddp"][2] == "875.00"
+    assert out.splitlines()[-1].startswith("fastest: ring@int8")
+
+
+@pytest.mark.parametrize(
+    ("text", "kind", "value"),
+    [
+        ("500M", "bytes", 5e8),
+        ("4GB", "bytes", 4e9),
+        ("25gbit", "bandwidth", 25e9),
+        ("10us", "latency", 1e-5),
+        ("50ms", "latency", 0.05),
+        ("1e9", "bandwidth", 1e9),
+    ],
+)
+def test_quantities(text, kind, value):
+    assert parse_quantity(text, kind) == pytest.approx(value)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bandwidth", "fast"], "'fast' is not a bandwidth"),
+        (["--latency", "5 parsecs"], "is not a latency"),
+        (["--nodes", "0"], "need --nodes >= 1"),
+        (["--topologies", "torus"], "Unknown topology 'torus'"),
+    ],
+)
+def test_plan_errors_exit_2_with_a_message(argv, message, capsys):
+    base = {"--model-bytes": "1M", "--compute-ms": "10", "--bandwidth": "1gbit", "--nodes": "4"}
+    base.update(dict(zip(argv[::2], argv[1::2], strict=True)))
+    with pytest.raises(SystemExit) as info:
+        main([item for pair in base.items() for item in pair])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bytes_subcommand_keeps_the_byte_report(capsys):
+    assert main(["bytes", "ring", "-n", "8", "-c", "bf16"]) == 0
+    assert "with bf16 compression: 2.0000 (uncompressed 4.0000; x0.500)" in capsys.readouterr().out

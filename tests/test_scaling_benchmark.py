@@ -1,0 +1,103 @@
+"""The scaling benchmark's pieces that need no cluster: the worker, the emulated model, the simulator's check.
+
+``benchmarks/cluster_worker.py`` must run every method under every scenario (two ranks on loopback,
+the ``examples`` tier); ``benchmarks/emulated.py`` must keep the real model's parameters (so DDP and
+the engine bucket and send the same bytes) and sleep the compute it is given;
+``benchmarks/scaling_report.py`` must reproduce every committed run of the emulated cluster within
+the 15% the simulator promises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+# The benchmark scripts import their siblings by plain name, with benchmarks/ on sys.path (as
+# `uv run benchmarks/scaling.py` runs them); nothing else on sys.path has these names.
+sys.path.append(str(ROOT / "benchmarks"))
+
+import scaling_report  # noqa: E402
+from common import build_mlp  # noqa: E402
+from emulated import ROWS, EmulatedMLP  # noqa: E402
+
+pytestmark = pytest.mark.pure
+
+
+def test_emulated_mlp_has_the_real_parameters_and_sleeps_its_compute():
+    model = EmulatedMLP(32, 16, 3, 10, forward_fraction=0.4)
+    real = build_mlp(32, 16, 3, 10)
+    assert [p.shape for p in model.parameters()] == [p.shape for p in real.parameters()]
+    model.compute_s = 0.06
+    start = time.perf_counter()
+    loss = torch.nn.functional.cross_entropy(model(torch.randn(ROWS, 32)), torch.randint(0, 10, (ROWS,)))
+    forward = time.perf_counter()
+    loss.backward()
+    end = time.perf_counter()
+    # sleeps last at least what they are asked; the upper side is left alone (a loaded machine)
+    assert forward - start >= 0.4 * 0.06 and end - forward >= 0.6 * 0.06
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+RECORDS = scaling_report.load(scaling_report.RESULTS, "emulated")
+
+
+@pytest.mark.skipif(not RECORDS, reason="no committed runs of benchmarks/scaling.py")
+def test_simulator_reproduces_every_committed_run_with_one_rank_per_node_within_15_percent():
+    # With two ranks per node the model's equal split of a node's link between its ranks is known to
+    # overestimate the exchange (docs/scaling.md); those runs are reported, not held to 15%.
+    rows = scaling_report.validate([r for r in RECORDS if r["args"]["workers_per_node"] == 1])
+    worst = max(rows, key=lambda row: abs(row["error"]))
+    assert abs(worst["error"]) <= 0.15, worst
+
+
+@pytest.mark.examples
+def test_worker_runs_every_method_and_scenario_on_loopback(tmp_path):
+    """Two ranks of ``cluster_worker.py`` on 127.0.0.1 (no namespaces, no root): the keys and counts."""
+    from common import free_port
+
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    flags = ["--world-size", "2", "--rounds", "1", "--iters", "2", "--warmup", "1", "--inputs", "16"]
+    flags += [
+        "--width",
+        "16",
+        "--compute",
+        "emulated",
+        "--compute-ms",
+        "5",
+        "--scenarios",
+        "none",
+        "lognormal",
+    ]
+    flags += ["--methods", "nocomm", "ddp", "ring@bf16"]
+    worker = str(ROOT / "benchmarks" / "cluster_worker.py")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, "--rank", str(r), "--out", str(tmp_path / f"{r}.json"), *flags],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+    finally:
+        for p in procs:  # a hung rank must not outlive the test
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    result = json.loads((tmp_path / "0.json").read_text())
+    keys = [f"{s}/{m}" for s in ("none", "lognormal") for m in ("nocomm", "ddp", "ring@bf16")]
+    assert sorted(result["times"]) == sorted(keys)
+    assert all(len(result["times"][k]) == 2 for k in keys)
+    assert all(t >= 0.005 for k in keys for t in result["times"][k])  # each step slept its compute
+    assert result["bytes_sent_per_step"]["none/nocomm"] == 0
+    assert "busy_s" in result["measured"]["none/ddp"]  # rank 0 reads the machine's CPU
