@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -145,3 +147,37 @@ def launched_by_torchrun() -> Iterator[None]:
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+#: The repository's root: scripts run from here unless told otherwise.
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(
+    *argv: str, cwd: Path = ROOT, env: dict[str, str] | None = None, deadline_s: float = 150
+) -> str:
+    """Run ``python *argv`` as a user would and return what it printed (stdout and stderr).
+
+    The script runs in a process group of its own: past ``deadline_s`` the whole group (the script and
+    the workers it started) is killed and the test fails with the output so far; a non-zero exit fails
+    it with the output.
+    """
+    import pytest
+
+    with subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    ) as process:
+        try:
+            output, _ = process.communicate(timeout=deadline_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            output, _ = process.communicate()
+            pytest.fail(f"{argv[0]} ran past {deadline_s} s; it printed:\n{output}")
+    assert process.returncode == 0, f"{argv[0]} exited with {process.returncode}:\n{output}"
+    return output

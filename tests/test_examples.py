@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
+import helpers
 import pytest
 import torch.distributed as dist
 
@@ -36,27 +34,8 @@ SCRIPT_DEADLINE_S = 150  # a script's whole run: starting 2 workers (seconds eac
 
 
 def run_script(*argv: str) -> str:
-    """What ``python argv...`` prints, run from the repository root in a process group of its own.
-
-    Past the deadline the whole group (the script and the workers it started) is killed and the test
-    fails with the output so far; a non-zero exit fails it with the output.
-    """
-    with subprocess.Popen(
-        [sys.executable, *argv],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            output, _ = process.communicate(timeout=SCRIPT_DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            pytest.fail(f"{argv[0]} ran past {SCRIPT_DEADLINE_S} s; it printed:\n{output}")
-    assert process.returncode == 0, f"{argv[0]} exited with {process.returncode}:\n{output}"
-    return output
+    """What the script prints, run from the repository's root with the deadline above."""
+    return helpers.run_script(*argv, deadline_s=SCRIPT_DEADLINE_S)
 
 
 @pytest.fixture(scope="module")

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
+import helpers
 import pytest
 
 pytestmark = pytest.mark.examples
@@ -22,25 +20,10 @@ DEADLINE_S = 150  # starting 2 processes that import torch and a framework (seco
 
 
 def run_script(cwd: Path, *argv: str) -> str:
-    """What the script prints; past the deadline its whole process group is killed and the test fails."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    with subprocess.Popen(
-        [sys.executable, *argv],
-        cwd=cwd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    ) as process:
-        try:
-            output, _ = process.communicate(timeout=DEADLINE_S)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            output, _ = process.communicate()
-            pytest.fail(f"{argv[0]} ran past {DEADLINE_S} s; it printed:\n{output}")
-    assert process.returncode == 0, f"{argv[0]} exited with {process.returncode}:\n{output}"
-    return output
+    """What the script prints, run in ``cwd`` offline, with the deadline above."""
+    return helpers.run_script(
+        *argv, cwd=cwd, env={**os.environ, "HF_HUB_OFFLINE": "1"}, deadline_s=DEADLINE_S
+    )
 
 
 @pytest.mark.timeout(DEADLINE_S + 30)
