@@ -589,12 +589,22 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def ready_to_emulate() -> bool:
+    """Whether this process can build the emulated cluster; says why not when it cannot.
+
+    When it can, SIGTERM becomes an exit, so the namespaces are removed (``finally`` / ``__exit__``).
+    """
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("skipped: needs root for network namespaces (and iproute2's ip and tc)")
+        return False
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return True
+
+
+def main() -> None:
+    args = parse_args()
+    if not ready_to_emulate():
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup in `finally` / __exit__
     stop_at = time.monotonic() + args.max_seconds
     print(
         f"{args.nodes} nodes x {args.workers_per_node} workers = {args.nodes * args.workers_per_node} "

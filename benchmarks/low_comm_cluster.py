@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cluster import Cluster, measure_link, stop, summarize
+from cluster import Cluster, measure_link, ready_to_emulate, stop, summarize
 from common import build_mlp
 from torch import nn
 
@@ -201,8 +201,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if os.geteuid() != 0:
-        print("skipped: needs root for network namespaces")
+    if not ready_to_emulate():
         return
     step_s, model_bytes = compute_seconds(args)
     rate = args.rate or f"{int(model_bytes * 8 / (args.exchange_steps * step_s)) // 1000}kbit"

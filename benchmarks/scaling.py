@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import Cluster, measure_link, rate_bits, run_workers
+from cluster import Cluster, measure_link, rate_bits, ready_to_emulate, run_workers
 from cluster_worker import BASELINES, parse_gossip_method
 
 from decent_optim_wrapper.plan import JITTERS
@@ -208,10 +206,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        print("skipped: needs root for network namespaces (and iproute2's ip and tc)")
+    if not ready_to_emulate():
         return
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the cleanup in __exit__
     ranks = args.nodes * args.workers_per_node
     print(
         f"{args.nodes} nodes x {args.workers_per_node} = {ranks} ranks, {args.compute} compute, "
