@@ -60,7 +60,7 @@ from decent_optim_wrapper.wrapper import DecentOptimWrapper
 # Libraries stay silent unless the user opts in: logger.enable("decent_optim_wrapper").
 logger.disable("decent_optim_wrapper")
 # ... except the warning that a worker was lost and the others went on without it.
-logger.enable("decent_optim_wrapper.engine.membership")
+logger.enable("decent_optim_wrapper.engine.survival")
 
 __all__ = [
     "LR_SCHEDULER_FN_TYPE",

@@ -8,6 +8,7 @@ agree on the new world, keep training (their loss falls), reach consensus by gos
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from typing import Any
 
@@ -70,6 +71,9 @@ def _train(rank: int, world_size: int, port: int, front: str, fault: dict[str, A
         if fault.get("rank") == rank and fault["step"] == t and fault["where"] == "after_step":
             inject(fault["how"])  # its round of step t is in flight
         if t == AVERAGE_AT:
+            if fault.get("rank") == rank and fault["where"] == "in_global_avg":
+                # Killed a moment into global_avg: before, during or after its all-reduce, all survived.
+                threading.Timer(0.002, inject, (fault["how"],)).start()
             front_end.global_avg()
             if fault.get("rank") == rank and fault["where"] == "after_global_avg":
                 inject(fault["how"])
@@ -150,6 +154,7 @@ FAULTS = {
         "where": "after_global_avg",
         "step": AVERAGE_AT,
     },
+    "killed during global_avg": {"rank": 1, "how": "kill", "where": "in_global_avg", "step": AVERAGE_AT},
     "hung mid-training": {"rank": 2, "how": "hang", "where": "before_step", "step": 13},
 }
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import secrets
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -53,13 +52,12 @@ from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.local_steps import LocalSteps, OuterFactory, resolve_local_steps
 from decent_optim_wrapper.engine.membership import (
+    ChannelReport,
     Decision,
     Membership,
     PeerFailure,
     PeerLost,
-    Report,
     connect_store,
-    warn_survived,
 )
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
@@ -73,15 +71,13 @@ from decent_optim_wrapper.engine.options import (
     check_timeout,
     resolve_topology,
 )
+from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, surviving_local_world_size
 from decent_optim_wrapper.engine.tracking import GradientTracker
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook", "TopologySpec"]
 
 _T = TypeVar("_T")
-
-#: Called on every survivor after a lost peer, with what happened (``on_peer_failure="continue"``).
-PeerFailureHook = Callable[[PeerFailure], None]
 
 
 class GossipEngine:
@@ -211,15 +207,12 @@ class GossipEngine:
         reports = agree(f"Building {context}", local_layout)
         check_layouts_agree(reports)
 
-        self._membership: Membership | None = None
+        self._survival: Survival | None = None
         if on_peer_failure == "continue":
             # A token every rank shares names this run's keys in the store (reruns never collide).
             run = all_gather_pickled(secrets.token_hex(8))[0]
-            self._membership = Membership(
-                connect_store(store, timeout), run, self._rank, self._world_size, timeout
-            )
-        self._peer_failures: list[PeerFailure] = []
-        self._peer_failure_hooks: OrderedDict[int, PeerFailureHook] = OrderedDict()
+            membership = Membership(connect_store(store, timeout), run, self._rank, self._world_size, timeout)
+            self._survival = Survival(membership, timeout)
         self._tracking_requested = gradient_tracking
         self._step = 0
         self._in_step = False
@@ -235,7 +228,7 @@ class GossipEngine:
 
         Built once, and again over the survivors of a lost peer (fresh rounds, references and trackers).
         """
-        waiter = None if self._membership is None else self._membership.wait
+        waiter = None if self._survival is None else self._survival.membership.wait
         self._process_groups = ProcessGroups(self._topology, self._group_timeout())
         if broadcast:
             self._bind_and_broadcast(self._buckets)
@@ -250,7 +243,7 @@ class GossipEngine:
             self._tracker = GradientTracker(self._buckets, *wiring, waiter)
 
     def _group_timeout(self) -> timedelta:
-        if self._membership is None:
+        if self._survival is None:
             return self._timeout
         # The engine's own wait decides when a peer is lost; gloo must not time a round out first,
         # so that a round every member launched completes (see membership.Decision.finishes).
@@ -547,11 +540,11 @@ class GossipEngine:
         )
 
     def _averaging_wait(self) -> dict[str, Any]:
-        if self._membership is None:
+        if self._survival is None:
             return {}
         # Reduced in copies, written back once complete: a failure midway leaves the replicas as
         # they were, and the survivors average them again.
-        return {"waiter": self._membership.wait, "in_place": False}
+        return {"waiter": self._survival.membership.wait, "in_place": False}
 
     @torch.no_grad()
     def revert_global_avg(self) -> None:
@@ -580,7 +573,7 @@ class GossipEngine:
         .. warning:: This is a collective: all ranks must call it.
         """
         self.check_buckets()
-        membership = self._membership
+        membership = None if self._survival is None else self._survival.membership
 
         def distance() -> float:
             wait = None
@@ -651,12 +644,12 @@ class GossipEngine:
     @property
     def on_peer_failure(self) -> str:
         """``"raise"`` or ``"continue"``."""
-        return "raise" if self._membership is None else "continue"
+        return "raise" if self._survival is None else "continue"
 
     @property
     def peer_failures(self) -> list[PeerFailure]:
         """Every lost peer survived so far, oldest first (a new list)."""
-        return list(self._peer_failures)
+        return [] if self._survival is None else self._survival.failures
 
     def register_peer_failure_hook(self, hook: PeerFailureHook) -> RemovableHandle:
         """Call ``hook(failure)`` on every survivor after a lost peer, once the new groups stand.
@@ -664,9 +657,12 @@ class GossipEngine:
         For example to rescale the learning rate or the data shard for the new world size. Returns a
         handle whose ``remove()`` unregisters it.
         """
-        handle = RemovableHandle(self._peer_failure_hooks)
-        self._peer_failure_hooks[handle.id] = hook
-        return handle
+        if self._survival is None:
+            raise RuntimeError(
+                'register_peer_failure_hook() needs on_peer_failure="continue": with "raise" (the default) '
+                "a lost peer raises GossipError instead, and no hook would ever run."
+            )
+        return self._survival.register_hook(hook)
 
     def _survive(self, action: Callable[[], _T], retry: bool = True) -> _T | None:
         """Run ``action``; on a lost peer (``"continue"``) recover, and run it again if ``retry``."""
@@ -674,7 +670,7 @@ class GossipEngine:
             try:
                 return action()
             except PeerLost as lost:
-                if self._membership is None:
+                if self._survival is None:
                     raise
                 self._recover(lost)
                 if not retry:
@@ -683,58 +679,25 @@ class GossipEngine:
     @torch.no_grad()
     def _recover(self, cause: BaseException) -> None:
         """Agree with the survivors on who is gone, settle the rounds in flight, and rewire over them."""
-        membership = self._membership
-        assert membership is not None
-        before = membership.members
-        world_before, rank_before = self._world_size, self._rank
-        position = self._step + 1 if self._in_step else self._step
-        settled = False
-        unformed: set[tuple[int, ...]] = set()
-        while True:
-            channels = self._gossip.reports("params") + ([] if self._local is None else self._local.reports())
-            decision = membership.agree(
-                Report(membership.member, self._rank, position, tuple(channels)), cause
-            )
-            if not settled:
-                self._settle_rounds(decision)
-                settled = True
-            self._rank, self._world_size = decision.members.index(membership.member), len(decision.members)
-            # Old groups may hold collectives stuck on the lost peer: let them go off this thread.
-            self._process_groups.retire(self._group_timeout() + self._timeout)
-            try:
-                membership.reform(decision, "gloo", self._timeout)
-                self._rewire(decision, before)
-                break
-            except (RuntimeError, dist.DistError) as err:  # a survivor did not join: recover again
-                if decision.members in unformed:
-                    # The same survivors twice: they reach the store but not each other (a partition).
-                    raise PeerFailureError(
-                        f"rank {self._rank}: the survivors {list(decision.members)} (ranks at launch) reach "
-                        f"the store but cannot form a process group ({err}); stopping rather than "
-                        "training as separate jobs."
-                    ) from err
-                unformed.add(decision.members)
-                membership.failed_to_reform(err)
-                cause = err
-        lost = tuple(before.index(m) for m in before if m not in decision.members)
-        failure = PeerFailure(
+        assert self._survival is not None
+
+        def reports() -> list[ChannelReport]:
+            return self._gossip.reports("params") + ([] if self._local is None else self._local.reports())
+
+        self._survival.recover(
+            cause,
             step=self._step,
-            lost=lost,
-            survivors=tuple(before.index(m) for m in decision.members),
-            previous_world_size=world_before,
-            world_size=self._world_size,
-            previous_rank=rank_before,
+            position=self._step + 1 if self._in_step else self._step,
             rank=self._rank,
+            reports=reports,
+            settle=self._settle_rounds,
+            rewire=self._rewire,
         )
-        self._peer_failures.append(failure)
-        warn_survived(failure, self._launch_from)
-        for hook in list(self._peer_failure_hooks.values()):
-            hook(failure)
 
     def _settle_rounds(self, decision: Decision) -> None:
         """Mix or drop every round in flight as ``decision`` says, the same on every member of its group."""
-        assert self._membership is not None
-        mine = decision.reports[decision.members.index(self._membership.member)]
+        assert self._survival is not None
+        mine = decision.reports[decision.members.index(self._survival.membership.member)]
         finish = {(c.kind, c.bucket): decision.finishes(c) for c in mine.channels}
         for bucket, owner in enumerate(self._buckets):
             with current([owner], write=True):
@@ -749,17 +712,13 @@ class GossipEngine:
                 self._snapshot.local = {**self._snapshot.local, "gossip": None}
         self._launch_from = decision.resume_step
 
-    def _rewire(self, decision: Decision, before: Sequence[int]) -> None:
+    def _rewire(self, decision: Decision, before: list[int]) -> None:
         """The topology, process groups and gossip over the survivors (the new default group stands)."""
+        # Old groups may hold collectives stuck on the lost peer: let them go off this thread.
+        self._process_groups.retire(self._group_timeout() + self._timeout)
         self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        per_node = self._local_world_size
         kept = {before.index(m) for m in decision.members}
-        whole_nodes = all(
-            len({r for r in kept if r // per_node == node}) in (0, per_node)
-            for node in range(len(before) // per_node)
-        )
-        if not whole_nodes or self._world_size % per_node != 0:
-            per_node = 1  # a node lost part of its ranks: the renumbered ranks no longer share nodes
+        per_node = surviving_local_world_size(kept, len(before), self._local_world_size)
         try:
             self._topology = resolve_topology(self._topology_spec, self._world_size, per_node)
         except (ValueError, TypeError) as err:

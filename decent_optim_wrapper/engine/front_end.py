@@ -10,8 +10,9 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.buckets import Bucket
-from decent_optim_wrapper.engine.engine import GossipEngine, PeerFailureHook
+from decent_optim_wrapper.engine.engine import GossipEngine
 from decent_optim_wrapper.engine.membership import PeerFailure
+from decent_optim_wrapper.engine.survival import PeerFailureHook
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["EngineFrontEnd"]

@@ -53,7 +53,6 @@ __all__ = [
     "PeerLost",
     "Report",
     "connect_store",
-    "warn_survived",
 ]
 
 #: How often each rank's heartbeat thread bumps its counter, and how long a counter may stand still
@@ -158,22 +157,6 @@ class Decision:
         return True
 
 
-def warn_survived(failure: PeerFailure, first_round: int) -> None:
-    """The warning every survivor logs. Unlike the library's other logs it is on by default (a lost
-    worker changes the run: the world size, the data seen, what the learning rate means)."""
-    logger.warning(
-        "lost rank(s) {} of {} at step {}; this rank ({} before) goes on as rank {} of {} survivors, "
-        "gossiping again from step {}",
-        list(failure.lost),
-        failure.previous_world_size,
-        failure.step,
-        failure.previous_rank,
-        failure.rank,
-        failure.world_size,
-        first_round,
-    )
-
-
 def connect_store(store: Store | None, timeout: timedelta) -> Store:
     """The store survivors meet in: ``store``, or a client of ``MASTER_ADDR:MASTER_PORT``."""
     if store is not None:
@@ -211,11 +194,13 @@ class Membership:
         self._generation = 0
         self._timeout = timeout.total_seconds()
         self._recovering = False
-        self._beats = threading.Event()
-        self._beat_key = f"{self._prefix}/beat/{rank}"
-        self._store.add(self._beat_key, 1)
-        self._thread = threading.Thread(target=self._beat, name="decent-heartbeat", daemon=True)
-        self._thread.start()
+        self._stopped = threading.Event()
+        beat_key = f"{self._prefix}/beat/{rank}"
+        self._store.add(beat_key, 1)
+        # The thread holds the store, not this object, so that it stops once the engine is gone.
+        threading.Thread(
+            target=_beat, args=(store, beat_key, self._stopped), name="decent-heartbeat", daemon=True
+        ).start()
 
     @property
     def member(self) -> int:
@@ -233,14 +218,10 @@ class Membership:
 
     def close(self) -> None:
         """Stop the heartbeat thread."""
-        self._beats.set()
+        self._stopped.set()
 
-    def _beat(self) -> None:
-        while not self._beats.wait(HEARTBEAT_S):
-            try:
-                self._store.add(self._beat_key, 1)
-            except Exception:  # the store is gone: recovery will say so; the thread just stops
-                return
+    def __del__(self) -> None:
+        self._stopped.set()
 
     def _key(self, name: str, generation: int | None = None) -> str:
         return f"{self._prefix}/g{self._generation if generation is None else generation}/{name}"
@@ -360,6 +341,15 @@ class Membership:
         """The new group did not form: a failure of the new generation, announced like any other."""
         logger.warning("rank {} (at launch): the survivors' new group did not form: {}", self._me, cause)
         self._recovering = True
+
+
+def _beat(store: Store, key: str, stopped: threading.Event) -> None:
+    """Bump ``key`` every :data:`HEARTBEAT_S` until ``stopped`` (or the store is gone)."""
+    while not stopped.wait(HEARTBEAT_S):
+        try:
+            store.add(key, 1)
+        except Exception:  # the store is gone: recovery will say so; the heartbeat just stops
+            return
 
 
 def _encode(value: object) -> str:
