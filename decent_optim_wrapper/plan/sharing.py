@@ -197,15 +197,16 @@ class LinkSharing(Generic[K]):
             for key in free:
                 if flows[key].transfer.cap / weights[key] < level:
                     level, limited = flows[key].transfer.cap / weights[key], [key]
-            links = {link for key in free for link, _ in flows[key].transfer.crossings}
-            for link in sorted(links, key=lambda shared: repr(shared.key)):
-                demand = sum(
-                    h * weights[key] for key in free for lk, h in flows[key].transfer.crossings if lk == link
-                )
-                fill = max(0.0, link.bandwidth - used.get(link, 0.0)) / demand
+            demand: dict[SharedLink, float] = {}  # weighted hops per link; dict order: first crossed
+            crossing: dict[SharedLink, list[K]] = {}
+            for key in free:
+                for link, hops in flows[key].transfer.crossings:
+                    demand[link] = demand.get(link, 0.0) + hops * weights[key]
+                    crossing.setdefault(link, []).append(key)
+            for link, weighed in demand.items():
+                fill = max(0.0, link.bandwidth - used.get(link, 0.0)) / weighed
                 if fill < level:
-                    level = fill
-                    limited = [k for k in free if any(lk == link for lk, _ in flows[k].transfer.crossings)]
+                    level, limited = fill, crossing[link]
             if not limited:  # nothing bounds the rest: transfers of no bytes (see Transfer)
                 limited = free
             for key in limited:
