@@ -341,7 +341,11 @@ def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
 
 
 def calibration(folder: Path) -> str:
-    """Real compute vs emulated compute (constant) at the same cluster size, per method."""
+    """Real compute vs emulated compute (constant) at the same cluster size, per method.
+
+    The emulated run is ``calibration-emulated-NxL.json`` when there is one: waits as long as the
+    real run's measured forward and backward, measured right after it.
+    """
     out = [
         "\n| nodes | method | real compute (ms) | emulated compute (ms) | emulated / real - 1 |",
         "|---|---|---|---|---|",
@@ -349,10 +353,13 @@ def calibration(folder: Path) -> str:
     print("\ncalibration: real vs emulated compute (constant), mean ms per iteration")
     for real in load(folder, "real"):
         args = real["args"]
-        name = f"emulated-{args['nodes']}x{args['workers_per_node']}.json"
-        if not (folder / name).exists():
+        size = f"{args['nodes']}x{args['workers_per_node']}"
+        # the emulated run calibrated by this real run and measured right after it, else the scaling run
+        names = [f"calibration-emulated-{size}.json", f"emulated-{size}.json"]
+        found = [folder / name for name in names if (folder / name).exists()]
+        if not found:
             continue
-        emulated = json.loads((folder / name).read_text())
+        emulated = json.loads(found[0].read_text())
         for method in args["methods"]:
             a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
             if a and b:
