@@ -37,7 +37,7 @@ __all__ = ["LinkSharing", "SharedLink", "SharingModel", "Transfer", "transfer_se
 #: rate changes along the way, never a real remainder: a byte of a 1 GB transfer is 1e-9 of it).
 _DONE = 1e-12
 
-K = TypeVar("K", bound=Hashable)
+_Key = TypeVar("_Key", bound=Hashable)
 
 
 @dataclass(frozen=True)
@@ -123,7 +123,7 @@ class _Flow:
         return self.since + self.bits_left / self.rate if self.rate > 0 else math.inf
 
 
-class LinkSharing(Generic[K]):
+class LinkSharing(Generic[_Key]):
     """Transfers in flight on shared links; call in time order (:meth:`start`, :meth:`next_end`, :meth:`end`).
 
     Only the transfers linked to a starting or ending one through shared links (its component) get
@@ -133,14 +133,14 @@ class LinkSharing(Generic[K]):
     def __init__(self, model: SharingModel = SharingModel()) -> None:
         self.model = model
         self._random = random.Random(f"{model.seed}/sharing")  # hashed string: same on every platform
-        self._flows: dict[K, _Flow] = {}
-        self._on_link: dict[SharedLink, set[K]] = {}
-        self._finishes: list[tuple[float, int, K]] = []
+        self._flows: dict[_Key, _Flow] = {}
+        self._on_link: dict[SharedLink, set[_Key]] = {}
+        self._finishes: list[tuple[float, int, _Key]] = []
 
     def __bool__(self) -> bool:
         return bool(self._flows)
 
-    def start(self, key: K, transfer: Transfer, now: float) -> None:
+    def start(self, key: _Key, transfer: Transfer, now: float) -> None:
         """Transfer ``key`` starts at ``now``; the transfers it shares a link with slow down."""
         if key in self._flows:
             raise ValueError(f"transfer {key!r} is already in flight")
@@ -150,7 +150,7 @@ class LinkSharing(Generic[K]):
             self._on_link.setdefault(link, set()).add(key)
         self._share(self._component([key]), now)
 
-    def next_end(self) -> tuple[float, K] | None:
+    def next_end(self) -> tuple[float, _Key] | None:
         """When the first transfer in flight sends its last byte, and its key (None: nothing in flight)."""
         while self._finishes:
             at, version, key = self._finishes[0]
@@ -160,10 +160,10 @@ class LinkSharing(Generic[K]):
             heapq.heappop(self._finishes)
         return None
 
-    def end(self, key: K, now: float) -> Transfer:
+    def end(self, key: _Key, now: float) -> Transfer:
         """Transfer ``key`` has sent its last byte at ``now``: its links' share goes to the others."""
         flow = self._flows.pop(key)
-        neighbours: set[K] = set()
+        neighbours: set[_Key] = set()
         for link, _ in flow.transfer.crossings:
             self._on_link[link].discard(key)
             neighbours |= self._on_link[link]
@@ -171,7 +171,7 @@ class LinkSharing(Generic[K]):
             self._share(self._component(neighbours), now)
         return flow.transfer
 
-    def _component(self, seeds: Iterable[K]) -> list[K]:
+    def _component(self, seeds: Iterable[_Key]) -> list[_Key]:
         """The transfers connected to ``seeds`` through links they share."""
         seen = set(seeds)
         todo = list(seen)
@@ -184,9 +184,9 @@ class LinkSharing(Generic[K]):
 
     def _fill(
         self,
-        flows: dict[K, _Flow],
-        weights: dict[K, float],
-        rates: dict[K, float],
+        flows: dict[_Key, _Flow],
+        weights: dict[_Key, float],
+        rates: dict[_Key, float],
         used: dict[SharedLink, float],
     ) -> None:
         """Weighted progressive filling: every free transfer's rate is its weight times one level."""
@@ -198,7 +198,7 @@ class LinkSharing(Generic[K]):
                 if flows[key].transfer.cap / weights[key] < level:
                     level, limited = flows[key].transfer.cap / weights[key], [key]
             demand: dict[SharedLink, float] = {}  # weighted hops per link; dict order: first crossed
-            crossing: dict[SharedLink, list[K]] = {}
+            crossing: dict[SharedLink, list[_Key]] = {}
             for key in free:
                 for link, hops in flows[key].transfer.crossings:
                     demand[link] = demand.get(link, 0.0) + hops * weights[key]
@@ -214,14 +214,14 @@ class LinkSharing(Generic[K]):
                 for link, hops in flows[key].transfer.crossings:
                     used[link] = used.get(link, 0.0) + hops * rates[key]
 
-    def _share(self, keys: Sequence[K], now: float) -> None:
+    def _share(self, keys: Sequence[_Key], now: float) -> None:
         """Max-min fair hop rates of ``keys`` by progressive filling; bring their progress up to ``now``."""
         flows = {key: self._flows[key] for key in keys}
         for flow in flows.values():
             if flow.rate > 0:
                 flow.bits_left = max(0.0, flow.bits_left - flow.rate * (now - flow.since))
             flow.since = now
-        rates: dict[K, float] = {}
+        rates: dict[_Key, float] = {}
         latest = max(flow.started for flow in flows.values())
         doubling = self.model.doubling_s
         weights = {  # relative to the latest start; 2 ** 60 already leaves the latest nothing
