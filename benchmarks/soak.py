@@ -1,6 +1,6 @@
 """Fault-injection soak: workers die or hang while training with ``on_peer_failure="continue"``.
 
-    uv run benchmarks/soak.py                          # 8 workers, floor 4, runs for ~12 min on 2 cores
+    uv run benchmarks/soak.py                          # 8 workers, floor 4, about 10 min on 2 cores
     uv run benchmarks/soak.py --workers 5 --floor 3 --runs 1 --json /tmp/soak.json    # one short run
 
 Each run forks ``--workers`` gloo workers around a store hosted by this process (``fault_runs.py``).
@@ -377,7 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--floor", type=int, default=4, help="stop failing workers when this many remain")
     parser.add_argument("--seed", type=int, default=0, help="run i uses seed SEED + i")
     parser.add_argument("--runs", type=int, default=1000, help="at most this many runs")
-    parser.add_argument("--budget-s", type=float, default=720, help="start no run after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=600, help="start no run after this many seconds")
     parser.add_argument("--spacing", type=int, default=40, help="steps between failures: half to all of it")
     parser.add_argument("--average-every", type=int, default=10)
     parser.add_argument("--timeout-s", type=float, default=3.0)
