@@ -156,6 +156,20 @@ FAULTS = {
     },
     "killed during global_avg": {"rank": 1, "how": "kill", "where": "in_global_avg", "step": AVERAGE_AT},
     "hung mid-training": {"rank": 2, "how": "hang", "where": "before_step", "step": 13},
+    # Its neighbours' rounds of that step never complete: they find out while global_avg waits for
+    # them, before it saves the snapshot a revert restores.
+    "killed in the step before global_avg": {
+        "rank": 1,
+        "how": "kill",
+        "where": "before_step",
+        "step": AVERAGE_AT,
+    },
+    "hung in the step before global_avg": {
+        "rank": 1,
+        "how": "hang",
+        "where": "before_step",
+        "step": AVERAGE_AT,
+    },
 }
 
 

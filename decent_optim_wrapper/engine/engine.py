@@ -502,6 +502,10 @@ class GossipEngine:
         """
         extra = floating_buffers(buffers) if buffers is not None else []
         self.check_buckets()
+        if may_revert and self._snapshot is None:
+            # The snapshot saves the rounds in flight, waiting for them: a peer lost there is
+            # survived first, so that the snapshot holds the replica and rounds as recovery left them.
+            self.wait_all()
         with current(self._buckets, write=True):
             before = [b.data.clone() for b in self._buckets] if return_distance else []
             if may_revert:

@@ -1,0 +1,172 @@
+"""Runs of gloo workers that may die on purpose: forked from a parent that hosts the job's store.
+
+``run_workers(fn, world_size, args, deadline_s)`` forks ``world_size`` workers, each running
+``fn(rank, world_size, store, *args)`` after joining a gloo process group through the store (a
+client of the parent's ``TCPStore``), and returns what each one returned (JSON: the parent runs no
+torch op, so it can fork again for the next run). The store lives in the parent, as torchrun's
+agent hosts it outside the workers, so any worker may die and the others still meet there.
+
+A worker fails itself through :func:`injected` (it records the time and what it does, then the
+caller kills, stops or hangs it), so the parent knows which processes it need not wait for. The
+parent waits until every other worker has exited; past ``deadline_s`` it dumps every running
+worker's Python stacks (faulthandler on SIGUSR1) into a ``TimeoutError``. No worker outlives the
+call, whatever happens: the ones still running (hung, stopped) are killed with SIGKILL.
+
+Forking is what makes a run start in about a second: the parent has imported torch but not run a
+torch op or started a Python thread, so the children start from a clean state without importing
+torch again (``spawn`` costs seconds a process on 2 cores). The store's master, whose server has a
+thread of its own, is created after the fork and destroyed before the next one.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import signal
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from common import free_port
+
+__all__ = ["Outcome", "injected", "run_workers"]
+
+_workdir: Path | None = None  # set in each worker
+_rank = -1
+
+
+@dataclass
+class Outcome:
+    """What a run left: per rank, the exit code, the result of ``fn`` (if it returned), the error (if it
+    raised), and what it recorded when it failed itself (if it did)."""
+
+    exitcodes: dict[int, int | None]
+    results: dict[int, Any]
+    errors: dict[int, str]
+    injected: dict[int, dict[str, Any]]
+    seconds: float
+    workdir: Path  # each worker's output (log-RANK.txt) is kept there
+
+    def log(self, rank: int) -> str:
+        return (self.workdir / f"log-{rank}.txt").read_text()
+
+
+def injected(record: dict[str, Any]) -> None:
+    """Record, in this worker, that it fails itself now (``record`` plus the wall-clock ``time``).
+
+    Written before the failure (a SIGKILL leaves no chance after), and safe from any thread.
+    """
+    assert _workdir is not None, "injected() is for workers started by run_workers()"
+    path = _workdir / f"injected-{_rank}.json"
+    partial = path.with_suffix(".part")
+    partial.write_text(json.dumps({**record, "time": time.time()}))
+    partial.replace(path)  # atomic: the parent never reads half a record
+
+
+def _main(rank: int, workdir: str, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
+    global _workdir, _rank
+    _workdir, _rank = Path(workdir), rank
+    log = open(_workdir / f"log-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the process
+    os.dup2(log.fileno(), 1)  # the worker's prints, logs and stacks go to its own file
+    os.dup2(log.fileno(), 2)
+    faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
+    try:
+        import torch
+
+        torch.set_num_threads(1)  # 8 workers on 2 cores: one thread each
+        # The client retries until the parent's master (created after the fork) listens.
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", store=dist.PrefixStore("start", store), rank=rank, world_size=world_size
+        )
+        result = fn(rank, world_size, store, *args)
+        (_workdir / f"result-{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        (_workdir / f"error-{rank}.txt").write_text(traceback.format_exc())
+        log.flush()
+        os._exit(1)
+    log.flush()
+    os._exit(0)  # no atexit handlers inherited from the parent, no teardown of a group others left
+
+
+def run_workers(
+    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), deadline_s: float = 120.0
+) -> Outcome:
+    """Run ``fn(rank, world_size, store, *args)`` on ``world_size`` forked workers (see module doc)."""
+    if threading.active_count() != 1:
+        raise RuntimeError(
+            f"run_workers forks: the parent must have no Python thread but the main one, it has "
+            f"{threading.enumerate()}"
+        )
+    workdir = Path(tempfile.mkdtemp(prefix="dow-survival-"))
+    port = free_port()
+    ctx = mp.get_context("fork")
+    procs = [
+        ctx.Process(target=_main, args=(rank, str(workdir), world_size, port, fn, args), daemon=True)
+        for rank in range(world_size)
+    ]
+    start = time.monotonic()
+    for proc in procs:
+        proc.start()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    deadline = start + deadline_s
+
+    def failed_itself(rank: int) -> bool:
+        return (workdir / f"injected-{rank}.json").exists()
+
+    try:
+        while True:
+            running = [r for r, p in enumerate(procs) if p.is_alive() and not failed_itself(r)]
+            remaining = deadline - time.monotonic()
+            if not running or remaining <= 0:
+                break
+            multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=min(remaining, 0.5))
+        if running:
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+            for r in alive:
+                os.kill(procs[r].pid, signal.SIGCONT)  # a stopped worker dumps its stacks too
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            logs = "\n".join(
+                f"--- rank {r} ---\n{(workdir / f'log-{r}.txt').read_text()[-6000:]}" for r in alive
+            )
+            raise TimeoutError(
+                f"{fn.__name__}: ranks {running} did not finish within {deadline_s:.0f} s; "
+                f"logs and stacks of the running ones (workdir {workdir}):\n{logs}"
+            )
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()  # SIGKILL: hung and stopped (SIGSTOP) workers included
+        for proc in procs:
+            proc.join(timeout=10)
+        del store
+    seconds = time.monotonic() - start
+
+    def read(name: str, rank: int) -> Any:
+        path = workdir / f"{name}-{rank}.{'txt' if name == 'error' else 'json'}"
+        if not path.exists():
+            return None
+        return path.read_text() if name == "error" else json.loads(path.read_text())
+
+    outcome = Outcome({r: p.exitcode for r, p in enumerate(procs)}, {}, {}, {}, seconds, workdir)
+    for rank in range(world_size):
+        for name, table in (
+            ("result", outcome.results),
+            ("error", outcome.errors),
+            ("injected", outcome.injected),
+        ):
+            value = read(name, rank)
+            if value is not None:
+                table[rank] = value
+    return outcome

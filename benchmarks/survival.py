@@ -1,0 +1,206 @@
+"""Convergence after a lost worker: 8 workers, one killed at mid-training, against 7 from the start.
+
+    uv run benchmarks/survival.py                       # 3 seeds, about 4 min on 2 cores
+    uv run benchmarks/survival.py --seeds 0 --steps 100 # a quick look
+
+The main job's task (``synthetic_task.py``, the same as examples/quickstart.py's: the MLP, SGD with
+lr 0.05 and momentum 0.9 under a cosine schedule, batch 32 per worker, 600 steps, the iid split)
+with ring gossip, trained twice per seed:
+
+- ``8 -> 7``: 8 workers with ``on_peer_failure="continue"``; one of them (drawn from the seed) is
+  killed with SIGKILL at the start of step ``--kill-at`` (300, mid-training). The 7 survivors go on
+  from their own replicas, with their own shards: the lost worker's eighth of the training set is
+  not seen again (nothing re-shards it);
+- ``7``: 7 workers from the start, the training set split 7 ways.
+
+Each worker draws its batches from a generator seeded by the seed and its launch rank, so a seed's two
+runs differ only in the lost worker. Reported: the final training loss (mean over the last 5 % of
+the steps, averaged over the workers alive at each step) and the test accuracy of the globally
+averaged model (``global_avg()`` over the survivors); per seed and on average. Target: the ``8 -> 7``
+run within 0.5 points of the ``7`` run on average over the seeds.
+
+The workers are forked around a store hosted by this process (``fault_runs.py``), as a launcher
+that survives its workers would host it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from fault_runs import injected, run_workers
+from synthetic_task import make_data, make_model, split_data
+from torch import nn
+
+from decent_optim_wrapper import DecentOptimWrapper
+
+TARGET_POINTS = 0.5
+
+
+def train(rank: int, world: int, store: dist.Store, config: dict[str, Any]) -> dict[str, Any]:
+    """One worker's run; a worker that is the victim kills itself at ``config["kill_at"]``."""
+    steps, batch = config["steps"], config["batch_size"]
+    train_x, train_y, test_x, test_y = make_data()
+    shard = split_data(train_y, world, "iid")[rank]
+    shard_x, shard_y = train_x[shard], train_y[shard]
+    model = make_model()
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9),
+        topology="ring",
+        timeout=timedelta(seconds=config["timeout_s"]),
+        on_peer_failure="continue",
+        store=store,
+    )
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+    loss_fn = nn.CrossEntropyLoss()
+    sampler = torch.Generator().manual_seed(1000 * config["seed"] + 100 + rank)
+    losses = []
+    for step in range(steps):
+        if rank == config["victim"] and step == config["kill_at"]:
+            injected({"mode": "kill", "step": step, "losses": losses})  # its losses until now
+            os.kill(os.getpid(), signal.SIGKILL)
+        idx = torch.randint(0, len(shard_x), (batch,), generator=sampler)
+        opt.zero_grad()
+        loss = loss_fn(model(shard_x[idx]), shard_y[idx])
+        loss.backward()
+        opt.step()
+        scheduler.step()
+        losses.append(loss.item())
+    opt.global_avg()
+    with torch.no_grad():
+        accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
+    return {
+        "losses": losses,
+        "accuracy": accuracy,
+        "world_size": opt.world_size,
+        "failures": [(f.step, list(f.lost)) for f in opt.peer_failures],
+    }
+
+
+def run_arm(workers: int, victim: int | None, seed: int, args: argparse.Namespace) -> dict[str, Any]:
+    config = {
+        "steps": args.steps,
+        "batch_size": args.batch_size,
+        "lr": args.lr,
+        "seed": seed,
+        "victim": victim,
+        "kill_at": args.kill_at,
+        "timeout_s": args.timeout_s,
+    }
+    outcome = run_workers(train, workers, (config,), deadline_s=args.deadline_s)
+    expected = [r for r in range(workers) if r != victim]
+    if outcome.errors or sorted(outcome.results) != expected:
+        raise RuntimeError(f"{workers} workers, victim {victim}, seed {seed}: {outcome.errors or outcome}")
+    results = [outcome.results[r] for r in expected]
+    accuracies = {r["accuracy"] for r in results}
+    assert len(accuracies) == 1, f"global_avg left the survivors with different models: {accuracies}"
+    # Per step, the mean over the workers alive at that step; then the mean over the last 5 % of steps.
+    victim_losses = [] if victim is None else outcome.injected[victim]["losses"]
+    per_step = [
+        statistics.fmean([r["losses"][step] for r in results] + victim_losses[step : step + 1])
+        for step in range(args.steps)
+    ]
+    tail = max(1, args.steps // 20)
+    return {
+        "arm": "7" if victim is None else "8 -> 7",
+        "seed": seed,
+        "workers": workers,
+        "victim": victim,
+        "world_size_at_end": results[0]["world_size"],
+        "failures": results[0]["failures"],
+        "final_loss": statistics.fmean(per_step[-tail:]),
+        "accuracy": results[0]["accuracy"],
+        "seconds": round(outcome.seconds, 1),
+    }
+
+
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    print(
+        f"\nSurvival: ring gossip, {args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, "
+        f"kill at step {args.kill_at}; {args.machine}"
+    )
+    header = (
+        f"{'seed':>4} | {'run':>7} | {'victim':>6} | {'final loss':>10} | {'avg-model acc':>13} | "
+        f"{'diff (points)':>13}"
+    )
+    print(header)
+    print("-" * len(header))
+    diffs = []
+    for seed in args.seeds:
+        lost, whole = (
+            next(r for r in rows if r["seed"] == seed and r["arm"] == arm) for arm in ("8 -> 7", "7")
+        )
+        diff = 100 * (lost["accuracy"] - whole["accuracy"])
+        diffs.append(diff)
+        for row, column in ((whole, "-"), (lost, f"{diff:+.2f}")):
+            victim = "-" if row["victim"] is None else str(row["victim"])
+            print(
+                f"{seed:>4} | {row['arm']:>7} | {victim:>6} | {row['final_loss']:>10.4f} | "
+                f"{row['accuracy']:>13.4f} | {column:>13}"
+            )
+    mean = statistics.fmean(diffs)
+    verdict = "met" if abs(mean) <= TARGET_POINTS else "MISSED"
+    means = {
+        arm: (
+            statistics.fmean(r["final_loss"] for r in rows if r["arm"] == arm),
+            statistics.fmean(r["accuracy"] for r in rows if r["arm"] == arm),
+        )
+        for arm in ("7", "8 -> 7")
+    }
+    for arm, (loss, acc) in means.items():
+        print(f"{'mean':>4} | {arm:>7} | {'':>6} | {loss:>10.4f} | {acc:>13.4f} |")
+    print(
+        f"8 -> 7 vs 7 workers: {mean:+.2f} points on average over {len(diffs)} seeds; "
+        f"target within {TARGET_POINTS}: {verdict}"
+    )
+    return {"mean_difference_points": mean, "target_points": TARGET_POINTS, "verdict": verdict}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--kill-at", type=int, default=300)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--lr", type=float, default=0.05)
+    parser.add_argument("--timeout-s", type=float, default=10.0)
+    parser.add_argument("--deadline-s", type=float, default=300.0, help="per run, both arms")
+    parser.add_argument("--machine", default="2-core Intel Xeon VM, CPU, gloo")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if not 0 < args.kill_at < args.steps:
+        parser.error(f"--kill-at must be inside the run (0 < k < {args.steps}), got {args.kill_at}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    rows = []
+    for seed in args.seeds:
+        victim = random.Random(seed).randrange(8)
+        for workers, lost in ((8, victim), (7, None)):
+            row = run_arm(workers, lost, seed, args)
+            print(
+                f"seed {seed}: {row['arm']} workers: accuracy {row['accuracy']:.4f} ({row['seconds']} s)",
+                flush=True,
+            )
+            rows.append(row)
+    verdict = report(rows, args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({"summary": verdict, "runs": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
