@@ -99,12 +99,13 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             (BatchNorm statistics), and :meth:`revert_global_avg` restores them.
         bucket_size_in_mb: largest bucket in MiB.
         _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
-        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay,
-        on_peer_failure, store: the engine's options, keyword-only; see
-            :class:`~decent_optim_wrapper.engine.GossipEngine`. Defaults: ten minutes, exact gossip,
-            no tracking, per-step gossip (``sync_every > 1`` gives low-communication gossip: local
-            steps, an outer optimizer, anchors gossiped), and a dead or silent peer raises
-            (``on_peer_failure="continue"``: the survivors drop it and go on; the failures page).
+        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay: the
+            engine's options, keyword-only; see :class:`~decent_optim_wrapper.engine.GossipEngine`.
+            Defaults: ten minutes, exact gossip, no tracking, per-step gossip (``sync_every > 1``
+            gives low-communication gossip: local steps, an outer optimizer, anchors gossiped).
+        on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises;
+            ``"continue"``: the survivors drop it and go on, meeting in ``store`` (see the engine
+            and the failures page of the docs).
 
     Example::
 

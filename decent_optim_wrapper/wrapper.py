@@ -83,7 +83,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             See :mod:`~decent_optim_wrapper.engine.local_steps` and the low-communication page.
         on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises
             :class:`~decent_optim_wrapper.GossipError`; ``"continue"``: the survivors drop it and go on
-            (gloo; :attr:`world_size` and :attr:`rank` then report the new group), meeting in
+            (gloo; ``world_size`` and ``rank`` then report the new group), meeting in
             ``store`` (default: the rendezvous store at ``MASTER_ADDR:MASTER_PORT``). See the
             failures page of the docs.
 

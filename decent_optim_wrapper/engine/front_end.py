@@ -72,7 +72,7 @@ class EngineFrontEnd:
     def register_peer_failure_hook(self, hook: PeerFailureHook) -> RemovableHandle:
         """Call ``hook(failure)`` on every survivor once it goes on without a lost peer.
 
-        ``failure`` is a :class:`~decent_optim_wrapper.engine.membership.PeerFailure` (the step,
+        ``failure`` is a :class:`~decent_optim_wrapper.PeerFailure` (the step,
         the lost ranks, the world size before and after); e.g. rescale the learning rate or re-shard
         the data there. Returns a handle whose ``remove()`` unregisters the hook.
         """

@@ -31,7 +31,7 @@ from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
 __all__ = ["Gossip", "Waiter"]
 
-#: How a round is waited for: :func:`~.comm.wait_all`, or a membership's failure-aware wait.
+#: How a round is waited for (``comm.wait_all``, or a membership's failure-aware wait).
 Waiter = Callable[
     [Sequence[dist.Work], torch.device, timedelta | None, Callable[[BaseException | None], Exception]], None
 ]

@@ -4,7 +4,7 @@ what the training loop sees of it.
 :class:`Survival` runs the survivors' side of :mod:`~.membership`'s protocol for an engine: agree on
 who is gone, have the engine settle its rounds in flight, re-form the process group, have the engine
 rewire over it, and try again from the next generation if a survivor fails to join. Then it records
-the :class:`~.membership.PeerFailure`, logs the warning every survivor logs, and calls the hooks.
+the :class:`~decent_optim_wrapper.PeerFailure`, logs the warning every survivor logs, and calls the hooks.
 """
 
 from __future__ import annotations
