@@ -10,7 +10,7 @@ page covers its use, and the page on migrating from decent-dp what changed.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Protocol
@@ -25,6 +25,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine, OuterFactory
 from decent_optim_wrapper.engine.comm import agree, check_identical
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
+from decent_optim_wrapper.engine.resize import average_nested, average_optimizer_states
 from decent_optim_wrapper.inner_step import (
     fire_global_step_post_hooks,
     fire_global_step_pre_hooks,
@@ -508,6 +509,44 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         if self._scaler is not None:
             self._scaler.load_state_dict(state["scaler"])
         self._engine.load_state_dict(state["decent"])
+
+    def load_training_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume at any world size from every saved rank's :meth:`training_state_dict`, in rank order.
+
+        At the saved world size and topology this rank loads its own saved state (``states[rank]``)
+        with :meth:`load_training_state_dict`, and the run continues bit for bit. Otherwise every rank
+        starts from the exact average of the saved replicas: parameters, floating buffers and the
+        bucket optimizers' floating state averaged (float64 sums rounded once, the same bits on every
+        rank), counters (Adam's ``step``, integer buffers) checked equal, param groups, LR schedulers
+        and the GradScaler from saved rank 0, gossip in flight, compression references and gradient
+        trackers started afresh. The rule and why: :mod:`~decent_optim_wrapper.engine.resize`.
+
+        Everything is checked before anything changes. Local: no communication; each rank reads every
+        saved state (``torch.load(path, mmap=True)`` keeps that cheap).
+        """
+        for index, state in enumerate(states):
+            if not isinstance(state, dict) or "decent" not in state or "optimizers" not in state:
+                raise ValueError(
+                    f"states[{index}] is not a DecentralizedDataParallel.training_state_dict(); pass the one "
+                    "of every saved rank, in rank order."
+                )
+        decents = [state["decent"] for state in states]
+        if self._engine.resumes_exactly(decents):
+            self.load_training_state_dict(states[self.rank])
+            return
+        first = states[0]  # its engine entry has this run's bucket layout: one optimizer per bucket
+        optimizers = [
+            average_optimizer_states([s["optimizers"][b] for s in states], f"optimizers[{b}]")
+            for b in range(len(self._optimizers))
+        ]
+        self.load_training_state_dict(
+            {
+                **first,
+                "model": average_nested([s["model"] for s in states], "model"),
+                "optimizers": optimizers,
+                "decent": self._engine.averaged_state_dict(decents),
+            }
+        )
 
 
 def _queue_at_end_of_backward(callback: Callable[[], None]) -> None:

@@ -10,7 +10,7 @@ shows it with AMP, clipping, accumulation, schedulers and checkpoints.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +26,7 @@ from decent_optim_wrapper.engine import (
     TopologySpec,
 )
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
+from decent_optim_wrapper.engine.resize import average_optimizer_states
 from decent_optim_wrapper.inner_step import scaled_step
 
 __all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper", "named_param_groups"]
@@ -328,6 +329,43 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         self._engine.load_state_dict(decent)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume at any world size from every saved rank's :meth:`state_dict`, in rank order.
+
+        At the saved world size and topology this rank loads its own saved state (``states[rank]``)
+        with :meth:`load_state_dict`, and the run continues bit for bit. Otherwise every rank starts
+        from the exact average of the saved replicas: parameters and the inner optimizer's floating
+        state averaged (float64 sums rounded once, the same bits on every rank), counters such as
+        Adam's ``step`` checked equal, param groups from saved rank 0, gossip in flight, compression
+        references and gradient trackers started afresh. The rule and why:
+        :mod:`~decent_optim_wrapper.engine.resize`. Only this wrapper's state is loaded: an LR
+        scheduler's state is the same on every rank (load saved rank 0's), and the parameters come
+        from here (load the model's buffers, if any, before this call or average them with
+        :func:`~decent_optim_wrapper.engine.resize.average_nested`).
+
+        Everything is checked before anything changes. Local: no communication; each rank reads
+        every saved state (``torch.load(path, mmap=True)`` keeps that cheap).
+
+        Example::
+
+            files = sorted(Path("ckpt/step_00001000").glob("rank_*.pt"), key=lambda p: int(p.stem[5:]))
+            optimizer.load_state_dicts([torch.load(f, mmap=True, weights_only=True) for f in files])
+        """
+        for index, state in enumerate(states):
+            if not isinstance(state, dict) or "decent" not in state:
+                raise ValueError(
+                    f"states[{index}] has no 'decent' entry: pass DecentOptimWrapper.state_dict() of every "
+                    "saved rank, in rank order."
+                )
+        decents = [state["decent"] for state in states]
+        if self._engine.resumes_exactly(decents):
+            self.load_state_dict(states[self.rank])
+            return
+        inner = average_optimizer_states(
+            [{key: value for key, value in state.items() if key != "decent"} for state in states]
+        )
+        self.load_state_dict({**inner, "decent": self._engine.averaged_state_dict(decents)})
 
     def __repr__(self) -> str:
         return (

@@ -5,7 +5,8 @@ to its workers) that builds the training objects from a seed, trains them, saves
 state, and names the result to compare. ``assert_resume_is_bitwise`` then runs it three times:
 uninterrupted, then cut off after ``save_at`` steps with one checkpoint per rank, then rebuilt from
 another seed (the checkpoint must win) in the processes of ``resume_pool``, which never ran the
-part that saved.
+part that saved. A run that loads every rank's file (a resume at any world size) overrides
+``Resumable.resume``.
 """
 
 from __future__ import annotations
@@ -40,9 +41,18 @@ class Resumable:
         """What must match bit for bit, e.g. the flat parameters."""
         raise NotImplementedError
 
+    def resume(self, run: Any, directory: str) -> None:
+        """Load the checkpoint in ``directory``: by default this rank's own file."""
+        self.load_state_dict(run, torch.load(_checkpoint(directory), weights_only=True))
+
+
+def checkpoint_files(directory: str | Path, world_size: int) -> list[Path]:
+    """The per-rank files a checkpoint of ``world_size`` ranks consists of, in rank order."""
+    return [Path(directory) / f"rank{rank}.pt" for rank in range(world_size)]
+
 
 def _checkpoint(directory: str) -> Path:
-    return Path(directory) / f"rank{dist.get_rank()}.pt"
+    return checkpoint_files(directory, dist.get_world_size())[dist.get_rank()]
 
 
 def _uninterrupted(case: Resumable, total: int) -> torch.Tensor:
@@ -59,7 +69,7 @@ def _save(case: Resumable, save_at: int, directory: str) -> None:
 
 def _resume(case: Resumable, save_at: int, total: int, directory: str) -> torch.Tensor:
     run = case.build(RESUME_SEED)
-    case.load_state_dict(run, torch.load(_checkpoint(directory), weights_only=True))
+    case.resume(run, directory)
     case.train(run, range(save_at, total))
     return case.result(run)
 
@@ -70,7 +80,12 @@ def assert_resume_is_bitwise(
     """``case`` saved after ``save_at`` of ``total`` steps and resumed in fresh processes ends, on
     every rank, exactly (``torch.equal``) where the uninterrupted run ends."""
     reference = pool(world_size).run(_uninterrupted, case, total)
-    pool(world_size).run(_save, case, save_at, str(directory))
+    save_checkpoint(pool, world_size, case, directory, save_at)
     resumed = resume_pool(world_size).run(_resume, case, save_at, total, str(directory))
     for rank in range(world_size):
         assert torch.equal(resumed[rank], reference[rank]), f"{case}: rank {rank} diverged after the resume"
+
+
+def save_checkpoint(pool: Any, world_size: int, case: Resumable, directory: Path, save_at: int) -> None:
+    """Train ``case`` for ``save_at`` steps on ``world_size`` ranks and save one file per rank."""
+    pool(world_size).run(_save, case, save_at, str(directory))

@@ -18,6 +18,8 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop, the
   record of failures and their hooks.
 * :mod:`~decent_optim_wrapper.engine.checkpoint` -- the engine's part of a checkpoint.
+* :mod:`~decent_optim_wrapper.engine.resize` -- what each rank loads from a checkpoint of another world
+  size: the average of the saved replicas.
 * :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
 * :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.

@@ -42,6 +42,7 @@ __all__ = [
     "STATE_VERSION",
     "RunIdentity",
     "check_engine_state",
+    "check_entry_keys",
     "plain",
     "snapshot_from_state",
     "snapshot_state",
@@ -84,6 +85,15 @@ def plain(value: object) -> object:
     return value
 
 
+def check_entry_keys(state: Any, what: str = "state_dict['decent']") -> None:
+    """Raise ``ValueError`` unless ``state`` is a dict with every key an engine entry must have."""
+    if not isinstance(state, dict):
+        raise ValueError(f"{what} must be a dict from GossipEngine.state_dict(), got {type(state).__name__}.")
+    missing = [key for key in _REQUIRED_KEYS if key not in state]
+    if missing:
+        raise ValueError(f"{what} lacks {missing}; the checkpoint is incomplete or corrupt.")
+
+
 def check_engine_state(
     state: Any,
     run: RunIdentity,
@@ -93,11 +103,7 @@ def check_engine_state(
     local: LocalSteps | None = None,
 ) -> None:
     """Raise ``ValueError`` naming the mismatch if ``state`` cannot be loaded into the running engine."""
-    if not isinstance(state, dict):
-        raise ValueError(f"the engine state must be a dict from GossipEngine.state_dict(), got {state!r}.")
-    missing = [key for key in _REQUIRED_KEYS if key not in state]
-    if missing:
-        raise ValueError(f"state_dict['decent'] lacks {missing}; the checkpoint is incomplete or corrupt.")
+    check_entry_keys(state)
     expected = run.as_state()
     for key in ("version", "world_size", "rank", "topology"):
         if state[key] != expected[key]:

@@ -71,6 +71,7 @@ from decent_optim_wrapper.engine.options import (
     check_timeout,
     resolve_topology,
 )
+from decent_optim_wrapper.engine.resize import averaged_engine_state, check_saved_world
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, surviving_local_world_size
 from decent_optim_wrapper.engine.tracking import GradientTracker
 from decent_optim_wrapper.topo import Topology
@@ -732,6 +733,36 @@ class GossipEngine:
             ) from err
         self._local_world_size = per_node
         self._wire()
+
+    # -- resuming at another world size ----------------------------------------------------------------
+    def resumes_exactly(self, states: Sequence[Any]) -> bool:
+        """Whether the engine entries of a checkpoint (one per saved rank, in order) load as they are.
+
+        True when this run has the saved world size and topology: rank ``r`` then loads
+        ``states[r]`` with :meth:`load_state_dict` and continues bit for bit. False when it starts
+        from the average of the saved replicas (:meth:`averaged_state_dict`). Checks that the
+        entries form one checkpoint of this parameter layout (``ValueError`` otherwise). Local.
+        """
+        return check_saved_world(states, self._identity())
+
+    def averaged_state_dict(self, states: Sequence[Any]) -> dict[str, Any]:
+        """The state every rank of this run starts from at another world size: the saved replicas' average.
+
+        ``states`` holds the ``"decent"`` entries of every saved rank, in saved-rank order. The rule,
+        and what is reset (gossip in flight, compression references, gradient trackers, a global
+        average's snapshot), is given in :mod:`~decent_optim_wrapper.engine.resize`. The result loads
+        with :meth:`load_state_dict`, which still checks it against this run (layout, dtypes,
+        ``sync_every``, the outer optimizer). Local, and the same bits on every rank.
+        """
+        state = averaged_engine_state(states, self._identity())
+        if self._rank == 0:
+            logger.info(
+                f"resuming a checkpoint of {len(states)} ranks (step {state['step']}) on "
+                f"{self._world_size} ranks: every rank starts from the average of the saved replicas; gossip "
+                "in flight, compression references, gradient trackers and any global-average snapshot start "
+                "afresh."
+            )
+        return state
 
     def _identity(self) -> RunIdentity:
         return RunIdentity(
