@@ -5,9 +5,9 @@ Reads every ``emulated-*.json`` (and ``real-*.json``) that ``scaling.py`` wrote 
 1. prints one table per scenario: each method's mean iteration time and its ratio to no
    communication, against the number of nodes;
 2. replays every measured run in the simulator (``decent_optim_wrapper.plan``): the same compute-time
-   draws, the link rate and round trip measured before the run, the bytes from the engine's rule, and
-   per-step CPU work taken from the same run's no-communication time; prints predicted vs measured and
-   the worst error;
+   draws, the link rate and round trip measured before the run, the bytes from the engine's rule,
+   per-step CPU work taken from the same run's no-communication time, and the link sharing measured
+   by ``link_sharing.py``; prints predicted vs measured and the worst error;
 3. draws the figure (time per iteration / no-communication against nodes, measured as markers,
    simulated as lines) to ``--figure``;
 4. predicts 64, 256 and 1024 nodes for a 125M- and a 1B-parameter model on a datacentre and an
@@ -19,6 +19,7 @@ Reads every ``emulated-*.json`` (and ``real-*.json``) that ``scaling.py`` wrote 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -30,6 +31,7 @@ from decent_optim_wrapper.plan import (
     Link,
     Network,
     NoComm,
+    SharingModel,
     allreduce_scheme,
     gossip_scheme,
     predict,
@@ -41,6 +43,10 @@ RESULTS = Path(__file__).with_name("results") / "scaling"
 FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "scaling.png"
 #: Ranks of one node talk through the kernel's loopback: a fast link next to the shaped ones.
 LOOPBACK = Link(10e9, 20e-6)
+#: How two exchanges that overlap share a shaped link of the emulated cluster: the best fit of
+#: ``link_sharing.py`` to its measurement (``results/scaling/link-sharing.json``). TCP behind tbf's
+#: FIFO favours the exchange already running; exchanges that start together race.
+EMULATED_SHARING = SharingModel(doubling_s=0.1, head_start_s=0.15)
 
 
 def load(folder: Path, kind: str) -> list[dict[str, Any]]:
@@ -72,16 +78,19 @@ def replay(record: dict[str, Any], scenario: str, method: str) -> float:
     """Simulated mean iteration time (ms) of one measured run: same draws, rounds, warm-up and barrier."""
     args = record["args"]
     ranks, local = args["nodes"] * args["workers_per_node"], args["workers_per_node"]
-    network = Network(Link(record["link_mbit_s"] * 1e6, record["round_trip_ms"] / 2e3), LOOPBACK, local)
+    link = Link(record["link_mbit_s"] * 1e6, record["round_trip_ms"] / 2e3)
     numel = record["runs"][f"{scenario}/nocomm"]["params"]
     rounds = len(record["runs"][f"{scenario}/{method}"]["round_medians_s"])
     steps = args["warmup"] + args["iters"]
     # Per-step CPU work besides the waits (the optimizer step, Python, sleeps' overshoot): what the
     # same run's no-communication steps took beyond their drawn compute, without jitter.
     overhead = overhead_s(record, "none")
-    scheme = scheme_for(method, ranks, local, numel, network, overhead)
     times = []
     for r in range(rounds):
+        sharing = dataclasses.replace(EMULATED_SHARING, seed=args["seed"] + r)
+        scheme = scheme_for(
+            method, ranks, local, numel, Network(link, LOOPBACK, local, sharing=sharing), overhead
+        )
         compute = compute_times(args, scenario, r)
         times.append(simulate(scheme, compute, steps, barrier_at=args["warmup"]).iteration_s(args["warmup"]))
     return 1e3 * statistics.fmean(times)
@@ -332,7 +341,11 @@ def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
 
 
 def calibration(folder: Path) -> str:
-    """Real compute vs emulated compute (constant) at the same cluster size, per method."""
+    """Real compute vs emulated compute (constant) at the same cluster size, per method.
+
+    The emulated run is ``calibration-emulated-NxL.json`` when there is one: waits as long as the
+    real run's measured forward and backward, measured right after it.
+    """
     out = [
         "\n| nodes | method | real compute (ms) | emulated compute (ms) | emulated / real - 1 |",
         "|---|---|---|---|---|",
@@ -340,10 +353,13 @@ def calibration(folder: Path) -> str:
     print("\ncalibration: real vs emulated compute (constant), mean ms per iteration")
     for real in load(folder, "real"):
         args = real["args"]
-        name = f"emulated-{args['nodes']}x{args['workers_per_node']}.json"
-        if not (folder / name).exists():
+        size = f"{args['nodes']}x{args['workers_per_node']}"
+        # the emulated run calibrated by this real run and measured right after it, else the scaling run
+        names = [f"calibration-emulated-{size}.json", f"emulated-{size}.json"]
+        found = [folder / name for name in names if (folder / name).exists()]
+        if not found:
             continue
-        emulated = json.loads((folder / name).read_text())
+        emulated = json.loads(found[0].read_text())
         for method in args["methods"]:
             a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
             if a and b:

@@ -27,6 +27,8 @@ from decent_optim_wrapper.engine import (
     GossipCompression,
     GossipEngine,
     GossipError,
+    PeerFailure,
+    PeerFailureError,
 )
 from decent_optim_wrapper.launch import initialize_dist
 from decent_optim_wrapper.metrics import consensus_distance
@@ -57,6 +59,8 @@ from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 # Libraries stay silent unless the user opts in: logger.enable("decent_optim_wrapper").
 logger.disable("decent_optim_wrapper")
+# ... except the warning that a worker was lost and the others went on without it.
+logger.enable("decent_optim_wrapper.engine.survival")
 
 __all__ = [
     "LR_SCHEDULER_FN_TYPE",
@@ -76,6 +80,8 @@ __all__ = [
     "Group",
     "HierarchicalTopology",
     "OnePeerExpTopology",
+    "PeerFailure",
+    "PeerFailureError",
     "RingTopology",
     "Topology",
     "TopologyFactory",

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -99,10 +100,12 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             (BatchNorm statistics), and :meth:`revert_global_avg` restores them.
         bucket_size_in_mb: largest bucket in MiB.
         _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
-        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay: the
-            engine's options, keyword-only; see :class:`~decent_optim_wrapper.engine.GossipEngine`.
-            Defaults: ten minutes, exact gossip, no tracking, per-step gossip (``sync_every > 1``
-            gives low-communication gossip: local steps, an outer optimizer, anchors gossiped).
+        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay,
+        on_peer_failure, store: the engine's options, keyword-only; see
+            :class:`~decent_optim_wrapper.engine.GossipEngine`. Defaults: ten minutes, exact gossip,
+            no tracking, per-step gossip (``sync_every > 1`` gives low-communication gossip: local
+            steps, an outer optimizer, anchors gossiped), and a dead or silent peer raises
+            (``on_peer_failure="continue"``: the survivors drop it and go on; the failures page).
 
     Example::
 
@@ -132,6 +135,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         sync_every: int = 1,
         outer_optimizer: OuterFactory | None = None,
         sync_delay: int | None = None,
+        on_peer_failure: str = "raise",
+        store: Store | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -159,6 +164,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             sync_every=sync_every,
             outer_optimizer=outer_optimizer,
             sync_delay=sync_delay,
+            on_peer_failure=on_peer_failure,
+            store=store,
             context="DecentralizedDataParallel",
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)

@@ -15,6 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.optim import Optimizer
 
 from decent_optim_wrapper.engine import (
@@ -81,6 +82,11 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             periodic gossip of the parameters) and a gossip round of the anchors that may run
             ``sync_delay`` steps behind (default: a whole round). Defaults: per-step gossip.
             See :mod:`~decent_optim_wrapper.engine.local_steps` and the low-communication page.
+        on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises
+            :class:`~decent_optim_wrapper.GossipError`; ``"continue"``: the survivors drop it and go on
+            (gloo; :attr:`world_size` and :attr:`rank` then report the new group), meeting in
+            ``store`` (default: the rendezvous store at ``MASTER_ADDR:MASTER_PORT``). See the
+            failures page of the docs.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -112,6 +118,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         sync_every: int = 1,
         outer_optimizer: OuterFactory | None = None,
         sync_delay: int | None = None,
+        on_peer_failure: str = "raise",
+        store: Store | None = None,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -135,6 +143,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             sync_every=sync_every,
             outer_optimizer=outer_optimizer,
             sync_delay=sync_delay,
+            on_peer_failure=on_peer_failure,
+            store=store,
             context="DecentOptimWrapper",
         )
 

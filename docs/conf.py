@@ -74,7 +74,7 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(RuntimeError|ValueError|TypeError|KeyError|Exception|BaseException)"),
     (r"py:.*", r"(NoneType|Ellipsis|EllipsisType|ModuleType)"),
     # private helpers (base classes, type variables) are not part of the reference
-    (r"py:class", r"decent_optim_wrapper(\.\w+)*\.(_\w+|T)"),
+    (r"py:(class|obj)", r"decent_optim_wrapper(\.\w+)*\.(_\w+|T)"),
 ]
 
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from helpers import tiny_model
 from torch import nn
 
-from decent_optim_wrapper import DecentOptimWrapper, Group, Topology
+from decent_optim_wrapper import DecentOptimWrapper, Group, RingTopology, Topology
 
 
 @pytest.mark.pure
@@ -116,6 +116,19 @@ def _case(name: str):
         "add_param_group duplicate": lambda: _add_group(rank, same_shapes=True),
         "global_avg buffers": lambda: DecentOptimWrapper(sgd, topology="complete").global_avg(buffers=[1.0]),
         "revert without global_avg": lambda: DecentOptimWrapper(sgd, topology="complete").revert_global_avg(),
+        "on_peer_failure": lambda: DecentOptimWrapper(sgd, on_peer_failure="retry"),
+        "on_peer_failure differs on one rank": lambda: DecentOptimWrapper(
+            sgd, on_peer_failure="continue" if rank else "raise", store=dist.HashStore()
+        ),
+        "on_peer_failure with a topology instance": lambda: DecentOptimWrapper(
+            sgd, topology=RingTopology(2), on_peer_failure="continue", store=dist.HashStore()
+        ),
+        "store of wrong type": lambda: DecentOptimWrapper(
+            sgd, on_peer_failure="continue", store="host:29500"
+        ),
+        "peer failure hook without continue": lambda: DecentOptimWrapper(
+            sgd, topology="complete"
+        ).register_peer_failure_hook(print),
         "load a plain state dict": lambda: DecentOptimWrapper(sgd, topology="complete").load_state_dict(
             torch.optim.SGD(tiny_model().parameters(), lr=0.1).state_dict()
         ),
@@ -154,6 +167,11 @@ EXPECTED = {
     "add_param_group duplicate": ("ValueError", ["more than one parameter group"]),
     "global_avg buffers": ("TypeError", ["buffers must be an nn.Module", "list"]),
     "revert without global_avg": ("RuntimeError", ["nothing to revert", "global_avg(may_revert=True)"]),
+    "on_peer_failure": ("ValueError", ["on_peer_failure must be", '"continue"', "'retry'"]),
+    "on_peer_failure differs on one rank": ("ValueError", ["on_peer_failure differs", "rank(s) [1]"]),
+    "on_peer_failure with a topology instance": ("ValueError", ["rebuilds the topology", "registered name"]),
+    "store of wrong type": ("TypeError", ["store must be a torch.distributed.Store", "'host:29500'"]),
+    "peer failure hook without continue": ("RuntimeError", ['on_peer_failure="continue"', "GossipError"]),
     "load a plain state dict": ("ValueError", ["no 'decent' entry", "wrapper.optimizer.load_state_dict"]),
 }
 

@@ -20,8 +20,12 @@ from decent_optim_wrapper.plan import (
     ComputeTimes,
     Gossip,
     Link,
+    LinkSharing,
     Network,
     NoComm,
+    SharedLink,
+    SharingModel,
+    Transfer,
     allreduce_scheme,
     bytes_per_parameter,
     ddp_buckets,
@@ -29,6 +33,7 @@ from decent_optim_wrapper.plan import (
     gossip_scheme,
     main,
     simulate,
+    transfer_seconds,
 )
 from decent_optim_wrapper.plan.cli import parse_quantity
 from decent_optim_wrapper.topo import TopologyFactory
@@ -41,7 +46,9 @@ EXACT = 1e-12  # sums of a few dozen float64 times of ~0.1 s: rounding only
 
 def constant_gossip(topology_name: str, n: int, exchange_s: float, overhead_s: float) -> Gossip:
     topology = TopologyFactory.create(topology_name, n)
-    return Gossip(n, topology.phase, lambda step: [exchange_s] * len(topology.phase(step)), overhead_s)
+    return Gossip(
+        n, topology.phase, lambda step: [Transfer.fixed(exchange_s)] * len(topology.phase(step)), overhead_s
+    )
 
 
 # -- compute times -------------------------------------------------------------------------------
@@ -104,7 +111,8 @@ def test_bytes_follow_the_engine_rule():
     pair = topology.group(0, 0)
     assert gossip_round_bytes(pair, 1000) == 4000  # one fp32 model to the peer
     plan = gossip_scheme(topology, 1 << 20, Network(Link(1e9)), GossipCompression("bf16"))
-    assert list(plan.seconds(0)) == [pytest.approx(2 * (1 << 20) * 8 / 1e9)] * 4  # a bf16 payload per hop
+    rounds = [r.seconds_alone() for r in plan.rounds(0)]
+    assert rounds == [pytest.approx(2 * (1 << 20) * 8 / 1e9)] * 4  # a bf16 payload per hop
     assert bytes_per_parameter(topology, GossipCompression("bf16")) == 2.0
 
 
@@ -119,6 +127,107 @@ def test_ddp_buckets_cover_the_model_in_backward_order():
     fractions = [f for _, f in buckets]
     assert fractions == sorted(fractions) and fractions[-1] == 1.0 and fractions[0] > 0.25
     assert ddp_buckets(1e5) == [(1e5, 1.0)]  # a small model: one bucket, ready when backward ends
+
+
+# -- links shared in time ------------------------------------------------------------------------
+
+# One byte over an 8 bit/s link: T = 1 s alone, so every time below is a count of T.
+LINK_X, LINK_Y = SharedLink("x", 8.0), SharedLink("y", 8.0)
+
+
+def on(*links: SharedLink, nbytes: float = 1.0, cap: float = math.inf) -> Transfer:
+    return Transfer(nbytes, tuple((link, 1) for link in links), cap)
+
+
+@pytest.mark.parametrize(
+    ("second_start", "expected"),
+    [
+        (0.0, [2.0, 2.0]),  # together all the way: half the link each
+        (0.5, [1.5, 1.5]),  # overlap for half of the first: 0.5 alone + 0.5 left at half rate = 1.5;
+        # the second: 0.5 done at half rate by t = 1.5, the other 0.5 alone, ends at 2.0
+        (1.0, [1.0, 1.0]),  # back to back: no overlap, no sharing
+        (3.0, [1.0, 1.0]),
+    ],
+)
+def test_two_transfers_share_a_link_only_while_they_overlap(second_start, expected):
+    seconds = transfer_seconds([on(LINK_X), on(LINK_X)], [0.0, second_start])
+    assert seconds == [pytest.approx(e, rel=EXACT) for e in expected]
+
+
+def test_transfers_on_different_links_do_not_slow_each_other():
+    assert transfer_seconds([on(LINK_X), on(LINK_Y)]) == [pytest.approx(1.0, rel=EXACT)] * 2
+
+
+def test_shares_are_max_min_fair():
+    # y has half x's bandwidth: b and c split it (2 bit/s each); a takes what b leaves of x (6 bit/s)
+    slow_y = SharedLink("y", 4.0)
+    a, b, c = on(LINK_X, nbytes=3.0), on(LINK_X, slow_y), on(slow_y)
+    assert transfer_seconds([a, b, c]) == [pytest.approx(4.0, rel=EXACT)] * 3  # 24/6, 8/2, 8/2
+    # a transfer held back by its own cap (a loopback, say) leaves the rest of the link to the others
+    capped, other = on(LINK_X, cap=2.0), on(LINK_X, nbytes=3.0)
+    assert transfer_seconds([capped, other]) == [pytest.approx(4.0, rel=EXACT)] * 2  # 8/2, 24/6
+
+
+def test_an_earlier_start_weighs_more_with_a_doubling_time():
+    # the second starts one doubling time (0.25 s) later: weights 2 : 1 while both run.
+    # first: 0.25 alone, then 0.75 left at 2/3 of the link = 1.125 s, ends at 1.375;
+    # second: 1/3 of the link for 1.125 s = 0.375 done, 0.625 left alone, ends at 2.0 (1.75 after its start)
+    model = SharingModel(doubling_s=0.25)
+    seconds = transfer_seconds([on(LINK_X), on(LINK_X)], [0.0, 0.25], model)
+    assert seconds == [pytest.approx(1.375, rel=EXACT), pytest.approx(1.75, rel=EXACT)]
+
+
+def test_head_starts_break_a_tie_reproducibly_and_lose_no_bandwidth():
+    model = SharingModel(doubling_s=0.1, head_start_s=0.2, seed=3)
+    seconds = transfer_seconds([on(LINK_X), on(LINK_X)], model=model)
+    assert min(seconds) < 2.0 and max(seconds) == pytest.approx(2.0, rel=EXACT)  # the link never idles
+    assert transfer_seconds([on(LINK_X), on(LINK_X)], model=model) == seconds
+
+
+def test_latency_comes_after_the_last_byte():
+    late = Transfer(1.0, ((LINK_X, 1),), latency_s=0.5)
+    assert transfer_seconds([late, on(LINK_X)]) == [
+        pytest.approx(2.5, rel=EXACT),
+        pytest.approx(2.0, rel=EXACT),
+    ]
+    assert Transfer.fixed(0.3).seconds_alone() == 0.3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"nbytes": -1.0}, "nbytes >= 0"),
+        ({"nbytes": 1.0}, "needs a finite cap or a shared link"),
+        ({"nbytes": 1.0, "cap": 0.0}, "cap > 0"),
+    ],
+)
+def test_transfers_reject_bad_input(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Transfer(**kwargs)
+
+
+def test_sharing_rejects_bad_input():
+    with pytest.raises(ValueError, match="only with doubling_s > 0"):
+        SharingModel(head_start_s=0.1)
+    sharing: LinkSharing[int] = LinkSharing()
+    sharing.start(0, on(LINK_X), 0.0)
+    with pytest.raises(ValueError, match="already in flight"):
+        sharing.start(0, on(LINK_X), 0.1)
+
+
+def test_two_ranks_of_a_node_that_drift_apart_share_less_than_the_whole_exchange():
+    # hierarchical on 2 nodes x 2: both ranks of a node send to the other node in phase 1. In step
+    # with each other they split the link for the whole exchange (the equal-split closed form);
+    # once jitter moves their launches apart they overlap only part of the time.
+    topology = TopologyFactory.create("hierarchical", 4, 2)
+    network = Network(Link(8e6), Link(8e9), local_world_size=2)
+    scheme = gossip_scheme(topology, 250_000, network)  # 1 MB per inter-node round: 1 s alone
+    together = simulate(scheme, ComputeTimes(0.5), 40).iteration_s(10)
+    # the round after the inter-node phase waits 2 s (shared), the one after the intra-node phase
+    # (1 ms) none: its 0.5 s of compute
+    assert together == pytest.approx((2.0 + 0.5) / 2, rel=EXACT)
+    apart = simulate(scheme, ComputeTimes(0.5, "lognormal", sigma=0.5), 40).iteration_s(10)
+    assert apart < together
 
 
 # -- simulator ------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 ``benchmarks/cluster_worker.py`` must run every method under every scenario (two ranks on loopback,
 the ``examples`` tier); ``benchmarks/emulated.py`` must keep the real model's parameters (so DDP and
 the engine bucket and send the same bytes) and sleep the compute it is given;
-``benchmarks/scaling_report.py`` must reproduce every committed run of the emulated cluster within
-the 15% the simulator promises.
+``benchmarks/scaling_report.py`` must reproduce the committed runs of the emulated cluster within the
+errors docs/scaling.md states.
 """
 
 from __future__ import annotations
@@ -51,11 +51,21 @@ RECORDS = scaling_report.load(scaling_report.RESULTS, "emulated")
 
 @pytest.mark.skipif(not RECORDS, reason="no committed runs of benchmarks/scaling.py")
 def test_simulator_reproduces_every_committed_run_with_one_rank_per_node_within_15_percent():
-    # With two ranks per node the model's equal split of a node's link between its ranks is known to
-    # overestimate the exchange (docs/scaling.md); those runs are reported, not held to 15%.
     rows = scaling_report.validate([r for r in RECORDS if r["args"]["workers_per_node"] == 1])
     worst = max(rows, key=lambda row: abs(row["error"]))
     assert abs(worst["error"]) <= 0.15, worst
+
+
+@pytest.mark.skipif(not RECORDS, reason="no committed runs of benchmarks/scaling.py")
+def test_simulator_reproduces_two_ranks_per_node_within_15_percent_with_jitter():
+    rows = scaling_report.validate([r for r in RECORDS if r["args"]["workers_per_node"] == 2])
+    jitter = [row for row in rows if row["scenario"] != "none"]
+    assert jitter and max(abs(row["error"]) for row in jitter) <= 0.15, jitter
+    # Under constant compute the two ranks of a node launch their exchanges at the same moment, and
+    # TCP's race decides whether they stay aligned (sharing the link throughout) or fall one behind
+    # the other; the measured runs show both, the simulator's random head starts always part them.
+    # Those runs are held to the 20% docs/scaling.md reports, not to 15%.
+    assert max(abs(row["error"]) for row in rows) <= 0.20, rows
 
 
 @pytest.mark.examples

@@ -6,6 +6,8 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.buckets` -- flat parameter buckets that parameters become views of.
 * :mod:`~decent_optim_wrapper.engine.comm` -- world info, cross-rank agreement, process groups, and how
   to wait for a collective (timed on CPU, stream-ordered on CUDA).
+* :mod:`~decent_optim_wrapper.engine.membership` -- opt-in survival of a lost peer: who is still here,
+  agreed through the job's store, and a new process group over the survivors.
 * :mod:`~decent_optim_wrapper.engine.compression` -- opt-in compressed gossip: wire formats and which
   groups compress.
 * :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
@@ -13,6 +15,8 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.local_steps` -- opt-in low-communication gossip: local steps, an
   outer optimizer, anchors gossiped behind the next inner steps.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
+* :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop, the
+  record of failures and their hooks.
 * :mod:`~decent_optim_wrapper.engine.checkpoint` -- the engine's part of a checkpoint.
 * :mod:`~decent_optim_wrapper.engine.resize` -- what each rank loads from a checkpoint of another world
   size: the average of the saved replicas.
@@ -24,10 +28,11 @@ Modules, each importing only those listed before it:
 from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.compression import CompressionSpec, GossipCompression
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
-from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError
+from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.local_steps import OuterFactory
+from decent_optim_wrapper.engine.membership import PeerFailure
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -42,5 +47,7 @@ __all__ = [
     "GossipEngine",
     "GossipError",
     "OuterFactory",
+    "PeerFailure",
+    "PeerFailureError",
     "TopologySpec",
 ]

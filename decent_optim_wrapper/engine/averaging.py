@@ -9,7 +9,7 @@ summed in fp32 and rounded once (:func:`~.comm.reduction_dtype`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -32,6 +32,8 @@ def average_across_world_(
     *,
     rank: int | None = None,
     step: int | None = None,
+    waiter: Callable[..., None] = wait_all,
+    in_place: bool = True,
 ) -> None:
     """Replace every tensor by its average over all ranks, in place, identically on every rank.
 
@@ -44,6 +46,10 @@ def average_across_world_(
         world_size: number of ranks.
         timeout: longest CPU-side wait (see :func:`~.comm.wait_all`).
         rank, step: named in the :class:`GlobalAverageError` raised when a peer does not answer.
+        waiter: how the all-reduces are waited for (a membership's failure-aware wait, or
+            :func:`~.comm.wait_all`).
+        in_place: reduce in the tensors themselves; with False, in copies written back only once
+            every all-reduce has completed, so a failure leaves the tensors as they were (to retry).
 
     .. warning:: This is a collective: all ranks must call it with the same tensor layout.
     """
@@ -56,11 +62,17 @@ def average_across_world_(
     launched: list[tuple[torch.Tensor, torch.Tensor, dist.Work]] = []
     for tensor in tensors:
         wide = tensor if reduction_dtype(tensor.dtype) == tensor.dtype else tensor.to(torch.float32)
+        if wide is tensor and not in_place:
+            wide = tensor.clone()
         launched.append(
             (tensor, wide, dist.all_reduce(wide, op=dist.ReduceOp.SUM, group=group, async_op=True))
         )
+    if not in_place:
+        device = launched[0][0].device if launched else torch.device("cpu")
+        waiter([work for _, _, work in launched], device, timeout, failure)
     for tensor, wide, work in launched:
-        wait_all([work], tensor.device, timeout, failure)
+        if in_place:
+            waiter([work], tensor.device, timeout, failure)
         if wide is tensor:
             tensor.div_(world_size)
         else:
@@ -116,7 +128,10 @@ class Snapshot:
 
 @torch.no_grad()
 def tensors_consensus_distance(
-    tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None, world_size: int
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    world_size: int,
+    wait: Callable[[dist.Work, torch.Tensor], None] | None = None,
 ) -> float:
     r"""Root-mean-square distance of the replicas of ``tensors`` to their average.
 
@@ -128,15 +143,25 @@ def tensors_consensus_distance(
     agree, and is what gossip shrinks. Computed in float64 (one temporary per tensor at a time);
     every rank returns the same value.
 
+    ``wait(work, tensor)`` waits for each all-reduce (default: ``work.wait()``).
+
     .. warning:: This is a collective: all ranks must call it with the same tensor layout.
     """
     if world_size == 1:
         return 0.0
+
+    def reduce(tensor: torch.Tensor) -> None:
+        work = dist.all_reduce(tensor, group=group, async_op=True)
+        if wait is None:
+            work.wait()
+        else:
+            wait(work, tensor)
+
     squared = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
     for tensor in tensors:
         mean = tensor.to(torch.float64, copy=True)  # a float64 tensor must not be reduced in place
-        dist.all_reduce(mean, group=group)
+        reduce(mean)
         mean.div_(world_size)
         squared += (tensor.to(torch.float64) - mean).square().sum()
-    dist.all_reduce(squared, group=group)
+    reduce(squared)
     return math.sqrt(squared.item() / world_size)

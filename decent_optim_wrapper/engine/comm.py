@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar, cast
@@ -200,3 +201,16 @@ class ProcessGroups:
 
     def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         return self._by_ranks[ranks]
+
+    def retire(self, after: timedelta) -> None:
+        """Let go of these groups ``after`` from now, on a background thread (after a lost peer).
+
+        Destroying a gloo group joins its worker threads, which wait for any collective still
+        stuck on a lost peer until the group's timeout: done on the training thread, that would
+        stall the survivors. Held until then, and released off the training thread.
+        """
+        handles = [*self._by_ranks.values(), self.world]
+        self._by_ranks, self.world = {}, None
+        timer = threading.Timer(after.total_seconds(), handles.clear)
+        timer.daemon = True
+        timer.start()

@@ -10,12 +10,16 @@ architecture page of the docs shows a step's data flow.
 from __future__ import annotations
 
 import math
+import secrets
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from loguru import logger
+from torch.distributed import Store  # type: ignore[attr-defined]
+from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.averaging import (
     Snapshot,
@@ -35,6 +39,7 @@ from decent_optim_wrapper.engine.checkpoint import (
 from decent_optim_wrapper.engine.comm import (
     ProcessGroups,
     agree,
+    all_gather_pickled,
     resolve_world,
 )
 from decent_optim_wrapper.engine.compression import (
@@ -43,8 +48,17 @@ from decent_optim_wrapper.engine.compression import (
     GossipCompression,
     resolve_compression,
 )
+from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.local_steps import LocalSteps, OuterFactory, resolve_local_steps
+from decent_optim_wrapper.engine.membership import (
+    ChannelReport,
+    Decision,
+    Membership,
+    PeerFailure,
+    PeerLost,
+    connect_store,
+)
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
     LocalLayout,
@@ -53,14 +67,16 @@ from decent_optim_wrapper.engine.options import (
     check_buckets_agree,
     check_layouts_agree,
     check_mixing_factor,
+    check_on_peer_failure,
     check_timeout,
     resolve_topology,
 )
 from decent_optim_wrapper.engine.resize import averaged_engine_state, check_saved_world
+from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, surviving_local_world_size
 from decent_optim_wrapper.engine.tracking import GradientTracker
 from decent_optim_wrapper.topo import Topology
 
-__all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "TopologySpec"]
+__all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook", "TopologySpec"]
 
 _T = TypeVar("_T")
 
@@ -116,6 +132,13 @@ class GossipEngine:
             momentum=0.9, nesterov=True)`` (DiLoCo's); None: periodic gossip of the parameters.
         sync_delay: inner steps a round's exchange may run behind (``D``, ``0 <= D <= H``): 0 blocks
             at the end of the round; None (default) gives it a whole round (``D = H``).
+        on_peer_failure: ``"raise"`` (default): a peer that dies or stays silent past ``timeout``
+            raises :class:`~decent_optim_wrapper.GossipError` (or ``GlobalAverageError``) on the others.
+            ``"continue"``: the survivors agree on who is gone, rebuild the process groups and the
+            topology for the new world size, and go on from their own replicas
+            (:mod:`~decent_optim_wrapper.engine.membership`; gloo only; the failures page of the docs).
+        store: with ``"continue"``, the store the survivors meet in; default: a client of
+            ``MASTER_ADDR:MASTER_PORT``, the store the job rendezvoused through.
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
@@ -135,12 +158,15 @@ class GossipEngine:
         sync_every: int = 1,
         outer_optimizer: OuterFactory | None = None,
         sync_delay: int | None = None,
+        on_peer_failure: str = "raise",
+        store: Store | None = None,
         context: str = "GossipEngine",
     ) -> None:
         if not isinstance(gradient_tracking, bool):
             raise TypeError(f"gradient_tracking must be True or False, got {gradient_tracking!r}.")
         check_bucket_cap(bucket_cap_mb)
         check_timeout(timeout)
+        self._topology_spec = topology
         self._as_views = params_as_views
         self._mixing_factor = 1.0
         self._rank, self._world_size, self._local_world_size = resolve_world(
@@ -151,6 +177,7 @@ class GossipEngine:
         self._local: LocalSteps | None = None
 
         def local_layout() -> LocalLayout:
+            check_on_peer_failure(on_peer_failure, topology)
             self._compression = resolve_compression(compression)
             topo = resolve_topology(topology, self._world_size, self._local_world_size)
             local = resolve_local_steps(sync_every, sync_delay, outer_optimizer)
@@ -173,6 +200,7 @@ class GossipEngine:
                 self._compression,
                 gradient_tracking,
                 None if self._local is None else self._local.agreement(),
+                on_peer_failure,
             )
 
         # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
@@ -180,25 +208,47 @@ class GossipEngine:
         reports = agree(f"Building {context}", local_layout)
         check_layouts_agree(reports)
 
-        self._process_groups = ProcessGroups(self._topology, timeout)
-        self._bind_and_broadcast(self._buckets)
-        plan = None if self._compression is None else CompressionPlan(self._topology, self._compression)
-        self._gossip = Gossip(
-            [b.data for b in self._buckets], self._topology, self._rank, self._process_groups, timeout, plan
-        )
-        if self._local is not None:
-            self._local.connect(self._topology, self._rank, self._process_groups, timeout, plan)
+        self._survival: Survival | None = None
+        if on_peer_failure == "continue":
+            # A token every rank shares names this run's keys in the store (reruns never collide).
+            run = all_gather_pickled(secrets.token_hex(8))[0]
+            membership = Membership(connect_store(store, timeout), run, self._rank, self._world_size, timeout)
+            self._survival = Survival(membership, timeout)
         self._tracking_requested = gradient_tracking
-        self._tracker: GradientTracker | None = None
-        if gradient_tracking and self._world_size > 1:
-            self._tracker = GradientTracker(
-                self._buckets, self._topology, self._rank, self._process_groups, timeout, plan
-            )
         self._step = 0
+        self._in_step = False
+        self._launch_from = 0  # after a lost peer: the step whose rounds the survivors launch first
         self._snapshot: Snapshot | None = None
+        self._wire(broadcast=True)
         logger.debug(
             "rank {}/{}: {}, {} buckets", self._rank, self._world_size, self._topology, len(self._buckets)
         )
+
+    def _wire(self, broadcast: bool = False) -> None:
+        """Process groups, gossip and trackers for the current rank, world size and topology.
+
+        Built once, and again over the survivors of a lost peer (fresh rounds, references and trackers).
+        """
+        waiter = None if self._survival is None else self._survival.membership.wait
+        self._process_groups = ProcessGroups(self._topology, self._group_timeout())
+        if broadcast:
+            self._bind_and_broadcast(self._buckets)
+        plan = None if self._compression is None else CompressionPlan(self._topology, self._compression)
+        tensors = [b.data for b in self._buckets]
+        wiring = (self._topology, self._rank, self._process_groups, self._timeout, plan)
+        self._gossip = Gossip(tensors, *wiring, waiter)
+        if self._local is not None:
+            self._local.connect(*wiring, waiter, reset=broadcast)
+        self._tracker: GradientTracker | None = None
+        if self._tracking_requested and self._world_size > 1:
+            self._tracker = GradientTracker(self._buckets, *wiring, waiter)
+
+    def _group_timeout(self) -> timedelta:
+        if self._survival is None:
+            return self._timeout
+        # The engine's own wait decides when a peer is lost; gloo must not time a round out first,
+        # so that a round every member launched completes (see membership.Decision.finishes).
+        return 3 * self._timeout
 
     def _bind_and_broadcast(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
@@ -339,12 +389,16 @@ class GossipEngine:
         """
         self.check_buckets()
         self._snapshot = None
+        self._in_step = True
         if self._local is not None and self._step == 0:
             self._local.reset_anchors()
 
     @torch.no_grad()
     def _mix(self, bucket: int) -> None:
         """Finish bucket ``bucket``'s round launched at the previous step and mix it in."""
+        self._survive(lambda: self._mix_rounds(bucket))
+
+    def _mix_rounds(self, bucket: int) -> None:
         if self._tracker is not None:  # its rounds outlive a global average: mixed on their own
             self._tracker.mix(bucket, self._mixing_factor)
         if self._gossip.pending(bucket) is not None:
@@ -358,8 +412,17 @@ class GossipEngine:
         With low-communication gossip: fold in a round that is due, and at the end of a round take
         the outer step and launch the anchors' round instead.
         """
-        if self._local is not None:
-            self._local.end_of_step(bucket, self._step, self._mixing_factor)
+        launch = self._step >= self._launch_from  # after a lost peer, rounds restart in step
+        local = self._local
+        if local is not None:
+            self._survive(lambda: local.fold_due(bucket, self._step, self._mixing_factor))
+            # A failure inside end_round comes from its last part (the fold without delay), so it is
+            # not run again: recovery settles that round.
+            self._survive(
+                lambda: local.end_round(bucket, self._step, self._mixing_factor, launch), retry=False
+            )
+            return
+        if not launch:
             return
         with current([self._buckets[bucket]], write=False):
             self._gossip.launch(bucket, self._step)
@@ -368,16 +431,21 @@ class GossipEngine:
 
     def wait_all(self) -> None:
         """Wait for every round in flight without mixing it (GossipError if a peer does not answer)."""
-        for bucket in range(len(self._buckets)):
-            self._gossip.wait(bucket)
-            if self._tracker is not None:
-                self._tracker.wait(bucket)
-        if self._local is not None:
-            self._local.wait_all()
+
+        def wait() -> None:
+            for bucket in range(len(self._buckets)):
+                self._gossip.wait(bucket)
+                if self._tracker is not None:
+                    self._tracker.wait(bucket)
+            if self._local is not None:
+                self._local.wait_all()
+
+        self._survive(wait)
 
     def end_step(self) -> None:
         """Finish a step: the next one gossips in the next phase."""
         self._step += 1
+        self._in_step = False
 
     def check_buckets(self) -> None:
         """Raise if a parameter no longer lives in its bucket (e.g. ``model.to()`` after wrapping)."""
@@ -446,21 +514,7 @@ class GossipEngine:
                         local=None if self._local is None else self._local.snapshot(),
                     )
                 self._snapshot.add_buffers(extra)
-            # Every rank settles its groups' references before the rounds are dropped, so ranks that
-            # revert and ranks that do not keep identical references.
-            self._gossip.settle_references()
-            self._gossip.discard_all()
-            # With low-communication gossip both the parameters and the anchors are averaged.
-            anchors = [] if self._local is None else self._local.prepare_global_avg()
-            tensors = [b.data for b in self._buckets] + anchors + extra
-            average_across_world_(
-                tensors,
-                self._process_groups.world,
-                self._world_size,
-                self._timeout,
-                rank=self._rank,
-                step=self._step,
-            )
+            self._survive(lambda: self._average(extra))
         if not return_distance:
             return None
         squared = sum(
@@ -468,6 +522,30 @@ class GossipEngine:
             for old, b in zip(before, self._buckets, strict=True)
         )
         return math.sqrt(squared)
+
+    def _average(self, extra: list[torch.Tensor]) -> None:
+        # Every rank settles its groups' references before the rounds are dropped, so ranks that
+        # revert and ranks that do not keep identical references.
+        self._gossip.settle_references()
+        self._gossip.discard_all()
+        # With low-communication gossip both the parameters and the anchors are averaged.
+        anchors = [] if self._local is None else self._local.prepare_global_avg()
+        average_across_world_(
+            [b.data for b in self._buckets] + anchors + extra,
+            self._process_groups.world,
+            self._world_size,
+            self._timeout,
+            rank=self._rank,
+            step=self._step,
+            **self._averaging_wait(),
+        )
+
+    def _averaging_wait(self) -> dict[str, Any]:
+        if self._survival is None:
+            return {}
+        # Reduced in copies, written back once complete: a failure midway leaves the replicas as
+        # they were, and the survivors average them again.
+        return {"waiter": self._survival.membership.wait, "in_place": False}
 
     @torch.no_grad()
     def revert_global_avg(self) -> None:
@@ -496,10 +574,23 @@ class GossipEngine:
         .. warning:: This is a collective: all ranks must call it.
         """
         self.check_buckets()
-        with current(self._buckets, write=False):
-            return tensors_consensus_distance(
-                [b.data for b in self._buckets], self._process_groups.world, self._world_size
-            )
+        membership = None if self._survival is None else self._survival.membership
+
+        def distance() -> float:
+            wait = None
+            if membership is not None:
+
+                def wait(work: dist.Work, tensor: torch.Tensor) -> None:
+                    membership.wait([work], tensor.device, self._timeout, lambda c: PeerLost(str(c)))
+
+            with current(self._buckets, write=False):
+                return tensors_consensus_distance(
+                    [b.data for b in self._buckets], self._process_groups.world, self._world_size, wait
+                )
+
+        result = self._survive(distance)
+        assert result is not None
+        return result
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -510,6 +601,7 @@ class GossipEngine:
         :mod:`~decent_optim_wrapper.engine.checkpoint`.
         """
         self.check_buckets()
+        self._survive(self.wait_all)  # a peer lost now is survived before anything is saved
         with current(self._buckets, write=False):
             params = [b.data.clone() for b in self._buckets]
         return {
@@ -578,6 +670,95 @@ class GossipEngine:
                 "afresh."
             )
         return state
+
+    # -- surviving a lost peer (on_peer_failure="continue") ------------------------------------------------
+    @property
+    def on_peer_failure(self) -> str:
+        """``"raise"`` or ``"continue"``."""
+        return "raise" if self._survival is None else "continue"
+
+    @property
+    def peer_failures(self) -> list[PeerFailure]:
+        """Every lost peer survived so far, oldest first (a new list)."""
+        return [] if self._survival is None else self._survival.failures
+
+    def register_peer_failure_hook(self, hook: PeerFailureHook) -> RemovableHandle:
+        """Call ``hook(failure)`` on every survivor after a lost peer, once the new groups stand.
+
+        For example to rescale the learning rate or the data shard for the new world size. Returns a
+        handle whose ``remove()`` unregisters it.
+        """
+        if self._survival is None:
+            raise RuntimeError(
+                'register_peer_failure_hook() needs on_peer_failure="continue": with "raise" (the default) '
+                "a lost peer raises GossipError instead, and no hook would ever run."
+            )
+        return self._survival.register_hook(hook)
+
+    def _survive(self, action: Callable[[], _T], retry: bool = True) -> _T | None:
+        """Run ``action``; on a lost peer (``"continue"``) recover, and run it again if ``retry``."""
+        while True:
+            try:
+                return action()
+            except PeerLost as lost:
+                if self._survival is None:
+                    raise
+                self._recover(lost)
+                if not retry:
+                    return None
+
+    @torch.no_grad()
+    def _recover(self, cause: BaseException) -> None:
+        """Agree with the survivors on who is gone, settle the rounds in flight, and rewire over them."""
+        assert self._survival is not None
+
+        def reports() -> list[ChannelReport]:
+            return self._gossip.reports("params") + ([] if self._local is None else self._local.reports())
+
+        self._survival.recover(
+            cause,
+            step=self._step,
+            position=self._step + 1 if self._in_step else self._step,
+            rank=self._rank,
+            reports=reports,
+            settle=self._settle_rounds,
+            rewire=self._rewire,
+        )
+
+    def _settle_rounds(self, decision: Decision) -> None:
+        """Mix or drop every round in flight as ``decision`` says, the same on every member of its group."""
+        assert self._survival is not None
+        mine = decision.reports[decision.members.index(self._survival.membership.member)]
+        finish = {(c.kind, c.bucket): decision.finishes(c) for c in mine.channels}
+        for bucket, owner in enumerate(self._buckets):
+            with current([owner], write=True):
+                self._gossip.resolve(bucket, finish.get(("params", bucket), False), self._mixing_factor)
+            if self._local is not None:
+                self._local.resolve(bucket, finish.get(("anchors", bucket), False), self._mixing_factor)
+        # The trackers restart over the survivors (their mean would still hold the lost rank's share),
+        # and a global average's snapshot keeps the replica but no round of the old groups.
+        if self._snapshot is not None:
+            self._snapshot.gossip = None
+            if self._snapshot.local is not None:
+                self._snapshot.local = {**self._snapshot.local, "gossip": None}
+        self._launch_from = decision.resume_step
+
+    def _rewire(self, decision: Decision, before: list[int]) -> None:
+        """The topology, process groups and gossip over the survivors (the new default group stands)."""
+        # Old groups may hold collectives stuck on the lost peer: let them go off this thread.
+        self._process_groups.retire(self._group_timeout() + self._timeout)
+        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
+        kept = {before.index(m) for m in decision.members}
+        per_node = surviving_local_world_size(kept, len(before), self._local_world_size)
+        try:
+            self._topology = resolve_topology(self._topology_spec, self._world_size, per_node)
+        except (ValueError, TypeError) as err:
+            raise PeerFailureError(
+                f"rank {self._rank}: the topology {self._topology.name!r} cannot be rebuilt for the "
+                f"{self._world_size} survivors ({err}); use a topology that exists at every world size."
+            ) from err
+        self._local_world_size = per_node
+        self._wire()
 
     def _identity(self) -> RunIdentity:
         return RunIdentity(

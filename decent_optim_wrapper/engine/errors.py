@@ -6,7 +6,9 @@ type for "a peer is gone: restart from the last checkpoint":
 * :class:`GossipError` -- raised by ``step()`` (the optimizer front-end) or inside ``backward()``
   (the module front-end) when a gossip round with the step's neighbours does not complete;
 * :class:`GlobalAverageError` -- raised by ``global_avg()`` when the all-reduce over every rank does
-  not complete.
+  not complete;
+* :class:`PeerFailureError` -- raised with ``on_peer_failure="continue"`` when this rank cannot go on
+  with the survivors (they dropped it, or the store they meet in is gone).
 
 Bad arguments are ``ValueError``/``TypeError`` and misuse of state (a revert with nothing to revert)
 is a plain ``RuntimeError``; neither is a :class:`DecentError`.
@@ -14,7 +16,7 @@ is a plain ``RuntimeError``; neither is a :class:`DecentError`.
 
 from __future__ import annotations
 
-__all__ = ["DecentError", "GlobalAverageError", "GossipError"]
+__all__ = ["DecentError", "GlobalAverageError", "GossipError", "PeerFailureError"]
 
 
 class DecentError(RuntimeError):
@@ -27,3 +29,7 @@ class GossipError(DecentError):
 
 class GlobalAverageError(DecentError):
     """The exact world average could not complete; the message names the step and the world size."""
+
+
+class PeerFailureError(DecentError):
+    """This rank cannot go on with the survivors: they left it out, or their store is gone."""

@@ -7,9 +7,12 @@ consensus distance, so they answer alike and there is one place that says what e
 from __future__ import annotations
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.engine import GossipEngine
+from decent_optim_wrapper.engine.membership import PeerFailure
+from decent_optim_wrapper.engine.survival import PeerFailureHook
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["EngineFrontEnd"]
@@ -60,6 +63,20 @@ class EngineFrontEnd:
     def outer_optimizer(self) -> torch.optim.Optimizer | None:
         """The outer optimizer of low-communication gossip (an LR scheduler may drive it), or None."""
         return self._engine.outer_optimizer
+
+    @property
+    def peer_failures(self) -> list[PeerFailure]:
+        """Every lost peer survived so far (``on_peer_failure="continue"``), oldest first."""
+        return self._engine.peer_failures
+
+    def register_peer_failure_hook(self, hook: PeerFailureHook) -> RemovableHandle:
+        """Call ``hook(failure)`` on every survivor once it goes on without a lost peer.
+
+        ``failure`` is a :class:`~decent_optim_wrapper.engine.membership.PeerFailure` (the step,
+        the lost ranks, the world size before and after); e.g. rescale the learning rate or re-shard
+        the data there. Returns a handle whose ``remove()`` unregisters the hook.
+        """
+        return self._engine.register_peer_failure_hook(hook)
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average; the same on every rank.

@@ -13,7 +13,7 @@ instead (see the compressed gossip page of the docs).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -25,10 +25,16 @@ from decent_optim_wrapper.engine.buckets import check_saved_tensors, misfit
 from decent_optim_wrapper.engine.comm import ProcessGroups, reduction_dtype, wait_all
 from decent_optim_wrapper.engine.compression import WIRE_FORMATS, CompressionPlan, codec
 from decent_optim_wrapper.engine.errors import GossipError
+from decent_optim_wrapper.engine.membership import ChannelReport, PeerLost, RoundState
 from decent_optim_wrapper.topo import Group, Topology
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
-__all__ = ["Gossip"]
+__all__ = ["Gossip", "Waiter"]
+
+#: How a round is waited for: :func:`~.comm.wait_all`, or a membership's failure-aware wait.
+Waiter = Callable[
+    [Sequence[dist.Work], torch.device, timedelta | None, Callable[[BaseException | None], Exception]], None
+]
 
 
 @dataclass
@@ -54,6 +60,8 @@ class _Channel:
     decoded: torch.Tensor | None = None  # compressed rounds: decoding scratch
     # group ranks -> the reference every member of that group holds bit for bit
     references: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    launched: int | None = None  # the step of the latest round launched (recovery compares them)
+    discarded: int | None = None  # the step of the latest round dropped unmixed
 
     def sum_buffer(self) -> torch.Tensor:
         if self.buffer is None:
@@ -79,6 +87,7 @@ class Gossip:
         timeout: longest CPU-side wait for a round before :class:`GossipError`; None waits for the
             process groups' own timeout.
         plan: which groups gossip compressed; None: none do.
+        waiter: how rounds are waited for (default :func:`~.comm.wait_all`).
     """
 
     def __init__(
@@ -89,8 +98,10 @@ class Gossip:
         process_groups: ProcessGroups,
         timeout: timedelta | None = None,
         plan: CompressionPlan | None = None,
+        waiter: Waiter | None = None,
     ) -> None:
         self._channels = [_Channel(t) for t in tensors]
+        self._waiter: Waiter = wait_all if waiter is None else waiter
         self._topology = topology
         self._rank = rank
         self._process_groups = process_groups
@@ -194,6 +205,7 @@ class Gossip:
         if group.size == 1:
             return  # nothing to exchange: W_ii = 1
         handle = self._process_groups[group.ranks]
+        channel.launched = step
         if name is not None:
             work, xor_slot = self._start_gather(channel, group, handle)
             channel.round = _Round(step, group, work, name, xor_slot)
@@ -230,7 +242,10 @@ class Gossip:
             return
         work, round_.work = round_.work, None
         try:
-            wait_all([work], channel.tensor.device, self._timeout, lambda c: self._failure(round_, c))
+            self._waiter([work], channel.tensor.device, self._timeout, lambda c: self._failure(round_, c))
+        except PeerLost:
+            round_.work = work  # recovery decides from every member's report whether it is mixed
+            raise
         except BaseException:
             channel.round = None  # never mix or save a round that did not arrive
             raise
@@ -318,7 +333,47 @@ class Gossip:
     def discard(self, bucket: int) -> None:
         """Finish and drop bucket ``bucket``'s round without mixing it (its values are stale)."""
         self.wait(bucket)
-        self._channels[bucket].round = None
+        channel = self._channels[bucket]
+        if channel.round is not None:
+            channel.discarded = channel.round.step
+        channel.round = None
+
+    # -- recovery from a lost peer -----------------------------------------------------------------
+    def reports(self, kind: str) -> list[ChannelReport]:
+        """Each bucket's round in flight and launch history, for the survivors' decision."""
+        reports = []
+        for bucket, channel in enumerate(self._channels):
+            round_ = channel.round
+            reports.append(
+                ChannelReport(
+                    kind,
+                    bucket,
+                    None if round_ is None else round_.step,
+                    None if round_ is None else round_.group.ranks,
+                    None if round_ is None else _round_state(round_.work),
+                    channel.launched,
+                    channel.discarded,
+                )
+            )
+        return reports
+
+    def resolve(self, bucket: int, finish: bool, factor: float) -> bool:
+        """Mix bucket ``bucket``'s round in flight (``finish``) or drop it; False if mixing failed.
+
+        A round to finish has every member's part in flight, so it completes; should a second
+        failure stop it, it is dropped.
+        """
+        channel = self._channels[bucket]
+        if channel.round is None:
+            return True
+        if finish:
+            try:
+                self.mix(bucket, factor)
+                return True
+            except PeerLost:
+                pass
+        channel.round = None
+        return not finish
 
     # -- every bucket ------------------------------------------------------------------------------
     def wait_all(self) -> None:
@@ -499,3 +554,16 @@ def _as_words(payload: torch.Tensor) -> torch.Tensor:
     if payload.numel() % 4 == 0 and payload.storage_offset() % 4 == 0:
         return payload.view(torch.int32)
     return payload
+
+
+def _round_state(work: dist.Work | None) -> RoundState:
+    """Whether a round's collective has completed on this rank (None: already waited for)."""
+    if work is None:
+        return "done"
+    if not work.is_completed():
+        return "running"
+    try:
+        work.wait()
+    except RuntimeError:
+        return "failed"
+    return "done"

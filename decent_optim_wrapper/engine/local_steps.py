@@ -57,7 +57,8 @@ import torch
 from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors, current
 from decent_optim_wrapper.engine.comm import ProcessGroups
 from decent_optim_wrapper.engine.compression import CompressionPlan
-from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.gossip import Gossip, Waiter
+from decent_optim_wrapper.engine.membership import ChannelReport, PeerLost
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["LocalSteps", "LocalStepsSpec", "OuterFactory", "resolve_local_steps"]
@@ -186,10 +187,14 @@ class LocalSteps:
         process_groups: ProcessGroups,
         timeout: timedelta | None,
         plan: CompressionPlan | None,
+        waiter: Waiter | None = None,
+        reset: bool = True,
     ) -> None:
-        """Start the anchors' gossip (after the process groups exist) and copy the broadcast parameters."""
-        self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan)
-        self.reset_anchors()
+        """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
+        broadcast parameters (without: the survivors of a lost peer keep their anchors)."""
+        self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan, waiter)
+        if reset:
+            self.reset_anchors()
 
     @property
     def spec(self) -> LocalStepsSpec:
@@ -228,27 +233,38 @@ class LocalSteps:
         return (round_ + 1) * self._spec.sync_every - 1
 
     @torch.no_grad()
-    def end_of_step(self, bucket: int, step: int, mixing_factor: float) -> None:
+    def end_of_step(self, bucket: int, step: int, mixing_factor: float, launch: bool = True) -> None:
         """After bucket ``bucket``'s local update of inner step ``step``: fold a round that is due in,
-        and at the end of a round take the outer step and launch the anchors' gossip."""
-        gossip = self._channels
-        pending = gossip.pending(bucket)
-        boundary = (step + 1) % self._spec.sync_every == 0
-        due = pending is not None and step >= self._launch_step(pending) + self._spec.sync_delay
-        if not (due or boundary):
+        and at the end of a round take the outer step and launch the anchors' gossip (unless not
+        ``launch``: the first steps after a lost peer, before the survivors' rounds line up)."""
+        self.fold_due(bucket, step, mixing_factor)
+        self.end_round(bucket, step, mixing_factor, launch)
+
+    def fold_due(self, bucket: int, step: int, mixing_factor: float) -> None:
+        """Fold bucket ``bucket``'s round in if it is due after inner step ``step``."""
+        pending = self._channels.pending(bucket)
+        if pending is not None and step >= self._launch_step(pending) + self._spec.sync_delay:
+            with current([self._buckets[bucket]], write=True):
+                self._fold(bucket, mixing_factor)
+
+    def end_round(self, bucket: int, step: int, mixing_factor: float, launch: bool = True) -> None:
+        """At the end of a round (after inner step ``step``): the outer step, the anchors' launch and,
+        without delay, their fold."""
+        if (step + 1) % self._spec.sync_every != 0:
             return
         with current([self._buckets[bucket]], write=True):
-            if due:
+            self._outer_step(bucket)
+            if launch:
+                self._channels.launch(bucket, (step + 1) // self._spec.sync_every - 1)
+            if self._spec.sync_delay == 0:
                 self._fold(bucket, mixing_factor)
-            if boundary:
-                self._outer_step(bucket)
-                gossip.launch(bucket, (step + 1) // self._spec.sync_every - 1)
-                if self._spec.sync_delay == 0:
-                    self._fold(bucket, mixing_factor)
 
     def _fold(self, bucket: int, mixing_factor: float) -> None:
         """``x <- x + (mixed - sent)``, ``a <- mixed``: two roundings, none when ``x`` is still ``a'``."""
         x, anchor = self._buckets[bucket].data, self._anchors[bucket]
+        self._channels.wait(bucket)  # before x changes: a round that fails leaves x as it was
+        if self._channels.pending(bucket) is None:
+            return
         x.sub_(anchor)  # the inner progress since the launch (exactly 0 with no delay)
         self._channels.mix(bucket, mixing_factor)
         x.add_(anchor)
@@ -287,6 +303,26 @@ class LocalSteps:
         self._channels.settle_references()
         self._channels.discard_all()
         return list(self._anchors)
+
+    def reports(self) -> list[ChannelReport]:
+        """The anchors' rounds in flight, for the survivors of a lost peer."""
+        return self._channels.reports("anchors")
+
+    @torch.no_grad()
+    def resolve(self, bucket: int, finish: bool, mixing_factor: float) -> None:
+        """Fold bucket ``bucket``'s anchor round in (``finish``) or drop it (``x`` and ``a`` stay)."""
+        if self._channels.pending(bucket) is None:
+            return
+        if finish:
+            try:
+                self._channels.wait(bucket)
+            except PeerLost:  # a second failure: dropped after all, x and a unchanged
+                finish = False
+        if finish:
+            with current([self._buckets[bucket]], write=True):
+                self._fold(bucket, mixing_factor)
+        else:
+            self._channels.resolve(bucket, False, mixing_factor)
 
     def snapshot(self) -> dict[str, Any]:
         """What a revert of the global average restores: the anchors and the rounds still to fold in."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from decent_optim_wrapper.engine.comm import check_identical
 from decent_optim_wrapper.engine.compression import GossipCompression
 from decent_optim_wrapper.topo import Topology, TopologyFactory
@@ -21,6 +23,7 @@ __all__ = [
     "check_buckets_agree",
     "check_layouts_agree",
     "check_mixing_factor",
+    "check_on_peer_failure",
     "check_timeout",
     "resolve_topology",
 ]
@@ -43,6 +46,7 @@ class LocalLayout:
     compression: GossipCompression | None
     gradient_tracking: bool
     local_steps: tuple[object, ...] | None  # sync_every, sync_delay, the outer optimizer's class, ...
+    on_peer_failure: str = "raise"
 
 
 #: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
@@ -62,6 +66,7 @@ AGREEMENT = (
         "Low-communication gossip (sync_every, sync_delay, the outer optimizer's class, groups, defaults)",
         "Pass the same sync_every, sync_delay and outer_optimizer on every rank.",
     ),
+    ("on_peer_failure", "on_peer_failure", "Pass the same on_peer_failure on every rank."),
 )
 
 
@@ -126,3 +131,30 @@ def check_timeout(timeout: object) -> None:
         )
     if timeout <= timedelta(0):
         raise ValueError(f"timeout must be positive, got {timeout!r}; e.g. timedelta(minutes=5).")
+
+
+#: What ``on_peer_failure`` may be: raise :class:`~.errors.GossipError` (the default), or go on with the
+#: survivors.
+PEER_FAILURE_MODES = ("raise", "continue")
+
+
+def check_on_peer_failure(mode: object, topology: object) -> None:
+    """Check ``on_peer_failure``; "continue" needs gloo and a topology that can be rebuilt at any size."""
+    if mode not in PEER_FAILURE_MODES:
+        raise ValueError(
+            f'on_peer_failure must be "raise" (stop with an error, the default) or "continue" (go on with '
+            f"the survivors), got {mode!r}."
+        )
+    if mode == "raise":
+        return
+    backend = dist.get_backend()
+    if backend != "gloo":
+        raise ValueError(
+            f'on_peer_failure="continue" is supported on the gloo backend (CPU), but the default process '
+            f'group uses {backend!r}; use on_peer_failure="raise" there and resume from checkpoints.'
+        )
+    if isinstance(topology, Topology):
+        raise ValueError(
+            f'on_peer_failure="continue" rebuilds the topology for the survivors, but topology={topology!r} '
+            "is an instance built for one world size; pass its registered name or its class instead."
+        )

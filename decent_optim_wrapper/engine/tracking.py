@@ -18,7 +18,7 @@ import torch
 from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors
 from decent_optim_wrapper.engine.comm import ProcessGroups
 from decent_optim_wrapper.engine.compression import CompressionPlan
-from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.gossip import Gossip, Waiter
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["GradientTracker"]
@@ -29,7 +29,7 @@ class GradientTracker:
 
     Args:
         buckets: the parameter buckets; tracker ``b`` has bucket ``b``'s layout.
-        topology, rank, process_groups, timeout, plan: as for :class:`~.gossip.Gossip` (the trackers
+        topology, rank, process_groups, timeout, plan, waiter: as for :class:`~.gossip.Gossip` (the trackers
             follow the parameters' schedule).
     """
 
@@ -41,11 +41,12 @@ class GradientTracker:
         process_groups: ProcessGroups,
         timeout: timedelta | None,
         plan: CompressionPlan | None,
+        waiter: Waiter | None = None,
     ) -> None:
         self._buckets: list[Bucket] = []
         self._trackers: list[torch.Tensor] = []  # y_i, one flat tensor per bucket
         self._previous: list[torch.Tensor] = []  # g_i^{t-1}
-        self._gossip = Gossip([], topology, rank, process_groups, timeout, plan)
+        self._gossip = Gossip([], topology, rank, process_groups, timeout, plan, waiter)
         self.add_buckets(buckets)
 
     # -- the trackers' gossip, with the parameters' schedule ------------------------------------------

@@ -4,8 +4,9 @@
 and without compression) and of DDP for a model size, compute time and network
 (:mod:`.cli`, :func:`.predict`); ``python -m decent_optim_wrapper.plan bytes NAME -n N`` the bytes a topology
 sends per parameter (:mod:`.traffic`). Underneath: compute-time distributions (:mod:`.compute`), the
-network and collective cost model (:mod:`.costs`), schemes built from them (:mod:`.schemes`) and the
-simulator of the step dependency graph (:mod:`.simulator`). It sits above the engine and the
+network and collective cost model (:mod:`.costs`), links shared in time between the transfers in
+flight (:mod:`.sharing`), schemes built from them (:mod:`.schemes`) and the simulator of the step
+dependency graph (:mod:`.simulator`). It sits above the engine and the
 topologies, whose byte rules it uses; nothing below imports it.
 """
 
@@ -14,6 +15,13 @@ from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
 from decent_optim_wrapper.plan.costs import Link, Network, ddp_buckets, gossip_round_bytes
 from decent_optim_wrapper.plan.predict import Prediction, predict
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
+from decent_optim_wrapper.plan.sharing import (
+    LinkSharing,
+    SharedLink,
+    SharingModel,
+    Transfer,
+    transfer_seconds,
+)
 from decent_optim_wrapper.plan.simulator import AllReduce, Gossip, NoComm, Run, Scheme, simulate
 from decent_optim_wrapper.plan.traffic import bytes_per_parameter
 
@@ -23,11 +31,15 @@ __all__ = [
     "ComputeTimes",
     "Gossip",
     "Link",
+    "LinkSharing",
     "Network",
     "NoComm",
     "Prediction",
     "Run",
     "Scheme",
+    "SharedLink",
+    "SharingModel",
+    "Transfer",
     "allreduce_scheme",
     "bytes_per_parameter",
     "ddp_buckets",
@@ -36,4 +48,5 @@ __all__ = [
     "main",
     "predict",
     "simulate",
+    "transfer_seconds",
 ]

@@ -4,7 +4,8 @@ Cost model (every assumption of the planner and the simulator about the network 
 
 * Every node has one full-duplex link to a non-blocking switch (:class:`Link`: bandwidth per direction
   and a latency per message); ranks of the same node talk over ``Network.intra`` (shared memory or
-  loopback). A node's link is shared equally by all its ranks that send to other nodes at once.
+  loopback). Each direction of a node's link is shared by the transfers crossing it while they run
+  (max-min fair shares, recomputed whenever one starts or ends: :mod:`.sharing`).
 * An all-reduce among ``k`` ranks is a ring (what gloo runs): every member sends ``2 (k - 1) / k``
   of the payload to the next member in rank order, the hops running in parallel, in ``2 (k - 1)``
   messages one after another. It takes ``sent / rate`` of its slowest hop plus ``2 (k - 1)``
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from decent_optim_wrapper.engine.compression import CompressionPlan
+from decent_optim_wrapper.plan.sharing import SharedLink, SharingModel, Transfer, transfer_seconds
 from decent_optim_wrapper.topo.group import Group
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
@@ -66,13 +68,15 @@ class Link:
 class Network:
     """Nodes of ``local_world_size`` ranks; ``inter`` links nodes, ``intra`` ranks of one node.
 
-    ``tree_latency``: all-reduces pay ``2 ceil(log2 k)`` latencies instead of a ring's ``2 (k - 1)``.
+    ``tree_latency``: all-reduces pay ``2 ceil(log2 k)`` latencies instead of a ring's ``2 (k - 1)``;
+    ``sharing``: how transfers that overlap on a node's link split it.
     """
 
     inter: Link
     intra: Link = Link(100e9, 0.0)
     local_world_size: int = 1
     tree_latency: bool = False
+    sharing: SharingModel = field(default_factory=SharingModel)
 
     def node(self, rank: int) -> int:
         return rank // self.local_world_size
@@ -85,29 +89,45 @@ class Network:
             return 2 * math.ceil(math.log2(group_size))
         return 2 * (group_size - 1)
 
-    def allreduce_seconds(self, groups: Sequence[Group], sent: Sequence[float]) -> list[float]:
-        """Seconds of each group's ring all-reduce when all of ``groups`` run at once.
+    def transfer(self, group: Group, sent: float) -> Transfer:
+        """The ring all-reduce of ``group`` in which every member sends ``sent`` bytes, as a transfer.
 
-        ``sent[i]``: bytes each member of ``groups[i]`` sends. A hop between nodes shares its node's
-        link with every other hop leaving that node in ``groups``.
+        Its hops (member to the next in rank order) run in lock step; a hop between nodes crosses the
+        sender's outgoing and the receiver's incoming link (:meth:`links`), a hop inside a node only
+        the node's own ``intra`` link, which nothing else is taken to share.
         """
-        leaving: dict[int, int] = {}
-        hops = [
-            list(zip(g.ranks, g.ranks[1:] + g.ranks[:1], strict=True)) if g.size > 1 else [] for g in groups
-        ]
-        for group_hops in hops:
-            for a, b in group_hops:
-                if self.node(a) != self.node(b):
-                    leaving[self.node(a)] = leaving.get(self.node(a), 0) + 1
-        seconds = []
-        for group, group_hops, nbytes in zip(groups, hops, sent, strict=True):
-            crossing = [a for a, b in group_hops if self.node(a) != self.node(b)]
-            if crossing:
-                share = max(leaving[self.node(a)] for a in crossing)
-                seconds.append(self.inter.seconds(nbytes, self.messages(group.size), share))
-            else:
-                seconds.append(self.intra.seconds(nbytes, self.messages(group.size)))
-        return seconds
+        ranks = group.ranks
+        hops = list(zip(ranks, ranks[1:] + ranks[:1], strict=True)) if group.size > 1 else []
+        crossings: dict[SharedLink, int] = {}
+        inside = not hops
+        for a, b in hops:
+            if self.node(a) == self.node(b):
+                inside = True
+                continue
+            out, into = self.links(self.node(a))[0], self.links(self.node(b))[1]
+            crossings[out] = crossings.get(out, 0) + 1
+            crossings[into] = crossings.get(into, 0) + 1
+        cap = self.intra.bandwidth if inside else math.inf
+        latency = self.inter.latency_s if crossings else self.intra.latency_s
+        if crossings:
+            cap = min(cap, self.inter.bandwidth)
+        return Transfer(sent, tuple(crossings.items()), cap, self.messages(group.size) * latency)
+
+    def links(self, node: int) -> tuple[SharedLink, SharedLink]:
+        """Node ``node``'s outgoing and incoming directions of its link to the switch."""
+        return (
+            SharedLink(("out", node), self.inter.bandwidth),
+            SharedLink(("in", node), self.inter.bandwidth),
+        )
+
+    def allreduce_seconds(self, groups: Sequence[Group], sent: Sequence[float]) -> list[float]:
+        """Seconds of each group's ring all-reduce when all of ``groups`` start at once.
+
+        ``sent[i]``: bytes each member of ``groups[i]`` sends. Hops that leave or enter a node share its
+        link while they run (:mod:`.sharing`).
+        """
+        transfers = [self.transfer(g, s) for g, s in zip(groups, sent, strict=True)]
+        return transfer_seconds(transfers, model=self.sharing)
 
 
 def gossip_round_bytes(

@@ -9,6 +9,7 @@ import torch
 
 from decent_optim_wrapper.engine.compression import CompressionPlan, GossipCompression
 from decent_optim_wrapper.plan.costs import Network, ddp_buckets, gossip_round_bytes
+from decent_optim_wrapper.plan.sharing import Transfer
 from decent_optim_wrapper.plan.simulator import AllReduce, Gossip
 from decent_optim_wrapper.topo import Topology
 from decent_optim_wrapper.topo.group import Group
@@ -34,16 +35,18 @@ def gossip_scheme(
     plan = None if compression is None else CompressionPlan(topology, compression)
 
     @cache
-    def phase_seconds(index: int) -> tuple[float, ...]:
-        phase = topology.schedule[index]
-        sent = [gossip_round_bytes(group, numel, plan, dtype) for group in phase]
-        return tuple(network.allreduce_seconds(phase, sent))
+    def phase_rounds(index: int) -> tuple[Transfer, ...]:
+        return tuple(
+            network.transfer(group, gossip_round_bytes(group, numel, plan, dtype))
+            for group in topology.schedule[index]
+        )
 
     return Gossip(
         world_size=topology.world_size,
         phase=topology.phase,
-        seconds=lambda step: phase_seconds(step % topology.period),
+        rounds=lambda step: phase_rounds(step % topology.period),
         overhead_s=overhead_s,
+        sharing=network.sharing,
     )
 
 

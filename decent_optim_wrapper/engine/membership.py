@@ -1,0 +1,361 @@
+r"""Surviving a dead or silent peer (``on_peer_failure="continue"``): who is still here, agreed through
+the job's store, and a fresh process group over the survivors.
+
+The store is the one ``torch.distributed`` already rendezvoused through (torchrun's agent hosts it,
+or a launcher does): it outlives any worker, so it is the single place where survivors meet. No
+central service of our own and no vote between workers: the first proposal written to the store
+is the decision, so every survivor reaches the same set, or raises.
+
+Protocol for generation ``g`` (the current membership), under the key prefix of this run:
+
+1. *Detect.* A rank whose collective fails (a peer closed its connection) or does not complete
+   within ``timeout`` marks ``g/lost``. Every rank waiting for a collective polls that mark, so a
+   rank blocked on a peer that has gone into recovery follows within ~50 ms instead of timing out.
+2. *Report.* Each rank in recovery writes its report: its position in the step protocol and, per
+   gossip channel, the round it has in flight (launched at which step, in which group, completed
+   or not) and the last round it launched.
+3. *Decide.* A rank waits until every member has reported, or is dead (its heartbeat, a counter a
+   thread of each rank bumps in the store every 0.2 s, stopped), or ``timeout`` has passed; then
+   it proposes the reporters with ``compare_set``. The first proposal wins; every rank reads it. A
+   rank left out (it reported too late) raises :class:`~.errors.PeerFailureError`.
+4. *Reform.* The survivors destroy the default process group and build a new one over the store
+   (prefix ``g+1``), ranks renumbered in their old order. A member that fails to join makes
+   this a failure of generation ``g+1``: back to 1 with the others.
+
+What happens to the rounds in flight is decided from the reports (:meth:`Decision.finishes`) so
+that the members of a group all mix a round or all drop it, and the survivors' mean moves by
+nothing but the lost replica's share.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from loguru import logger
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+
+from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
+
+__all__ = [
+    "ChannelReport",
+    "Decision",
+    "Membership",
+    "PeerFailure",
+    "PeerLost",
+    "Report",
+    "connect_store",
+]
+
+#: How often each rank's heartbeat thread bumps its counter, and how long a counter may stand still
+#: before its rank counts as dead. A live rank's beat stalls only if its process stops (SIGSTOP, a
+#: frozen VM) or the machine is starved for seconds; a hung main thread keeps beating, and is
+#: instead dropped when ``timeout`` passes without its report.
+HEARTBEAT_S = 0.2
+STALE_AFTER_S = 3.0
+_POLL_S = 0.05
+
+RoundState = Literal["done", "failed", "running"]
+
+
+class PeerLost(DecentError):
+    """A collective failed or went silent with ``on_peer_failure="continue"``: the engine recovers."""
+
+
+@dataclass(frozen=True)
+class PeerFailure:
+    """One recovery, as the training loop sees it (``front_end.peer_failures``, the hooks).
+
+    Ranks are numbered as before the failure, except ``rank``/``world_size`` (after it).
+    """
+
+    step: int  # the step count when the failure was detected
+    lost: tuple[int, ...]  # ranks gone
+    survivors: tuple[int, ...]  # ranks that continue, in their new order
+    previous_world_size: int
+    world_size: int
+    previous_rank: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class ChannelReport:
+    """One gossip channel of a rank at recovery: its round in flight and what it launched."""
+
+    kind: str  # "params", "tracker" or "anchors"
+    bucket: int
+    pending: int | None  # the step (or anchor round) of the round in flight, if any
+    group: tuple[int, ...] | None  # that round's group, ranks before the failure
+    state: RoundState | None  # whether that round's collective has completed on this rank
+    launched: int | None  # the latest step (or round) this channel launched
+    discarded: int | None  # the latest round dropped unmixed (by a global average)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What a rank tells the others when it goes into recovery."""
+
+    member: int  # rank at launch: stable across recoveries
+    rank: int  # rank in the failed generation
+    position: int  # the first step at which it can launch on the new groups
+    channels: tuple[ChannelReport, ...]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The survivors (their reports, in rank order) and the step from which new rounds start."""
+
+    generation: int
+    reports: tuple[Report, ...]
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return tuple(r.member for r in self.reports)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(r.rank for r in self.reports)
+
+    @property
+    def resume_step(self) -> int:
+        """Rounds on the new groups start at the furthest position any survivor has reached, so that
+        every survivor launches a round of the same step in the same new group."""
+        return max(r.position for r in self.reports)
+
+    def finishes(self, channel: ChannelReport) -> bool:
+        """Whether the round ``channel`` has in flight is mixed (else dropped), the same on every member.
+
+        A round whose group is all survivors is mixed if every member launched it and none dropped
+        it (it then completes: every member's part is in flight). A round with a lost member is mixed
+        only where it has already completed: a pair's survivor received the lost peer's values
+        before it died. In groups of three or more, a peer dying inside the all-reduce can leave
+        the round completed on some members and not others; that is the one case where members
+        differ.
+        """
+        if channel.pending is None or channel.group is None:
+            return False
+        alive = {r.rank: r for r in self.reports}
+        if not set(channel.group) <= set(alive):
+            return channel.state == "done"
+        for rank in channel.group:
+            peer = next(
+                (c for c in alive[rank].channels if (c.kind, c.bucket) == (channel.kind, channel.bucket)),
+                None,
+            )
+            if peer is None or peer.launched is None or peer.launched < channel.pending:
+                return False
+            if peer.discarded is not None and peer.discarded >= channel.pending:
+                return False
+        return True
+
+
+def connect_store(store: Store | None, timeout: timedelta) -> Store:
+    """The store survivors meet in: ``store``, or a client of ``MASTER_ADDR:MASTER_PORT``."""
+    if store is not None:
+        if not isinstance(store, Store):
+            raise TypeError(
+                f"store must be a torch.distributed.Store (e.g. a TCPStore client) or None, got {store!r}."
+            )
+        return store
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if host is None or port is None:
+        raise ValueError(
+            'on_peer_failure="continue" needs the store the job rendezvoused through, but store=None and '
+            "MASTER_ADDR/MASTER_PORT are not set; pass store=torch.distributed.TCPStore(host, port, "
+            "is_master=False) (hosted by the launcher, outside the workers)."
+        )
+    return TCPStore(host, int(port), is_master=False, timeout=timeout)
+
+
+class Membership:
+    """This rank's view of who is in the job, the heartbeat, and the failure-aware wait.
+
+    Args:
+        store: the store every rank can reach (see the module docstring).
+        run: a token all ranks share, unique to this run (keys of other runs never collide).
+        rank: this rank at launch.
+        world_size: ranks at launch.
+        timeout: how long a collective, or a report, may take before its peer counts as lost.
+    """
+
+    def __init__(self, store: Store, run: str, rank: int, world_size: int, timeout: timedelta) -> None:
+        self._store = store
+        self._prefix = f"decent-optim-wrapper/{run}"
+        self._me = rank
+        self._members = list(range(world_size))
+        self._generation = 0
+        self._timeout = timeout.total_seconds()
+        self._recovering = False
+        self._stopped = threading.Event()
+        beat_key = f"{self._prefix}/beat/{rank}"
+        self._store.add(beat_key, 1)
+        # The thread holds the store, not this object, so that it stops once the engine is gone.
+        threading.Thread(
+            target=_beat, args=(store, beat_key, self._stopped), name="decent-heartbeat", daemon=True
+        ).start()
+
+    @property
+    def member(self) -> int:
+        """This rank's rank at launch."""
+        return self._me
+
+    @property
+    def members(self) -> list[int]:
+        """The current members' ranks at launch, in their current rank order (a new list)."""
+        return list(self._members)
+
+    @property
+    def generation(self) -> int:
+        return self._generation
+
+    def close(self) -> None:
+        """Stop the heartbeat thread."""
+        self._stopped.set()
+
+    def __del__(self) -> None:
+        self._stopped.set()
+
+    def _key(self, name: str, generation: int | None = None) -> str:
+        return f"{self._prefix}/g{self._generation if generation is None else generation}/{name}"
+
+    # -- detection ----------------------------------------------------------------------------------
+    def wait(
+        self,
+        works: Sequence[dist.Work],
+        device: torch.device,
+        timeout: timedelta | None,
+        failure: Callable[[BaseException | None], Exception],
+    ) -> None:
+        """Wait for ``works`` like :func:`~.comm.wait_all`, but raise :class:`PeerLost` as soon as a peer
+        fails, ``timeout`` passes, or another rank has announced a failure (outside recovery)."""
+        del device  # gloo only: a host-side wait
+        limit = self._timeout if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        next_check = time.monotonic() + _POLL_S
+        for work in works:
+            pause = 1e-4
+            while not work.is_completed():
+                now = time.monotonic()
+                if now >= deadline:
+                    raise PeerLost(str(failure(None)))
+                if not self._recovering and now >= next_check:
+                    next_check = now + _POLL_S
+                    if self.failure_announced():
+                        raise PeerLost(str(failure(RuntimeError("another rank reported a lost peer"))))
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-3)
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise PeerLost(str(failure(err))) from err
+
+    def failure_announced(self) -> bool:
+        try:
+            return bool(self._store.check([self._key("lost")]))
+        except Exception as err:
+            raise self._store_gone(err) from err
+
+    def _store_gone(self, err: BaseException) -> PeerFailureError:
+        return PeerFailureError(
+            f"rank {self._me} (at launch): the store the survivors meet in cannot be reached ({err}). With "
+            "plain init_process_group, rank 0 hosts it and its death ends the job; host the store outside "
+            "the workers (torchrun's agent, or a launcher) to survive any rank."
+        )
+
+    # -- recovery -----------------------------------------------------------------------------------
+    def agree(self, report: Report, cause: BaseException) -> Decision:
+        """Announce the failure, report, and return the decision of this generation (see module doc)."""
+        self._recovering = True
+        try:
+            return self._agree(report, cause)
+        except PeerFailureError:
+            raise
+        except Exception as err:  # the store failed us
+            raise self._store_gone(err) from err
+
+    def _agree(self, report: Report, cause: BaseException) -> Decision:
+        store = self._store
+        store.set(self._key("lost"), str(report.member))
+        store.set(self._key(f"report/{report.member}"), _encode(report))
+        logger.debug("rank {} (launch rank {}): recovering from: {}", report.rank, report.member, cause)
+        decision_key = self._key("decision")
+        deadline = time.monotonic() + self._timeout
+        reported: dict[int, Report] = {}
+        beats: dict[int, tuple[int, float]] = {}
+        while not store.check([decision_key]):
+            now = time.monotonic()
+            dead: set[int] = set()
+            for member in self._members:
+                if member in reported:
+                    continue
+                key = self._key(f"report/{member}")
+                if store.check([key]):
+                    reported[member] = _decode(store.get(key))
+                    continue
+                beat = int(store.add(f"{self._prefix}/beat/{member}", 0))
+                last = beats.get(member)
+                if last is None or last[0] != beat:
+                    beats[member] = (beat, now)
+                elif now - last[1] > STALE_AFTER_S:
+                    dead.add(member)
+            if len(reported) + len(dead) == len(self._members) or now >= deadline:
+                ordered = sorted(reported.values(), key=lambda r: r.rank)
+                proposal = _encode(Decision(self._generation, tuple(ordered)))
+                store.compare_set(decision_key, "", proposal)
+                break
+            time.sleep(_POLL_S)
+        decision: Decision = _decode(store.get(decision_key))
+        if report.member not in decision.members:
+            raise PeerFailureError(
+                f"rank {report.rank} (rank {report.member} at launch) reported too late to recovery "
+                f"{self._generation}: the survivors went on without it (ranks {list(decision.ranks)}). This "
+                "replica is no longer part of the job; restart it from a checkpoint."
+            )
+        return decision
+
+    def reform(self, decision: Decision, backend: str, timeout: timedelta) -> None:
+        """Replace the default process group by one over ``decision``'s survivors (ranks renumbered).
+
+        Raises ``RuntimeError`` if a survivor does not join; the caller recovers again from there.
+        """
+        rank, size = decision.members.index(self._me), len(decision.members)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._generation = decision.generation + 1
+        self._members = list(decision.members)
+        store = PrefixStore(self._key("group"), self._store)
+        try:
+            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+        finally:
+            self._recovering = False
+
+    def failed_to_reform(self, cause: BaseException) -> None:
+        """The new group did not form: a failure of the new generation, announced like any other."""
+        logger.warning("rank {} (at launch): the survivors' new group did not form: {}", self._me, cause)
+        self._recovering = True
+
+
+def _beat(store: Store, key: str, stopped: threading.Event) -> None:
+    """Bump ``key`` every :data:`HEARTBEAT_S` until ``stopped`` (or the store is gone)."""
+    while not stopped.wait(HEARTBEAT_S):
+        try:
+            store.add(key, 1)
+        except Exception:  # the store is gone: recovery will say so; the heartbeat just stops
+            return
+
+
+def _encode(value: object) -> str:
+    """Pickled, as text: the store's Python API takes strings."""
+    return pickle.dumps(value).hex()
+
+
+def _decode(raw: bytes) -> Any:
+    return pickle.loads(bytes.fromhex(raw.decode()))

@@ -1,0 +1,130 @@
+"""Going on without a lost peer (``on_peer_failure="continue"``): the recovery loop of one rank, and
+what the training loop sees of it.
+
+:class:`Survival` runs the survivors' side of :mod:`~.membership`'s protocol for an engine: agree on
+who is gone, have the engine settle its rounds in flight, re-form the process group, have the engine
+rewire over it, and try again from the next generation if a survivor fails to join. Then it records
+the :class:`~.membership.PeerFailure`, logs the warning every survivor logs, and calls the hooks.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch.distributed as dist
+from loguru import logger
+from torch.utils.hooks import RemovableHandle
+
+from decent_optim_wrapper.engine.errors import PeerFailureError
+from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Membership, PeerFailure, Report
+
+__all__ = ["PeerFailureHook", "Survival", "surviving_local_world_size"]
+
+#: Called on every survivor after a lost peer, with what happened.
+PeerFailureHook = Callable[[PeerFailure], None]
+
+
+def surviving_local_world_size(kept: set[int], world_size: int, local_world_size: int) -> int:
+    """Ranks per node after a loss: unchanged if only whole nodes were lost (``kept``: the old ranks
+    that survive), else 1, since renumbered ranks no longer share nodes."""
+    whole_nodes = all(
+        len({r for r in kept if r // local_world_size == node}) in (0, local_world_size)
+        for node in range(world_size // local_world_size)
+    )
+    return local_world_size if whole_nodes and len(kept) % local_world_size == 0 else 1
+
+
+class Survival:
+    """The recovery loop of one rank, its record of failures and its hooks.
+
+    Args:
+        membership: this rank's view of the job (heartbeat, failure-aware wait, the agreement).
+        timeout: the default process group's timeout after a re-form.
+    """
+
+    def __init__(self, membership: Membership, timeout: timedelta) -> None:
+        self.membership = membership
+        self._timeout = timeout
+        self._failures: list[PeerFailure] = []
+        self._hooks: OrderedDict[int, PeerFailureHook] = OrderedDict()
+
+    @property
+    def failures(self) -> list[PeerFailure]:
+        return list(self._failures)
+
+    def register_hook(self, hook: PeerFailureHook) -> RemovableHandle:
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def recover(
+        self,
+        cause: BaseException,
+        *,
+        step: int,
+        position: int,
+        rank: int,
+        reports: Callable[[], Sequence[ChannelReport]],
+        settle: Callable[[Decision], None],
+        rewire: Callable[[Decision, list[int]], None],
+    ) -> PeerFailure:
+        """Agree, ``settle(decision)`` once, re-form the default group and ``rewire(decision, before)``.
+
+        ``position`` is the first step at which this rank can launch on new groups, ``reports()`` its
+        rounds in flight. Raises :class:`~.errors.PeerFailureError` if this rank cannot go on.
+        """
+        membership = self.membership
+        before = membership.members
+        world_before, rank_before = len(before), rank
+        settled = False
+        unformed: set[tuple[int, ...]] = set()
+        while True:
+            report = Report(membership.member, rank, position, tuple(reports()))
+            decision = membership.agree(report, cause)
+            if not settled:
+                settle(decision)
+                settled = True
+            rank = decision.members.index(membership.member)
+            try:
+                membership.reform(decision, "gloo", self._timeout)
+                rewire(decision, before)
+                break
+            except (RuntimeError, dist.DistError) as err:  # a survivor did not join: recover again
+                if decision.members in unformed:
+                    # The same survivors twice: they reach the store but not each other (a partition).
+                    raise PeerFailureError(
+                        f"rank {rank}: the survivors {list(decision.members)} (ranks at launch) reach the "
+                        f"store but cannot form a process group ({err}); stopping rather than training "
+                        "as separate jobs."
+                    ) from err
+                unformed.add(decision.members)
+                membership.failed_to_reform(err)
+                cause = err
+        failure = PeerFailure(
+            step=step,
+            lost=tuple(before.index(m) for m in before if m not in decision.members),
+            survivors=tuple(before.index(m) for m in decision.members),
+            previous_world_size=world_before,
+            world_size=len(decision.members),
+            previous_rank=rank_before,
+            rank=rank,
+        )
+        self._failures.append(failure)
+        # Unlike the library's other logs this one is on by default: a lost worker changes the run
+        # (the world size, the data seen, what the learning rate means).
+        logger.warning(
+            "lost rank(s) {} of {} at step {}; this rank ({} before) goes on as rank {} of {} survivors, "
+            "gossiping again from step {}",
+            list(failure.lost),
+            world_before,
+            step,
+            rank_before,
+            rank,
+            failure.world_size,
+            decision.resume_step,
+        )
+        for hook in list(self._hooks.values()):
+            hook(failure)
+        return failure

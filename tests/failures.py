@@ -1,0 +1,139 @@
+"""Runs in which workers die or hang on purpose: fresh processes, a store hosted by the parent.
+
+The store lives in the test process, as torchrun's agent hosts it outside the workers, so any
+worker may die. ``run_with_faults(fn, world_size, ...)`` starts ``world_size`` spawned processes,
+each running ``fn(rank, world_size, port, *args)`` (``fn`` joins the process group through
+:func:`join`); a worker that is to fail calls :func:`inject` at the chosen point. The parent waits
+until every process has exited or the deadline passes, then returns what each survivor's ``fn``
+returned and each process's exit code. On the deadline it dumps the stacks of the processes still
+running into a ``TimeoutError``, and no process outlives the call.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import socket
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Outcome", "inject", "join", "run_with_faults"]
+
+
+def join(rank: int, world_size: int, port: int) -> dist.Store:
+    """Join the gloo process group through the parent's store; returns the store (a client)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=dist.PrefixStore("start", store), rank=rank, world_size=world_size)
+    return store
+
+
+def inject(how: str) -> None:
+    """Fail this worker now: ``"kill"`` (SIGKILL, no goodbye) or ``"hang"`` (alive, silent)."""
+    if how == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif how == "hang":
+        time.sleep(3600)
+    else:
+        raise ValueError(how)
+
+
+class Outcome:
+    """Exit codes by rank and what the ranks that finished returned."""
+
+    def __init__(self, exitcodes: dict[int, int | None], results: dict[int, Any], errors: dict[int, str]):
+        self.exitcodes = exitcodes
+        self.results = results
+        self.errors = errors
+
+    def __repr__(self) -> str:
+        return f"Outcome(exitcodes={self.exitcodes}, errors={self.errors})"
+
+
+def _main(rank: int, workdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    dump = open(Path(workdir) / f"stacks-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    try:
+        result = fn(rank, *args)
+    except BaseException:
+        (Path(workdir) / f"error-{rank}.txt").write_text(traceback.format_exc())
+        raise
+    (Path(workdir) / f"result-{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_with_faults(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    deadline_s: float = 90.0,
+    expect_hung: tuple[int, ...] = (),
+) -> Outcome:
+    """Run ``fn(rank, world_size, port, *args)`` on ``world_size`` fresh processes (see module doc).
+
+    Ranks in ``expect_hung`` are killed once every other process has exited; any other process still
+    running at the deadline fails the call with the stacks of all running processes.
+    """
+    workdir = tempfile.mkdtemp(prefix="dow-faults-")
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=_main, args=(rank, workdir, fn, (world_size, port, *args)), daemon=True)
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + deadline_s
+    try:
+        while True:
+            running = [r for r, p in enumerate(procs) if p.is_alive() and r not in expect_hung]
+            remaining = deadline - time.monotonic()
+            if not running or remaining <= 0:
+                break
+            multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=min(remaining, 1.0))
+        hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in expect_hung]
+        if hung:
+            for proc in procs:
+                if proc.is_alive() and proc.pid is not None:
+                    os.kill(proc.pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            stacks = "\n".join(
+                f"--- rank {r} ---\n{(Path(workdir) / f'stacks-{r}.txt').read_text()[-4000:]}" for r in hung
+            )
+            raise TimeoutError(
+                f"{fn.__name__}: ranks {hung} did not finish within {deadline_s:.0f} s:\n{stacks}"
+            )
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        del store
+    results, errors = {}, {}
+    for rank in range(world_size):
+        result, error = Path(workdir) / f"result-{rank}.pkl", Path(workdir) / f"error-{rank}.txt"
+        if result.exists():
+            results[rank] = pickle.loads(result.read_bytes())
+        if error.exists():
+            errors[rank] = error.read_text()
+    return Outcome({r: p.exitcode for r, p in enumerate(procs)}, results, errors)

@@ -1,0 +1,234 @@
+"""Surviving a lost peer (``on_peer_failure="continue"``): kill or hang a rank, the others go on.
+
+Every run starts 4 fresh gloo workers around a store hosted by the test process (as torchrun's
+agent hosts it); one is killed with SIGKILL or hangs at a chosen point. The survivors must finish,
+agree on the new world, keep training (their loss falls), reach consensus by gossip, and
+``global_avg`` must average exactly the survivors' replicas.
+"""
+
+from __future__ import annotations
+
+import threading
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from failures import inject, join, run_with_faults
+from helpers import flat, tiny_model
+from torch import nn
+
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
+from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Report
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT = timedelta(seconds=3)
+STEPS = 24
+AVERAGE_AT = 10  # global_avg then revert after this step, as an evaluation would
+
+
+def _train(rank: int, world_size: int, port: int, front: str, fault: dict[str, Any], options: dict[str, Any]):
+    store = (
+        join(rank, world_size, port)
+        if not fault.get("store_in_rank0")
+        else _join_rank0_store(rank, world_size, port)
+    )
+    model = tiny_model()
+    teacher = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    probe = torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
+    loss_fn = nn.MSELoss()
+    common = dict(timeout=TIMEOUT, on_peer_failure="continue", store=store, **options)
+    if front == "module":
+        ddp = DecentralizedDataParallel(
+            model, lambda named: torch.optim.SGD([p for _, p in named], lr=0.2), topology="ring", **common
+        )
+        front_end: Any = ddp
+
+        def step(t: int) -> None:
+            x = _inputs(rank, t)
+            loss_fn(ddp(x), x @ teacher).backward()
+    else:
+        opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.2), topology="ring", **common)
+        front_end = opt
+
+        def step(t: int) -> None:
+            x = _inputs(rank, t)
+            opt.zero_grad()
+            loss_fn(model(x), x @ teacher).backward()
+            opt.step()
+
+    seen: list[Any] = []
+    front_end.register_peer_failure_hook(seen.append)
+    losses = []
+    for t in range(STEPS):
+        if fault.get("rank") == rank and fault["step"] == t and fault["where"] == "before_step":
+            inject(fault["how"])
+        step(t)
+        with torch.no_grad():  # this replica's loss on data every rank shares: falls while it learns
+            losses.append(loss_fn(model(probe), probe @ teacher).item())
+        if fault.get("rank") == rank and fault["step"] == t and fault["where"] == "after_step":
+            inject(fault["how"])  # its round of step t is in flight
+        if t == AVERAGE_AT:
+            if fault.get("rank") == rank and fault["where"] == "in_global_avg":
+                # Killed a moment into global_avg: before, during or after its all-reduce, all survived.
+                threading.Timer(0.002, inject, (fault["how"],)).start()
+            front_end.global_avg()
+            if fault.get("rank") == rank and fault["where"] == "after_global_avg":
+                inject(fault["how"])
+            front_end.revert_global_avg()
+    trained = flat(model)
+    # Gossip alone (no update) contracts the survivors' replicas towards their mean.
+    spread = front_end.consensus_distance()
+    for _ in range(30):
+        if front == "module":
+            (ddp(probe).sum() * 0).backward()
+        else:
+            opt.zero_grad()
+            opt.step()
+    contracted = front_end.consensus_distance()
+    before = flat(model)
+    front_end.global_avg()
+    return {
+        "rank": front_end.rank,
+        "world_size": front_end.world_size,
+        "dist_world_size": dist.get_world_size(),
+        "failures": front_end.peer_failures,
+        "hooked": seen,
+        "losses": losses,
+        "trained": trained,
+        "spread": spread,
+        "contracted": contracted,
+        "before": before,
+        "averaged": flat(model),
+    }
+
+
+def _inputs(rank: int, step: int) -> torch.Tensor:
+    """Fresh inputs per rank and step from one distribution: every replica learns the same teacher."""
+    return torch.randn(16, 6, generator=torch.Generator().manual_seed(1000 * rank + step))
+
+
+def _join_rank0_store(rank: int, world_size: int, port: int) -> dist.Store:
+    """Plain init_process_group: rank 0 hosts the store (port + 1: the parent's is unused here)."""
+    store = dist.TCPStore("127.0.0.1", port + 1, world_size, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    return store
+
+
+def _check_survivors(outcome, lost: int, world_size: int = 4) -> list[dict[str, Any]]:
+    survivors = [r for r in range(world_size) if r != lost]
+    assert not outcome.errors, outcome.errors
+    assert sorted(outcome.results) == survivors, outcome
+    results = [outcome.results[r] for r in survivors]
+    for new_rank, result in enumerate(results):
+        assert (result["rank"], result["world_size"]) == (new_rank, world_size - 1)
+        assert result["dist_world_size"] == world_size - 1  # the default group is the survivors'
+        (failure,) = result["failures"]
+        assert result["hooked"] == result["failures"]
+        assert failure.lost == (lost,) and failure.survivors == tuple(survivors)
+        assert (failure.previous_world_size, failure.world_size) == (world_size, world_size - 1)
+        losses = result["losses"]
+        after = losses[failure.step + 1 : failure.step + 5]
+        assert sum(losses[-4:]) < sum(after) < sum(losses[:4]), losses  # still learning after the failure
+        # 30 rounds of ring gossip over 3 ranks contract the spread by far more than 10x
+        assert result["contracted"] < 0.1 * result["spread"], (result["spread"], result["contracted"])
+    # global_avg: every survivor holds the same bits, the average of the survivors' replicas. The
+    # sum of k fp32 replicas, each rounded once, is within k u max|x| of the float64 mean.
+    averaged = results[0]["averaged"]
+    for result in results[1:]:
+        assert torch.equal(result["averaged"], averaged)
+    replicas = torch.stack([r["before"] for r in results]).double()
+    bound = len(results) * 2**-24 * float(replicas.abs().max())
+    torch.testing.assert_close(averaged.double(), replicas.mean(0), rtol=0, atol=bound)
+    return results
+
+
+FAULTS = {
+    "killed mid-training": {"rank": 2, "how": "kill", "where": "before_step", "step": 13},
+    "killed with its round in flight": {"rank": 1, "how": "kill", "where": "after_step", "step": 6},
+    "killed right after global_avg": {
+        "rank": 3,
+        "how": "kill",
+        "where": "after_global_avg",
+        "step": AVERAGE_AT,
+    },
+    "killed during global_avg": {"rank": 1, "how": "kill", "where": "in_global_avg", "step": AVERAGE_AT},
+    "hung mid-training": {"rank": 2, "how": "hang", "where": "before_step", "step": 13},
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(FAULTS))
+def test_survivors_of_a_lost_peer_finish_the_run(case):
+    fault = FAULTS[case]
+    hung = (fault["rank"],) if fault["how"] == "hang" else ()
+    outcome = run_with_faults(_train, 4, ("optimizer", fault, {}), deadline_s=90, expect_hung=hung)
+    _check_survivors(outcome, fault["rank"])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "front, options",
+    [
+        ("module", {}),
+        ("optimizer", {"compression": "bf16"}),
+        ("optimizer", {"gradient_tracking": True}),
+        ("module", {"sync_every": 3, "outer_optimizer": None}),
+    ],
+    ids=["module", "bf16", "tracking", "local-steps"],
+)
+def test_every_feature_survives_a_lost_peer(front, options):
+    fault = FAULTS["killed mid-training"]
+    outcome = run_with_faults(_train, 4, (front, fault, options), deadline_s=90)
+    _check_survivors(outcome, fault["rank"])
+
+
+@pytest.mark.timeout(120)
+def test_losing_the_store_host_stops_the_survivors_with_a_named_error():
+    # With plain init_process_group, rank 0 hosts the store: its death leaves nowhere to meet.
+    fault = {"rank": 0, "how": "kill", "where": "before_step", "step": 5, "store_in_rank0": True}
+    outcome = run_with_faults(_train, 4, ("optimizer", fault, {}), deadline_s=90)
+    assert not outcome.results
+    for rank in (1, 2, 3):
+        assert "PeerFailureError" in outcome.errors[rank], outcome.errors[rank]
+        assert "store" in outcome.errors[rank]
+
+
+# -- the decision rule, on its own ---------------------------------------------------------------
+
+
+def _channel(pending, group, state="running", launched=None, discarded=None, bucket=0):
+    return ChannelReport("params", bucket, pending, group, state, launched, discarded)
+
+
+@pytest.mark.pure
+def test_a_round_among_survivors_is_mixed_only_if_every_member_launched_it():
+    mine = _channel(7, (0, 1), launched=7)
+    both = Decision(0, (Report(0, 0, 8, (mine,)), Report(1, 1, 8, (_channel(7, (0, 1), launched=7),))))
+    assert both.finishes(mine)
+    behind = Decision(0, (Report(0, 0, 8, (mine,)), Report(1, 1, 7, (_channel(6, (1, 2), launched=6),))))
+    assert not behind.finishes(mine)
+    mixed_already = Decision(
+        0, (Report(0, 0, 8, (mine,)), Report(1, 1, 9, (_channel(None, None, launched=8),)))
+    )
+    assert mixed_already.finishes(mine)
+    dropped = Decision(
+        0, (Report(0, 0, 8, (mine,)), Report(1, 1, 8, (_channel(None, None, launched=7, discarded=7),)))
+    )
+    assert not dropped.finishes(mine)
+
+
+@pytest.mark.pure
+def test_a_round_with_a_lost_member_is_mixed_only_where_it_arrived():
+    survivors = (Report(0, 0, 5, ()), Report(2, 2, 5, ()))
+    assert Decision(0, survivors).finishes(_channel(4, (0, 1), state="done", launched=4))
+    assert not Decision(0, survivors).finishes(_channel(4, (0, 1), state="running", launched=4))
+    assert not Decision(0, survivors).finishes(_channel(4, (0, 1), state="failed", launched=4))
+    assert not Decision(0, survivors).finishes(_channel(None, None))
+
+
+@pytest.mark.pure
+def test_new_rounds_start_where_the_furthest_survivor_is():
+    assert Decision(0, (Report(0, 0, 5, ()), Report(3, 1, 7, ()))).resume_step == 7
