@@ -25,7 +25,7 @@ from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Repo
 pytestmark = pytest.mark.dist
 
 TIMEOUT = timedelta(seconds=3)
-STEPS = 24
+STEPS = 36
 AVERAGE_AT = 10  # global_avg then revert after this step, as an evaluation would
 
 
@@ -130,8 +130,10 @@ def _check_survivors(outcome, lost: int, world_size: int = 4) -> list[dict[str, 
         assert failure.lost == (lost,) and failure.survivors == tuple(survivors)
         assert (failure.previous_world_size, failure.world_size) == (world_size, world_size - 1)
         losses = result["losses"]
-        after = losses[failure.step + 1 : failure.step + 5]
-        assert sum(losses[-4:]) < sum(after) < sum(losses[:4]), losses  # still learning after the failure
+        # Still learning after the failure: windows of 6 steps (two rounds of sync_every=3), so that
+        # low-communication gossip's saw-tooth between rounds averages out.
+        after = losses[failure.step + 1 : failure.step + 7]
+        assert sum(losses[-6:]) < sum(after) < sum(losses[:6]), losses
         # 30 rounds of ring gossip over 3 ranks contract the spread by far more than 10x
         assert result["contracted"] < 0.1 * result["spread"], (result["spread"], result["contracted"])
     # global_avg: every survivor holds the same bits, the average of the survivors' replicas. The
