@@ -73,6 +73,7 @@ MODES = ("kill-in-step", "kill-in-flight", "kill-in-global-avg", "stop", "hang")
 TIMED_MODES = ("kill-in-step", "kill-in-global-avg")  # SIGKILL from a timer
 FEATURES, OUTPUTS, WITNESS = 16, 4, 64
 WARMUP_STEPS, TAIL_STEPS = 20, 40  # steps before the first failure and after the last one
+JUDGE_TIMEOUT_S = 60  # the final gathers' timeout (they are not under test)
 WITNESS_ULPS = 4  # rounding allowed per round, in units of 2^-23 (an ulp at 2): see module docstring
 
 
@@ -182,17 +183,20 @@ def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], conf
             check()
             opt.revert_global_avg()
 
-    # The survivors' final average, against their replicas gathered just before it.
+    # The survivors' final average, against their replicas gathered just before it. The gathers are
+    # the judge's, outside the optimizer and its failure handling: on a group of their own whose
+    # timeout allows for a slow machine (a rank finishing seconds after another is not a failure).
     flat = lambda: torch.cat([p.detach().reshape(-1) for p in params])  # noqa: E731
     size = dist.get_world_size()
+    judge_group = dist.new_group(timeout=timedelta(seconds=JUDGE_TIMEOUT_S))
     replica = flat()
     replicas = [torch.empty_like(replica) for _ in range(size)]
-    dist.all_gather(replicas, replica)
+    dist.all_gather(replicas, replica, group=judge_group)
     opt.global_avg(may_revert=False)
     check()
     average = flat()
-    averages = [torch.empty_like(average) for _ in range(size)]
-    dist.all_gather(averages, average)
+    averages = [torch.empty_like(average) for _ in range(opt.world_size)]
+    dist.all_gather(averages, average, group=judge_group if opt.world_size == size else None)
     stacked = torch.stack(replicas).double()
     return {
         "rank": rank,

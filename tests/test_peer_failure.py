@@ -9,6 +9,7 @@ agree on the new world, keep training (their loss falls), reach consensus by gos
 from __future__ import annotations
 
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -20,7 +21,8 @@ from helpers import flat, tiny_model
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Report
+from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Membership, PeerLost, Report
+from decent_optim_wrapper.engine.survival import Survival
 
 pytestmark = pytest.mark.dist
 
@@ -248,3 +250,91 @@ def test_a_round_with_a_lost_member_is_mixed_only_where_it_arrived():
 @pytest.mark.pure
 def test_new_rounds_start_where_the_furthest_survivor_is():
     assert Decision(0, (Report(0, 0, 5, ()), Report(3, 1, 7, ()))).resume_step == 7
+
+
+# -- detection on a loaded machine, on its own ------------------------------------------------------
+
+
+class _Work:
+    """A collective as ``Membership.wait`` sees it: completes after ``polls`` polls; the first poll
+    blocks ``stall_s`` seconds, as if this process were descheduled while it waited."""
+
+    def __init__(self, polls: int, stall_s: float = 0.0) -> None:
+        self.polls, self.stall_s = polls, stall_s
+
+    def is_completed(self) -> bool:
+        if self.stall_s:
+            time.sleep(self.stall_s)
+            self.stall_s = 0.0
+        self.polls -= 1
+        return self.polls < 0
+
+    def wait(self) -> bool:
+        return True
+
+
+def _membership(timeout_s: float) -> tuple[Membership, dist.Store]:
+    store = dist.HashStore()
+    return Membership(store, "test", 0, 2, timedelta(seconds=timeout_s)), store
+
+
+def _failure(cause: BaseException | None) -> Exception:
+    return RuntimeError(f"lost: {cause}")
+
+
+@pytest.mark.pure
+def test_a_collective_that_never_completes_is_a_lost_peer_after_the_timeout():
+    membership, _ = _membership(0.3)
+    start = time.monotonic()
+    with pytest.raises(PeerLost, match="lost: None"):
+        membership.wait([_Work(polls=10**9)], torch.device("cpu"), None, _failure)
+    assert 0.3 <= time.monotonic() - start < 2.0
+    membership.close()
+
+
+@pytest.mark.pure
+def test_time_a_rank_spends_descheduled_does_not_count_against_its_peers():
+    # 1 s without polling (> the 0.3 s timeout), then the collective is found complete: the rank
+    # was starved, its peer was not silent. Counting that second would drop a live peer.
+    membership, _ = _membership(0.3)
+    membership.wait([_Work(polls=3, stall_s=1.0)], torch.device("cpu"), None, _failure)
+    membership.close()
+
+
+@pytest.mark.pure
+def test_a_completed_collective_still_follows_a_peer_into_recovery():
+    # A peer gave up on a round this rank then completed: this rank must join its recovery now,
+    # or that peer decides alone and the job splits in two.
+    membership, store = _membership(3.0)
+    membership.wait([_Work(polls=0)], torch.device("cpu"), None, _failure)
+    store.set(f"decent-optim-wrapper/test/g{membership.generation}/lost", "1")
+    with pytest.raises(PeerLost, match="another rank reported a lost peer"):
+        membership.wait([_Work(polls=0)], torch.device("cpu"), None, _failure)
+    membership.close()
+
+
+@pytest.mark.pure
+def test_a_recovery_that_keeps_every_member_loses_nobody_and_runs_no_hook():
+    class Rejoined:  # every member reports: the timeout was a false alarm
+        members, member = [0, 1, 2], 1
+
+        def agree(self, report, cause):
+            return Decision(0, tuple(Report(m, m, 4, ()) for m in self.members))
+
+        def reform(self, decision, backend, timeout):
+            pass
+
+    survival = Survival(Rejoined(), timedelta(seconds=3))  # type: ignore[arg-type]
+    hooked, settled, rewired = [], [], []
+    survival.register_hook(hooked.append)
+    failure = survival.recover(
+        RuntimeError("timeout"),
+        step=4,
+        position=4,
+        rank=1,
+        reports=list,
+        settle=settled.append,
+        rewire=lambda decision, before: rewired.append(before),
+    )
+    assert failure is None and not hooked and not survival.failures
+    assert len(settled) == 1 and rewired == [[0, 1, 2]]  # rounds settled, groups re-formed all the same

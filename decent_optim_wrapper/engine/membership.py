@@ -10,14 +10,20 @@ Protocol for generation ``g`` (the current membership), under the key prefix of 
 
 1. *Detect.* A rank whose collective fails (a peer closed its connection) or does not complete
    within ``timeout`` marks ``g/lost``. Every rank waiting for a collective polls that mark, so a
-   rank blocked on a peer that has gone into recovery follows within ~50 ms instead of timing out.
+   rank blocked on a peer that has gone into recovery follows within ~50 ms instead of timing out,
+   and checks it once more when its collectives complete: a rank that gave up on a round its peers
+   then completed (it was starved of CPU) pulls them into recovery rather than recovering alone.
+   Deadlines count only the time a rank was running: seconds it spent descheduled (an overloaded
+   machine) are added back, so a starved rank does not mistake its own absence for a silent peer.
 2. *Report.* Each rank in recovery writes its report: its position in the step protocol and, per
    gossip channel, the round it has in flight (launched at which step, in which group, completed
    or not) and the last round it launched.
 3. *Decide.* A rank waits until every member has reported, or is dead (its heartbeat, a counter a
    thread of each rank bumps in the store every 0.2 s, stopped), or ``timeout`` has passed; then
    it proposes the reporters with ``compare_set``. The first proposal wins; every rank reads it. A
-   rank left out (it reported too late) raises :class:`~.errors.PeerFailureError`.
+   rank left out (it reported too late) raises :class:`~.errors.PeerFailureError`. A decision
+   that keeps every member was a false alarm (a collective outlasted ``timeout``): the group is
+   re-formed all the same, but nothing is recorded as lost.
 4. *Reform.* The survivors destroy the default process group and build a new one over the store
    (prefix ``g+1``), ranks renumbered in their old order. A member that fails to join makes
    this a failure of generation ``g+1``: back to 1 with the others.
@@ -62,6 +68,8 @@ __all__ = [
 HEARTBEAT_S = 0.2
 STALE_AFTER_S = 3.0
 _POLL_S = 0.05
+#: A pause between two polls longer than this means the polling process itself was descheduled.
+_STARVED_S = 0.5
 
 RoundState = Literal["done", "failed", "running"]
 
@@ -238,24 +246,29 @@ class Membership:
         fails, ``timeout`` passes, or another rank has announced a failure (outside recovery)."""
         del device  # gloo only: a host-side wait
         limit = self._timeout if timeout is None else timeout.total_seconds()
-        deadline = time.monotonic() + limit
+        clock = _AwakeClock(limit)
         next_check = time.monotonic() + _POLL_S
+        announced = RuntimeError("another rank reported a lost peer")
         for work in works:
             pause = 1e-4
             while not work.is_completed():
-                now = time.monotonic()
-                if now >= deadline:
+                now = clock.tick()
+                if clock.expired():
                     raise PeerLost(str(failure(None)))
                 if not self._recovering and now >= next_check:
                     next_check = now + _POLL_S
                     if self.failure_announced():
-                        raise PeerLost(str(failure(RuntimeError("another rank reported a lost peer"))))
+                        raise PeerLost(str(failure(announced)))
                 time.sleep(pause)
                 pause = min(2 * pause, 2e-3)
             try:
                 work.wait()
             except RuntimeError as err:
                 raise PeerLost(str(failure(err))) from err
+        # Completed here, but a peer may have given up on it (it was starved past its deadline) and
+        # be waiting in recovery: follow it now, not at a next collective that may never come.
+        if works and not self._recovering and self.failure_announced():
+            raise PeerLost(str(failure(announced)))
 
     def failure_announced(self) -> bool:
         try:
@@ -287,11 +300,13 @@ class Membership:
         store.set(self._key(f"report/{report.member}"), _encode(report))
         logger.debug("rank {} (launch rank {}): recovering from: {}", report.rank, report.member, cause)
         decision_key = self._key("decision")
-        deadline = time.monotonic() + self._timeout
+        clock = _AwakeClock(self._timeout)
         reported: dict[int, Report] = {}
         beats: dict[int, tuple[int, float]] = {}
         while not store.check([decision_key]):
-            now = time.monotonic()
+            now = clock.tick()
+            if clock.starved:  # heartbeats that stood still while this rank was not watching prove nothing
+                beats.clear()
             dead: set[int] = set()
             for member in self._members:
                 if member in reported:
@@ -306,7 +321,7 @@ class Membership:
                     beats[member] = (beat, now)
                 elif now - last[1] > STALE_AFTER_S:
                     dead.add(member)
-            if len(reported) + len(dead) == len(self._members) or now >= deadline:
+            if len(reported) + len(dead) == len(self._members) or clock.expired():
                 ordered = sorted(reported.values(), key=lambda r: r.rank)
                 proposal = _encode(Decision(self._generation, tuple(ordered)))
                 store.compare_set(decision_key, "", proposal)
@@ -341,6 +356,34 @@ class Membership:
         """The new group did not form: a failure of the new generation, announced like any other."""
         logger.warning("rank {} (at launch): the survivors' new group did not form: {}", self._me, cause)
         self._recovering = True
+
+
+class _AwakeClock:
+    """A deadline ``limit`` seconds away that counts only the time this process was running.
+
+    :meth:`tick` is called every few milliseconds by a polling loop; a gap between ticks longer
+    than :data:`_STARVED_S` means the process was descheduled (an overloaded machine, a stopped
+    VM), and the gap is added to the deadline: peers cannot be judged silent while this rank
+    was not watching. A process starved for good never expires, but then it is the one a live
+    peer's own deadline drops.
+    """
+
+    def __init__(self, limit: float) -> None:
+        self._last = time.monotonic()
+        self._deadline = self._last + limit
+        self.starved = False
+
+    def tick(self) -> float:
+        """The time now; sets :attr:`starved` if this process was descheduled since the last tick."""
+        now = time.monotonic()
+        self.starved = now - self._last > _STARVED_S
+        if self.starved:
+            self._deadline += now - self._last
+        self._last = now
+        return now
+
+    def expired(self) -> bool:
+        return self._last >= self._deadline
 
 
 def _beat(store: Store, key: str, stopped: threading.Event) -> None:

@@ -69,11 +69,13 @@ class Survival:
         reports: Callable[[], Sequence[ChannelReport]],
         settle: Callable[[Decision], None],
         rewire: Callable[[Decision, list[int]], None],
-    ) -> PeerFailure:
+    ) -> PeerFailure | None:
         """Agree, ``settle(decision)`` once, re-form the default group and ``rewire(decision, before)``.
 
         ``position`` is the first step at which this rank can launch on new groups, ``reports()`` its
-        rounds in flight. Raises :class:`~.errors.PeerFailureError` if this rank cannot go on.
+        rounds in flight. Returns the failure, or None if every member rejoined (a false alarm: a
+        collective outlasted the timeout, nobody is lost, no hook runs). Raises
+        :class:`~.errors.PeerFailureError` if this rank cannot go on.
         """
         membership = self.membership
         before = membership.members
@@ -102,6 +104,16 @@ class Survival:
                 unformed.add(decision.members)
                 membership.failed_to_reform(err)
                 cause = err
+        if decision.members == tuple(before):
+            logger.warning(
+                "rank {}: a collective outlasted the timeout at step {}, but all {} ranks rejoined: nobody "
+                "is lost; the process group was re-formed over the same ranks. If this recurs, raise "
+                "timeout above the longest stretch a rank spends between optimizer steps.",
+                rank,
+                step,
+                world_before,
+            )
+            return None
         failure = PeerFailure(
             step=step,
             lost=tuple(before.index(m) for m in before if m not in decision.members),
