@@ -82,6 +82,9 @@ class TorchftDiLoCo:
             hostname=host,
             timeout=timedelta(seconds=120),
             use_async_quorum=False,
+            # Every replica builds the same model from seed 0, as ours do. torchft's step-0 sync would
+            # fetch it over HTTP from the host name, which does not resolve inside a namespace.
+            init_sync=False,
         )
         self.context = DiLoCo(
             self.manager, [model], self.inner, outer, sync_every=every, fragment_sync_delay=delay
@@ -119,7 +122,8 @@ def build(
         sent = model_bytes * 2 * (args.world_size - 1) / args.world_size / period
         return model, optimizer, sent
     if method in BASELINES or "~" not in method:
-        model, optimizer = make_training(method, args)
+        torch.manual_seed(0)
+        model, optimizer = make_training(method, build_mlp(args.inputs, args.width, args.depth, 10), args)
         return model, optimizer, bytes_sent_per_step(method, model, optimizer, args.world_size)
     spec = parse_method(method)
     torch.manual_seed(0)
