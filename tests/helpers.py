@@ -181,3 +181,31 @@ def run_script(
             pytest.fail(f"{argv[0]} ran past {deadline_s} s; it printed:\n{output}")
     assert process.returncode == 0, f"{argv[0]} exited with {process.returncode}:\n{output}"
     return output
+
+
+def run_ranks(
+    script: Path, ranks: int, flags: list[str], out: Path, env: dict[str, str], deadline_s: float = 120
+) -> list[Path]:
+    """Run ``ranks`` copies of a benchmark worker ``script --rank r --out out/r.json *flags`` side by side.
+
+    Every rank must exit 0 within ``deadline_s`` (each is killed after, so a hung rank cannot outlive
+    the test); returns the JSON paths, in rank order.
+    """
+    paths = [out / f"{r}.json" for r in range(ranks)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), "--rank", str(r), "--out", str(path), *flags],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r, path in enumerate(paths)
+    ]
+    try:
+        outputs = [p.communicate(timeout=deadline_s)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0] * ranks, outputs
+    return paths

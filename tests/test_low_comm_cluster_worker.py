@@ -11,11 +11,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.append(str(ROOT / "benchmarks"))  # the scripts import their siblings by plain name
@@ -42,25 +42,9 @@ def test_worker_runs_every_kind_of_method_on_loopback(tmp_path):
     }
     flags = ["--world-size", "2", "--rounds", "1", "--iters", str(ITERS), "--warmup", "2"]
     flags += ["--inputs", "16", "--width", "16", "--batch", "8", "--methods", *METHODS]
-    worker = str(ROOT / "benchmarks" / "low_comm_cluster_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, "--rank", str(r), "--out", str(tmp_path / f"{r}.json"), *flags],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:  # a hung rank must not outlive the test
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    for rank in range(2):
-        result = json.loads((tmp_path / f"{rank}.json").read_text())
+    paths = run_ranks(ROOT / "benchmarks" / "low_comm_cluster_worker.py", 2, flags, tmp_path, env)
+    for path in paths:
+        result = json.loads(path.read_text())
         assert sorted(result["times"]) == sorted(METHODS)
         assert all(len(result["times"][m]) == ITERS for m in METHODS)
         sent = result["bytes_sent_per_step"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ sys.path.append(str(ROOT / "benchmarks"))
 import scaling_report  # noqa: E402
 from common import build_mlp  # noqa: E402
 from emulated import ROWS, EmulatedMLP  # noqa: E402
+from helpers import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.pure
 
@@ -87,24 +87,8 @@ def test_worker_runs_every_method_and_scenario_on_loopback(tmp_path):
         "lognormal",
     ]
     flags += ["--methods", "nocomm", "ddp", "ring@bf16"]
-    worker = str(ROOT / "benchmarks" / "cluster_worker.py")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, worker, "--rank", str(r), "--out", str(tmp_path / f"{r}.json"), *flags],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        outputs = [p.communicate(timeout=90)[0] for p in procs]
-    finally:
-        for p in procs:  # a hung rank must not outlive the test
-            p.kill()
-    assert [p.returncode for p in procs] == [0, 0], outputs
-    result = json.loads((tmp_path / "0.json").read_text())
+    paths = run_ranks(ROOT / "benchmarks" / "cluster_worker.py", 2, flags, tmp_path, env, deadline_s=90)
+    result = json.loads(paths[0].read_text())
     keys = [f"{s}/{m}" for s in ("none", "lognormal") for m in ("nocomm", "ddp", "ring@bf16")]
     assert sorted(result["times"]) == sorted(keys)
     assert all(len(result["times"][k]) == 2 for k in keys)
