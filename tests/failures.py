@@ -11,7 +11,6 @@ running into a ``TimeoutError``, and no process outlives the call.
 
 from __future__ import annotations
 
-import faulthandler
 import multiprocessing as mp
 import multiprocessing.connection
 import os
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
+from workers import dump_stacks, register_stack_dump
 
 __all__ = ["Outcome", "inject", "join", "run_with_faults"]
 
@@ -65,8 +65,7 @@ class Outcome:
 
 
 def _main(rank: int, workdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    dump = open(Path(workdir) / f"stacks-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the process
-    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    register_stack_dump(workdir, rank)
     try:
         result = fn(rank, *args)
     except BaseException:
@@ -113,13 +112,7 @@ def run_with_faults(
             multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=min(remaining, 1.0))
         hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in expect_hung]
         if hung:
-            for proc in procs:
-                if proc.is_alive() and proc.pid is not None:
-                    os.kill(proc.pid, signal.SIGUSR1)
-            time.sleep(1.0)
-            stacks = "\n".join(
-                f"--- rank {r} ---\n{(Path(workdir) / f'stacks-{r}.txt').read_text()[-4000:]}" for r in hung
-            )
+            stacks = dump_stacks(procs, workdir, hung)
             raise TimeoutError(
                 f"{fn.__name__}: ranks {hung} did not finish within {deadline_s:.0f} s:\n{stacks}"
             )

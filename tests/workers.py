@@ -35,8 +35,7 @@ class WorkerError(RuntimeError):
 
 
 def _worker_main(rank: int, workdir: str, inbox: Any, outbox: Any) -> None:
-    dump = open(Path(workdir) / f"stacks-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the worker
-    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    register_stack_dump(workdir, rank)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
     import torch.distributed as dist
@@ -166,7 +165,7 @@ class WorkerPool:
         return [results[r] for r in range(self.world_size)]
 
     def _dump_stacks(self) -> str:
-        return _dump_stacks(self._procs[: self.world_size], self._workdir)
+        return dump_stacks(self._procs[: self.world_size], self._workdir)
 
     def close(self, kill: bool = False) -> None:
         self.broken = True
@@ -187,14 +186,25 @@ def _format(what: str, errors: dict[int, str]) -> str:
     )
 
 
-def _dump_stacks(procs: list[Any], workdir: str) -> str:
-    """The Python stacks of the ranks still alive (each registered faulthandler on SIGUSR1)."""
+_STACK_FILES: list[Any] = []  # open for as long as the process lives: faulthandler writes to them
+
+
+def register_stack_dump(workdir: str, rank: int) -> None:
+    """On SIGUSR1, this process writes every thread's Python stack to ``workdir/stacks-{rank}.txt``."""
+    dump = open(Path(workdir) / f"stacks-{rank}.txt", "w")  # noqa: SIM115 - closed at process exit
+    _STACK_FILES.append(dump)
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+
+
+def dump_stacks(procs: list[Any], workdir: str, ranks: list[int] | None = None) -> str:
+    """The Python stacks of ``ranks`` (default: all) of the processes still alive, each having called
+    :func:`register_stack_dump`."""
     for proc in procs:
         if proc.is_alive() and proc.pid is not None:
             os.kill(proc.pid, signal.SIGUSR1)
     time.sleep(1.0)
     parts = []
-    for rank in range(len(procs)):
+    for rank in range(len(procs)) if ranks is None else ranks:
         path = Path(workdir) / f"stacks-{rank}.txt"
         text = path.read_text() if path.exists() else ""
         parts.append(f"--- rank {rank} ---\n{text[-4000:]}")
@@ -202,8 +212,7 @@ def _dump_stacks(procs: list[Any], workdir: str) -> str:
 
 
 def _spawned_main(rank: int, workdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    dump = open(Path(workdir) / f"stacks-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the process
-    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
+    register_stack_dump(workdir, rank)
     try:
         fn(rank, *args)
     except BaseException:
@@ -248,7 +257,7 @@ def spawn(fn: Callable[..., Any], args: tuple[Any, ...] = (), nprocs: int = 2, t
                 _format(fn.__name__, errors) + (f"\nranks {hung} hung afterwards." if hung else "")
             )
         if hung:
-            stacks = _dump_stacks(procs, workdir)
+            stacks = dump_stacks(procs, workdir)
             raise TimeoutError(
                 f"{fn.__name__} did not finish within {timeout:.0f} s on ranks {hung}. Stacks:\n{stacks}"
             )
