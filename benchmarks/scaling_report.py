@@ -45,8 +45,13 @@ FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "scaling.png
 LOOPBACK = Link(10e9, 20e-6)
 #: How two exchanges that overlap share a shaped link of the emulated cluster: the best fit of
 #: ``link_sharing.py`` to its measurement (``results/scaling/link-sharing.json``). TCP behind tbf's
-#: FIFO favours the exchange already running; exchanges that start together race.
-EMULATED_SHARING = SharingModel(doubling_s=0.1, head_start_s=0.15)
+#: FIFO favours the exchange already running; exchanges that start together race, and the stream
+#: that lost a race backs off rather than taking up at once what a neighbour leaves (no reclaim).
+EMULATED_SHARING = SharingModel(doubling_s=0.1, head_start_s=0.15, reclaim=False)
+#: Draws of the race (head starts) each round is replayed with. Which exchange wins a race is not
+#: recorded, and under constant compute it decides whether a node's two ranks stay aligned or part
+#: for the rest of the round, so a replay predicts the mean over draws, not one arbitrary draw.
+RACE_DRAWS = 64
 
 
 def load(folder: Path, kind: str) -> list[dict[str, Any]]:
@@ -75,7 +80,10 @@ def scheme_for(method: str, ranks: int, local: int, numel: int, network: Network
 
 
 def replay(record: dict[str, Any], scenario: str, method: str) -> float:
-    """Simulated mean iteration time (ms) of one measured run: same draws, rounds, warm-up and barrier."""
+    """Simulated mean iteration time (ms) of one measured run: same draws, rounds, warm-up and barrier.
+
+    Each round is the mean over ``RACE_DRAWS`` draws of the head starts (see ``RACE_DRAWS``).
+    """
     args = record["args"]
     ranks, local = args["nodes"] * args["workers_per_node"], args["workers_per_node"]
     link = Link(record["link_mbit_s"] * 1e6, record["round_trip_ms"] / 2e3)
@@ -87,12 +95,13 @@ def replay(record: dict[str, Any], scenario: str, method: str) -> float:
     overhead = overhead_s(record, "none")
     times = []
     for r in range(rounds):
-        sharing = dataclasses.replace(EMULATED_SHARING, seed=args["seed"] + r)
-        scheme = scheme_for(
-            method, ranks, local, numel, Network(link, LOOPBACK, local, sharing=sharing), overhead
-        )
         compute = compute_times(args, scenario, r)
-        times.append(simulate(scheme, compute, steps, barrier_at=args["warmup"]).iteration_s(args["warmup"]))
+        for draw in range(RACE_DRAWS):
+            sharing = dataclasses.replace(EMULATED_SHARING, seed=(args["seed"] + r) * RACE_DRAWS + draw)
+            network = Network(link, LOOPBACK, local, sharing=sharing)
+            scheme = scheme_for(method, ranks, local, numel, network, overhead)
+            run = simulate(scheme, compute, steps, barrier_at=args["warmup"])
+            times.append(run.iteration_s(args["warmup"]))
     return 1e3 * statistics.fmean(times)
 
 

@@ -168,6 +168,24 @@ def test_shares_are_max_min_fair():
     assert transfer_seconds([capped, other]) == [pytest.approx(4.0, rel=EXACT)] * 2  # 8/2, 24/6
 
 
+def test_without_reclaim_a_transfer_leaves_unused_what_another_holds_back_elsewhere():
+    # as above, but a gets its half of x (4 bit/s), not what b leaves of it: b and c end at 8/2 = 4 s,
+    # a has sent 16 of its 24 bits by then and the last 8 alone take 1 s more
+    slow_y = SharedLink("y", 4.0)
+    a, b, c = on(LINK_X, nbytes=3.0), on(LINK_X, slow_y), on(slow_y)
+    seconds = transfer_seconds([a, b, c], model=SharingModel(reclaim=False))
+    assert seconds == [
+        pytest.approx(5.0, rel=EXACT),
+        pytest.approx(4.0, rel=EXACT),
+        pytest.approx(4.0, rel=EXACT),
+    ]
+    # transfers that cross the same links lose nothing: the same as max-min fair
+    assert (
+        transfer_seconds([on(LINK_X), on(LINK_X)], model=SharingModel(reclaim=False))
+        == [pytest.approx(2.0, rel=EXACT)] * 2
+    )
+
+
 def test_an_earlier_start_weighs_more_with_a_doubling_time():
     # the second starts one doubling time (0.25 s) later: weights 2 : 1 while both run.
     # first: 0.25 alone, then 0.75 left at 2/3 of the link = 1.125 s, ends at 1.375;

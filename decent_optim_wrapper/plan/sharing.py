@@ -19,6 +19,13 @@ earlier weighs ``2 ** (a / doubling_s)`` times more; ``head_start_s`` models the
 transfers that start together (one wins it): each transfer counts as having started up to that much
 earlier, drawn uniformly from a generator seeded with ``seed``.
 
+Progressive filling hands what a transfer held back on one link leaves of another to the transfers
+still climbing there, at once. With ``reclaim=False`` it does not: each link is split by weight among
+the transfers crossing it, and a transfer runs at the least of its splits (and its cap), leaving the
+rest of its larger splits unused. TCP behaves more like that after a race through a FIFO queue: the
+stream that lost it backs off (dropped packets, a halved congestion window) rather than taking up at
+once what a neighbour held back elsewhere leaves.
+
 A transfer's latency (``latency_s``, its sequential messages' latencies) is added after its last byte.
 """
 
@@ -94,11 +101,15 @@ class SharingModel:
             transfer weighs the same, max-min fair sharing).
         head_start_s: every transfer counts as started up to this many seconds earlier, at random.
         seed: seed of the head starts.
+        reclaim: whether a transfer takes up what another, held back on a different link, leaves of
+            a link it shares with it (max-min fair sharing); False: each runs at its least weighted
+            split of the links it crosses.
     """
 
     doubling_s: float = 0.0
     head_start_s: float = 0.0
     seed: int = 0
+    reclaim: bool = True
 
     def __post_init__(self) -> None:
         if self.doubling_s < 0 or self.head_start_s < 0 or (self.head_start_s and not self.doubling_s):
@@ -214,8 +225,18 @@ class LinkSharing(Generic[_Key]):
                 for link, hops in flows[key].transfer.crossings:
                     used[link] = used.get(link, 0.0) + hops * rates[key]
 
+    def _split(self, flows: dict[_Key, _Flow], weights: dict[_Key, float], rates: dict[_Key, float]) -> None:
+        """Every link split by weight among its transfers' hops; a transfer runs at its least split."""
+        demand: dict[SharedLink, float] = {}
+        for key, flow in flows.items():
+            for link, hops in flow.transfer.crossings:
+                demand[link] = demand.get(link, 0.0) + hops * weights[key]
+        for key, flow in flows.items():
+            splits = [link.bandwidth / demand[link] * weights[key] for link, _ in flow.transfer.crossings]
+            rates[key] = min([flow.transfer.cap, *splits])
+
     def _share(self, keys: Sequence[_Key], now: float) -> None:
-        """Max-min fair hop rates of ``keys`` by progressive filling; bring their progress up to ``now``."""
+        """New hop rates of ``keys`` (see the module docstring); bring their progress up to ``now``."""
         flows = {key: self._flows[key] for key in keys}
         for flow in flows.values():
             if flow.rate > 0:
@@ -228,7 +249,10 @@ class LinkSharing(Generic[_Key]):
             key: 2.0 ** min((latest - flow.started) / doubling, 60.0) if doubling else 1.0
             for key, flow in flows.items()
         }
-        self._fill(flows, weights, rates, {})
+        if self.model.reclaim:
+            self._fill(flows, weights, rates, {})
+        else:
+            self._split(flows, weights, rates)
         for key, flow in flows.items():
             if flow.bits_left <= _DONE * 8.0 * flow.transfer.nbytes:
                 flow.bits_left = 0.0
