@@ -95,9 +95,10 @@ class TinyGPT(nn.Module):
         return self.norm(x) @ self.embed.weight.T
 
 
-def make_lm_model() -> TinyGPT:
+def make_lm_model(width: int = 64, depth: int = 2) -> TinyGPT:
+    """The benchmark's model (120,576 parameters at the defaults; width 192, depth 3: 1.39M)."""
     torch.manual_seed(0)
-    return TinyGPT()
+    return TinyGPT(width=width, depth=depth)
 
 
 @torch.no_grad()

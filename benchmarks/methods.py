@@ -16,7 +16,9 @@ A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, 
 - ``@bf16``, ``@fp16``, ``@int8``: gossip compressed models (``compression=`` of both front-ends);
   DDP takes none;
 - ``+adamw``, ``+accum-adamw`` (AccumAdamW, accum_iter 4): train with the Adam learning rate;
-  without one (or with ``+sgd``) it is SGD with momentum.
+  without one (or with ``+sgd``) it is SGD with momentum. ``-local`` after the optimizer
+  (``+adamw-local``): Adam's second moment from each rank's own gradients (``second_moment="local"``,
+  the rule before the correction) instead of the default estimate of the average gradient's.
 
 For example ``ring@bf16``, ``one-peer-exp@fp16``, ``ring-module@int8+accum-adamw``, ``ring-gt``,
 ``one-peer-exp-gt@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``, ``ring~h8n``,
@@ -38,6 +40,7 @@ MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
 TRACKING_SUFFIX = "-gt"  # after -module, if any: gradient tracking
 COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression"; none when none is named
 OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
+LOCAL_MOMENT_SUFFIX = "-local"  # after the optimizer: second_moment="local"
 LOCAL = re.compile(  # after "~"
     r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n(?P<lr>[0-9]*\.[0-9]+)?)?(?:d(?P<delay>[0-9]+))?"
 )
@@ -74,6 +77,7 @@ class Method:
     nesterov: bool = False  # with DiLoCo's outer optimizer
     outer_lr: float | None = None  # its learning rate, if not DiLoCo's 0.7
     sync_delay: int | None = None  # None: the library's default (a whole round)
+    second_moment: str = "average"  # "local": Adam's statistics from each rank's own gradients
 
     @property
     def local(self) -> str:
@@ -93,6 +97,7 @@ class Method:
             "topology": self.topology,
             "compression": self.compression,
             "gradient_tracking": self.tracking,
+            "second_moment": self.second_moment,
         }
         if self.local:
             options.update(
@@ -122,12 +127,22 @@ class Method:
             name += f"@{self.compression}"
         if self.optimizer:
             name += f"+{self.optimizer}"
+        if self.second_moment == "local":
+            name += LOCAL_MOMENT_SUFFIX
         return name
 
 
 def parse_method(method: str) -> Method:
     """Read a method name (see the module docstring); ``ValueError`` names the part that is wrong."""
     front, plus, optimizer = method.partition("+")
+    second_moment = "average"
+    if optimizer.endswith(LOCAL_MOMENT_SUFFIX):
+        optimizer, second_moment = optimizer.removesuffix(LOCAL_MOMENT_SUFFIX), "local"
+        if front.partition("~")[0].partition("@")[0] == "ddp":
+            raise ValueError(
+                f"method {method!r}: ddp takes no '{LOCAL_MOMENT_SUFFIX}'; its optimizer already sees the "
+                "all-reduced gradient."
+            )
     if plus and optimizer not in OPTIMIZERS:
         raise ValueError(
             f"method {method!r}: unknown optimizer {optimizer!r} after '+'; "
@@ -190,6 +205,7 @@ def parse_method(method: str) -> Method:
         nesterov=nesterov,
         outer_lr=outer_lr,
         sync_delay=delay,
+        second_moment=second_moment,
     )
 
 

@@ -100,7 +100,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             (BatchNorm statistics), and :meth:`revert_global_avg` restores them.
         bucket_size_in_mb: largest bucket in MiB.
         _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
-        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay: the
+        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay, second_moment: the
             engine's options, keyword-only; see :class:`~decent_optim_wrapper.engine.GossipEngine`.
             Defaults: ten minutes, exact gossip, no tracking, per-step gossip (``sync_every > 1``
             gives low-communication gossip: local steps, an outer optimizer, anchors gossiped).
@@ -138,6 +138,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         sync_delay: int | None = None,
         on_peer_failure: str = "raise",
         store: Store | None = None,
+        second_moment: str = "average",
     ) -> None:
         super().__init__()
         _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -167,6 +168,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             sync_delay=sync_delay,
             on_peer_failure=on_peer_failure,
             store=store,
+            second_moment=second_moment,
             context="DecentralizedDataParallel",
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)
@@ -384,8 +386,14 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             # With a scaler the gradients are unscaled already and the inf decision is taken for the
             # whole model; scaler.step() would also refuse a bucket without gradients (no inf check).
             # Global step hooks fire once per update (in backward's hooks), not once per bucket.
-            with global_step_hooks_suspended():
-                optimizer.step()
+            prepare = self._engine.second_moment_hook(optimizer)
+            finish = prepare(None) if prepare is not None else None
+            try:
+                with global_step_hooks_suspended():
+                    optimizer.step()
+            finally:
+                if finish is not None:
+                    finish()
 
         self._engine.step_bucket(bucket, local_update, skip_local_update=skip_local_update)
         optimizer.zero_grad(set_to_none=True)

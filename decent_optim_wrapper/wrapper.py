@@ -87,6 +87,11 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             (gloo; ``world_size`` and ``rank`` then report the new group), meeting in
             ``store`` (default: the rendezvous store at ``MASTER_ADDR:MASTER_PORT``). See the
             failures page of the docs.
+        second_moment: ``"average"`` (default): an Adam or AdamW inner optimizer normalises by an
+            estimate of the second moment of the *average* gradient over the ranks, as under
+            all-reduce, from this rank's gradients alone (no bytes, no state; the Adam under gossip
+            page of the docs). ``"local"``: the optimizer's own, from this rank's gradients alone
+            (the rule of decent-optim-wrapper 0.1.1 and decent-dp). Other optimizers are unchanged.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -120,6 +125,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         sync_delay: int | None = None,
         on_peer_failure: str = "raise",
         store: Store | None = None,
+        second_moment: str = "average",
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -145,6 +151,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             sync_delay=sync_delay,
             on_peer_failure=on_peer_failure,
             store=store,
+            second_moment=second_moment,
             context="DecentOptimWrapper",
         )
 
@@ -219,8 +226,10 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         engine = self._engine
         if engine.gradient_tracking_requested:  # checked at any world size: a 1-rank test finds misuse too
             _check_tracking_step(closure, grad_scale)
+        inner = self.optimizer
         return engine.step(
-            lambda: scaled_step(self.optimizer, closure, grad_scale, found_inf), found_inf=found_inf
+            lambda: scaled_step(inner, closure, grad_scale, found_inf, engine.second_moment_hook(inner)),
+            found_inf=found_inf,
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -117,6 +117,11 @@ def _case(name: str):
         "global_avg buffers": lambda: DecentOptimWrapper(sgd, topology="complete").global_avg(buffers=[1.0]),
         "revert without global_avg": lambda: DecentOptimWrapper(sgd, topology="complete").revert_global_avg(),
         "on_peer_failure": lambda: DecentOptimWrapper(sgd, on_peer_failure="retry"),
+        "second_moment": lambda: DecentOptimWrapper(sgd, second_moment="global"),
+        "second_moment of wrong type": lambda: DecentOptimWrapper(sgd, second_moment=True),
+        "second_moment differs on one rank": lambda: DecentOptimWrapper(
+            sgd, second_moment="local" if rank else "average"
+        ),
         "on_peer_failure differs on one rank": lambda: DecentOptimWrapper(
             sgd, on_peer_failure="continue" if rank else "raise", store=dist.HashStore()
         ),
@@ -168,6 +173,9 @@ EXPECTED = {
     "global_avg buffers": ("TypeError", ["buffers must be an nn.Module", "list"]),
     "revert without global_avg": ("RuntimeError", ["nothing to revert", "global_avg(may_revert=True)"]),
     "on_peer_failure": ("ValueError", ["on_peer_failure must be", '"continue"', "'retry'"]),
+    "second_moment": ("ValueError", ["second_moment must be one of", "'average'", "'local'", "'global'"]),
+    "second_moment of wrong type": ("ValueError", ["second_moment must be one of", "True"]),
+    "second_moment differs on one rank": ("ValueError", ["second_moment differs", "rank(s) [1]"]),
     "on_peer_failure differs on one rank": ("ValueError", ["on_peer_failure differs", "rank(s) [1]"]),
     "on_peer_failure with a topology instance": ("ValueError", ["rebuilds the topology", "registered name"]),
     "store of wrong type": ("TypeError", ["store must be a torch.distributed.Store", "'host:29500'"]),

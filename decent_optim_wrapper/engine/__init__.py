@@ -12,6 +12,8 @@ Modules, each importing only those listed before it:
   groups compress.
 * :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
 * :mod:`~decent_optim_wrapper.engine.tracking` -- opt-in gradient tracking.
+* :mod:`~decent_optim_wrapper.engine.second_moment` -- Adam's second moment of the average gradient,
+  set around an Adam-family optimizer's local step.
 * :mod:`~decent_optim_wrapper.engine.local_steps` -- opt-in low-communication gossip: local steps, an
   outer optimizer, anchors gossiped behind the next inner steps.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.

@@ -72,6 +72,7 @@ from decent_optim_wrapper.engine.options import (
     resolve_topology,
 )
 from decent_optim_wrapper.engine.resize import averaged_engine_state, check_saved_world
+from decent_optim_wrapper.engine.second_moment import SecondMomentRule
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, surviving_local_world_size
 from decent_optim_wrapper.engine.tracking import GradientTracker
 from decent_optim_wrapper.topo import Topology
@@ -139,6 +140,10 @@ class GossipEngine:
             (:mod:`~decent_optim_wrapper.engine.membership`; gloo only; the failures page of the docs).
         store: with ``"continue"``, the store the survivors meet in; default: a client of
             ``MASTER_ADDR:MASTER_PORT``, the store the job rendezvoused through.
+        second_moment: ``"average"`` (default): an Adam-family inner optimizer's second moment
+            estimates that of the average gradient over the ranks, as under all-reduce, from this
+            rank's gradients alone (:mod:`~decent_optim_wrapper.engine.second_moment`; no bytes, no
+            state). ``"local"``: the optimizer's own, from this rank's gradients (decent-dp's rule).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
@@ -160,6 +165,7 @@ class GossipEngine:
         sync_delay: int | None = None,
         on_peer_failure: str = "raise",
         store: Store | None = None,
+        second_moment: str = "average",
         context: str = "GossipEngine",
     ) -> None:
         if not isinstance(gradient_tracking, bool):
@@ -178,6 +184,7 @@ class GossipEngine:
 
         def local_layout() -> LocalLayout:
             check_on_peer_failure(on_peer_failure, topology)
+            self._second_moment = SecondMomentRule(second_moment)
             self._compression = resolve_compression(compression)
             topo = resolve_topology(topology, self._world_size, self._local_world_size)
             local = resolve_local_steps(sync_every, sync_delay, outer_optimizer)
@@ -201,6 +208,7 @@ class GossipEngine:
                 gradient_tracking,
                 None if self._local is None else self._local.agreement(),
                 on_peer_failure,
+                second_moment,
             )
 
         # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
@@ -287,6 +295,28 @@ class GossipEngine:
             return self._local.bytes_sent_per_step()
         rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
         return rounds * self._gossip.bytes_sent_per_step()
+
+    @property
+    def second_moment(self) -> str:
+        """``"average"`` or ``"local"``: what an Adam-family inner optimizer's second moment estimates."""
+        return self._second_moment.second_moment
+
+    def second_moment_hook(
+        self, optimizer: torch.optim.Optimizer
+    ) -> Callable[[torch.Tensor | None], Callable[[], None]] | None:
+        """What to call right before ``optimizer``'s local step for the second moment rule, or None.
+
+        None with ``second_moment="local"``, at world size 1 and for an optimizer outside the Adam
+        family: then the step is the optimizer's own, untouched. Otherwise ``hook(grad_scale)``,
+        called once the gradients are final (``grad_scale``: the factor they are still multiplied
+        by, for a fused optimizer that unscales inside its step), sets its second moments
+        (:mod:`~decent_optim_wrapper.engine.second_moment`) and returns what to call right after
+        the step. Local.
+        """
+        rule, world_size = self._second_moment, self._world_size
+        if not rule.applies(optimizer, world_size):
+            return None
+        return lambda grad_scale: rule.prepare(optimizer, world_size, grad_scale)
 
     @property
     def gradient_tracking_requested(self) -> bool:

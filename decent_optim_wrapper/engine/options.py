@@ -47,6 +47,7 @@ class LocalLayout:
     gradient_tracking: bool
     local_steps: tuple[object, ...] | None  # sync_every, sync_delay, the outer optimizer's class, ...
     on_peer_failure: str = "raise"
+    second_moment: str = "average"
 
 
 #: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
@@ -67,6 +68,7 @@ AGREEMENT = (
         "Pass the same sync_every, sync_delay and outer_optimizer on every rank.",
     ),
     ("on_peer_failure", "on_peer_failure", "Pass the same on_peer_failure on every rank."),
+    ("second_moment", "second_moment", "Pass the same second_moment on every rank."),
 )
 
 

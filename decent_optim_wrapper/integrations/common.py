@@ -47,6 +47,7 @@ class GossipOptions:
     timeout: timedelta = DEFAULT_TIMEOUT
     compression: CompressionSpec = None
     gradient_tracking: bool = False
+    second_moment: str = "average"
     local_world_size: int | None = field(default=None)
 
     def wrap(
@@ -61,6 +62,7 @@ class GossipOptions:
             timeout=self.timeout,
             compression=self.compression,
             gradient_tracking=self.gradient_tracking,
+            second_moment=self.second_moment,
         )
 
 

@@ -130,6 +130,8 @@ class DecentralizedStrategy(DDPStrategy):
         timeout: how long gossip and averaging wait for a peer before raising.
         compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or None (exact gossip).
         gradient_tracking: step with a gossiped tracker of the average gradient.
+        second_moment: ``"average"`` (default): Adam and AdamW normalise by an estimate of the average
+            gradient's second moment, as under DDP; ``"local"``: by this rank's own.
 
     The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``start_method``) are those of
@@ -147,6 +149,7 @@ class DecentralizedStrategy(DDPStrategy):
         timeout: timedelta = DEFAULT_TIMEOUT,
         compression: CompressionSpec = None,
         gradient_tracking: bool = False,
+        second_moment: str = "average",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -171,6 +174,7 @@ class DecentralizedStrategy(DDPStrategy):
             timeout=timeout,
             compression=compression,
             gradient_tracking=gradient_tracking,
+            second_moment=second_moment,
         )
         self._replicas = Replicas()
 

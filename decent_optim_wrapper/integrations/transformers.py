@@ -77,6 +77,8 @@ class DecentralizedTrainerMixin:
         timeout: how long gossip and averaging wait for a peer before raising.
         compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or None (exact gossip).
         gradient_tracking: step with a gossiped tracker of the average gradient.
+        second_moment: ``"average"`` (default): Adam and AdamW normalise by an estimate of the average
+            gradient's second moment, as under DDP; ``"local"``: by this rank's own.
 
     All other arguments go to the Trainer. The engine options are described once, on
     :class:`~decent_optim_wrapper.engine.GossipEngine`.
@@ -99,6 +101,7 @@ class DecentralizedTrainerMixin:
         timeout: timedelta = DEFAULT_TIMEOUT,
         compression: CompressionSpec = None,
         gradient_tracking: bool = False,
+        second_moment: str = "average",
         **kwargs: Any,
     ) -> None:
         require_version("transformers", transformers.__version__, *SUPPORTED_TRANSFORMERS)
@@ -109,6 +112,7 @@ class DecentralizedTrainerMixin:
             timeout=timeout,
             compression=compression,
             gradient_tracking=gradient_tracking,
+            second_moment=second_moment,
         )
         self._replicas = Replicas()
         super().__init__(*args, **kwargs)

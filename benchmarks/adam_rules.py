@@ -1,0 +1,193 @@
+"""Second-moment rules for Adam under averaging, compared in one process (no process group).
+
+    uv run benchmarks/adam_rules.py --workers 4                  # ~6 min on one core
+    uv run benchmarks/adam_rules.py --workers 8 --rules ddp local momentum
+    uv run benchmarks/adam_rules.py --workers 4 --gossip ring    # the library's ring instead of exact
+
+Simulates ``--workers`` replicas of the language model of ``lm_task.py`` in one process, each with its
+own AdamW (written out here, not torch's) and its own data (as ``lm_convergence.py`` samples it), for
+``--steps`` steps of a cosine schedule. After every local step the replicas are averaged exactly (or,
+with ``--gossip TOPOLOGY``, mixed with the topology's matrices one step late, as the engine does).
+``ddp`` is one model stepped with the average gradient. The rules differ only in what each replica's
+step divides by; the table gives the validation loss of the average and its ratio to ``ddp``'s:
+
+- ``local``: the replica's own second moment s_t (decent-dp's rule; ``second_moment="local"``);
+- ``oracle``: the second moment of the exact average gradient (an all-reduce: a diagnosis only);
+- ``oracle-per-tensor``: s_t scaled per tensor by the exact ratio of the two (clamped to [1/n, 1]);
+- ``lag1-floor``, ``momentum-floor``: s_t fed with g_t^2 / n + (1 - 1/n) g_t x, where x is g_{t-1}
+  or m_hat_{t-1}, the stored value floored at (1 - b2^t) m_hat_t^2;
+- ``lag1``, ``momentum``: c_t = b2 c + (1 - b2) g_t x kept apart from s_t, and the step divides by
+  s_t / n + (1 - 1/n) max(c_t, 0). ``momentum`` is the engine's rule (``second_moment="average"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+from lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
+from torch.func import functional_call
+
+from decent_optim_wrapper import TopologyFactory
+
+RULES = (
+    "ddp",
+    "local",
+    "oracle",
+    "oracle-per-tensor",
+    "lag1-floor",
+    "momentum-floor",
+    "lag1",
+    "momentum",
+)
+BETAS, EPS = (0.9, 0.999), 1e-8
+
+
+@dataclass
+class RuleResult:
+    rule: str
+    workers: int
+    mixing: str
+    validation_loss: float
+    seconds: float
+
+
+class _Replica:
+    """One replica's parameters and AdamW state (m, s), plus what the rules keep (c, g_{t-1})."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = [p.clone() for p in params]
+        self.m = [torch.zeros_like(p) for p in params]
+        self.s = [torch.zeros_like(p) for p in params]
+        self.c = [torch.zeros_like(p) for p in params]
+        self.previous: list[torch.Tensor | None] = [None for _ in params]
+
+
+def _divisor(rule: str, r: _Replica, k: int, g: torch.Tensor, t: int, n: int, mean: torch.Tensor | None):
+    """Update replica ``r``'s moments of tensor ``k`` with gradient ``g``; return what step t divides by."""
+    b1, b2 = BETAS
+    m_prev_hat = r.m[k] / (1 - b1 ** (t - 1)) if t > 1 else g
+    previous = r.previous[k] if r.previous[k] is not None else g
+    r.previous[k] = g
+    r.m[k].mul_(b1).add_(g, alpha=1 - b1)
+    m_hat = r.m[k] / (1 - b1**t)
+    other = previous if rule.startswith("lag1") else m_prev_hat
+    if rule in ("ddp", "local"):
+        r.s[k].mul_(b2).addcmul_(g, g, value=1 - b2)
+        return r.s[k]
+    if rule == "oracle":
+        assert mean is not None
+        r.s[k].mul_(b2).addcmul_(mean, mean, value=1 - b2)
+        return r.s[k]
+    if rule == "oracle-per-tensor":
+        assert mean is not None
+        ratio = ((mean * mean).sum() / (g * g).sum()).clamp(1 / n, 1.0)
+        r.s[k].mul_(b2).add_(g * g * ratio, alpha=1 - b2)
+        return r.s[k]
+    if rule.endswith("-floor"):
+        r.s[k].mul_(b2).add_(g * g / n + (1 - 1 / n) * g * other, alpha=1 - b2)
+        torch.maximum(r.s[k], (1 - b2**t) * m_hat * m_hat, out=r.s[k])
+        return r.s[k]
+    r.s[k].mul_(b2).addcmul_(g, g, value=1 - b2)
+    r.c[k].mul_(b2).add_(g * other, alpha=1 - b2)
+    return r.s[k] / n + (1 - 1 / n) * r.c[k].clamp(min=0)
+
+
+def simulate(rule: str, n: int, steps: int, batch: int, lr: float, split: str, gossip: str | None) -> float:
+    """Train ``n`` replicas with ``rule``; the validation loss of their average."""
+    model = make_lm_model()
+    names = [name for name, _ in model.named_parameters()]
+    start = [p.detach().clone() for p in model.parameters()]
+    replicas = [_Replica(start) for _ in range(1 if rule == "ddp" else n)]
+    data = [make_lm_data(n, rank, split)[0] for rank in range(n)]
+    validation = make_lm_data(n, 0, split)[1]
+    samplers = [torch.Generator().manual_seed(100 + rank) for rank in range(n)]
+    topology = TopologyFactory.create(gossip, n) if gossip and rule != "ddp" else None
+    sent: list[list[torch.Tensor]] = []
+
+    def gradient(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+        tokens = data[rank]
+        x, y = windows(
+            tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (batch,), generator=samplers[rank])
+        )
+        leaves = [p.detach().requires_grad_(True) for p in params]
+        logits = functional_call(model, dict(zip(names, leaves, strict=True)), (x,))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
+        return list(torch.autograd.grad(loss, leaves))
+
+    b1, b2 = BETAS
+    for t in range(1, steps + 1):
+        lr_t = lr * (1 + math.cos(math.pi * (t - 1) / steps)) / 2
+        if rule == "ddp":
+            per_rank = [gradient(replicas[0].params, rank) for rank in range(n)]
+            grads = [[sum(g[k] for g in per_rank) / n for k in range(len(start))]]
+        else:
+            grads = [gradient(r.params, rank) for rank, r in enumerate(replicas)]
+        if topology is not None and t > 1:  # the round launched at step t - 1, mixed before this step
+            w = topology.mixing_matrix(t - 2).double()
+            for i, r in enumerate(replicas):
+                for k in range(len(start)):
+                    r.params[k] = sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
+        means = [sum(g[k] for g in grads) / len(grads) for k in range(len(start))]
+        for r, g in zip(replicas, grads, strict=True):
+            for k in range(len(start)):
+                divisor = _divisor(rule, r, k, g[k], t, n, means[k] if rule.startswith("oracle") else None)
+                m_hat = r.m[k] / (1 - b1**t)
+                denominator = (divisor / (1 - b2**t)).sqrt().add_(EPS)
+                r.params[k] = r.params[k].addcdiv(m_hat, denominator, value=-lr_t)
+        if topology is not None:
+            sent = [[p.clone() for p in r.params] for r in replicas]
+        elif len(replicas) > 1:
+            for k in range(len(start)):
+                average = sum(r.params[k] for r in replicas) / len(replicas)
+                for r in replicas:
+                    r.params[k] = average.clone()
+    with torch.no_grad():
+        for k, p in enumerate(model.parameters()):
+            p.copy_(sum(r.params[k] for r in replicas) / len(replicas))
+    return validation_loss(model, validation)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--adam-lr", type=float, default=3e-3)
+    parser.add_argument("--split", choices=("iid", "files"), default="iid")
+    parser.add_argument("--gossip", default=None, help="mix with this topology instead of exact averaging")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rules = args.rules if "ddp" in args.rules else ["ddp", *args.rules]
+    mixing = f"gossip ({args.gossip})" if args.gossip else "exact average"
+    results = []
+    for rule in rules:
+        began = time.perf_counter()
+        loss = simulate(
+            rule, args.workers, args.steps, args.batch_size, args.adam_lr, args.split, args.gossip
+        )
+        results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
+        print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
+    reference = results[0].validation_loss
+    print(
+        f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
+        f"{args.batch_size}, lr {args.adam_lr}, {args.split} split"
+    )
+    print(f"{'rule':>18} | {'val loss':>8} | {'/ ddp':>6}")
+    for r in results:
+        print(f"{r.rule:>18} | {r.validation_loss:>8.4f} | {r.validation_loss / reference:>6.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

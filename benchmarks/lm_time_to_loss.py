@@ -1,0 +1,97 @@
+"""Time to reach DDP's loss on the language model: measured steps times predicted step time.
+
+    uv run benchmarks/lm_time_to_loss.py benchmarks/results/adam/lm-iid-{2,4,8,16}.json
+
+Reads ``lm_convergence.py`` results run with ``--eval-every`` (one file per world size), takes for
+each method the first evaluated step at which the average model reaches DDP's final validation loss
+at that world size times ``--tolerance`` (1.02 by default: within the 2% target, since a method that
+ends 1% above DDP never reaches DDP's own final loss under a cosine schedule; 1.0 asks for it
+exactly), and multiplies it by the step time the planner (``decent_optim_wrapper.plan``,
+validated against the emulated cluster on the scaling page) predicts for that method on as many
+nodes, one rank each, for this model's bytes. The network: by default links that move one fp32
+model in one step's compute (the scaling page's setting), with compute ``--compute-ms`` per step
+(18 ms: the benchmark model's forward and backward at batch 16 on one core of the 2-core VM), without
+jitter and with log-normal jitter (sigma 0.3). Both the steps and the times are printed beside DDP's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from lm_convergence import steps_to_reach
+from methods import parse_method
+
+from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
+
+
+def step_times(
+    model_bytes: float, nodes: int, compute_s: float, bandwidth: float, jitter: str
+) -> dict[str, float]:
+    """Predicted seconds per step of DDP and of every gossip topology (uncompressed) on ``nodes`` nodes."""
+    compute = ComputeTimes(compute_s, jitter=jitter, sigma=0.3)
+    predictions = predict(model_bytes, compute, Network(Link(bandwidth)), nodes, compressions=())
+    return {p.method: p.step_s for p in predictions}
+
+
+def topology_of(method: str) -> str:
+    spec = parse_method(method)
+    return "ddp" if spec.topology is None else spec.topology
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "results", nargs="+", type=Path, help="lm_convergence.py --json files, one per world size"
+    )
+    parser.add_argument("--compute-ms", type=float, default=18.0)
+    parser.add_argument("--bandwidth", type=float, default=None, help="bits/s per node and direction")
+    parser.add_argument("--tolerance", type=float, default=1.02, help="reach DDP's final loss times this")
+    args = parser.parse_args()
+    for path in args.results:
+        results = [r for r in json.loads(path.read_text()) if r["split"] == "iid"]
+        if not results:
+            continue
+        workers = results[0]["workers"]
+        reference = next(r for r in results if r["method"] == "ddp+adamw")
+        model_bytes = 4.0 * reference["parameters"]
+        target = reference["validation_loss"] * args.tolerance
+        compute_s = args.compute_ms / 1000
+        bandwidth = args.bandwidth or 8 * model_bytes / compute_s  # one model per step's compute
+        times = {j: step_times(model_bytes, workers, compute_s, bandwidth, j) for j in ("none", "lognormal")}
+        print(
+            f"\n{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
+            f"final validation loss {reference['validation_loss']:.4f} (target x{args.tolerance:g}: "
+            f"{target:.4f}); compute {args.compute_ms:g} ms/step, "
+            f"links {bandwidth / 1e6:.0f} Mbit/s"
+        )
+        print(
+            f"{'method':>26} | {'steps':>6} | {'ms/step':>7} | {'time s':>7} | {'vs DDP':>6} | "
+            f"{'ms/step jit':>11} | {'time jit':>8} | {'vs DDP':>6}"
+        )
+        ddp_steps = steps_to_reach([tuple(point) for point in reference["curve"]], target)
+        for r in results:
+            if parse_method(r["method"]).sync_every != 1:
+                continue
+            steps = steps_to_reach([tuple(point) for point in r["curve"]], target)
+            name = topology_of(r["method"])
+            if steps is None or name not in times["none"]:
+                print(f"{r['method']:>26} | {'never':>6} |")
+                continue
+            cells = []
+            for jitter in ("none", "lognormal"):
+                step_s = times[jitter][name]
+                ddp_s = times[jitter]["ddp"] * (ddp_steps or 0)
+                total = steps * step_s
+                cells += [f"{step_s * 1000:>7.1f}" if jitter == "none" else f"{step_s * 1000:>11.1f}"]
+                cells += [f"{total:>7.1f}" if jitter == "none" else f"{total:>8.1f}"]
+                cells += [f"{total / ddp_s:>6.2f}" if ddp_s else f"{'-':>6}"]
+            print(f"{r['method']:>26} | {steps:>6} | " + " | ".join(cells))
+    print("(steps: first evaluation at or below the target; 'jit': log-normal compute jitter, sigma 0.3)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""The language-model benchmarks run end to end at a tiny size, and read what they report correctly.
+
+``benchmarks/lm_convergence.py`` (gossip with AdamW against DDP on local gloo workers) and
+``benchmarks/adam_rules.py`` (second-moment rules in one process) quote the figures of the Adam page;
+here they run a few steps each, so that a change to the library or to the task cannot leave them
+broken, and their method grammar and verdicts are checked without a process group.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT / "benchmarks"))
+
+import lm_convergence  # noqa: E402
+import methods  # noqa: E402
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("name", "second_moment"),
+    [
+        ("ring+adamw", "average"),
+        ("ring+adamw-local", "local"),
+        ("one-peer-exp~h8n@bf16+adamw-local", "local"),
+    ],
+)
+def test_local_suffix_selects_the_plain_second_moment(name, second_moment):
+    method = methods.parse_method(name)
+    assert method.engine_options()["second_moment"] == second_moment
+    assert method.name == name  # round trip
+
+
+@pytest.mark.pure
+def test_ddp_takes_no_local_suffix():
+    with pytest.raises(ValueError, match=r"ddp takes no '-local'"):
+        methods.parse_method("ddp+adamw-local")
+
+
+def _result(method: str, loss: float, curve: list[tuple[int, float]]) -> lm_convergence.LMResult:
+    return lm_convergence.LMResult(method, "iid", loss, loss, 1.0, 1.0, curve, 4, 3e-3, 100)
+
+
+@pytest.mark.pure
+def test_report_judges_targets_and_prints_the_uncorrected_twin(capsys):
+    results = [
+        _result("ddp+adamw", 2.0, [(10, 2.5), (20, 2.0)]),
+        _result("ring+adamw", 2.03, [(10, 2.4), (20, 2.03)]),  # 1.015: met
+        _result("ring+adamw-local", 2.2, [(10, 2.6), (20, 2.2)]),
+        _result("ring~h8+adamw", 2.12, [(10, 1.9), (20, 2.12)]),  # 1.06 > 1.05: missed; reached at 10
+    ]
+    args = SimpleNamespace(steps=20, batch_size=16, adam_lr=3e-3)
+    lm_convergence.report(results, args, 4)
+    lines = {line.split("|")[0].strip(): line for line in capsys.readouterr().out.splitlines() if "|" in line}
+    ring = [cell.strip() for cell in lines["ring+adamw"].split("|")]
+    assert ring[4:] == ["1.0150", "1.1000", "not reached", "met"]
+    assert lines["ring+adamw-local"].rstrip().endswith("| -")  # the uncorrected rule is not judged
+    assert [c.strip() for c in lines["ring~h8+adamw"].split("|")][-2:] == ["10", "MISSED"]
+    assert lm_convergence.steps_to_reach([(5, 3.0), (10, 1.9), (15, 1.8)], 2.0) == 10
+
+
+@pytest.mark.examples
+@pytest.mark.timeout(300)
+def test_lm_convergence_runs_on_two_workers(tmp_path):
+    out = tmp_path / "lm.json"
+    flags = ["--workers", "2", "--steps", "6", "--eval-every", "3", "--width", "16", "--depth", "1"]
+    flags += ["--methods", "ring+adamw", "ring+adamw-local", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lm_convergence.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = {r["method"]: r for r in json.loads(out.read_text())}
+    assert sorted(results) == ["ddp+adamw", "ring+adamw", "ring+adamw-local"]
+    assert [step for step, _ in results["ring+adamw"]["curve"]] == [3, 6]
+    # the rule changes the run: the corrected and uncorrected losses differ
+    assert results["ring+adamw"]["validation_loss"] != results["ring+adamw-local"]["validation_loss"]
+    assert "uncorrected" in run.stdout
+
+
+@pytest.mark.examples
+@pytest.mark.timeout(300)
+def test_adam_rules_runs_every_rule(tmp_path):
+    out = tmp_path / "rules.json"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "adam_rules.py"),
+            "--workers",
+            "2",
+            "--steps",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    assert next(r["rule"] for r in results) == "ddp"
+    assert {r["rule"] for r in results} == set(__import__("adam_rules").RULES)
+
+
+@pytest.mark.pure
+def test_time_to_loss_multiplies_steps_by_the_planners_step_time(tmp_path):
+    results = [
+        _result("ddp+adamw", 2.0, [(10, 2.5), (20, 2.0)]),
+        _result("ring+adamw", 2.03, [(10, 2.4), (20, 2.03)]),  # within 2% at step 20
+        _result("ring+adamw-local", 2.2, [(10, 2.6), (20, 2.2)]),  # never
+    ]
+    path = tmp_path / "lm.json"
+    path.write_text(json.dumps([{**vars(r), "curve": r.curve} for r in results]))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lm_time_to_loss.py"), str(path), "--compute-ms", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {
+        line.split("|")[0].strip(): [c.strip() for c in line.split("|")] for line in run.stdout.splitlines()
+    }
+    ddp, ring = rows["ddp+adamw"], rows["ring+adamw"]
+    assert ddp[1] == ring[1] == "20"
+    assert float(ring[3]) == pytest.approx(20 * float(ring[2]) / 1000, rel=1e-2)  # steps x step time
+    assert float(ring[4]) < 1.0  # gossip's step is shorter than DDP's on links this slow
+    assert rows["ring+adamw-local"][1] == "never"
