@@ -304,15 +304,9 @@ class GossipEngine:
     def second_moment_hook(
         self, optimizer: torch.optim.Optimizer
     ) -> Callable[[torch.Tensor | None], Callable[[], None]] | None:
-        """What to call right before ``optimizer``'s local step for the second moment rule, or None.
-
-        None with ``second_moment="local"``, at world size 1 and for an optimizer outside the Adam
-        family: then the step is the optimizer's own, untouched. Otherwise ``hook(grad_scale)``,
-        called once the gradients are final (``grad_scale``: the factor they are still multiplied
-        by, for a fused optimizer that unscales inside its step), sets its second moments
-        (:mod:`~decent_optim_wrapper.engine.second_moment`) and returns what to call right after
-        the step. Local.
-        """
+        """``hook(grad_scale)`` to run right before ``optimizer``'s step (it returns what to run right
+        after), or None where the step stays the optimizer's own; see
+        :meth:`~decent_optim_wrapper.engine.second_moment.SecondMomentRule.prepare`. Local."""
         rule, world_size = self._second_moment, self._world_size
         if not rule.applies(optimizer, world_size):
             return None
