@@ -142,8 +142,8 @@ class GossipEngine:
             ``MASTER_ADDR:MASTER_PORT``, the store the job rendezvoused through.
         second_moment: ``"average"`` (default): an Adam-family inner optimizer's second moment
             estimates that of the average gradient over the ranks, as under all-reduce, from this
-            rank's gradients alone (:mod:`~decent_optim_wrapper.engine.second_moment`; no bytes, no
-            state). ``"local"``: the optimizer's own, from this rank's gradients (decent-dp's rule).
+            rank's gradients alone (:mod:`~decent_optim_wrapper.engine.second_moment`; no bytes, one
+            state tensor). ``"local"``: the optimizer's own, from this rank's gradients (decent-dp's rule).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
@@ -295,11 +295,6 @@ class GossipEngine:
             return self._local.bytes_sent_per_step()
         rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
         return rounds * self._gossip.bytes_sent_per_step()
-
-    @property
-    def second_moment(self) -> str:
-        """``"average"`` or ``"local"``: what an Adam-family inner optimizer's second moment estimates."""
-        return self._second_moment.second_moment
 
     def second_moment_hook(
         self, optimizer: torch.optim.Optimizer
