@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import Store  # type: ignore[attr-defined]
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -26,6 +27,7 @@ from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, Gossip
 from decent_optim_wrapper.engine.comm import agree, check_identical
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.resize import average_nested, average_optimizer_states
+from decent_optim_wrapper.engine.shards import is_sharded
 from decent_optim_wrapper.inner_step import (
     fire_global_step_post_hooks,
     fire_global_step_pre_hooks,
@@ -107,6 +109,12 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises;
             ``"continue"``: the survivors drop it and go on, meeting in ``store`` (see the engine
             and the failures page of the docs).
+        device_mesh, process_group: gossip along one group instead of the whole job (a 1-D
+            device mesh, or a process group): e.g. pipeline stages, or several jobs in one world.
+            Sharded (DTensor) parameters are refused: FSDP2 writes their gradients after its
+            reduce-scatter, outside autograd's accumulation, so the per-bucket updates inside
+            backward would never run. Wrap the optimizer with
+            :class:`~decent_optim_wrapper.DecentOptimWrapper` instead (the big models page).
 
     Example::
 
@@ -139,6 +147,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         on_peer_failure: str = "raise",
         store: Store | None = None,
         second_moment: str = "average",
+        device_mesh: DeviceMesh | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -169,6 +179,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             on_peer_failure=on_peer_failure,
             store=store,
             second_moment=second_moment,
+            device_mesh=device_mesh,
+            process_group=process_group,
             context="DecentralizedDataParallel",
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)
@@ -208,7 +220,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         # optim_fn may fail on one rank only (bad input): fail on every rank instead of hanging.
         reports = agree("Building the bucket optimizers of DecentralizedDataParallel", build)
         check_identical(
-            "The bucket optimizers", reports, "Pass the same optim_fn and lr_scheduler_fn on every rank."
+            "The bucket optimizers",
+            [reports[r] for r in self._engine.gossip_ranks],
+            "Pass the same optim_fn and lr_scheduler_fn on every rank.",
         )
         return optimizers, schedulers
 
@@ -221,14 +235,13 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         def layout() -> tuple[object, ...]:
             return tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
 
+        reports = agree("Checking the model's buffers", layout)
         check_identical(
             "The model's frozen parameters and buffers",
-            agree("Checking the model's buffers", layout),
+            [reports[r] for r in self._engine.gossip_ranks],
             "Build the same model on every rank.",
         )
-        if self._engine.world_size > 1:
-            for tensor in tensors:
-                dist.broadcast(tensor, src=0)
+        self._engine.broadcast_(tensors)
 
     # -- facts ---------------------------------------------------------------------------------------
     @property
@@ -576,6 +589,15 @@ def _check_arguments(
 ) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    for name, param in model.named_parameters():
+        if is_sharded(param):
+            raise ValueError(
+                f"{name} is a sharded parameter (DTensor, e.g. from FSDP2's fully_shard). "
+                "DecentralizedDataParallel updates each bucket inside backward as its gradients are "
+                "accumulated, but FSDP2 writes sharded gradients after its reduce-scatter, outside that "
+                "accumulation, so no update would ever run. Wrap the optimizer instead: "
+                'DecentOptimWrapper(torch.optim.AdamW(model.parameters()), device_mesh=mesh["replicate"]).'
+            )
     if not callable(optim_fn) or isinstance(optim_fn, Optimizer):
         raise TypeError(
             f"optim_fn must be a function from a list of (name, parameter) pairs to an optimizer, got "

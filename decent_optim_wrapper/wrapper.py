@@ -15,7 +15,9 @@ from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from decent_optim_wrapper.engine import (
@@ -27,6 +29,7 @@ from decent_optim_wrapper.engine import (
 )
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.resize import average_optimizer_states
+from decent_optim_wrapper.engine.shards import local_optimizer_state, placed_optimizer_state
 from decent_optim_wrapper.inner_step import scaled_step
 
 __all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper", "named_param_groups"]
@@ -89,9 +92,15 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             failures page of the docs.
         second_moment: ``"average"`` (default): an Adam or AdamW inner optimizer normalises by an
             estimate of the second moment of the *average* gradient over the ranks, as under
-            all-reduce, from this rank's gradients alone (no bytes, no state; the Adam under gossip
-            page of the docs). ``"local"``: the optimizer's own, from this rank's gradients alone
-            (the rule of decent-optim-wrapper 0.1.1 and decent-dp). Other optimizers are unchanged.
+            all-reduce, from this rank's gradients alone (no bytes, one state tensor per parameter;
+            the Adam under gossip page of the docs). ``"local"``: the optimizer's own, from this
+            rank's gradients alone (the rule of decent-optim-wrapper 0.1.1 and decent-dp). Other
+            optimizers are unchanged.
+        device_mesh, process_group: gossip along one group instead of the whole job: a 1-D device
+            mesh (e.g. ``mesh["replicate"]`` when the model is sharded with FSDP2's ``fully_shard``
+            over ``mesh["shard"]``: decentralized HSDP), or the same as a process group. Buckets
+            then hold the local shards of DTensor parameters; ``rank``, ``world_size`` and the
+            topology are the group's. See the big models page of the docs.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -126,6 +135,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         on_peer_failure: str = "raise",
         store: Store | None = None,
         second_moment: str = "average",
+        device_mesh: DeviceMesh | None = None,
+        process_group: dist.ProcessGroup | None = None,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -152,6 +163,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             on_peer_failure=on_peer_failure,
             store=store,
             second_moment=second_moment,
+            device_mesh=device_mesh,
+            process_group=process_group,
             context="DecentOptimWrapper",
         )
 
@@ -297,7 +310,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         Save one file per rank. Layout::
 
             {
-                "state": {...},  # the inner optimizer's state (e.g. momentum buffers)
+                "state": {...},  # the inner optimizer's state (e.g. momentum buffers; local shards)
                 "param_groups": [...],  # the inner optimizer's groups (lr, ...)
                 "decent": {...},  # GossipEngine.state_dict(): step, parameters, gossip in flight, ...
             }
@@ -307,7 +320,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
         decent = self._engine.state_dict()
-        state = self.optimizer.state_dict()
+        # A sharded parameter's state is saved as its local shard: a per-rank file of plain tensors.
+        state = local_optimizer_state(self.optimizer.state_dict())
         state["decent"] = decent
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             returned = post_hook(self, state)
@@ -334,7 +348,9 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         self._engine.check_state_dict(decent)
         # The inner optimizer checks its own part before changing anything; the engine's part is
         # already checked, so after this nothing below can fail halfway.
-        self.optimizer.load_state_dict({key: value for key, value in state_dict.items() if key != "decent"})
+        inner = {key: value for key, value in state_dict.items() if key != "decent"}
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.optimizer.load_state_dict(placed_optimizer_state(inner, params))
         self._engine.load_state_dict(decent)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)

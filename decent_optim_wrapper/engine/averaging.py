@@ -1,9 +1,9 @@
-r"""Exact world averaging of tensors (for evaluation), the snapshot that undoes it, and the
-consensus distance of the replicas.
+r"""Exact world averaging of the replicas (for evaluation), the snapshot that undoes it, and the
+consensus distance of the replicas: :class:`GlobalAverage`, and the collectives under it.
 
-Global average: ``x <- (sum_i x_i) / n``. The all-reduce hands every rank the same sum and the
-division is the same on every rank, so all replicas end bit-for-bit equal. fp16/bf16 tensors are
-summed in fp32 and rounded once (:func:`~.comm.reduction_dtype`).
+Global average: ``x <- (sum_i x_i) / n`` over the gossip world. The all-reduce hands every rank the
+same sum and the division is the same on every rank, so all replicas end bit-for-bit equal. fp16/bf16
+tensors are summed in fp32 and rounded once (:func:`~.comm.reduction_dtype`).
 """
 
 from __future__ import annotations
@@ -17,10 +17,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from decent_optim_wrapper.engine.buckets import Bucket, current
 from decent_optim_wrapper.engine.comm import reduction_dtype, wait_all
 from decent_optim_wrapper.engine.errors import GlobalAverageError
+from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.local_steps import LocalSteps
+from decent_optim_wrapper.engine.membership import PeerLost
+from decent_optim_wrapper.engine.shards import ShardLayout
 
-__all__ = ["Snapshot", "average_across_world_", "floating_buffers", "tensors_consensus_distance"]
+__all__ = [
+    "GlobalAverage",
+    "Snapshot",
+    "WorldReduce",
+    "average_across_world_",
+    "floating_buffers",
+    "tensors_consensus_distance",
+]
 
 
 @torch.no_grad()
@@ -132,6 +144,9 @@ def tensors_consensus_distance(
     group: dist.ProcessGroup | None,
     world_size: int,
     wait: Callable[[dist.Work, torch.Tensor], None] | None = None,
+    *,
+    square_sum: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    across: Callable[[torch.Tensor], None] | None = None,
 ) -> float:
     r"""Root-mean-square distance of the replicas of ``tensors`` to their average.
 
@@ -143,7 +158,10 @@ def tensors_consensus_distance(
     agree, and is what gossip shrinks. Computed in float64 (one temporary per tensor at a time);
     every rank returns the same value.
 
-    ``wait(work, tensor)`` waits for each all-reduce (default: ``work.wait()``).
+    ``wait(work, tensor)`` waits for each all-reduce (default: ``work.wait()``). For sharded replicas,
+    ``square_sum(index, squares)`` sums tensor ``index``'s elementwise squared distances (counting each
+    element once over the shards; default ``squares.sum()``) and ``across(total)`` sums the total over
+    the other shards, in place.
 
     .. warning:: This is a collective: all ranks must call it with the same tensor layout.
     """
@@ -158,10 +176,173 @@ def tensors_consensus_distance(
             wait(work, tensor)
 
     squared = torch.zeros((), dtype=torch.float64, device=tensors[0].device if tensors else "cpu")
-    for tensor in tensors:
+    for index, tensor in enumerate(tensors):
         mean = tensor.to(torch.float64, copy=True)  # a float64 tensor must not be reduced in place
         reduce(mean)
         mean.div_(world_size)
-        squared += (tensor.to(torch.float64) - mean).square().sum()
+        squares = (tensor.to(torch.float64) - mean).square()
+        squared += squares.sum() if square_sum is None else square_sum(index, squares)
     reduce(squared)
+    if across is not None:
+        across(squared)
     return math.sqrt(squared.item() / world_size)
+
+
+@dataclass(frozen=True)
+class WorldReduce:
+    """How to reduce over the gossip world: its group, size, this rank, and the wait.
+
+    ``waiter`` is survival's failure-aware wait (``on_peer_failure="continue"``), else None.
+    """
+
+    group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    timeout: timedelta
+    waiter: Callable[..., None] | None = None
+
+
+class GlobalAverage:
+    """``global_avg``/``revert_global_avg`` of one engine's buckets, and their consensus distance.
+
+    Holds the snapshot between a global average and its revert. Sharded replicas (:mod:`~.shards`) are
+    averaged shard by shard along the gossip world, and their distances summed over the shards.
+
+    Args:
+        buckets: the engine's buckets (the live list: it grows with ``add_parameters``).
+        shards: where the sharded parameters live.
+    """
+
+    def __init__(self, buckets: list[Bucket], shards: ShardLayout) -> None:
+        self._buckets = buckets
+        self._shards = shards
+        self.snapshot: Snapshot | None = None
+
+    @torch.no_grad()
+    def average(
+        self,
+        wiring: Callable[[], tuple[WorldReduce, Gossip]],
+        local: LocalSteps | None,
+        *,
+        step: int,
+        may_revert: bool,
+        extra: list[torch.Tensor],
+        return_distance: bool,
+        survive: Callable[[Callable[[], None]], object],
+    ) -> float | None:
+        """Set every replica to the average of the gossip world's (see the engine's ``global_avg``).
+
+        ``wiring()`` gives the current gossip world and gossip (new ones after a lost peer);
+        ``survive(action)`` runs ``action`` and, after a lost peer, recovers and runs it again.
+        """
+        with current(self._buckets, write=True):
+            before = [b.data.clone() for b in self._buckets] if return_distance else []
+            if may_revert:
+                if self.snapshot is None:
+                    # References stay as they are until the revert: the snapshot need not copy them.
+                    self.snapshot = Snapshot(
+                        params=[b.data.clone() for b in self._buckets],
+                        gossip=wiring()[1].state_dict(references=False),
+                        local=None if local is None else local.snapshot(),
+                    )
+                self.snapshot.add_buffers(extra)
+
+            def average() -> None:
+                world, gossip = wiring()
+                # Every rank settles its groups' references before the rounds are dropped, so ranks that
+                # revert and ranks that do not keep identical references.
+                gossip.settle_references()
+                gossip.discard_all()
+                # With low-communication gossip both the parameters and the anchors are averaged.
+                anchors = [] if local is None else local.prepare_global_avg()
+                # With survival, reduced in copies written back once complete: a failure midway leaves
+                # the replicas as they were, and the survivors average them again.
+                waits: dict[str, Any] = {}
+                if world.waiter is not None:
+                    waits = {"waiter": world.waiter, "in_place": False}
+                average_across_world_(
+                    [b.data for b in self._buckets] + anchors + extra,
+                    world.group,
+                    world.world_size,
+                    world.timeout,
+                    rank=world.rank,
+                    step=step,
+                    **waits,
+                )
+
+            survive(average)
+        if not return_distance:
+            return None
+        squared = torch.zeros((), dtype=torch.float64, device=self._buckets[0].data.device)
+        for index, (old, bucket) in enumerate(zip(before, self._buckets, strict=True)):
+            squared += self._square_sum(index, (old.double() - bucket.data.double()).square())
+        self._shards.sum_over_mesh_(squared)
+        return math.sqrt(float(squared))
+
+    @torch.no_grad()
+    def revert(self, gossip: Gossip, local: LocalSteps | None) -> None:
+        """Restore the replica saved by :meth:`average` bit for bit (RuntimeError if none)."""
+        if self.snapshot is None:
+            raise RuntimeError(
+                "revert_global_avg() has nothing to revert: call global_avg(may_revert=True) first (a "
+                "step() or revert_global_avg() since then drops the snapshot). Parameters are unchanged."
+            )
+        snapshot, self.snapshot = self.snapshot, None
+        restore_buckets(self._buckets, snapshot.params)
+        snapshot.restore_buffers()
+        gossip.load_state_dict(snapshot.gossip, references=False)
+        if local is not None and snapshot.local is not None:
+            local.restore(snapshot.local)
+
+    def forget_rounds(self) -> None:
+        """After a lost peer: a snapshot keeps the replica but no round of the old groups."""
+        if self.snapshot is not None:
+            self.snapshot.gossip = None
+            if self.snapshot.local is not None:
+                self.snapshot.local = {**self.snapshot.local, "gossip": None}
+
+    def distance(
+        self, wiring: Callable[[], WorldReduce], survive: Callable[[Callable[[], float]], float | None]
+    ) -> float:
+        """Root-mean-square distance of the replicas to their average (see the engine's)."""
+
+        def distance() -> float:
+            world = wiring()
+            wait = None
+            if world.waiter is not None:
+                waiter = world.waiter
+
+                def wait(work: dist.Work, tensor: torch.Tensor) -> None:
+                    waiter([work], tensor.device, world.timeout, lambda c: PeerLost(str(c)))
+
+            with current(self._buckets, write=False):
+                return tensors_consensus_distance(
+                    [b.data for b in self._buckets],
+                    world.group,
+                    world.world_size,
+                    wait,
+                    square_sum=self._square_sum if self._shards.sharded else None,
+                    across=self._shards.sum_over_mesh_ if self._shards.sharded else None,
+                )
+
+        result = survive(distance)
+        assert result is not None
+        return result
+
+    def _square_sum(self, index: int, squares: torch.Tensor) -> torch.Tensor:
+        """Bucket ``index``'s squared distances summed, each element of the model counted once."""
+        if not self._shards.sharded:
+            return squares.sum()
+        bucket = self._buckets[index]
+        total = torch.zeros((), dtype=torch.float64, device=squares.device)
+        for param, part in zip(bucket.params, bucket.slices(squares), strict=True):
+            total += part.sum() / self._shards.replication(param)
+        return total
+
+
+@torch.no_grad()
+def restore_buckets(buckets: Sequence[Bucket], saved: Sequence[torch.Tensor]) -> None:
+    """Copy ``saved`` into the buckets (a snapshot taken before ``add_parameters`` covers a prefix)."""
+    with current(buckets, write=True):
+        for bucket, values in zip(buckets, saved, strict=False):
+            bucket.data.copy_(values)

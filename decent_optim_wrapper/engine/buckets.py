@@ -3,6 +3,7 @@
 One flat tensor per (device, dtype) run, capped in size, lets gossip move and mix a whole bucket
 with one collective and one kernel instead of one per parameter. A bucket never mixes dtypes or
 devices: casting a bf16 parameter to fp32, or moving it, would silently change the user's model.
+A sharded parameter (DTensor) contributes its local shard (:mod:`~.shards`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 from loguru import logger
+
+from decent_optim_wrapper.engine.shards import is_sharded, local_tensor
 
 __all__ = [
     "Bucket",
@@ -51,8 +54,10 @@ def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[BucketS
     """Group ``params`` into buckets: by (device, dtype) in order of first appearance, then by size.
 
     A bucket closes once adding the next parameter would exceed ``cap_bytes``; a parameter larger
-    than the cap gets a bucket of its own. Order inside a bucket follows ``params``.
+    than the cap gets a bucket of its own. Order inside a bucket follows ``params``. A sharded
+    parameter counts with its local shard.
     """
+    params = [local_tensor(p) for p in params]
     runs: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for index, param in enumerate(params):
         runs.setdefault((param.device, param.dtype), []).append(index)
@@ -92,7 +97,8 @@ class Bucket:
     After :meth:`bind`, ``param.data`` of every member is a view into :attr:`data`, so an optimizer
     stepping the parameters writes into the bucket and gossip on the bucket updates the parameters.
     With ``as_views=False`` the parameters keep their own storage instead, and :meth:`pull` /
-    :meth:`push` copy them into and out of :attr:`data` around every use of the bucket.
+    :meth:`push` copy them into and out of :attr:`data` around every use of the bucket. A bucket
+    holding a sharded parameter (DTensor) holds its local shard, and always copies.
 
     Args:
         spec: the layout from :func:`plan_buckets`.
@@ -107,14 +113,17 @@ class Bucket:
         self.spec = spec  #: The layout (dtype, device, size, which parameters).
         self.params = [params[i] for i in spec.param_indices]  #: The member parameters, in bucket order.
         self.names = [names[i] for i in spec.param_indices]  #: Their names, for error messages.
-        self.as_views = as_views  #: Whether the parameters are views of :attr:`data`.
+        #: Whether the parameters are views of :attr:`data` (never sharded ones: FSDP2 owns their storage).
+        self.as_views = as_views and not any(is_sharded(p) for p in self.params)
+        #: The shape of each parameter's part of the bucket (its local shard's, if sharded).
+        self.shapes = [local_tensor(p).shape for p in self.params]
         self.data = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)  #: The flat tensor.
         self._views: list[torch.Tensor] = []  # each parameter's slice of data, shaped like it
 
     @torch.no_grad()
     def bind(self) -> None:
         """Copy every parameter into the bucket and make ``param.data`` a view of its slice."""
-        for param, name, offset in zip(self.params, self.names, self.spec.offsets, strict=True):
+        for param, name, offset in zip(self.shards(), self.names, self.spec.offsets, strict=True):
             strides = _dense_strides(param)
             if strides is None:
                 raise ValueError(
@@ -132,19 +141,23 @@ class Bucket:
     def pull(self) -> None:
         """Copy the parameters into :attr:`data` (nothing to do when they are views of it)."""
         if not self.as_views:
-            torch._foreach_copy_(self._views, [p.data for p in self.params])
+            torch._foreach_copy_(self._views, [p.data for p in self.shards()])
 
     @torch.no_grad()
     def push(self) -> None:
         """Copy :attr:`data` into the parameters (nothing to do when they are views of it)."""
         if not self.as_views:
-            torch._foreach_copy_([p.data for p in self.params], self._views)
+            torch._foreach_copy_([p.data for p in self.shards()], self._views)
+
+    def shards(self) -> list[torch.Tensor]:
+        """The tensors the bucket holds: each parameter, or its local shard if it is sharded."""
+        return [local_tensor(p) for p in self.params]
 
     def slices(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's slice of ``flat`` (a tensor laid out like :attr:`data`), shaped like it."""
         return [
-            flat[offset : offset + param.numel()].view(param.shape)
-            for param, offset in zip(self.params, self.spec.offsets, strict=True)
+            flat[offset : offset + shape.numel()].view(shape)
+            for shape, offset in zip(self.shapes, self.spec.offsets, strict=True)
         ]
 
     def check_views(self) -> None:
@@ -163,7 +176,7 @@ class Bucket:
 
     def signature(self) -> tuple[object, ...]:
         """What must agree across ranks and checkpoints: dtype, device type, shapes and offsets."""
-        shapes = tuple(tuple(p.shape) for p in self.params)
+        shapes = tuple(tuple(shape) for shape in self.shapes)
         return (str(self.spec.dtype), self.spec.device.type, self.spec.numel, shapes, self.spec.offsets)
 
     def __repr__(self) -> str:

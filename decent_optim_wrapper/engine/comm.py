@@ -1,4 +1,4 @@
-"""Thin helpers over ``torch.distributed``: checked world info, cross-rank agreement, process groups,
+"""Thin helpers over ``torch.distributed``: cross-rank agreement, process groups,
 the dtype collectives sum in, and how to wait for a collective without a host sync on accelerators.
 
 Every function here that communicates is a collective: all ranks must call it, in the same order.
@@ -6,7 +6,6 @@ Every function here that communicates is a collective: all ranks must call it, i
 
 from __future__ import annotations
 
-import os
 import pickle
 import threading
 from collections.abc import Callable, Sequence
@@ -17,15 +16,17 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from decent_optim_wrapper.engine.world import GossipWorld
 from decent_optim_wrapper.topo import Topology
 
 __all__ = [
+    "GroupLayout",
     "ProcessGroups",
     "agree",
     "all_gather_pickled",
     "check_identical",
+    "group_layout",
     "reduction_dtype",
-    "resolve_world",
     "wait_all",
 ]
 
@@ -67,52 +68,6 @@ def wait_all(
             raise failure(err) from err
         if done is False:
             raise failure(None)
-
-
-def resolve_world(
-    rank: int | None, world_size: int | None, local_world_size: int | None
-) -> tuple[int, int, int]:
-    """Rank, world size and ranks per node, checked against ``torch.distributed``.
-
-    ``rank`` and ``world_size`` default to the process group's; ``local_world_size`` defaults to the
-    ``LOCAL_WORLD_SIZE`` variable that torchrun sets, else 1.
-    """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "torch.distributed is not initialized. Call torch.distributed.init_process_group() first "
-            "(launch with torchrun, or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)."
-        )
-    actual_rank, actual_world = dist.get_rank(), dist.get_world_size()
-    for name, given, actual in (("rank", rank, actual_rank), ("world_size", world_size, actual_world)):
-        if given is None:
-            continue
-        if isinstance(given, bool) or not isinstance(given, int):
-            raise TypeError(f"{name} must be an int or None, got {given!r}.")
-        if given != actual:
-            raise ValueError(
-                f"{name}={given} disagrees with torch.distributed, which reports {name}={actual}. "
-                f"Pass {name}={actual} or leave it out."
-            )
-    if local_world_size is None:
-        env = os.environ.get("LOCAL_WORLD_SIZE")
-        if env is None:
-            local_world_size = 1
-        else:
-            try:
-                local_world_size = int(env)
-            except ValueError:
-                raise ValueError(
-                    f"LOCAL_WORLD_SIZE={env!r} is not an integer; set it to the number of processes per "
-                    "node, or pass local_world_size."
-                ) from None
-    if isinstance(local_world_size, bool) or not isinstance(local_world_size, int):
-        raise TypeError(f"local_world_size must be an int or None, got {local_world_size!r}.")
-    if local_world_size < 1 or actual_world % local_world_size != 0:
-        raise ValueError(
-            f"local_world_size={local_world_size} must be a positive divisor of world_size={actual_world} "
-            "(processes per node, the same on every node)."
-        )
-    return actual_rank, actual_world, local_world_size
 
 
 def agree(what: str, build_report: Callable[[], T]) -> list[T]:
@@ -175,28 +130,48 @@ def check_identical(what: str, values: list[Any], fix: str) -> None:
         raise ValueError(f"{what} differs between rank 0 and rank(s) {differ}. {fix}")
 
 
+#: One gossip world's process groups to create: its members' global ranks, then each distinct multi-rank
+#: group of its topology's schedule, in global ranks.
+GroupLayout = tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]
+
+
+def group_layout(topology: Topology, world: GossipWorld) -> GroupLayout:
+    """The process groups ``world``'s topology needs, in global ranks."""
+    groups = tuple(world.global_ranks(g.ranks) for g in topology.distinct_groups())
+    return world.ranks, groups
+
+
 class ProcessGroups:
-    """The process groups a topology needs, created once and in the same order on every rank.
+    """The process groups gossip needs, created once and in the same order on every rank of the job.
 
-    Holds one group per distinct multi-rank group of the schedule, plus one spanning the world for
-    exact global averaging, so that gossip never shares a communicator with the user's collectives.
+    Holds one group per distinct multi-rank group of this rank's schedule, plus one spanning its
+    gossip world for exact global averaging, so that gossip never shares a communicator with the
+    user's collectives. Creating a group is a collective of the whole job (``torch.distributed.new_group``),
+    so every rank creates every gossip world's groups (``layouts``, the same list on every rank, as
+    :func:`group_layout` gives them), and keeps its own world's. Groups are looked up by the ranks of
+    the gossip world (the topology's).
 
-    .. warning:: Construction is a collective: all ranks must build it with the same topology.
+    .. warning:: Construction is a collective: all ranks must build it with the same ``layouts``.
     """
 
-    def __init__(self, topology: Topology, timeout: timedelta | None = None) -> None:
+    def __init__(
+        self, world: GossipWorld, layouts: Sequence[GroupLayout], timeout: timedelta | None = None
+    ) -> None:
         self._by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-        world = list(range(topology.world_size))
         self.world: dist.ProcessGroup | None = None
-        if topology.world_size > 1:
+        position = {g: r for r, g in enumerate(world.ranks)}
+        for members, groups in layouts:
+            mine = members == world.ranks
             # new_group returns GroupMember.NON_GROUP_MEMBER only to ranks outside the group.
-            self.world = cast(dist.ProcessGroup, dist.new_group(world, **kwargs))
-        for group in topology.distinct_groups():
-            handle = self.world if list(group.ranks) == world else dist.new_group(list(group.ranks), **kwargs)
-            # Groups have 2+ ranks, so one spanning the world exists only when self.world does. A rank
-            # outside a group holds GroupMember.NON_GROUP_MEMBER for it, but only looks up its own groups.
-            self._by_ranks[group.ranks] = cast(dist.ProcessGroup, handle)
+            spanning = dist.new_group(list(members), **kwargs) if len(members) > 1 else None
+            if mine:
+                self.world = cast(dist.ProcessGroup | None, spanning)
+            for ranks in groups:
+                handle = spanning if ranks == members else dist.new_group(list(ranks), **kwargs)
+                if mine:
+                    # Groups have 2+ ranks, so one spanning the world exists only when self.world does.
+                    self._by_ranks[tuple(position[g] for g in ranks)] = cast(dist.ProcessGroup, handle)
         logger.debug("created {} gossip process groups: {}", len(self._by_ranks), list(self._by_ranks))
 
     def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:

@@ -3,13 +3,13 @@ r"""The engine both front-ends drive: :class:`GossipEngine`.
 It owns everything decentralized training needs besides the local update: cross-rank agreement, the
 flat buckets, the process groups, the step protocol (:meth:`GossipEngine.step` for a whole model,
 :meth:`GossipEngine.step_bucket` for one bucket inside backward), exact global averaging with its
-snapshot, and its part of a checkpoint (:mod:`~decent_optim_wrapper.engine.checkpoint`). The
-architecture page of the docs shows a step's data flow.
+snapshot (:mod:`~decent_optim_wrapper.engine.averaging`), and its part of a checkpoint
+(:mod:`~decent_optim_wrapper.engine.checkpoint`). The architecture page of the docs shows a step's
+data flow.
 """
 
 from __future__ import annotations
 
-import math
 import secrets
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -19,13 +19,14 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 from torch.distributed import Store  # type: ignore[attr-defined]
+from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.averaging import (
-    Snapshot,
-    average_across_world_,
+    GlobalAverage,
+    WorldReduce,
     floating_buffers,
-    tensors_consensus_distance,
+    restore_buckets,
 )
 from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params, current
 from decent_optim_wrapper.engine.checkpoint import (
@@ -36,19 +37,13 @@ from decent_optim_wrapper.engine.checkpoint import (
     snapshot_from_state,
     snapshot_state,
 )
-from decent_optim_wrapper.engine.comm import (
-    ProcessGroups,
-    agree,
-    all_gather_pickled,
-    resolve_world,
-)
+from decent_optim_wrapper.engine.comm import ProcessGroups, agree, all_gather_pickled, group_layout
 from decent_optim_wrapper.engine.compression import (
     CompressionPlan,
     CompressionSpec,
     GossipCompression,
     resolve_compression,
 )
-from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.local_steps import LocalSteps, OuterFactory, resolve_local_steps
 from decent_optim_wrapper.engine.membership import (
@@ -73,8 +68,10 @@ from decent_optim_wrapper.engine.options import (
 )
 from decent_optim_wrapper.engine.resize import averaged_engine_state, check_saved_world
 from decent_optim_wrapper.engine.second_moment import SecondMomentRule
-from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, surviving_local_world_size
+from decent_optim_wrapper.engine.shards import ShardLayout
+from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, settle_rounds, survivors_topology
 from decent_optim_wrapper.engine.tracking import GradientTracker
+from decent_optim_wrapper.engine.world import resolve_gossip_world
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook", "TopologySpec"]
@@ -88,8 +85,11 @@ class GossipEngine:
     Built from ``(name, parameter)`` pairs in a given order (the optimizer front-end passes its
     param_groups order, a module front-end the order gradients become ready): the parameters move
     into flat buckets in that order (``param.data`` becomes a view into a bucket, one bucket per
-    dtype and device run, at most ``bucket_cap_mb`` each) and rank 0's values are broadcast, so all
-    replicas start equal. Gossip of bucket ``b`` at step ``t`` computes, on every rank ``i``,
+    dtype and device run, at most ``bucket_cap_mb`` each; a sharded parameter's local shard is
+    copied in and out, :mod:`~decent_optim_wrapper.engine.shards`) and rank 0's values are
+    broadcast, so all replicas start equal. Ranks are those of the gossip world: the whole job, or
+    the group ``device_mesh``/``process_group`` names (:mod:`~decent_optim_wrapper.engine.world`).
+    Gossip of bucket ``b`` at step ``t`` computes, on every rank ``i``,
 
     .. math::
         x_{i,b} \leftarrow \sum_{j \in G_t(i)} W^{(t)}_{ij}\, x_{j,b}
@@ -101,14 +101,20 @@ class GossipEngine:
     .. warning:: Construction, :meth:`step`/:meth:`step_bucket` (through the gossip rounds),
         :meth:`global_avg`, :meth:`consensus_distance` and :meth:`add_parameters` involve
         collectives: all ranks must call them in the same order, the same number of times.
+        Construction and :meth:`add_parameters` agree over the whole job, even with a
+        ``device_mesh``: every rank of the job builds its engine at the same point.
 
     Args:
         named_params: ``(name, parameter)`` pairs; names appear in error messages.
         topology: a registered name (see :class:`~decent_optim_wrapper.topo.TopologyFactory`), a
             :class:`~decent_optim_wrapper.topo.Topology` subclass, or an instance.
-        rank: this process's rank; defaults to ``torch.distributed.get_rank()``.
-        world_size: number of processes; defaults to ``torch.distributed.get_world_size()``.
-        local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE`` (torchrun), else 1.
+        rank: this process's rank in the gossip world; defaults to the group's.
+        world_size: number of processes in the gossip world; defaults to the group's size.
+        local_world_size: processes per node along the gossip world; defaults to those sharing a
+            node by ``$LOCAL_WORLD_SIZE`` (torchrun), else 1.
+        device_mesh: a 1-D device mesh (e.g. ``mesh["replicate"]``): gossip only with its members,
+            the ranks that hold the same shard of other replicas. None (default): the whole job.
+        process_group: the same as a process group. Give at most one of the two.
         bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
         timeout: how long gossip and global averaging wait for a peer (dead or hung) before raising
             :class:`~decent_optim_wrapper.GossipError` (naming the step and the group) or
@@ -166,6 +172,8 @@ class GossipEngine:
         on_peer_failure: str = "raise",
         store: Store | None = None,
         second_moment: str = "average",
+        device_mesh: DeviceMesh | None = None,
+        process_group: dist.ProcessGroup | None = None,
         context: str = "GossipEngine",
     ) -> None:
         if not isinstance(gradient_tracking, bool):
@@ -175,18 +183,17 @@ class GossipEngine:
         self._topology_spec = topology
         self._as_views = params_as_views
         self._mixing_factor = 1.0
-        self._rank, self._world_size, self._local_world_size = resolve_world(
-            rank, world_size, local_world_size
-        )
+        world = resolve_gossip_world(rank, world_size, local_world_size, device_mesh, process_group)
+        self._world = world
         self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self._timeout = timeout
         self._local: LocalSteps | None = None
 
         def local_layout() -> LocalLayout:
-            check_on_peer_failure(on_peer_failure, topology)
+            check_on_peer_failure(on_peer_failure, topology, world.subgroup)
             self._second_moment = SecondMomentRule(second_moment)
             self._compression = resolve_compression(compression)
-            topo = resolve_topology(topology, self._world_size, self._local_world_size)
+            topo = resolve_topology(topology, world.world_size, world.local_world_size)
             local = resolve_local_steps(sync_every, sync_delay, outer_optimizer)
             if local is not None and gradient_tracking:
                 raise ValueError(
@@ -197,11 +204,12 @@ class GossipEngine:
                 )
             pairs = named_params() if callable(named_params) else named_params
             params, names = check_named_params(pairs)
+            self._shards = ShardLayout(params, names, world)
             buckets = build_buckets(params, names, self._bucket_cap_bytes, self._as_views)
             self._topology, self._buckets = topo, buckets
             self._local = None if local is None else LocalSteps(buckets, local)
             return LocalLayout(
-                self._local_world_size,
+                world.local_world_size,
                 (topo.name, topo.fingerprint()),
                 _signatures(buckets),
                 self._compression,
@@ -209,28 +217,29 @@ class GossipEngine:
                 None if self._local is None else self._local.agreement(),
                 on_peer_failure,
                 second_moment,
+                group_layout(topo, world),
             )
 
-        # Every rank reaches this gather even if its own input is bad, so a mistake on one rank is an
-        # error everywhere rather than a hang; and layouts are compared before anything is broadcast.
+        # Every rank of the job reaches this gather even if its own input is bad, so a mistake on one
+        # rank is an error everywhere rather than a hang; and layouts are compared (within each gossip
+        # world) before anything is broadcast.
         reports = agree(f"Building {context}", local_layout)
-        check_layouts_agree(reports)
+        check_layouts_agree(reports, world.ranks)
+        self._layouts = list(dict.fromkeys(r.groups for r in reports))  # every gossip world's groups
+        self._averaging = GlobalAverage(self._buckets, self._shards)
 
         self._survival: Survival | None = None
         if on_peer_failure == "continue":
             # A token every rank shares names this run's keys in the store (reruns never collide).
             run = all_gather_pickled(secrets.token_hex(8))[0]
-            membership = Membership(connect_store(store, timeout), run, self._rank, self._world_size, timeout)
+            membership = Membership(connect_store(store, timeout), run, world.rank, world.world_size, timeout)
             self._survival = Survival(membership, timeout)
         self._tracking_requested = gradient_tracking
         self._step = 0
         self._in_step = False
         self._launch_from = 0  # after a lost peer: the step whose rounds the survivors launch first
-        self._snapshot: Snapshot | None = None
         self._wire(broadcast=True)
-        logger.debug(
-            "rank {}/{}: {}, {} buckets", self._rank, self._world_size, self._topology, len(self._buckets)
-        )
+        logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._topology)
 
     def _wire(self, broadcast: bool = False) -> None:
         """Process groups, gossip and trackers for the current rank, world size and topology.
@@ -238,17 +247,19 @@ class GossipEngine:
         Built once, and again over the survivors of a lost peer (fresh rounds, references and trackers).
         """
         waiter = None if self._survival is None else self._survival.membership.wait
-        self._process_groups = ProcessGroups(self._topology, self._group_timeout())
+        self._process_groups = ProcessGroups(self._world, self._layouts, self._group_timeout())
+        world = WorldReduce(self._process_groups.world, self.world_size, self.rank, self._timeout, waiter)
+        self._world_reduce = world
         if broadcast:
             self._bind_and_broadcast(self._buckets)
         plan = None if self._compression is None else CompressionPlan(self._topology, self._compression)
         tensors = [b.data for b in self._buckets]
-        wiring = (self._topology, self._rank, self._process_groups, self._timeout, plan)
+        wiring = (self._topology, self.rank, self._process_groups, self._timeout, plan)
         self._gossip = Gossip(tensors, *wiring, waiter)
         if self._local is not None:
             self._local.connect(*wiring, waiter, reset=broadcast)
         self._tracker: GradientTracker | None = None
-        if self._tracking_requested and self._world_size > 1:
+        if self._tracking_requested and self.world_size > 1:
             self._tracker = GradientTracker(self._buckets, *wiring, waiter)
 
     def _group_timeout(self) -> timedelta:
@@ -261,23 +272,39 @@ class GossipEngine:
     def _bind_and_broadcast(self, buckets: list[Bucket]) -> None:
         for bucket in buckets:
             bucket.bind()
-        if self._world_size > 1:
-            with current(buckets, write=True):
-                for bucket in buckets:
-                    torch.distributed.broadcast(bucket.data, src=0, group=self._process_groups.world)
+        with current(buckets, write=True):
+            self.broadcast_([bucket.data for bucket in buckets])
+
+    @torch.no_grad()
+    def broadcast_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` with the gossip world's rank 0's, in place (e.g. a model's buffers).
+
+        .. warning:: This is a collective over the gossip world: all its ranks must call it.
+        """
+        if self.world_size > 1:
+            for tensor in tensors:
+                dist.broadcast(tensor, group=self._process_groups.world, group_src=0)
 
     # -- facts -----------------------------------------------------------------------------------
     @property
     def rank(self) -> int:
-        return self._rank
+        """This process's rank in the gossip world."""
+        return self._world.rank
 
     @property
     def world_size(self) -> int:
-        return self._world_size
+        """How many ranks gossip together: the job's, or the size of ``device_mesh``/``process_group``."""
+        return self._world.world_size
 
     @property
     def local_world_size(self) -> int:
-        return self._local_world_size
+        """Ranks per node along the gossip world."""
+        return self._world.local_world_size
+
+    @property
+    def gossip_ranks(self) -> tuple[int, ...]:
+        """The global ranks of the gossip world, in its rank order."""
+        return self._world.ranks
 
     @property
     def topology(self) -> Topology:
@@ -302,7 +329,7 @@ class GossipEngine:
         """``hook(grad_scale)`` to run right before ``optimizer``'s step (it returns what to run right
         after), or None where the step stays the optimizer's own; see
         :meth:`~decent_optim_wrapper.engine.second_moment.SecondMomentRule.prepare`. Local."""
-        rule, world_size = self._second_moment, self._world_size
+        rule, world_size = self._second_moment, self.world_size
         if not rule.applies(optimizer, world_size):
             return None
         return lambda grad_scale: rule.prepare(optimizer, world_size, grad_scale)
@@ -407,7 +434,7 @@ class GossipEngine:
         With low-communication gossip the first step sets the anchors to the parameters.
         """
         self.check_buckets()
-        self._snapshot = None
+        self._averaging.snapshot = None
         self._in_step = True
         if self._local is not None and self._step == 0:
             self._local.reset_anchors()
@@ -512,84 +539,33 @@ class GossipEngine:
     def global_avg(
         self, may_revert: bool = True, buffers: torch.nn.Module | None = None, return_distance: bool = False
     ) -> float | None:
-        """Set every replica to the exact average of all replicas (the front-ends' ``global_avg``).
+        """Set every replica to the exact average of the gossip world's (the front-ends' ``global_avg``).
 
         With ``may_revert`` a snapshot is kept for :meth:`revert_global_avg`; floating buffers of
         ``buffers`` are averaged too; with ``return_distance`` returns this replica's float64 L2
-        distance to the average (else None).
+        distance to the average (the whole model's, summed over the shards; else None).
 
         .. warning:: This is a collective: all ranks must call it, with the same ``buffers`` layout.
         """
         extra = floating_buffers(buffers) if buffers is not None else []
         self.check_buckets()
-        if may_revert and self._snapshot is None:
+        if may_revert and self._averaging.snapshot is None:
             # The snapshot saves the rounds in flight, waiting for them: a peer lost there is
             # survived first, so that the snapshot holds the replica and rounds as recovery left them.
             self.wait_all()
-        with current(self._buckets, write=True):
-            before = [b.data.clone() for b in self._buckets] if return_distance else []
-            if may_revert:
-                if self._snapshot is None:
-                    # References stay as they are until the revert: the snapshot need not copy them.
-                    self._snapshot = Snapshot(
-                        params=[b.data.clone() for b in self._buckets],
-                        gossip=self._gossip.state_dict(references=False),
-                        local=None if self._local is None else self._local.snapshot(),
-                    )
-                self._snapshot.add_buffers(extra)
-            self._survive(lambda: self._average(extra))
-        if not return_distance:
-            return None
-        squared = sum(
-            float((old.double() - b.data.double()).square().sum())
-            for old, b in zip(before, self._buckets, strict=True)
-        )
-        return math.sqrt(squared)
-
-    def _average(self, extra: list[torch.Tensor]) -> None:
-        # Every rank settles its groups' references before the rounds are dropped, so ranks that
-        # revert and ranks that do not keep identical references.
-        self._gossip.settle_references()
-        self._gossip.discard_all()
-        # With low-communication gossip both the parameters and the anchors are averaged.
-        anchors = [] if self._local is None else self._local.prepare_global_avg()
-        average_across_world_(
-            [b.data for b in self._buckets] + anchors + extra,
-            self._process_groups.world,
-            self._world_size,
-            self._timeout,
-            rank=self._rank,
+        return self._averaging.average(
+            lambda: (self._world_reduce, self._gossip),  # new ones after a lost peer
+            self._local,
             step=self._step,
-            **self._averaging_wait(),
+            may_revert=may_revert,
+            extra=extra,
+            return_distance=return_distance,
+            survive=self._survive,
         )
 
-    def _averaging_wait(self) -> dict[str, Any]:
-        if self._survival is None:
-            return {}
-        # Reduced in copies, written back once complete: a failure midway leaves the replicas as
-        # they were, and the survivors average them again.
-        return {"waiter": self._survival.membership.wait, "in_place": False}
-
-    @torch.no_grad()
     def revert_global_avg(self) -> None:
         """Restore the replica saved by :meth:`global_avg` bit for bit (local; RuntimeError if none)."""
-        if self._snapshot is None:
-            raise RuntimeError(
-                "revert_global_avg() has nothing to revert: call global_avg(may_revert=True) first (a "
-                "step() or revert_global_avg() since then drops the snapshot). Parameters are unchanged."
-            )
-        snapshot, self._snapshot = self._snapshot, None
-        self._restore_params(snapshot.params)
-        snapshot.restore_buffers()
-        self._gossip.load_state_dict(snapshot.gossip, references=False)
-        if self._local is not None and snapshot.local is not None:
-            self._local.restore(snapshot.local)
-
-    def _restore_params(self, saved: Sequence[torch.Tensor]) -> None:
-        # A snapshot taken before add_parameters() covers only the buckets that existed then.
-        with current(self._buckets, write=True):
-            for bucket, values in zip(self._buckets, saved, strict=False):
-                bucket.data.copy_(values)
+        self._averaging.revert(self._gossip, self._local)
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average, gossip in flight left out.
@@ -597,23 +573,7 @@ class GossipEngine:
         .. warning:: This is a collective: all ranks must call it.
         """
         self.check_buckets()
-        membership = None if self._survival is None else self._survival.membership
-
-        def distance() -> float:
-            wait = None
-            if membership is not None:
-
-                def wait(work: dist.Work, tensor: torch.Tensor) -> None:
-                    membership.wait([work], tensor.device, self._timeout, lambda c: PeerLost(str(c)))
-
-            with current(self._buckets, write=False):
-                return tensors_consensus_distance(
-                    [b.data for b in self._buckets], self._process_groups.world, self._world_size, wait
-                )
-
-        result = self._survive(distance)
-        assert result is not None
-        return result
+        return self._averaging.distance(lambda: self._world_reduce, self._survive)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -632,7 +592,7 @@ class GossipEngine:
             "step": self._step,
             "params": params,
             "gossip": self._gossip.state_dict(),
-            "snapshot": snapshot_state(self._snapshot),
+            "snapshot": snapshot_state(self._averaging.snapshot),
             "mixing_factor": self._mixing_factor,
             "compression": None if self._compression is None else self._compression.wire,
             "tracking": None if self._tracker is None else self._tracker.state_dict(),
@@ -654,7 +614,7 @@ class GossipEngine:
         Everything is checked (:meth:`check_state_dict`) before anything changes. Local.
         """
         self.check_state_dict(state)
-        self._restore_params(state["params"])
+        restore_buckets(self._buckets, state["params"])
         self._gossip.load_state_dict(state.get("gossip"))
         if self._tracker is not None:  # a checkpoint without tracking starts the trackers afresh
             self._tracker.load_state_dict(state.get("tracking"))
@@ -662,7 +622,7 @@ class GossipEngine:
         self._mixing_factor = float(state.get("mixing_factor", 1.0))  # absent in the oldest checkpoints
         if self._local is not None:
             self._local.load_state_dict(state["local_steps"])
-        self._snapshot = snapshot_from_state(state, self._buckets)
+        self._averaging.snapshot = snapshot_from_state(state, self._buckets)
 
     # -- surviving a lost peer (on_peer_failure="continue") ------------------------------------------------
     @property
@@ -712,45 +672,27 @@ class GossipEngine:
             cause,
             step=self._step,
             position=self._step + 1 if self._in_step else self._step,
-            rank=self._rank,
+            rank=self.rank,
             reports=reports,
             settle=self._settle_rounds,
             rewire=self._rewire,
         )
 
     def _settle_rounds(self, decision: Decision) -> None:
-        """Mix or drop every round in flight as ``decision`` says, the same on every member of its group."""
         assert self._survival is not None
-        mine = decision.reports[decision.members.index(self._survival.membership.member)]
-        finish = {(c.kind, c.bucket): decision.finishes(c) for c in mine.channels}
-        for bucket, owner in enumerate(self._buckets):
-            with current([owner], write=True):
-                self._gossip.resolve(bucket, finish.get(("params", bucket), False), self._mixing_factor)
-            if self._local is not None:
-                self._local.resolve(bucket, finish.get(("anchors", bucket), False), self._mixing_factor)
-        # The trackers restart over the survivors (their mean would still hold the lost rank's share),
-        # and a global average's snapshot keeps the replica but no round of the old groups.
-        if self._snapshot is not None:
-            self._snapshot.gossip = None
-            if self._snapshot.local is not None:
-                self._snapshot.local = {**self._snapshot.local, "gossip": None}
+        member = self._survival.membership.member
+        settle_rounds(decision, member, self._buckets, self._gossip, self._local, self._mixing_factor)
+        # The trackers restart over the survivors (their mean would still hold the lost rank's share).
+        self._averaging.forget_rounds()
         self._launch_from = decision.resume_step
 
     def _rewire(self, decision: Decision, before: list[int]) -> None:
         """The topology, process groups and gossip over the survivors (the new default group stands)."""
         # Old groups may hold collectives stuck on the lost peer: let them go off this thread.
         self._process_groups.retire(self._group_timeout() + self._timeout)
-        self._rank, self._world_size = dist.get_rank(), dist.get_world_size()
-        kept = {before.index(m) for m in decision.members}
-        per_node = surviving_local_world_size(kept, len(before), self._local_world_size)
-        try:
-            self._topology = resolve_topology(self._topology_spec, self._world_size, per_node)
-        except (ValueError, TypeError) as err:
-            raise PeerFailureError(
-                f"rank {self._rank}: the topology {self._topology.name!r} cannot be rebuilt for the "
-                f"{self._world_size} survivors ({err}); use a topology that exists at every world size."
-            ) from err
-        self._local_world_size = per_node
+        spec, name = self._topology_spec, self._topology.name
+        self._topology, self._world = survivors_topology(spec, name, decision, before, self.local_world_size)
+        self._layouts = [group_layout(self._topology, self._world)]
         self._wire()
 
     # -- resuming at another world size ----------------------------------------------------------------
@@ -774,10 +716,10 @@ class GossipEngine:
         ``sync_every``, the outer optimizer). Local, and the same bits on every rank.
         """
         state = averaged_engine_state(states, self._identity())
-        if self._rank == 0:
+        if self.rank == 0:
             logger.info(
                 f"resuming a checkpoint of {len(states)} ranks (step {state['step']}) on "
-                f"{self._world_size} ranks: every rank starts from the average of the saved replicas; gossip "
+                f"{self.world_size} ranks: every rank starts from the average of the saved replicas; gossip "
                 "in flight, compression references, gradient trackers and any global-average snapshot start "
                 "afresh."
             )
@@ -785,9 +727,9 @@ class GossipEngine:
 
     def _identity(self) -> RunIdentity:
         return RunIdentity(
-            rank=self._rank,
-            world_size=self._world_size,
-            local_world_size=self._local_world_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            local_world_size=self.local_world_size,
             topology=self._topology.name,
             schedule=plain(self._topology.fingerprint()),
             buckets=plain(_signatures(self._buckets)),
@@ -795,8 +737,8 @@ class GossipEngine:
 
     def __repr__(self) -> str:
         return (
-            f"GossipEngine(topology={self._topology.name!r}, rank={self._rank}, "
-            f"world_size={self._world_size}, buckets={len(self._buckets)}, step={self._step})"
+            f"GossipEngine(topology={self._topology.name!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, buckets={len(self._buckets)}, step={self._step})"
         )
 
 

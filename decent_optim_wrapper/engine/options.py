@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from decent_optim_wrapper.engine.comm import check_identical
+from decent_optim_wrapper.engine.comm import GroupLayout, check_identical
 from decent_optim_wrapper.engine.compression import GossipCompression
 from decent_optim_wrapper.topo import Topology, TopologyFactory
 
@@ -48,6 +48,8 @@ class LocalLayout:
     local_steps: tuple[object, ...] | None  # sync_every, sync_delay, the outer optimizer's class, ...
     on_peer_failure: str = "raise"
     second_moment: str = "average"
+    # The gossip world's members and its topology's groups, in global ranks (compared by membership).
+    groups: GroupLayout = ((), ())
 
 
 #: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
@@ -72,10 +74,28 @@ AGREEMENT = (
 )
 
 
-def check_layouts_agree(reports: list[LocalLayout]) -> None:
-    """Raise the same ``ValueError`` on every rank if the ranks' layouts differ, naming the field."""
+def check_layouts_agree(reports: list[LocalLayout], members: tuple[int, ...]) -> None:
+    """Raise a ``ValueError`` naming the field if the layouts of the gossip world ``members`` differ.
+
+    ``reports`` holds every rank of the job's, in global rank order; every gossip world must hold
+    exactly the ranks that name it (ranks passing device meshes or process groups that overlap
+    would gossip in groups some members do not know of).
+    """
+    for rank, report in enumerate(reports):
+        world = report.groups[0]
+        if rank not in world or any(reports[other].groups[0] != world for other in world):
+            raise ValueError(
+                f"rank {rank} gossips over ranks {list(world)}, but "
+                + (
+                    "is not one of them"
+                    if rank not in world
+                    else f"ranks {[o for o in world if reports[o].groups[0] != world]} name other groups"
+                )
+                + ". Pass device_mesh= the same mesh dimension (or process_group= matching groups) on "
+                "every rank, so that the gossip groups split the job."
+            )
     for name, what, fix in AGREEMENT:
-        check_identical(what, [getattr(r, name) for r in reports], fix)
+        check_identical(what, [getattr(reports[r], name) for r in members], fix)
 
 
 def check_buckets_agree(signatures: list[tuple[object, ...]]) -> None:
@@ -140,8 +160,9 @@ def check_timeout(timeout: object) -> None:
 PEER_FAILURE_MODES = ("raise", "continue")
 
 
-def check_on_peer_failure(mode: object, topology: object) -> None:
-    """Check ``on_peer_failure``; "continue" needs gloo and a topology that can be rebuilt at any size."""
+def check_on_peer_failure(mode: object, topology: object, subgroup: bool = False) -> None:
+    """Check ``on_peer_failure``; "continue" needs gloo, the whole job as the gossip world (the
+    survivors re-form the default group), and a topology that can be rebuilt at any size."""
     if mode not in PEER_FAILURE_MODES:
         raise ValueError(
             f'on_peer_failure must be "raise" (stop with an error, the default) or "continue" (go on with '
@@ -149,6 +170,12 @@ def check_on_peer_failure(mode: object, topology: object) -> None:
         )
     if mode == "raise":
         return
+    if subgroup:
+        raise ValueError(
+            'on_peer_failure="continue" re-forms the job\'s default process group over the survivors, '
+            "which a device_mesh or process_group (and the sharding beside it) cannot follow; use "
+            'on_peer_failure="raise" with device_mesh/process_group and resume from checkpoints.'
+        )
     backend = dist.get_backend()
     if backend != "gloo":
         raise ValueError(

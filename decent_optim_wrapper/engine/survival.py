@@ -17,10 +17,16 @@ import torch.distributed as dist
 from loguru import logger
 from torch.utils.hooks import RemovableHandle
 
+from decent_optim_wrapper.engine.buckets import Bucket, current
 from decent_optim_wrapper.engine.errors import PeerFailureError
+from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.local_steps import LocalSteps
 from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Membership, PeerFailure, Report
+from decent_optim_wrapper.engine.options import TopologySpec, resolve_topology
+from decent_optim_wrapper.engine.world import GossipWorld
+from decent_optim_wrapper.topo import Topology
 
-__all__ = ["PeerFailureHook", "Survival", "surviving_local_world_size"]
+__all__ = ["PeerFailureHook", "Survival", "settle_rounds", "surviving_local_world_size", "survivors_topology"]
 
 #: Called on every survivor after a lost peer, with what happened.
 PeerFailureHook = Callable[[PeerFailure], None]
@@ -34,6 +40,48 @@ def surviving_local_world_size(kept: set[int], world_size: int, local_world_size
         for node in range(world_size // local_world_size)
     )
     return local_world_size if whole_nodes and len(kept) % local_world_size == 0 else 1
+
+
+def settle_rounds(
+    decision: Decision,
+    member: int,
+    buckets: Sequence[Bucket],
+    gossip: Gossip,
+    local: LocalSteps | None,
+    mixing_factor: float,
+) -> None:
+    """Mix or drop every round in flight as ``decision`` says, the same on every member of its group.
+
+    ``member`` is this rank's identity in the membership (its reports list its rounds in flight).
+    """
+    mine = decision.reports[decision.members.index(member)]
+    finish = {(c.kind, c.bucket): decision.finishes(c) for c in mine.channels}
+    for bucket, owner in enumerate(buckets):
+        with current([owner], write=True):
+            gossip.resolve(bucket, finish.get(("params", bucket), False), mixing_factor)
+        if local is not None:
+            local.resolve(bucket, finish.get(("anchors", bucket), False), mixing_factor)
+
+
+def survivors_topology(
+    spec: TopologySpec, name: str, decision: Decision, before: list[int], local_world_size: int
+) -> tuple[Topology, GossipWorld]:
+    """The topology and gossip world over the survivors, once the new default group stands.
+
+    ``before`` lists the members before the loss; ``name`` is the topology's, for the error raised
+    when it does not exist at the survivors' world size.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    kept = {before.index(m) for m in decision.members}
+    per_node = surviving_local_world_size(kept, len(before), local_world_size)
+    try:
+        topology = resolve_topology(spec, world_size, per_node)
+    except (ValueError, TypeError) as err:
+        raise PeerFailureError(
+            f"rank {rank}: the topology {name!r} cannot be rebuilt for the {world_size} survivors ({err}); "
+            "use a topology that exists at every world size."
+        ) from err
+    return topology, GossipWorld(tuple(range(world_size)), rank, per_node)
 
 
 class Survival:

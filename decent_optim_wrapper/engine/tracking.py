@@ -19,6 +19,7 @@ from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors
 from decent_optim_wrapper.engine.comm import ProcessGroups
 from decent_optim_wrapper.engine.compression import CompressionPlan
 from decent_optim_wrapper.engine.gossip import Gossip, Waiter
+from decent_optim_wrapper.engine.shards import local_tensor
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["GradientTracker"]
@@ -88,7 +89,8 @@ class GradientTracker:
         trackers = owner.slices(self._trackers[bucket])
         previous = owner.slices(self._previous[bucket])
         with_grad = [i for i, p in enumerate(owner.params) if p.grad is not None]
-        grads: list[torch.Tensor] = [owner.params[i].grad for i in with_grad]  # type: ignore[misc]
+        # A sharded parameter's gradient is a DTensor like it: its local shard is what the tracker holds.
+        grads = [local_tensor(owner.params[i].grad) for i in with_grad]  # type: ignore[arg-type]
         y = [trackers[i] for i in with_grad]
         prev = [previous[i] for i in with_grad]
         if with_grad:

@@ -1,0 +1,164 @@
+"""Sharded parameters (DTensor: FSDP2's ``fully_shard``, tensor parallelism): gossip their local shards.
+
+Under decentralized HSDP a rank holds one shard of every parameter (a
+:class:`~torch.distributed.tensor.DTensor` on the *shard* mesh), and gossips it with the ranks that hold
+the same shard on the other nodes (the *gossip* world, :mod:`~.world`). Buckets therefore hold the
+local shards, and everything the engine does to a bucket (mixing, averaging, compression, tracking)
+acts on them as it acts on whole replicas: each shard's gossip is independent of the others', and the
+union of the shards' updates is the whole model's.
+
+A parameter's shard is its local tensor (``DTensor.to_local()``), a view of the storage FSDP2 keeps
+and all-gathers from. It cannot become a view of a bucket (FSDP2 owns that storage), so buckets of
+sharded parameters copy in and out (``params_as_views=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate
+
+from decent_optim_wrapper.engine.world import GossipWorld
+
+__all__ = [
+    "ShardLayout",
+    "is_sharded",
+    "local_optimizer_state",
+    "local_tensor",
+    "placed_optimizer_state",
+]
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (whose elements are spread over a device mesh)."""
+    return isinstance(tensor, DTensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of ``tensor``: a DTensor's local shard (a view of its storage), else itself."""
+    if isinstance(tensor, DTensor):
+        with torch.no_grad():  # without autograd, to_local() is a view of the storage, not a copy
+            return tensor.to_local()
+    return tensor
+
+
+class ShardLayout:
+    """The device mesh the sharded parameters live on, checked against the gossip world.
+
+    Every DTensor parameter must live on one mesh that meets the gossip world only in this rank:
+    its other members hold the same shard of other replicas, never another part of this one.
+
+    Args:
+        params: the parameters, in order; plain tensors count as replicated over the mesh.
+        names: their names, for error messages.
+        world: this rank's gossip world.
+    """
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], world: GossipWorld) -> None:
+        self.mesh = None
+        first = ""
+        for param, name in zip(params, names, strict=True):
+            if not isinstance(param, DTensor):
+                continue
+            mesh = param.device_mesh
+            if self.mesh is None:
+                self.mesh, first = mesh, name
+                _check_apart(mesh, name, world)
+            elif mesh != self.mesh:
+                raise ValueError(
+                    f"{name} lives on device mesh {mesh} but {first} on {self.mesh}: every sharded "
+                    "parameter the wrapper gossips must live on one device mesh (e.g. fully_shard every "
+                    'block over mesh["shard"]). Build the model on one mesh, or give each mesh its own '
+                    "optimizer and wrapper."
+                )
+
+    @property
+    def sharded(self) -> bool:
+        """Whether any parameter is a DTensor."""
+        return self.mesh is not None
+
+    def replication(self, param: torch.Tensor) -> int:
+        """How many ranks of the mesh hold the same elements as this rank's shard of ``param``."""
+        if self.mesh is None:
+            return 1
+        if not isinstance(param, DTensor):
+            return self.mesh.size()
+        copies = 1
+        for dim, placement in enumerate(param.placements):
+            if isinstance(placement, Replicate):
+                copies *= self.mesh.size(dim)
+        return copies
+
+    def sum_over_mesh_(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over every rank of the mesh, in place (nothing to do without sharding).
+
+        .. warning:: A collective over the mesh: all its ranks must call it.
+        """
+        if self.mesh is None:
+            return
+        for dim in range(self.mesh.ndim):
+            dist.all_reduce(tensor, group=self.mesh.get_group(dim))
+
+
+def _check_apart(mesh: object, name: str, world: GossipWorld) -> None:
+    """Raise if the mesh of sharded parameter ``name`` contains another member of the gossip world."""
+    assert hasattr(mesh, "mesh")
+    mesh_ranks = {int(r) for r in mesh.mesh.flatten().tolist()}
+    shared = sorted(mesh_ranks & set(world.ranks))
+    if shared == [world.ranks[world.rank]]:
+        return
+    if not world.subgroup:
+        raise ValueError(
+            f"{name} is a DTensor on device mesh {mesh}, so its elements are spread over ranks "
+            f"{sorted(mesh_ranks)}, but the wrapper gossips over the whole job. Pass device_mesh= the mesh "
+            'dimension to gossip along, e.g. device_mesh=mesh["replicate"] for a model sharded with '
+            'fully_shard(..., mesh=mesh["shard"]).'
+        )
+    raise ValueError(
+        f"{name} is a DTensor on device mesh {mesh}, which contains ranks {shared} of the gossip group "
+        f"{list(world.ranks)}: it is sharded or replicated along the dimension gossip runs on. Shard and "
+        'replicate parameters on the other mesh dimensions (fully_shard(..., mesh=mesh["shard"])) and '
+        'gossip along the remaining one (device_mesh=mesh["replicate"]).'
+    )
+
+
+def local_optimizer_state(state_dict: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer's ``state_dict()`` with every DTensor in its ``"state"`` replaced by its local shard.
+
+    What a per-rank checkpoint of a sharded model holds: plain tensors, which load in any process
+    and at any world size (a DTensor would pickle its device mesh). :func:`placed_optimizer_state`
+    undoes it for the parameters of the run that loads it.
+    """
+    state = {
+        index: {key: local_tensor(value) if is_sharded(value) else value for key, value in entry.items()}
+        for index, entry in state_dict["state"].items()
+    }
+    return {**state_dict, "state": state}
+
+
+def placed_optimizer_state(state_dict: dict[str, Any], params: Sequence[torch.Tensor]) -> dict[str, Any]:
+    """Undo :func:`local_optimizer_state` for ``params`` (the optimizer's, in its state-dict order).
+
+    A plain tensor saved for a sharded parameter, shaped like that parameter's local shard (Adam's
+    moments, momentum buffers), becomes a DTensor placed like the parameter; the rest (Adam's scalar
+    ``step``) is left as it is.
+    """
+    state: dict[Any, Any] = {}
+    for index, entry in state_dict["state"].items():
+        param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
+        if not isinstance(param, DTensor):
+            state[index] = entry
+            continue
+        shard = param.to_local()
+        state[index] = {
+            key: DTensor.from_local(
+                value, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
+            )
+            if isinstance(value, torch.Tensor) and not is_sharded(value) and value.shape == shard.shape
+            else value
+            for key, value in entry.items()
+        }
+    return {**state_dict, "state": state}

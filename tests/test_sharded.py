@@ -1,0 +1,361 @@
+"""Multi-process: decentralized HSDP. FSDP2 shards each replica over a mesh dimension, gossip runs along
+the other, and the result equals the same wrapper on unsharded ranks.
+
+The reference is independent of the sharding: ``R`` plain ranks (the default group, whole replicas),
+where replica ``k``'s gradient is that of the mean loss over the batches of the ``S`` ranks that
+shard it under FSDP2 (whose reduce-scatter averages their gradients). Runs are in float64, so the
+only differences are the order in which the two sides sum the ``S`` gradients (the reduce-scatter
+against the mean over one concatenated batch) and the sums of gossip: rounding at 1e-16 relative,
+grown over a few steps of the update (AdamW divides by ``sqrt(v)``), far below the 1e-9 tolerance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from workers import spawn
+
+from decent_optim_wrapper import DecentOptimWrapper
+
+D_IN, HIDDEN, D_OUT, BATCH, STEPS = 6, 10, 3, 4, 5
+ATOL = 1e-9  # float64; see the module docstring
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, D_OUT)).double()
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, D_IN, generator=generator, dtype=torch.float64)
+    return x, torch.randn(BATCH, D_OUT, generator=generator, dtype=torch.float64)
+
+
+def _optimizer(name: str, params: Any) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+
+def _options(variant: str) -> dict[str, Any]:
+    return {
+        "plain": {},
+        "bf16": {"compression": "bf16"},
+        "tracking": {"gradient_tracking": True},
+        "local-steps": {"sync_every": 2},
+    }[variant]
+
+
+def _train(model: nn.Module, optimizer: DecentOptimWrapper, batches: Any) -> None:
+    for step in range(STEPS):
+        x, y = batches(step)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # the whole model's norm, DTensor or not
+        optimizer.step()
+
+
+@torch.no_grad()
+def _full(model: nn.Module) -> list[torch.Tensor]:
+    """The whole parameters (a sharded one all-gathered over its mesh), detached."""
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in model.parameters()
+    ]
+
+
+def _sharded_run(replicas: int, shards: int, optim: str, variant: str, topology: str) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    rank = dist.get_rank()
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = DecentOptimWrapper(
+        _optimizer(optim, model.parameters()),
+        topology=topology,
+        device_mesh=mesh["replicate"],
+        **_options(variant),
+    )
+    _train(model, optimizer, lambda step: _batch(step, rank))
+    before = [t.clone() for t in _full(model)]
+    local_before = [p.to_local().clone() for p in model.parameters()]
+    distance = optimizer.consensus_distance()
+    optimizer.global_avg()
+    averaged = _full(model)
+    optimizer.revert_global_avg()
+    reverted = [p.to_local().clone() for p in model.parameters()]
+    return {
+        "replica": mesh["replicate"].get_local_rank(),
+        "gossip_rank": optimizer.rank,
+        "world_size": optimizer.world_size,
+        "bytes": optimizer.engine.bytes_sent_per_step(),
+        "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "params": before,
+        "distance": distance,
+        "averaged": averaged,
+        "reverted_bitwise": all(torch.equal(a, b) for a, b in zip(local_before, reverted, strict=True)),
+    }
+
+
+def _reference_run(shards: int, optim: str, variant: str, topology: str) -> dict[str, Any]:
+    replica = dist.get_rank()
+    model = _model()
+    optimizer = DecentOptimWrapper(
+        _optimizer(optim, model.parameters()), topology=topology, **_options(variant)
+    )
+
+    def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        # The S batches FSDP2's shard group of this replica sees, as one: the mean loss over them.
+        parts = [_batch(step, replica * shards + s) for s in range(shards)]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+
+    _train(model, optimizer, batches)
+    params = _full(model)
+    distance = optimizer.consensus_distance()
+    optimizer.global_avg()
+    return {"params": params, "distance": distance, "averaged": _full(model)}
+
+
+def _check_equal(sharded: list[dict[str, Any]], reference: list[dict[str, Any]], shards: int) -> None:
+    for rank, result in enumerate(sharded):
+        replica = rank // shards
+        assert result["replica"] == replica and result["gossip_rank"] == replica
+        assert result["world_size"] == len(reference)
+        expected = reference[replica]
+        for got, want in zip(result["params"], expected["params"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+        for got, want in zip(result["averaged"], expected["averaged"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+        assert result["distance"] == pytest.approx(expected["distance"], rel=1e-9, abs=1e-12)
+        assert result["reverted_bitwise"], f"rank {rank}: revert_global_avg is not bitwise"
+
+
+@pytest.mark.parametrize(
+    ("optim", "variant"),
+    [("sgd", "plain"), ("adamw", "plain"), ("adamw", "bf16"), ("sgd", "tracking"), ("adamw", "local-steps")],
+)
+def test_two_replicas_of_two_shards_equal_two_whole_replicas(pool, optim, variant):
+    sharded = pool(4).run(_sharded_run, 2, 2, optim, variant, "ring")
+    reference = pool(2).run(_reference_run, 2, optim, variant, "ring")
+    _check_equal(sharded, reference, shards=2)
+    # Gossip moves a shard: bytes follow the shard's elements (8 bytes each in float64, twice with tracking).
+    rounds = 2 if variant == "tracking" else 1
+    for result in sharded:
+        sent = result["bytes"]
+        assert sent > 0
+        if variant == "plain":
+            assert sent < rounds * 8 * result["shard_numel"] * 1.5  # a shard, not the whole model
+
+
+def _eight_rank_runs(rank: int, workdir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{workdir}/rendezvous", rank=rank, world_size=8)
+    results = {}
+    for replicas, shards in ((4, 2), (2, 4)):
+        results[(replicas, shards)] = _sharded_run(replicas, shards, "adamw", "plain", "ring")
+    torch.save(results, f"{workdir}/sharded-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def test_four_by_two_and_two_by_four_meshes(pool, tmp_path):
+    spawn(_eight_rank_runs, (str(tmp_path),), nprocs=8, timeout=240)
+    for replicas, shards in ((4, 2), (2, 4)):
+        sharded = [torch.load(tmp_path / f"sharded-{r}.pt")[(replicas, shards)] for r in range(8)]
+        reference = pool(replicas).run(_reference_run, shards, "adamw", "plain", "ring")
+        _check_equal(sharded, reference, shards=shards)
+
+
+def _tp_run(replicas: int, tp: int) -> dict[str, Any]:
+    """Tensor parallelism inside a replica: column- then row-parallel, the second bias replicated."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (replicas, tp), mesh_dim_names=("replicate", "tp"))
+    replica = mesh["replicate"].get_local_rank()
+    model = parallelize_module(_model(), mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    optimizer = DecentOptimWrapper(
+        _optimizer("adamw", model.parameters()), topology="ring", device_mesh=mesh["replicate"]
+    )
+    _train(model, optimizer, lambda step: _batch(step, replica))  # the TP ranks of a replica share its batch
+    params = _full(model)
+    distance = optimizer.consensus_distance()
+    optimizer.global_avg()
+    return {"params": params, "distance": distance, "averaged": _full(model), "replica": replica}
+
+
+def test_two_replicas_of_two_tensor_parallel_ranks_equal_two_whole_replicas(pool):
+    sharded = pool(4).run(_tp_run, 2, 2)
+    reference = pool(2).run(_reference_run, 1, "adamw", "plain", "ring")
+    for rank, result in enumerate(sharded):
+        expected = reference[rank // 2]
+        assert result["replica"] == rank // 2
+        for key in ("params", "averaged"):
+            for got, want in zip(result[key], expected[key], strict=True):
+                torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+        # The replicated bias counts once in the distance, not once per tensor-parallel rank.
+        assert result["distance"] == pytest.approx(expected["distance"], rel=1e-9)
+
+
+def _bad_case(name: str) -> tuple[str, str]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from decent_optim_wrapper import DecentralizedDataParallel, optim_fn_adamw
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    gossip_along: Any = mesh["replicate"]
+    options: dict[str, Any] = {}
+    if name == "mesh not 1-D":
+        gossip_along = mesh
+    elif name == "sharded along the gossip dimension":
+        fully_shard(model, mesh=mesh["replicate"])
+    elif name == "parameters on two meshes":
+        fully_shard(model[0], mesh=mesh["shard"])
+        fully_shard(model[2], mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["a"])
+    else:
+        fully_shard(model, mesh=mesh["shard"])
+    if name == "DTensor parameters without device_mesh":
+        gossip_along = None
+    elif name == "device_mesh and process_group":
+        options["process_group"] = mesh["replicate"].get_group()
+    elif name == "continue with a mesh":
+        options["on_peer_failure"] = "continue"
+    elif name == "groups that do not split the job":
+        # Ranks 0 and 1 gossip over {0, 1}, ranks 2 and 3 over everyone.
+        group = dist.new_group([0, 1])
+        gossip_along, options["process_group"] = None, group if dist.get_rank() < 2 else dist.group.WORLD
+        model = _model()
+    try:
+        if name == "module front-end with sharded parameters":
+            DecentralizedDataParallel(model, optim_fn_adamw, device_mesh=gossip_along)
+        else:
+            DecentOptimWrapper(
+                torch.optim.SGD(model.parameters(), lr=0.1), device_mesh=gossip_along, **options
+            )
+    except (ValueError, TypeError) as err:
+        return type(err).__name__, str(err)
+    return "no error", ""
+
+
+BAD = {
+    "mesh not 1-D": ["device_mesh must be 1-D", "2-D", 'mesh["replicate"]'],
+    "DTensor parameters without device_mesh": ["is a DTensor", "whole job", "device_mesh="],
+    "sharded along the gossip dimension": ["sharded or replicated along the dimension gossip runs on"],
+    "parameters on two meshes": ["lives on device mesh", "one device mesh"],
+    "device_mesh and process_group": ["device_mesh or process_group, not both"],
+    "continue with a mesh": ['on_peer_failure="continue"', "device_mesh"],
+    "groups that do not split the job": ["gossips over ranks", "split the job"],
+    "module front-end with sharded parameters": [
+        "DecentralizedDataParallel",
+        "DTensor",
+        "DecentOptimWrapper(",
+    ],
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_bad_input_fails_on_every_rank(pool, name):
+    for rank, (kind, message) in enumerate(pool(4).run(_bad_case, name)):
+        assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
+        for fragment in BAD[name]:
+            assert fragment in message, f"rank {rank}: {fragment!r} not in {message!r}"
+
+
+def _build_sharded(replicas: int, shards: int) -> tuple[nn.Module, DecentOptimWrapper]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = DecentOptimWrapper(_optimizer("adamw", model.parameters()), device_mesh=mesh["replicate"])
+    return model, optimizer
+
+
+def _steps(model: nn.Module, optimizer: DecentOptimWrapper, steps: range) -> None:
+    rank = dist.get_rank()
+    for step in steps:
+        x, y = _batch(step, rank)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+
+
+def _save_then_resume(workdir: str) -> dict[str, Any]:
+    """Per-rank checkpoints of local shards: saved at step 3, resumed in a fresh model and wrapper."""
+    import io
+
+    rank = dist.get_rank()
+    model, optimizer = _build_sharded(2, 2)
+    _steps(model, optimizer, range(3))
+    state = optimizer.state_dict()
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    torch.save(state, f"{workdir}/rank-{rank}.pt")
+    _steps(model, optimizer, range(3, 6))
+
+    fresh_model, fresh = _build_sharded(2, 2)
+    buffer.seek(0)
+    fresh.load_state_dict(torch.load(buffer, weights_only=True))  # plain tensors only
+    _steps(fresh_model, fresh, range(3, 6))
+    return {
+        "plain": all(not hasattr(v, "device_mesh") for e in state["state"].values() for v in e.values()),
+        "bitwise": all(
+            torch.equal(a.to_local(), b.to_local())
+            for a, b in zip(model.parameters(), fresh_model.parameters(), strict=True)
+        ),
+        "state_bitwise": all(
+            torch.equal(a.to_local(), b.to_local())
+            for p, q in zip(model.parameters(), fresh_model.parameters(), strict=True)
+            for a, b in zip(
+                (optimizer.optimizer.state[p][k] for k in ("exp_avg", "exp_avg_sq")),
+                (fresh.optimizer.state[q][k] for k in ("exp_avg", "exp_avg_sq")),
+                strict=True,
+            )
+        ),
+    }
+
+
+def _resume_on_fewer_replicas(workdir: str) -> dict[str, Any]:
+    """Saved as 2 replicas x 2 shards, resumed as 1 replica x 2 shards: the average of the replicas."""
+    shard = dist.get_rank()
+    model, optimizer = _build_sharded(1, 2)
+    saved = [
+        torch.load(f"{workdir}/rank-{replica * 2 + shard}.pt", weights_only=True) for replica in range(2)
+    ]
+    optimizer.load_state_dicts(saved)
+    # Every saved tensor is float64, and the average of two is one rounding: (a + b) / 2.
+    params = optimizer.state_dict()["decent"]["params"]
+    expected = [(a + b) / 2 for a, b in zip(*(s["decent"]["params"] for s in saved), strict=True)]
+    moments = [
+        (optimizer.optimizer.state[p]["exp_avg"].to_local().clone(), (s0["exp_avg"] + s1["exp_avg"]) / 2)
+        for p, s0, s1 in zip(
+            model.parameters(), saved[0]["state"].values(), saved[1]["state"].values(), strict=True
+        )
+    ]
+    _steps(model, optimizer, range(3, 4))  # it trains on
+    return {
+        "params": all(torch.equal(a, b) for a, b in zip(params, expected, strict=True)),
+        "moments": all(torch.equal(a, b) for a, b in moments),
+        "sharded_state": all(
+            hasattr(optimizer.optimizer.state[p]["exp_avg"], "device_mesh") for p in model.parameters()
+        ),
+    }
+
+
+def test_checkpoint_of_local_shards_resumes_bitwise_and_on_fewer_replicas(pool, tmp_path):
+    for rank, result in enumerate(pool(4).run(_save_then_resume, str(tmp_path))):
+        assert result["plain"], f"rank {rank}: the checkpoint holds DTensors"
+        assert result["bitwise"] and result["state_bitwise"], f"rank {rank}: resume is not bitwise"
+    for rank, result in enumerate(pool(2).run(_resume_on_fewer_replicas, str(tmp_path))):
+        assert result == {"params": True, "moments": True, "sharded_state": True}, f"rank {rank}: {result}"
