@@ -359,3 +359,104 @@ def test_checkpoint_of_local_shards_resumes_bitwise_and_on_fewer_replicas(pool, 
         assert result["bitwise"] and result["state_bitwise"], f"rank {rank}: resume is not bitwise"
     for rank, result in enumerate(pool(2).run(_resume_on_fewer_replicas, str(tmp_path))):
         assert result == {"params": True, "moments": True, "sharded_state": True}, f"rank {rank}: {result}"
+
+
+def _scaled_run(sharded: bool) -> dict[str, Any]:
+    """Three steps under a gradient scaler; at step 1 one gradient element of replica 0 is inf.
+
+    Sharded: torch's ShardedGradScaler over the shard group, so the replica's shards skip together.
+    Whole replicas: a plain GradScaler, the inf put in the same element of the whole gradient.
+    """
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    rank = dist.get_rank()
+    if sharded:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+        model = _model()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh["shard"])
+        fully_shard(model, mesh=mesh["shard"])
+        optimizer = DecentOptimWrapper(_optimizer("adamw", model.parameters()), device_mesh=mesh["replicate"])
+        scaler = ShardedGradScaler("cpu", init_scale=2.0**8, process_group=mesh["shard"].get_group())
+    else:
+        replica, shard = rank, 0
+        model = _model()
+        optimizer = DecentOptimWrapper(_optimizer("adamw", model.parameters()))
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    scales = []
+    for step in range(3):
+        if sharded:
+            x, y = _batch(step, rank)
+        else:
+            parts = [_batch(step, replica * 2 + s) for s in range(2)]
+            x, y = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        optimizer.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        if step == 1 and replica == 0 and shard == 0:
+            grad = model[0].weight.grad
+            (grad.to_local() if sharded else grad)[0, 0] = float("inf")  # row 0 lives on shard 0
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return {"params": _full(model), "scales": scales}
+
+
+def test_sharded_grad_scaler_skips_a_replica_as_a_whole(pool):
+    sharded = pool(4).run(_scaled_run, True)
+    reference = pool(2).run(_scaled_run, False)
+    for rank, result in enumerate(sharded):
+        expected = reference[rank // 2]
+        assert result["scales"] == expected["scales"]  # replica 0 (both shards) backed off, replica 1 not
+        for got, want in zip(result["params"], expected["params"], strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=ATOL)
+    assert reference[0]["scales"] != reference[1]["scales"]
+
+
+def _job_model(job: int) -> nn.Module:
+    torch.manual_seed(job)
+    return nn.Sequential(
+        nn.Linear(D_IN, HIDDEN + 4 * job), nn.Tanh(), nn.Linear(HIDDEN + 4 * job, D_OUT)
+    ).double()
+
+
+def _job_run(front_end: str, alone: int | None = None) -> dict[str, Any]:
+    """Two jobs in one world of 4 (ranks 0-1 and 2-3, different models), or job ``alone`` on 2 ranks."""
+    from decent_optim_wrapper import DecentralizedDataParallel
+
+    if alone is None:
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # created by every rank, in one order
+        job, group = dist.get_rank() // 2, groups[dist.get_rank() // 2]
+    else:
+        job, group = alone, None
+    model = _job_model(job)
+    if front_end == "wrapper":
+        optimizer = DecentOptimWrapper(_optimizer("adamw", model.parameters()), process_group=group)
+        rank = optimizer.rank
+    else:
+        model = DecentralizedDataParallel(
+            model, lambda params: _optimizer("adamw", [p for _, p in params]), process_group=group
+        )
+        rank = model.rank
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        if front_end == "wrapper":
+            optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if front_end == "wrapper":
+            optimizer.step()
+    return {"job": job, "rank": rank, "params": _full(model)}
+
+
+@pytest.mark.parametrize("front_end", ["wrapper", "module"])
+def test_two_jobs_in_one_world_each_equal_a_job_of_their_own(pool, front_end):
+    jobs = pool(4).run(_job_run, front_end)
+    references = {job: pool(2).run(_job_run, front_end, job) for job in (0, 1)}
+    for rank, result in enumerate(jobs):
+        assert (result["job"], result["rank"]) == (rank // 2, rank % 2)
+        expected = references[rank // 2][rank % 2]
+        for got, want in zip(result["params"], expected["params"], strict=True):
+            assert torch.equal(got, want), f"rank {rank}: differs from a job of its own"
