@@ -348,6 +348,32 @@ def test_lbfgs_is_refused_on_every_rank(pool: Any) -> None:
     assert all("LBFGS" in message for message in messages)
 
 
+class ShardedNet(Net):
+    """Shards its layers with FSDP2 in configure_model, as a user of ModelParallelStrategy would."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(self.net, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
+
+
+def run_sharded() -> str:
+    with launched_by_torchrun():
+        try:
+            trainer(limit_val_batches=0).fit(ShardedNet("adamw", scheduler="none"), loaders()[0])
+        except ValueError as err:
+            return str(err)
+        return "no error"
+
+
+def test_sharded_parameters_are_refused_by_name_on_every_rank(pool: Any) -> None:
+    messages = pool(2).run(run_sharded, timeout=60)
+    for message in messages:
+        assert "DecentralizedStrategy gossips whole replicas" in message, message
+        assert "ModelParallelStrategy" in message and 'device_mesh=mesh["replicate"]' in message
+
+
 @pytest.mark.pure
 def test_unsupported_lightning_version_is_named() -> None:
     from decent_optim_wrapper.integrations.common import require_version

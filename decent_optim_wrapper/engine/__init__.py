@@ -3,13 +3,17 @@
 Modules, each importing only those listed before it:
 
 * :mod:`~decent_optim_wrapper.engine.errors` -- what a collective that cannot complete raises.
+* :mod:`~decent_optim_wrapper.engine.world` -- the gossip world: the whole job, or one dimension of a
+  device mesh or a process group.
+* :mod:`~decent_optim_wrapper.engine.shards` -- sharded (DTensor) parameters: local shards and their checks.
 * :mod:`~decent_optim_wrapper.engine.buckets` -- flat parameter buckets that parameters become views of.
-* :mod:`~decent_optim_wrapper.engine.comm` -- world info, cross-rank agreement, process groups, and how
-  to wait for a collective (timed on CPU, stream-ordered on CUDA).
+* :mod:`~decent_optim_wrapper.engine.comm` -- cross-rank agreement, process groups, and how to wait for a
+  collective (timed on CPU, stream-ordered on CUDA).
 * :mod:`~decent_optim_wrapper.engine.membership` -- opt-in survival of a lost peer: who is still here,
   agreed through the job's store, and a new process group over the survivors.
 * :mod:`~decent_optim_wrapper.engine.compression` -- opt-in compressed gossip: wire formats and which
   groups compress.
+* :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
 * :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
 * :mod:`~decent_optim_wrapper.engine.tracking` -- opt-in gradient tracking.
 * :mod:`~decent_optim_wrapper.engine.second_moment` -- Adam's second moment of the average gradient,
@@ -18,11 +22,10 @@ Modules, each importing only those listed before it:
   outer optimizer, anchors gossiped behind the next inner steps.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
 * :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop, the
-  record of failures and their hooks.
+  rounds settled and the topology over the survivors, the record of failures and their hooks.
 * :mod:`~decent_optim_wrapper.engine.checkpoint` -- the engine's part of a checkpoint.
 * :mod:`~decent_optim_wrapper.engine.resize` -- what each rank loads from a checkpoint of another world
   size: the average of the saved replicas.
-* :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
 * :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.
 """

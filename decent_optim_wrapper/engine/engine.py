@@ -521,6 +521,7 @@ class GossipEngine:
             for param, name in zip(params, names, strict=True):
                 if id(param) in known:
                     raise ValueError(f"{name} is already gossiped; add each parameter only once.")
+            self._shards.add(params, names)
             built.extend(build_buckets(params, names, self._bucket_cap_bytes, self._as_views))
             return _signatures(built)
 

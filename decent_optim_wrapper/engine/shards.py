@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
 from decent_optim_wrapper.engine.world import GossipWorld
@@ -58,22 +59,32 @@ class ShardLayout:
     """
 
     def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], world: GossipWorld) -> None:
-        self.mesh = None
-        first = ""
+        self.mesh: DeviceMesh | None = None
+        self._first = ""
+        self._world = world
+        self.add(params, names)
+
+    def add(self, params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+        """Check more parameters (``add_param_group``) against the mesh and the gossip world.
+
+        Nothing changes if one of them is refused.
+        """
+        first, first_name = self.mesh, self._first
         for param, name in zip(params, names, strict=True):
             if not isinstance(param, DTensor):
                 continue
             mesh = param.device_mesh
-            if self.mesh is None:
-                self.mesh, first = mesh, name
-                _check_apart(mesh, name, world)
-            elif mesh != self.mesh:
+            if first is None:
+                _check_apart(mesh, name, self._world)
+                first, first_name = mesh, name
+            elif mesh != first:
                 raise ValueError(
-                    f"{name} lives on device mesh {mesh} but {first} on {self.mesh}: every sharded "
+                    f"{name} lives on device mesh {mesh} but {first_name} on {first}: every sharded "
                     "parameter the wrapper gossips must live on one device mesh (e.g. fully_shard every "
                     'block over mesh["shard"]). Build the model on one mesh, or give each mesh its own '
                     "optimizer and wrapper."
                 )
+        self.mesh, self._first = first, first_name
 
     @property
     def sharded(self) -> bool:
@@ -103,9 +114,8 @@ class ShardLayout:
             dist.all_reduce(tensor, group=self.mesh.get_group(dim))
 
 
-def _check_apart(mesh: object, name: str, world: GossipWorld) -> None:
+def _check_apart(mesh: DeviceMesh, name: str, world: GossipWorld) -> None:
     """Raise if the mesh of sharded parameter ``name`` contains another member of the gossip world."""
-    assert hasattr(mesh, "mesh")
     mesh_ranks = {int(r) for r in mesh.mesh.flatten().tolist()}
     shared = sorted(mesh_ranks & set(world.ranks))
     if shared == [world.ranks[world.rank]]:

@@ -33,6 +33,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, TopologySpec
+from decent_optim_wrapper.engine.shards import is_sharded
 from decent_optim_wrapper.integrations.common import GossipOptions, Replicas, require_version
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
@@ -197,6 +198,17 @@ class DecentralizedStrategy(DDPStrategy):
         A collective (the wrappers broadcast rank 0's parameters): all ranks build the same optimizers.
         """
         super().setup_optimizers(trainer)
+        assert self.lightning_module is not None
+        for name, param in self.lightning_module.named_parameters():
+            if is_sharded(param):
+                raise ValueError(
+                    f"DecentralizedStrategy gossips whole replicas, but {name} is a sharded parameter "
+                    "(DTensor, e.g. from fully_shard or parallelize_module in configure_model). Lightning's "
+                    "ModelParallelStrategy and FSDPStrategy shard with all-reduce across replicas; for "
+                    "gossip between sharded replicas use "
+                    'DecentOptimWrapper(..., device_mesh=mesh["replicate"]) in a plain loop (the big '
+                    "models page of the docs)."
+                )
         for optimizer in self.optimizers:
             if isinstance(optimizer, LBFGS):
                 raise ValueError(
