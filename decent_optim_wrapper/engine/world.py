@@ -17,7 +17,7 @@ import torch.distributed as dist
 from loguru import logger
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["GossipWorld", "resolve_gossip_world"]
+__all__ = ["GossipWorld", "members_per_node", "resolve_gossip_world"]
 
 
 @dataclass(frozen=True)
@@ -138,10 +138,20 @@ def _local_world_size(given: int | None, members: tuple[int, ...], subgroup: boo
         ) from None
     if not subgroup:
         return _local_world_size(per_job_node, members, subgroup)
-    if per_job_node < 1:
+    return members_per_node(members, per_job_node)
+
+
+def members_per_node(members: tuple[int, ...], ranks_per_node: int) -> int:
+    """How many members of a gossip group share a node, nodes holding ``ranks_per_node`` consecutive ranks.
+
+    The members must lie on their nodes in equal runs, one run per node (as a mesh dimension does:
+    ``(2, 2)`` mesh on 2 nodes of 2 ranks: 1 per node along ``"replicate"``, 2 along ``"shard"``);
+    otherwise 1, so that a hierarchical topology treats every member as a node of its own.
+    """
+    size = len(members)
+    if ranks_per_node < 1:
         return 1
-    # The members sharing a node along the gossip group: consecutive runs of one node each, all as long.
-    nodes = [r // per_job_node for r in members]
+    nodes = [r // ranks_per_node for r in members]
     for run_length in range(size, 0, -1):
         if size % run_length:
             continue
