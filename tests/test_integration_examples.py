@@ -49,3 +49,13 @@ def test_hf_example_trains_under_torchrun(tmp_path: Path) -> None:
     assert "best possible loss" in output and "eval_loss" in output
     checkpoint = tmp_path / "runs" / "hf-decentralized" / "checkpoint-4"
     assert (checkpoint / "decent_rank0-of-2.pt").exists() and (checkpoint / "decent_rank1-of-2.pt").exists()
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_hsdp_example_trains_sharded_replicas_under_torchrun(tmp_path: Path) -> None:
+    results = tmp_path / "results.json"
+    output = run_script(tmp_path, str(ROOT / "examples/hsdp.py"), "--steps", "10", "--json", str(results))
+    metrics = json.loads(results.read_text())
+    # 2 replicas x 2 shards: a rank sends its shard, half of the model's 532k fp32 parameters (2.13 MB).
+    assert metrics["trainer"] == "gossip" and 0 < metrics["bytes_sent_per_step"] < 1.5e6
+    assert metrics["val_loss"] < 1.0 and "step 10: train loss" in output
