@@ -83,6 +83,7 @@ def train_lm(
     eval_every: int = 0,
     width: int = 64,
     depth: int = 2,
+    seed: int = 0,
 ) -> LMResult | None:
     """Train one method on this rank's part of ``split`` (every rank calls this); rank 0 gets the result."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -90,10 +91,10 @@ def train_lm(
     if spec.optimizer not in ("adamw", "accum-adamw"):
         raise ValueError(f"method {method!r}: the language model trains with Adam; add '+adamw'")
     tokens, validation = make_lm_data(world, rank, split)
-    model = make_lm_model(width, depth)
+    model = make_lm_model(width, depth, seed)
     make_optimizer = optimizer_factory(spec.optimizer, lr=0.0, adam_lr=adam_lr)
     net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, steps)
-    sampler = torch.Generator().manual_seed(100 + rank)
+    sampler = torch.Generator().manual_seed(100 + rank + 1000 * seed)
     losses = torch.zeros(steps, dtype=torch.float64)
     curve: list[tuple[int, float]] = []
     evaluating = 0.0
@@ -157,7 +158,7 @@ def report(results: list[LMResult], args: argparse.Namespace, world: int) -> Non
     print(
         f"\nLanguage model ({describe_corpus()}), {split} split: {world} workers, {args.steps} steps, "
         f"batch {args.batch_size} x {CONTEXT} bytes/worker, AdamW lr {args.adam_lr}, "
-        f"{reference.parameters:,} parameters"
+        f"{reference.parameters:,} parameters" + (f", seed {args.seed}" if args.seed else "")
     )
     header = (
         f"{'method':>30} | {'val loss':>8} | {'train loss':>10} | {'bytes/step':>10} | {'vs DDP':>7} | "
@@ -208,6 +209,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                     args.eval_every,
                     args.width,
                     args.depth,
+                    args.seed,
                 )
                 if result is not None:
                     results.append(result)
@@ -238,6 +240,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate the average every K steps")
     parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the model's initialization and every rank's batch order"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     try:

@@ -130,8 +130,8 @@ def check_identical(what: str, values: list[Any], fix: str) -> None:
         raise ValueError(f"{what} differs between rank 0 and rank(s) {differ}. {fix}")
 
 
-#: One gossip world's process groups to create: its members' global ranks, then each distinct multi-rank
-#: group of its topology's schedule, in global ranks.
+#: The process groups one gossip world needs, as its members' global ranks followed by each distinct
+#: multi-rank group of its topology's schedule (in global ranks).
 GroupLayout = tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]
 
 

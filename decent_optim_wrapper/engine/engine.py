@@ -293,7 +293,7 @@ class GossipEngine:
 
     @property
     def world_size(self) -> int:
-        """How many ranks gossip together: the job's, or the size of ``device_mesh``/``process_group``."""
+        """How many ranks gossip together (the job's size, or that of ``device_mesh``/``process_group``)."""
         return self._world.world_size
 
     @property
