@@ -11,6 +11,7 @@ grown over a few steps of the update (AdamW divides by ``sqrt(v)``), far below t
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -96,6 +97,7 @@ def _sharded_run(replicas: int, shards: int, optim: str, variant: str, topology:
         "replica": mesh["replicate"].get_local_rank(),
         "gossip_rank": optimizer.rank,
         "world_size": optimizer.world_size,
+        "local_world_size": optimizer.local_world_size,
         "bytes": optimizer.engine.bytes_sent_per_step(),
         "shard_numel": sum(p.to_local().numel() for p in model.parameters()),
         "params": before,
@@ -105,11 +107,16 @@ def _sharded_run(replicas: int, shards: int, optim: str, variant: str, topology:
     }
 
 
-def _reference_run(shards: int, optim: str, variant: str, topology: str) -> dict[str, Any]:
+def _reference_run(
+    shards: int, optim: str, variant: str, topology: str, local_world_size: int | None = None
+) -> dict[str, Any]:
     replica = dist.get_rank()
     model = _model()
     optimizer = DecentOptimWrapper(
-        _optimizer(optim, model.parameters()), topology=topology, **_options(variant)
+        _optimizer(optim, model.parameters()),
+        topology=topology,
+        local_world_size=local_world_size,
+        **_options(variant),
     )
 
     def batches(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,16 +167,24 @@ def _eight_rank_runs(rank: int, workdir: str) -> None:
     results = {}
     for replicas, shards in ((4, 2), (2, 4)):
         results[(replicas, shards)] = _sharded_run(replicas, shards, "adamw", "plain", "ring")
+    # Two nodes of 4 ranks (torchrun's LOCAL_WORLD_SIZE): along "replicate", two replicas share a node,
+    # and the hierarchical topology averages them inside it.
+    os.environ["LOCAL_WORLD_SIZE"] = "4"
+    results["hierarchical"] = _sharded_run(4, 2, "sgd", "plain", "hierarchical")
     torch.save(results, f"{workdir}/sharded-{rank}.pt")
     dist.destroy_process_group()
 
 
-def test_four_by_two_and_two_by_four_meshes(pool, tmp_path):
+def test_eight_ranks_as_four_by_two_and_two_by_four_and_hierarchical_over_nodes(pool, tmp_path):
     spawn(_eight_rank_runs, (str(tmp_path),), nprocs=8, timeout=240)
     for replicas, shards in ((4, 2), (2, 4)):
         sharded = [torch.load(tmp_path / f"sharded-{r}.pt")[(replicas, shards)] for r in range(8)]
         reference = pool(replicas).run(_reference_run, shards, "adamw", "plain", "ring")
         _check_equal(sharded, reference, shards=shards)
+    sharded = [torch.load(tmp_path / f"sharded-{r}.pt")["hierarchical"] for r in range(8)]
+    assert all(result["local_world_size"] == 2 for result in sharded)
+    reference = pool(4).run(_reference_run, 2, "sgd", "plain", "hierarchical", 2)
+    _check_equal(sharded, reference, shards=2)
 
 
 def _tp_run(replicas: int, tp: int) -> dict[str, Any]:
