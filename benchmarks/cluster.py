@@ -222,9 +222,17 @@ def measure_link(cluster: Cluster, megabytes: int, port: int) -> float:
 
 
 def worker_command(
-    cluster: Cluster, rank: int, outdir: Path, args: argparse.Namespace, extra: Sequence[str] = ()
+    cluster: Cluster,
+    rank: int,
+    outdir: Path,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+    worker: Path = WORKER,
 ) -> list[str]:
-    """``ip netns exec <node> python cluster_worker.py ...`` for ``rank``, ``extra`` flags appended."""
+    """``ip netns exec <node> python <worker> ...`` for ``rank``, ``extra`` flags appended.
+
+    ``worker``: a script that takes ``cluster_worker.py``'s flags (default: ``cluster_worker.py``).
+    """
     options = {
         "--rank": rank,
         "--world-size": args.nodes * args.workers_per_node,
@@ -237,12 +245,17 @@ def worker_command(
     }
     node = cluster.namespace(rank // args.workers_per_node)
     flags = [str(item) for pair in options.items() for item in pair]
-    command = ["ip", "netns", "exec", node, sys.executable, str(WORKER), *flags]
+    command = ["ip", "netns", "exec", node, sys.executable, str(worker), *flags]
     return [*command, "--methods", *args.methods, *extra]
 
 
 def start_workers(
-    cluster: Cluster, port: int, outdir: Path, args: argparse.Namespace, extra: Sequence[str] = ()
+    cluster: Cluster,
+    port: int,
+    outdir: Path,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+    worker: Path = WORKER,
 ) -> list:
     """One process per rank, each in its node's namespace, in its own session (killed as a group)."""
     procs = []
@@ -255,7 +268,7 @@ def start_workers(
             OMP_NUM_THREADS="1",
         )
         with open(outdir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
-            cmd = worker_command(cluster, rank, outdir, args, extra)
+            cmd = worker_command(cluster, rank, outdir, args, extra, worker)
             procs.append(
                 subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             )
@@ -278,15 +291,16 @@ def run_workers(
     args: argparse.Namespace,
     extra: Sequence[str] = (),
     keys: Sequence[str] | None = None,
+    worker: Path = WORKER,
 ) -> dict | None:
     """All methods, ``--rounds`` times, on every rank; per-method times of all ranks, or None on failure.
 
     ``extra``: more worker flags; ``keys``: the worker's result keys (default: the methods; with
-    ``--scenarios``, ``scenario/method``). At the deadline the workers are killed and the rounds that
-    every rank finished are kept.
+    ``--scenarios``, ``scenario/method``); ``worker``: the script each rank runs. At the deadline the
+    workers are killed and the rounds that every rank finished are kept.
     """
     outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
-    procs = start_workers(cluster, port, outdir, args, extra)
+    procs = start_workers(cluster, port, outdir, args, extra, worker)
     try:
         deadline = time.monotonic() + seconds
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
