@@ -97,15 +97,30 @@ def _divisor(rule: str, r: _Replica, k: int, g: torch.Tensor, t: int, n: int, me
     return r.s[k] / n + (1 - 1 / n) * r.c[k].clamp(min=0)
 
 
-def simulate(rule: str, n: int, steps: int, batch: int, lr: float, split: str, gossip: str | None) -> float:
-    """Train ``n`` replicas with ``rule``; the validation loss of their average."""
-    model = make_lm_model()
+def simulate(
+    rule: str,
+    n: int,
+    steps: int,
+    batch: int,
+    lr: float,
+    split: str,
+    gossip: str | None,
+    width: int = 64,
+    depth: int = 2,
+    seed: int = 0,
+) -> float:
+    """Train ``n`` replicas with ``rule``; the validation loss of their average.
+
+    ``width``, ``depth``: the model's (``lm_task.make_lm_model``); ``seed``: its initialization and the
+    batch order.
+    """
+    model = make_lm_model(width, depth, seed)
     names = [name for name, _ in model.named_parameters()]
     start = [p.detach().clone() for p in model.parameters()]
     replicas = [_Replica(start) for _ in range(1 if rule == "ddp" else n)]
     data = [make_lm_data(n, rank, split)[0] for rank in range(n)]
     validation = make_lm_data(n, 0, split)[1]
-    samplers = [torch.Generator().manual_seed(100 + rank) for rank in range(n)]
+    samplers = [torch.Generator().manual_seed(100 + rank + 1000 * seed) for rank in range(n)]
     topology = TopologyFactory.create(gossip, n) if gossip and rule != "ddp" else None
     sent: list[list[torch.Tensor]] = []
 
@@ -163,6 +178,9 @@ def main() -> None:
     parser.add_argument("--adam-lr", type=float, default=3e-3)
     parser.add_argument("--split", choices=("iid", "files"), default="iid")
     parser.add_argument("--gossip", default=None, help="mix with this topology instead of exact averaging")
+    parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
+    parser.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--seed", type=int, default=0, help="model initialization and batch order")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -172,14 +190,24 @@ def main() -> None:
     for rule in rules:
         began = time.perf_counter()
         loss = simulate(
-            rule, args.workers, args.steps, args.batch_size, args.adam_lr, args.split, args.gossip
+            rule,
+            args.workers,
+            args.steps,
+            args.batch_size,
+            args.adam_lr,
+            args.split,
+            args.gossip,
+            args.width,
+            args.depth,
+            args.seed,
         )
         results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
         print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
     reference = results[0].validation_loss
     print(
         f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
-        f"{args.batch_size}, lr {args.adam_lr}, {args.split} split"
+        f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth "
+        f"{args.depth}, seed {args.seed}"
     )
     print(f"{'rule':>18} | {'val loss':>8} | {'/ ddp':>6}")
     for r in results:
