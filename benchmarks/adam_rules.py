@@ -43,6 +43,8 @@ RULES = (
     "momentum-floor",
     "lag1",
     "momentum",
+    "lag1-abs",
+    "momentum-abs",
 )
 BETAS, EPS = (0.9, 0.999), 1e-8
 
@@ -94,7 +96,8 @@ def _divisor(rule: str, r: _Replica, k: int, g: torch.Tensor, t: int, n: int, me
         return r.s[k]
     r.s[k].mul_(b2).addcmul_(g, g, value=1 - b2)
     r.c[k].mul_(b2).add_(g * other, alpha=1 - b2)
-    return r.s[k] / n + (1 - 1 / n) * r.c[k].clamp(min=0)
+    signal = r.c[k].abs() if rule.endswith("-abs") else r.c[k].clamp(min=0)
+    return r.s[k] / n + (1 - 1 / n) * signal
 
 
 def simulate(
@@ -181,10 +184,13 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and batch order")
+    parser.add_argument(
+        "--ddp-loss", type=float, default=None, help="ddp's loss from an earlier run of the same flags"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    rules = args.rules if "ddp" in args.rules else ["ddp", *args.rules]
+    rules = args.rules if "ddp" in args.rules or args.ddp_loss else ["ddp", *args.rules]
     mixing = f"gossip ({args.gossip})" if args.gossip else "exact average"
     results = []
     for rule in rules:
@@ -203,7 +209,7 @@ def main() -> None:
         )
         results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
         print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
-    reference = results[0].validation_loss
+    reference = args.ddp_loss if args.ddp_loss and "ddp" not in rules else results[0].validation_loss
     print(
         f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
         f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth "

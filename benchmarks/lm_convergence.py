@@ -200,6 +200,11 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
             for method in args.methods:
                 if rank == 0:
                     print(f"[{split}] {method}", flush=True)
+                if (split, method) in args.reused:
+                    results.append(args.reused[split, method])
+                    if rank == 0:
+                        print(f"    validation loss {results[-1].validation_loss:.4f} (reused)", flush=True)
+                    continue
                 result = train_lm(
                     method,
                     split,
@@ -243,6 +248,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--seed", type=int, default=0, help="the model's initialization and every rank's batch order"
     )
+    parser.add_argument(
+        "--reuse",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("JSON", "METHOD"),
+        help="take METHOD's result from an earlier run's JSON (same flags) instead of training it: for "
+        "methods whose code did not change, such as ddp+adamw when only the rule did (repeatable)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     try:
@@ -252,6 +266,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(error))
     if "ddp+adamw" not in args.methods:
         args.methods = ["ddp+adamw", *args.methods]
+    args.reused = {}
+    for path, method in args.reuse:
+        found = [LMResult(**r) for r in json.loads(Path(path).read_text()) if r["method"] == method]
+        if not found:
+            parser.error(f"--reuse: {path} has no result for {method!r}")
+        for result in found:
+            if result.workers != args.workers or result.adam_lr != args.adam_lr:
+                parser.error(
+                    f"--reuse: {path}'s {method} ran with {result.workers} workers and lr {result.adam_lr}, "
+                    f"this run has {args.workers} and {args.adam_lr}; reuse only a run of the same flags"
+                )
+            result.curve = [tuple(point) for point in result.curve]
+            args.reused[result.split, method] = result
     return args
 
 

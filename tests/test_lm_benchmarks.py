@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -139,3 +140,18 @@ def test_time_to_loss_multiplies_steps_by_the_planners_step_time(tmp_path):
     assert float(ring[3]) == pytest.approx(20 * float(ring[2]) / 1000, rel=1e-2)  # steps x step time
     assert float(ring[4]) < 1.0  # gossip's step is shorter than DDP's on links this slow
     assert rows["ring+adamw-local"][1] == "never"
+
+
+@pytest.mark.pure
+def test_reuse_takes_a_result_of_the_same_flags_and_refuses_others(tmp_path):
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps([asdict(_result("ddp+adamw", 2.0, [(10, 2.5), (20, 2.0)]))]))
+    args = lm_convergence.parse_args(
+        ["--workers", "4", "--methods", "ring+adamw", "--reuse", str(earlier), "ddp+adamw"]
+    )
+    assert args.methods == ["ddp+adamw", "ring+adamw"]
+    assert args.reused["iid", "ddp+adamw"] == _result("ddp+adamw", 2.0, [(10, 2.5), (20, 2.0)])
+    with pytest.raises(SystemExit):  # ran with 4 workers, asked for 8
+        lm_convergence.parse_args(["--workers", "8", "--reuse", str(earlier), "ddp+adamw"])
+    with pytest.raises(SystemExit):  # no such method in the file
+        lm_convergence.parse_args(["--workers", "4", "--reuse", str(earlier), "ring+adamw"])

@@ -16,13 +16,18 @@ coordinate, for an Adam-family optimizer with decay rates :math:`\beta_1, \beta_
         &&\text{(the optimizer's own exp\_avg\_sq, kept as it is)} \\
     c_t &= \beta_2 c_{t-1} + (1 - \beta_2)\, g_t\, \hat m_{t-1}
         &&\text{(exp\_avg\_signal; } \hat m_0 := g_1\text{)} \\
-    v_t &= \tfrac{1}{n}\, s_t + \left(1 - \tfrac{1}{n}\right) \max(c_t, 0)
+    v_t &= \tfrac{1}{n}\, s_t + \left(1 - \tfrac{1}{n}\right) |c_t|
         &&\text{(what the step divides by, bias-corrected as the optimizer does)}
 
-with :math:`\hat m_k = m_k / (1 - \beta_1^k)`. In expectation :math:`v_t` is
-:math:`\mu^2 + \sigma^2 / n`, all-reduce's; where the signal estimate is negative (a gradient whose
-sign keeps turning) the coordinate is treated as pure noise, :math:`s_t / n`, which never exceeds
-all-reduce's value in expectation. Step 1 is the optimizer's own (:math:`c_1 = s_1`). ``n`` is the
+with :math:`\hat m_k = m_k / (1 - \beta_1^k)`. Where the true gradient changes slowly, :math:`v_t`
+is in expectation :math:`\mu^2 + \sigma^2 / n`, all-reduce's. Why :math:`|c_t|` and not
+:math:`\max(c_t, 0)`: :math:`c_t` turns negative where the mean gradient alternates in sign from
+step to step (a sharp direction at a large learning rate). All-reduce's second moment is large
+there, and treating the coordinate as pure noise (:math:`s_t / n`) would take steps up to
+:math:`\sqrt n` times larger than all-reduce's exactly where the loss is sharpest; the magnitude
+keeps part of that signal. On a coordinate with no signal, :math:`|c_t|` adds a small positive bias
+of the order of the estimate's own noise: a slightly smaller step, never a larger one. Step 1 is
+the optimizer's own (:math:`c_1 = s_1`). ``n`` is the
 number of ranks whose replicas are averaged (the gossip world size; after a lost peer, the
 survivors'). At ``n = 1`` nothing changes.
 
@@ -194,9 +199,9 @@ def _prepare_group(
         torch._foreach_mul_(batch.signals, beta2)
         torch._foreach_addcmul_(batch.signals, batch.grads, batch.exp_avgs, batch.cross)
         # The optimizer computes b2 v + (1 - b2) g^2 from the v it finds; for it to land on
-        # v_t = s_t / n + (1 - 1/n) max(c_t, 0), with s_t = b2 s + (1 - b2) g^2, it must find
-        # v = s / n + (1 - 1/n) / b2 (max(c_t, 0) - (1 - b2) g^2): a tensor of its own, in s's place.
-        pre_step = torch._foreach_clamp_min(batch.signals, 0.0)
+        # v_t = s_t / n + (1 - 1/n) |c_t|, with s_t = b2 s + (1 - b2) g^2, it must find
+        # v = s / n + (1 - 1/n) / b2 (|c_t| - (1 - b2) g^2): a tensor of its own, in s's place.
+        pre_step = torch._foreach_abs(batch.signals)
         torch._foreach_addcmul_(pre_step, batch.grads, batch.grads, -(1 - beta2))
         torch._foreach_mul_(pre_step, (1 - 1 / n) / beta2)
         torch._foreach_add_(pre_step, squares, alpha=1 / n)
