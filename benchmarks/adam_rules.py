@@ -111,11 +111,13 @@ def simulate(
     width: int = 64,
     depth: int = 2,
     seed: int = 0,
+    own_step: float = 1.0,
 ) -> float:
     """Train ``n`` replicas with ``rule``; the validation loss of their average.
 
     ``width``, ``depth``: the model's (``lm_task.make_lm_model``); ``seed``: its initialization and the
-    batch order.
+    batch order. ``own_step`` (with ``gossip``): the next gradient is taken at the mixed point plus
+    this share of the replica's own step, while the full step is what it sends (1: the engine's).
     """
     model = make_lm_model(width, depth, seed)
     names = [name for name, _ in model.named_parameters()]
@@ -151,6 +153,7 @@ def simulate(
                 for k in range(len(start)):
                     r.params[k] = sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
         means = [sum(g[k] for g in grads) / len(grads) for k in range(len(start))]
+        mixed = [list(r.params) for r in replicas]
         for r, g in zip(replicas, grads, strict=True):
             for k in range(len(start)):
                 divisor = _divisor(rule, r, k, g[k], t, n, means[k] if rule.startswith("oracle") else None)
@@ -159,14 +162,18 @@ def simulate(
                 r.params[k] = r.params[k].addcdiv(m_hat, denominator, value=-lr_t)
         if topology is not None:
             sent = [[p.clone() for p in r.params] for r in replicas]
+            if own_step != 1.0:  # the next gradient at the mixed point plus a part of the own step
+                for r, before in zip(replicas, mixed, strict=True):
+                    r.params = [b + own_step * (p - b) for p, b in zip(r.params, before, strict=True)]
         elif len(replicas) > 1:
             for k in range(len(start)):
                 average = sum(r.params[k] for r in replicas) / len(replicas)
                 for r in replicas:
                     r.params[k] = average.clone()
+    final = sent if topology is not None else [r.params for r in replicas]
     with torch.no_grad():
         for k, p in enumerate(model.parameters()):
-            p.copy_(sum(r.params[k] for r in replicas) / len(replicas))
+            p.copy_(sum(params[k] for params in final) / len(final))
     return validation_loss(model, validation)
 
 
@@ -184,6 +191,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument("--seed", type=int, default=0, help="model initialization and batch order")
+    parser.add_argument(
+        "--own-step",
+        type=float,
+        default=1.0,
+        help="with --gossip: take the next gradient at the mixed point plus this share of the own step",
+    )
     parser.add_argument(
         "--ddp-loss", type=float, default=None, help="ddp's loss from an earlier run of the same flags"
     )
@@ -206,6 +219,7 @@ def main() -> None:
             args.width,
             args.depth,
             args.seed,
+            args.own_step,
         )
         results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
         print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
@@ -213,7 +227,7 @@ def main() -> None:
     print(
         f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
         f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth "
-        f"{args.depth}, seed {args.seed}"
+        f"{args.depth}, seed {args.seed}, own step {args.own_step}"
     )
     print(f"{'rule':>18} | {'val loss':>8} | {'/ ddp':>6}")
     for r in results:
