@@ -153,7 +153,7 @@ def simulate(
                 for k in range(len(start)):
                     r.params[k] = sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
         means = [sum(g[k] for g in grads) / len(grads) for k in range(len(start))]
-        mixed = [list(r.params) for r in replicas]
+        mixed = [list(r.params) for r in replicas] if own_step != 1.0 else []
         for r, g in zip(replicas, grads, strict=True):
             for k in range(len(start)):
                 divisor = _divisor(rule, r, k, g[k], t, n, means[k] if rule.startswith("oracle") else None)
@@ -223,7 +223,8 @@ def main() -> None:
         )
         results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
         print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
-    reference = args.ddp_loss if args.ddp_loss and "ddp" not in rules else results[0].validation_loss
+    ddp = [r.validation_loss for r in results if r.rule == "ddp"]
+    reference = ddp[0] if ddp else args.ddp_loss
     print(
         f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
         f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth "
