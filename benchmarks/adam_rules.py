@@ -3,11 +3,17 @@
     uv run benchmarks/adam_rules.py --workers 4                  # ~6 min on one core
     uv run benchmarks/adam_rules.py --workers 8 --rules ddp local momentum
     uv run benchmarks/adam_rules.py --workers 4 --gossip ring    # the library's ring instead of exact
+    uv run benchmarks/adam_rules.py --workers 8 --gossip ring --blocking --rules momentum-abs
 
 Simulates ``--workers`` replicas of the language model of ``lm_task.py`` in one process, each with its
 own AdamW (written out here, not torch's) and its own data (as ``lm_convergence.py`` samples it), for
 ``--steps`` steps of a cosine schedule. After every local step the replicas are averaged exactly (or,
 with ``--gossip TOPOLOGY``, mixed with the topology's matrices one step late, as the engine does).
+With ``--blocking`` the mixing follows the step at once, so the next gradient is taken at the mixed
+point (the engine's ``sync_every=1, sync_delay=0``). ``--momentum mixed`` replaces each replica's
+first moment, after mixing, by the direction its mixed parameters moved over the round (divided by
+the step's learning rate, times its denominator); ``--momentum gossip`` mixes the first moment with
+the parameters' matrix (twice the bytes): two attempts to shrink the replicas' spread under overlap.
 ``ddp`` is one model stepped with the average gradient. The rules differ only in what each replica's
 step divides by; the table gives the validation loss of the average and its ratio to ``ddp``'s:
 
@@ -112,6 +118,8 @@ def simulate(
     depth: int = 2,
     seed: int = 0,
     own_step: float = 1.0,
+    momentum: str = "local",
+    blocking: bool = False,
 ) -> float:
     """Train ``n`` replicas with ``rule``; the validation loss of their average.
 
@@ -127,7 +135,15 @@ def simulate(
     validation = make_lm_data(n, 0, split)[1]
     samplers = [torch.Generator().manual_seed(100 + rank + 1000 * seed) for rank in range(n)]
     topology = TopologyFactory.create(gossip, n) if gossip and rule != "ddp" else None
+    if blocking and momentum != "local":
+        raise ValueError(f"momentum={momentum!r} is for overlapped gossip; with blocking use 'local'")
     sent: list[list[torch.Tensor]] = []
+    sent_m: list[list[torch.Tensor]] = []
+    # momentum="mixed": each replica's first moment is replaced, after mixing, by the direction its
+    # mixed parameters moved along (its displacement over the round, in the step's own units).
+    anchors: list[list[torch.Tensor]] = []
+    denominators: list[list[torch.Tensor]] = [[] for _ in replicas]
+    previous_lr = 0.0
 
     def gradient(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
         tokens = data[rank]
@@ -147,21 +163,45 @@ def simulate(
             grads = [[sum(g[k] for g in per_rank) / n for k in range(len(start))]]
         else:
             grads = [gradient(r.params, rank) for rank, r in enumerate(replicas)]
-        if topology is not None and t > 1:  # the round launched at step t - 1, mixed before this step
+        if topology is not None and t > 1 and not blocking:  # the round launched at step t - 1
             w = topology.mixing_matrix(t - 2).double()
             for i, r in enumerate(replicas):
                 for k in range(len(start)):
                     r.params[k] = sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
+        if momentum == "gossip" and topology is not None and t > 1:  # m sent with the parameters
+            for i, r in enumerate(replicas):
+                r.m = [
+                    sum(float(w[i, j]) * sent_m[j][k] for j in range(n) if w[i, j] != 0)
+                    for k in range(len(start))
+                ]
+        if momentum == "mixed" and topology is not None and t > 1:
+            for i, r in enumerate(replicas):
+                for k in range(len(start)):
+                    moved = (anchors[i][k] - r.params[k]) / previous_lr
+                    r.m[k] = moved * denominators[i][k] * (1 - b1 ** (t - 1))
         means = [sum(g[k] for g in grads) / len(grads) for k in range(len(start))]
         mixed = [list(r.params) for r in replicas] if own_step != 1.0 else []
-        for r, g in zip(replicas, grads, strict=True):
+        anchors = [list(r.params) for r in replicas]
+        for i, (r, g) in enumerate(zip(replicas, grads, strict=True)):
             for k in range(len(start)):
                 divisor = _divisor(rule, r, k, g[k], t, n, means[k] if rule.startswith("oracle") else None)
                 m_hat = r.m[k] / (1 - b1**t)
                 denominator = (divisor / (1 - b2**t)).sqrt().add_(EPS)
                 r.params[k] = r.params[k].addcdiv(m_hat, denominator, value=-lr_t)
+                if momentum == "mixed":
+                    denominators[i][k : k + 1] = [denominator]
+        previous_lr = lr_t
         if topology is not None:
             sent = [[p.clone() for p in r.params] for r in replicas]
+            sent_m = [[m.clone() for m in r.m] for r in replicas]
+            if blocking:  # mixed at once: the next gradient is taken at the mixed point
+                w = topology.mixing_matrix(t - 1).double()
+                for i, r in enumerate(replicas):
+                    r.params = [
+                        sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
+                        for k in range(len(start))
+                    ]
+                sent = [list(r.params) for r in replicas]
             if own_step != 1.0:  # the next gradient at the mixed point plus a part of the own step
                 for r, before in zip(replicas, mixed, strict=True):
                     r.params = [b + own_step * (p - b) for p, b in zip(r.params, before, strict=True)]
@@ -198,6 +238,15 @@ def main() -> None:
         help="with --gossip: take the next gradient at the mixed point plus this share of the own step",
     )
     parser.add_argument(
+        "--momentum",
+        choices=("local", "mixed", "gossip"),
+        default="local",
+        help="with --gossip: 'mixed' replaces each replica's first moment by its mixed parameters' direction",
+    )
+    parser.add_argument(
+        "--blocking", action="store_true", help="with --gossip: mix right after the step (no overlap)"
+    )
+    parser.add_argument(
         "--ddp-loss", type=float, default=None, help="ddp's loss from an earlier run of the same flags"
     )
     parser.add_argument("--json", default=None)
@@ -220,6 +269,8 @@ def main() -> None:
             args.depth,
             args.seed,
             args.own_step,
+            args.momentum,
+            args.blocking,
         )
         results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
         print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
@@ -228,7 +279,8 @@ def main() -> None:
     print(
         f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
         f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth "
-        f"{args.depth}, seed {args.seed}, own step {args.own_step}"
+        f"{args.depth}, seed {args.seed}, own step {args.own_step}, "
+        f"momentum {args.momentum}, blocking {args.blocking}"
     )
     print(f"{'rule':>18} | {'val loss':>8} | {'/ ddp':>6}")
     for r in results:

@@ -106,6 +106,20 @@ class Gossip(Simulation):
             self.set_vector(i, total)
 
 
+class BlockingGossip(Gossip):
+    """Per-step gossip that blocks (``sync_every=1, sync_delay=0``): round t is mixed in right after
+    step t, so the next gradient is taken at the mixed point."""
+
+    def run(self, steps: int) -> list[torch.Tensor]:
+        for step in range(steps):
+            grads = self.gradients(step)
+            with torch.no_grad():
+                self.local_step(grads)
+                self.launch(step)
+                self.mix(step)
+        return [self.vector(i) for i in range(self.world_size)]
+
+
 def reference_algorithm(world_size: int, topology: str, steps: int) -> list[torch.Tensor]:
     """Every replica after ``steps`` steps of SGD (lr 0.1, momentum 0.9) with the gossip rule."""
     return Gossip(topology, *sgd_replicas(world_size)).run(steps)

@@ -9,6 +9,7 @@ broken, and their method grammar and verdicts are checked without a process grou
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from dataclasses import asdict
@@ -115,12 +116,30 @@ def test_adam_rules_runs_every_rule(tmp_path):
     assert {r["rule"] for r in results} == set(__import__("adam_rules").RULES)
 
 
+@pytest.mark.examples
+@pytest.mark.timeout(300)
+def test_adam_rules_blocking_complete_gossip_is_the_exact_average():
+    # Mixed at once with the complete graph's matrix, every replica is the average: the blocking
+    # simulation must land where exact averaging does (fp32: only the order of the average's sum).
+    simulate = __import__("adam_rules").simulate
+    options = {"rule": "momentum-abs", "n": 3, "steps": 4, "batch": 2, "lr": 3e-3, "split": "iid"}
+    exact = simulate(gossip=None, **options)
+    blocking = simulate(gossip="complete", blocking=True, **options)
+    overlapped = simulate(gossip="complete", **options)
+    assert blocking == pytest.approx(exact, abs=1e-5)
+    assert abs(overlapped - exact) > 1e-4  # one step late is another trajectory
+    for momentum in ("mixed", "gossip"):
+        other = simulate(gossip="ring", momentum=momentum, **options)
+        assert math.isfinite(other) and other != simulate(gossip="ring", **options)
+
+
 @pytest.mark.pure
 def test_time_to_loss_multiplies_steps_by_the_planners_step_time(tmp_path):
     results = [
         _result("ddp+adamw", 2.0, [(10, 2.5), (20, 2.0)]),
         _result("ring+adamw", 2.03, [(10, 2.4), (20, 2.03)]),  # within 2% at step 20
         _result("ring+adamw-local", 2.2, [(10, 2.6), (20, 2.2)]),  # never
+        _result("ring~h1d0+adamw", 2.0, [(10, 2.03), (20, 2.0)]),  # blocking, within 2% at step 10
     ]
     path = tmp_path / "lm.json"
     path.write_text(json.dumps([{**vars(r), "curve": r.curve} for r in results]))
@@ -140,6 +159,10 @@ def test_time_to_loss_multiplies_steps_by_the_planners_step_time(tmp_path):
     assert float(ring[3]) == pytest.approx(20 * float(ring[2]) / 1000, rel=1e-2)  # steps x step time
     assert float(ring[4]) < 1.0  # gossip's step is shorter than DDP's on links this slow
     assert rows["ring+adamw-local"][1] == "never"
+    # blocking: the round is not hidden behind the 10 ms of compute, so its step is longer
+    blocking = rows["ring~h1d0+adamw"]
+    assert blocking[1] == "10" and float(blocking[2]) > max(10.0, float(ring[2]))
+    assert float(blocking[3]) == pytest.approx(10 * float(blocking[2]) / 1000, rel=1e-2)
 
 
 @pytest.mark.pure

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers import flat, tiny_model, train_steps
-from simulation import Gossip
+from simulation import BlockingGossip, Gossip
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.engine.second_moment import SIGNAL, SecondMomentRule, check_second_moment
@@ -64,7 +64,10 @@ def _gradients(steps: int, shape=(5, 3), dtype=torch.float64, seed=0) -> list[to
 
 
 def _run(optimizer_cls, ranks, grads, rule: bool, **kwargs) -> tuple[torch.Tensor, torch.optim.Optimizer]:
-    p = torch.nn.Parameter(torch.linspace(-1, 1, grads[0].numel(), dtype=grads[0].dtype).view(grads[0].shape))
+    first = grads[0]
+    p = torch.nn.Parameter(
+        torch.linspace(-1, 1, first.numel(), dtype=first.dtype, device=first.device).view(first.shape)
+    )
     opt = optimizer_cls([p], **kwargs)
     hook = SecondMomentRule("average")
     for g in grads:
@@ -188,6 +191,55 @@ def test_bad_second_moment_names_the_argument_and_the_choices(value):
         check_second_moment(value)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "options",
+    [{"foreach": False}, {"foreach": True}, {"fused": True}, {"foreach": True, "capturable": True}],
+    ids=["single", "foreach", "fused", "capturable"],
+)
+def test_rule_on_cuda_tensors_equals_the_reference(options):
+    # The step counters live on the GPU (fused, capturable): the rule reads them once per group.
+    grads = [g.cuda() for g in _gradients(40)]
+    got, opt = _run(torch.optim.AdamW, 4, grads, rule=True, lr=0.01, weight_decay=0.1, **options)
+    expected, _ = _run(RuleAdamW, 4, [g.cpu() for g in grads], rule=False, n=4, weight_decay=0.1)
+    assert got.is_cuda and opt.state[next(iter(opt.state))][SIGNAL].is_cuda
+    # fp64, as the CPU test; the GPU's kernels round in their own order (1e-16 relative per op).
+    tolerance = 1e-12
+    if options.get("capturable"):
+        # Capturable AdamW keeps its step count in a float32 tensor and computes the bias
+        # corrections from it in float32 (1e-7 relative, divided by 1 - b2^t): torch's own
+        # rounding, measured here without the rule, bounds the rule's distance to the reference.
+        plain, _ = _run(torch.optim.AdamW, 1, grads, rule=False, lr=0.01, weight_decay=0.1, foreach=True)
+        captured, _ = _run(
+            torch.optim.AdamW, 1, grads, rule=False, lr=0.01, weight_decay=0.1, foreach=True, capturable=True
+        )
+        own = (captured - plain).abs().max().item()
+        assert own > 0
+        tolerance += 4 * own
+    torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=tolerance)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_scaled_fused_step_on_cuda_gives_the_unscaled_rule():
+    # GradScaler's scale and found-inf tensors on the GPU; the fused kernel unscales inside its step.
+    grads = [g.cuda() for g in _gradients(10, dtype=torch.float32)]
+    scale = torch.tensor(2.0**10, device="cuda")
+    rule = SecondMomentRule("average")
+    results = []
+    for fused, factor in ((True, scale), (False, None)):
+        p = torch.nn.Parameter(torch.zeros(5, 3, device="cuda"))
+        opt = torch.optim.AdamW([p], lr=0.01, fused=fused)
+        for g in grads:
+            p.grad = g * scale if factor is not None else g.clone()
+            found = torch.tensor(0.0, device="cuda") if factor is not None else None
+            scaled_step(opt, None, factor, found, lambda s, o=opt: rule.prepare(o, 4, s))
+        results.append(p.detach().cpu())
+    # fp32, fused kernel against the single-tensor path: their own roundings (a few ulp per step)
+    torch.testing.assert_close(results[0], results[1], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.pure
 @pytest.mark.parametrize("fused", [False, True])
 def test_a_skipped_inf_step_does_not_feed_the_estimate(fused):
@@ -263,14 +315,18 @@ def _rule_replicas(world_size: int, n: int):
     return models, [RuleAdamW(m.parameters(), n=n, lr=0.01) for m in models]
 
 
-def _trained(front_end: str, second_moment: str, topology: str, steps: int) -> torch.Tensor:
+def _trained(
+    front_end: str, second_moment: str, topology: str, steps: int, blocking: bool = False
+) -> torch.Tensor:
     model = tiny_model(dtype=torch.float64)
+    schedule = {"sync_every": 1, "sync_delay": 0} if blocking else {}
     if front_end == "module":
         net = DecentralizedDataParallel(
             model,
             lambda named: torch.optim.AdamW([p for _, p in named], lr=0.01, weight_decay=0.0),
             topology=topology,
             second_moment=second_moment,
+            **schedule,
         )
         loss_fn = torch.nn.CrossEntropyLoss()
         from helpers import batch
@@ -283,6 +339,7 @@ def _trained(front_end: str, second_moment: str, topology: str, steps: int) -> t
         torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0),
         topology=topology,
         second_moment=second_moment,
+        **schedule,
     )
     train_steps(model, opt, dist.get_rank(), range(steps))
     return flat(model)
@@ -296,6 +353,19 @@ def test_gossip_with_the_rule_equals_the_independent_simulation(pool, front_end,
     # fp64: the pre-step rounding of the rule (~1e-13) and the simulation's own mixing order
     for rank in range(world_size):
         torch.testing.assert_close(got[rank], expected[rank], rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("front_end", ["optimizer", "module"])
+@pytest.mark.parametrize("topology", ["ring", "one-peer-exp"])
+def test_blocking_gossip_with_the_rule_equals_the_independent_simulation(pool, front_end, topology):
+    # sync_every=1, sync_delay=0: each round mixed in before the next forward (docs/adam.md).
+    got = pool(4).run(_trained, front_end, "average", topology, 8, True)
+    expected = BlockingGossip(topology, *_rule_replicas(4, 4)).run(8)
+    overlapped = Gossip(topology, *_rule_replicas(4, 4)).run(8)
+    # fp64: as above, plus the low-communication fold x + (mix - x) rounding once more than the mix
+    for rank in range(4):
+        torch.testing.assert_close(got[rank], expected[rank], rtol=0, atol=1e-11)
+        assert not torch.allclose(got[rank], overlapped[rank], rtol=0, atol=1e-6)
 
 
 def test_local_is_the_plain_optimizer_under_gossip(pool):
