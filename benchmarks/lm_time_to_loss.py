@@ -2,7 +2,8 @@
 
     uv run benchmarks/lm_time_to_loss.py benchmarks/results/adam/lm-iid-{2,4,8,16}.json
 
-Reads ``lm_convergence.py`` results run with ``--eval-every`` (one file per world size), takes for
+Reads ``lm_convergence.py`` results run with ``--eval-every`` (files with the same DDP result, as
+``--reuse`` copies it, are one run and merged), takes for
 each method the first evaluated step at which the average model reaches DDP's final validation loss
 at that world size times ``--tolerance`` (1.02 by default: within the 2% target, since a method that
 ends 1% above DDP never reaches DDP's own final loss under a cosine schedule; 1.0 asks for it
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 from lm_convergence import steps_to_reach
 from methods import parse_method
@@ -50,6 +52,21 @@ def blocking_step_times(
     return {p.method: compute_s + p.step_s for p in rounds}
 
 
+def merged_runs(paths: list[Path]) -> list[list[dict[str, Any]]]:
+    """The ``iid`` results of ``paths``, one list per run of the same flags: files whose DDP result
+    is the same (the same workers and loss, as ``--reuse`` copies it) are merged, first file first."""
+    runs: dict[tuple[int, float], dict[str, dict[str, Any]]] = {}
+    for path in paths:
+        results = [r for r in json.loads(path.read_text()) if r["split"] == "iid"]
+        reference = next((r for r in results if r["method"] == "ddp+adamw"), None)
+        if reference is None:
+            raise SystemExit(f"{path} has no ddp+adamw result to compare with")
+        run = runs.setdefault((reference["workers"], reference["validation_loss"]), {})
+        for r in results:
+            run.setdefault(r["method"], r)
+    return [list(run.values()) for run in runs.values()]
+
+
 def topology_of(method: str) -> str:
     spec = parse_method(method)
     return "ddp" if spec.topology is None else spec.topology
@@ -60,16 +77,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "results", nargs="+", type=Path, help="lm_convergence.py --json files, one per world size"
+        "results", nargs="+", type=Path, help="lm_convergence.py --json files (same DDP result: merged)"
     )
     parser.add_argument("--compute-ms", type=float, default=18.0)
     parser.add_argument("--bandwidth", type=float, default=None, help="bits/s per node and direction")
     parser.add_argument("--tolerance", type=float, default=1.02, help="reach DDP's final loss times this")
     args = parser.parse_args()
-    for path in args.results:
-        results = [r for r in json.loads(path.read_text()) if r["split"] == "iid"]
-        if not results:
-            continue
+    for results in merged_runs(args.results):
         workers = results[0]["workers"]
         reference = next(r for r in results if r["method"] == "ddp+adamw")
         model_bytes = 4.0 * reference["parameters"]

@@ -141,10 +141,13 @@ def test_time_to_loss_multiplies_steps_by_the_planners_step_time(tmp_path):
         _result("ring+adamw-local", 2.2, [(10, 2.6), (20, 2.2)]),  # never
         _result("ring~h1d0+adamw", 2.0, [(10, 2.03), (20, 2.0)]),  # blocking, within 2% at step 10
     ]
-    path = tmp_path / "lm.json"
-    path.write_text(json.dumps([{**vars(r), "curve": r.curve} for r in results]))
+    # two files of one run (the second reuses the first's DDP result): merged into one table
+    first, second = tmp_path / "lm.json", tmp_path / "lm-blocking.json"
+    first.write_text(json.dumps([asdict(r) for r in results[:3]]))
+    second.write_text(json.dumps([asdict(r) for r in (results[0], results[3])]))
+    script = str(ROOT / "benchmarks" / "lm_time_to_loss.py")
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "lm_time_to_loss.py"), str(path), "--compute-ms", "10"],
+        [sys.executable, script, str(first), str(second), "--compute-ms", "10"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -163,6 +166,7 @@ def test_time_to_loss_multiplies_steps_by_the_planners_step_time(tmp_path):
     blocking = rows["ring~h1d0+adamw"]
     assert blocking[1] == "10" and float(blocking[2]) > max(10.0, float(ring[2]))
     assert float(blocking[3]) == pytest.approx(10 * float(blocking[2]) / 1000, rel=1e-2)
+    assert run.stdout.count("DDP's final validation loss") == 1
 
 
 @pytest.mark.pure
