@@ -10,7 +10,8 @@ own AdamW (written out here, not torch's) and its own data (as ``lm_convergence.
 ``--steps`` steps of a cosine schedule. After every local step the replicas are averaged exactly (or,
 with ``--gossip TOPOLOGY``, mixed with the topology's matrices one step late, as the engine does).
 With ``--blocking`` the mixing follows the step at once, so the next gradient is taken at the mixed
-point (the engine's ``sync_every=1, sync_delay=0``). ``--momentum mixed`` replaces each replica's
+point (the engine's ``sync_every=1, sync_delay=0``; ``--every H``: every ``H`` steps,
+``sync_every=H``). ``--momentum mixed`` replaces each replica's
 first moment, after mixing, by the direction its mixed parameters moved over the round (divided by
 the step's learning rate, times its denominator); ``--momentum gossip`` mixes the first moment with
 the parameters' matrix (twice the bytes): two attempts to shrink the replicas' spread under overlap.
@@ -120,6 +121,7 @@ def simulate(
     own_step: float = 1.0,
     momentum: str = "local",
     blocking: bool = False,
+    every: int = 1,
 ) -> float:
     """Train ``n`` replicas with ``rule``; the validation loss of their average.
 
@@ -135,8 +137,10 @@ def simulate(
     validation = make_lm_data(n, 0, split)[1]
     samplers = [torch.Generator().manual_seed(100 + rank + 1000 * seed) for rank in range(n)]
     topology = TopologyFactory.create(gossip, n) if gossip and rule != "ddp" else None
-    if blocking and momentum != "local":
-        raise ValueError(f"momentum={momentum!r} is for overlapped gossip; with blocking use 'local'")
+    if blocking and momentum == "mixed":
+        raise ValueError("momentum='mixed' is for overlapped gossip; with blocking use 'local' or 'gossip'")
+    if every != 1 and not blocking:
+        raise ValueError(f"every={every} needs blocking rounds (the engine's sync_delay=0)")
     sent: list[list[torch.Tensor]] = []
     sent_m: list[list[torch.Tensor]] = []
     # momentum="mixed": each replica's first moment is replaced, after mixing, by the direction its
@@ -168,7 +172,7 @@ def simulate(
             for i, r in enumerate(replicas):
                 for k in range(len(start)):
                     r.params[k] = sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
-        if momentum == "gossip" and topology is not None and t > 1:  # m sent with the parameters
+        if momentum == "gossip" and topology is not None and t > 1 and not blocking:  # m sent too
             for i, r in enumerate(replicas):
                 r.m = [
                     sum(float(w[i, j]) * sent_m[j][k] for j in range(n) if w[i, j] != 0)
@@ -194,13 +198,18 @@ def simulate(
         if topology is not None:
             sent = [[p.clone() for p in r.params] for r in replicas]
             sent_m = [[m.clone() for m in r.m] for r in replicas]
-            if blocking:  # mixed at once: the next gradient is taken at the mixed point
-                w = topology.mixing_matrix(t - 1).double()
+            if blocking and t % every == 0:  # mixed at once: the next gradient at the mixed point
+                w = topology.mixing_matrix(t // every - 1).double()
                 for i, r in enumerate(replicas):
                     r.params = [
                         sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
                         for k in range(len(start))
                     ]
+                    if momentum == "gossip":
+                        r.m = [
+                            sum(float(w[i, j]) * sent_m[j][k] for j in range(n) if w[i, j] != 0)
+                            for k in range(len(start))
+                        ]
                 sent = [list(r.params) for r in replicas]
             if own_step != 1.0:  # the next gradient at the mixed point plus a part of the own step
                 for r, before in zip(replicas, mixed, strict=True):
@@ -247,6 +256,9 @@ def main() -> None:
         "--blocking", action="store_true", help="with --gossip: mix right after the step (no overlap)"
     )
     parser.add_argument(
+        "--every", type=int, default=1, help="with --blocking: mix every EVERY steps (sync_every)"
+    )
+    parser.add_argument(
         "--ddp-loss", type=float, default=None, help="ddp's loss from an earlier run of the same flags"
     )
     parser.add_argument("--json", default=None)
@@ -271,6 +283,7 @@ def main() -> None:
             args.own_step,
             args.momentum,
             args.blocking,
+            args.every,
         )
         results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
         print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
@@ -280,7 +293,7 @@ def main() -> None:
         f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
         f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth "
         f"{args.depth}, seed {args.seed}, own step {args.own_step}, "
-        f"momentum {args.momentum}, blocking {args.blocking}"
+        f"momentum {args.momentum}, blocking {args.blocking}, every {args.every}"
     )
     print(f"{'rule':>18} | {'val loss':>8} | {'/ ddp':>6}")
     for r in results:

@@ -128,6 +128,10 @@ def test_adam_rules_blocking_complete_gossip_is_the_exact_average():
     overlapped = simulate(gossip="complete", **options)
     assert blocking == pytest.approx(exact, abs=1e-5)
     assert abs(overlapped - exact) > 1e-4  # one step late is another trajectory
+    periodic = simulate(gossip="complete", blocking=True, every=2, **options)
+    assert math.isfinite(periodic) and periodic != blocking
+    with pytest.raises(ValueError, match="blocking"):
+        simulate(gossip="complete", every=2, **options)
     for momentum in ("mixed", "gossip"):
         other = simulate(gossip="ring", momentum=momentum, **options)
         assert math.isfinite(other) and other != simulate(gossip="ring", **options)
