@@ -83,7 +83,10 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         sync_every, outer_optimizer, sync_delay: low-communication gossip: ``sync_every`` local
             steps per round, then an outer step (``outer_optimizer(anchors)`` builds it; None:
             periodic gossip of the parameters) and a gossip round of the anchors that may run
-            ``sync_delay`` steps behind (default: a whole round). Defaults: per-step gossip.
+            ``sync_delay`` steps behind (default: a whole round). Defaults: per-step gossip, each
+            round mixed in one step late, behind the next forward and backward. ``sync_every=1,
+            sync_delay=0`` is per-step gossip that blocks: the next gradient is taken at the mixed
+            point, which brings Adam to DDP's loss at the cost of the overlap (the Adam page).
             See :mod:`~decent_optim_wrapper.engine.local_steps` and the low-communication page.
         on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises
             :class:`~decent_optim_wrapper.GossipError`; ``"continue"``: the survivors drop it and go on
