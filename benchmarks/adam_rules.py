@@ -159,6 +159,13 @@ def simulate(
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         return list(torch.autograd.grad(loss, leaves))
 
+    def mix(w: torch.Tensor, values: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
+        """What every replica holds after a round with matrix ``w`` of what each sent (``values``)."""
+        return [
+            [sum(float(w[i, j]) * values[j][k] for j in range(n) if w[i, j] != 0) for k in range(len(start))]
+            for i in range(n)
+        ]
+
     b1, b2 = BETAS
     for t in range(1, steps + 1):
         lr_t = lr * (1 + math.cos(math.pi * (t - 1) / steps)) / 2
@@ -169,15 +176,11 @@ def simulate(
             grads = [gradient(r.params, rank) for rank, r in enumerate(replicas)]
         if topology is not None and t > 1 and not blocking:  # the round launched at step t - 1
             w = topology.mixing_matrix(t - 2).double()
-            for i, r in enumerate(replicas):
-                for k in range(len(start)):
-                    r.params[k] = sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
+            for r, values in zip(replicas, mix(w, sent), strict=True):
+                r.params = values
         if momentum == "gossip" and topology is not None and t > 1 and not blocking:  # m sent too
-            for i, r in enumerate(replicas):
-                r.m = [
-                    sum(float(w[i, j]) * sent_m[j][k] for j in range(n) if w[i, j] != 0)
-                    for k in range(len(start))
-                ]
+            for r, values in zip(replicas, mix(w, sent_m), strict=True):
+                r.m = values
         if momentum == "mixed" and topology is not None and t > 1:
             for i, r in enumerate(replicas):
                 for k in range(len(start)):
@@ -200,16 +203,11 @@ def simulate(
             sent_m = [[m.clone() for m in r.m] for r in replicas]
             if blocking and t % every == 0:  # mixed at once: the next gradient at the mixed point
                 w = topology.mixing_matrix(t // every - 1).double()
-                for i, r in enumerate(replicas):
-                    r.params = [
-                        sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0)
-                        for k in range(len(start))
-                    ]
-                    if momentum == "gossip":
-                        r.m = [
-                            sum(float(w[i, j]) * sent_m[j][k] for j in range(n) if w[i, j] != 0)
-                            for k in range(len(start))
-                        ]
+                for r, values in zip(replicas, mix(w, sent), strict=True):
+                    r.params = values
+                if momentum == "gossip":
+                    for r, values in zip(replicas, mix(w, sent_m), strict=True):
+                        r.m = values
                 sent = [list(r.params) for r in replicas]
             if own_step != 1.0:  # the next gradient at the mixed point plus a part of the own step
                 for r, before in zip(replicas, mixed, strict=True):
