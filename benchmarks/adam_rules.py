@@ -200,7 +200,8 @@ def simulate(
         previous_lr = lr_t
         if topology is not None:
             sent = [[p.clone() for p in r.params] for r in replicas]
-            sent_m = [[m.clone() for m in r.m] for r in replicas]
+            if momentum == "gossip":  # the first moment travels only when it is mixed
+                sent_m = [[m.clone() for m in r.m] for r in replicas]
             if blocking and t % every == 0:  # mixed at once: the next gradient at the mixed point
                 w = topology.mixing_matrix(t // every - 1).double()
                 for r, values in zip(replicas, mix(w, sent), strict=True):
