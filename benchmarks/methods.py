@@ -10,7 +10,8 @@ A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, 
   steps with it, for twice the bytes. DDP takes none: it already steps with the exact average;
 - ``~hH``, ``~hHn``, ``~hHnD`` (``D`` after a ``d``): low-communication gossip with ``sync_every=H``:
   ``~h8`` is periodic gossip (8 local steps, then a gossip round of the parameters), ``~h8n`` adds
-  DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9; ``~h8n0.3``: outer lr 0.3),
+  DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9; ``~h8n0.3``: outer lr 0.3;
+  ``~h8n0.5m0.5``: outer lr 0.5 and Nesterov momentum 0.5, ``m0.0`` plain SGD),
   ``~h8nd0`` with ``sync_delay=0``
   (blocking; without ``d`` the default, a whole round); ``complete~h8nd0`` is DiLoCo;
 - ``@bf16``, ``@fp16``, ``@int8``: gossip compressed models (``compression=`` of both front-ends);
@@ -42,7 +43,8 @@ COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression"; none when non
 OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
 LOCAL_MOMENT_SUFFIX = "-local"  # after the optimizer: second_moment="local"
 LOCAL = re.compile(  # after "~"
-    r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n(?P<lr>[0-9]*\.[0-9]+)?)?(?:d(?P<delay>[0-9]+))?"
+    r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n(?P<lr>[0-9]*\.[0-9]+)?(?:m(?P<momentum>[0-9]*\.[0-9]+))?)?"
+    r"(?:d(?P<delay>[0-9]+))?"
 )
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
 
@@ -52,11 +54,14 @@ def nesterov_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 
 
-def nesterov_outer_with_lr(lr: float) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """DiLoCo's outer optimizer with another learning rate (``~h8n0.3``: lr 0.3)."""
+def nesterov_outer_with(
+    lr: float, momentum: float = OUTER_MOMENTUM
+) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """DiLoCo's outer optimizer with another learning rate or momentum (``~h8n0.3``: lr 0.3;
+    ``~h8n0.5m0.5``: lr 0.5, Nesterov momentum 0.5)."""
 
     def build(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=lr, momentum=OUTER_MOMENTUM, nesterov=True)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
     return build
 
@@ -76,6 +81,7 @@ class Method:
     sync_every: int = 1  # low-communication gossip: inner steps per round (1: per-step gossip)
     nesterov: bool = False  # with DiLoCo's outer optimizer
     outer_lr: float | None = None  # its learning rate, if not DiLoCo's 0.7
+    outer_momentum: float | None = None  # its Nesterov momentum, if not DiLoCo's 0.9
     sync_delay: int | None = None  # None: the library's default (a whole round)
     second_moment: str = "average"  # "local": Adam's statistics from each rank's own gradients
 
@@ -88,6 +94,7 @@ class Method:
             f"h{self.sync_every}"
             + ("n" if self.nesterov else "")
             + ("" if self.outer_lr is None else str(self.outer_lr))
+            + ("" if self.outer_momentum is None else f"m{self.outer_momentum}")
             + ("" if self.sync_delay is None else f"d{self.sync_delay}")
         )
 
@@ -106,8 +113,11 @@ class Method:
                     None
                     if not self.nesterov
                     else nesterov_outer
-                    if self.outer_lr is None
-                    else nesterov_outer_with_lr(self.outer_lr)
+                    if self.outer_lr is None and self.outer_momentum is None
+                    else nesterov_outer_with(
+                        OUTER_LR if self.outer_lr is None else self.outer_lr,
+                        OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum,
+                    )
                 ),
                 sync_delay=self.sync_delay,
             )
@@ -150,7 +160,7 @@ def parse_method(method: str) -> Method:
         )
     base, at, compression = front.partition("@")
     base, tilde, local = base.partition("~")
-    every, nesterov, delay, outer_lr = 1, False, None, None
+    every, nesterov, delay, outer_lr, outer_momentum = 1, False, None, None, None
     if tilde:
         match = LOCAL.fullmatch(local)
         if base == "ddp" or match is None:
@@ -161,6 +171,7 @@ def parse_method(method: str) -> Method:
             )
         every, nesterov = int(match["every"]), match["nesterov"] is not None
         outer_lr = None if match["lr"] is None else float(match["lr"])
+        outer_momentum = None if match["momentum"] is None else float(match["momentum"])
         delay = None if match["delay"] is None else int(match["delay"])
         if delay is not None and delay > every:
             raise ValueError(f"method {method!r}: the delay d{delay} exceeds the round of h{every} steps")
@@ -204,6 +215,7 @@ def parse_method(method: str) -> Method:
         sync_every=every,
         nesterov=nesterov,
         outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
         sync_delay=delay,
         second_moment=second_moment,
     )

@@ -215,6 +215,8 @@ def test_bad_method_names_are_rejected_by_name(name, message):
         ("one-peer-exp-module~h32n@bf16+adamw", 32, True, None),
         ("ring~h4d4", 4, False, 4),
         ("ring~h8n0.3d0", 8, True, 0),
+        ("ring~h8n0.5m0.5d0", 8, True, 0),
+        ("complete~h8n0.8m0.0", 8, True, None),
     ],
 )
 def test_low_communication_names_are_read(name, sync_every, nesterov, delay):
@@ -225,9 +227,11 @@ def test_low_communication_names_are_read(name, sync_every, nesterov, delay):
     assert options["sync_every"] == sync_every and options["sync_delay"] == delay
     outer = options["outer_optimizer"]
     assert (outer is not None) == nesterov
-    if nesterov:  # DiLoCo's outer optimizer, with the learning rate the name gives
+    if nesterov:  # DiLoCo's outer optimizer, with the learning rate and momentum the name gives
         group = outer([torch.zeros(1)]).param_groups[0]
-        assert (group["lr"], group["momentum"], group["nesterov"]) == (method.outer_lr or 0.7, 0.9, True)
+        momentum = 0.9 if method.outer_momentum is None else method.outer_momentum
+        assert (group["lr"], group["momentum"]) == (method.outer_lr or 0.7, momentum)
+        assert group["nesterov"] == (momentum > 0)  # m0.0: plain SGD (Nesterov needs momentum)
     assert "sync_every" not in methods.parse_method("ring").engine_options()  # per-step gossip untouched
 
 

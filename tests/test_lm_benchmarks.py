@@ -186,3 +186,35 @@ def test_reuse_takes_a_result_of_the_same_flags_and_refuses_others(tmp_path):
         lm_convergence.parse_args(["--workers", "8", "--reuse", str(earlier), "ddp+adamw"])
     with pytest.raises(SystemExit):  # no such method in the file
         lm_convergence.parse_args(["--workers", "4", "--reuse", str(earlier), "ring+adamw"])
+
+
+@pytest.mark.pure
+def test_seed_table_divides_by_each_runs_own_ddp_then_summarises(tmp_path):
+    # two seeds: DDP 2.0 and 2.2; the method ends 1.02x and 1.10x its own run's DDP, its twin 1.2x
+    seed0 = [
+        _result("ddp+adamw", 2.0, []),
+        _result("ring~h8d0+adamw", 2.04, []),
+        _result("ring~h8d0+adamw-local", 2.4, []),
+    ]
+    seed1 = [_result("ddp+adamw", 2.2, []), _result("ring~h8d0+adamw", 2.42, [])]
+    seed1_more = [_result("ddp+adamw", 2.2, []), _result("ring~h8d0+adamw-local", 2.64, [])]  # --reuse'd
+    paths = []
+    for name, results in (("s0", seed0), ("s1", seed1), ("s1-more", seed1_more)):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps([asdict(r) for r in results]))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lm_seeds.py"), *map(str, paths), "--target", "1.05"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("2 runs")  # the third file is the second run's, merged
+    row = next(line for line in run.stdout.splitlines() if line.strip().startswith("ring~h8d0+adamw |"))
+    cells = [c.strip() for c in row.split("|")]
+    assert cells[1] == "1.020 1.100"
+    assert (cells[2], cells[3]) == ("1.060", "1.100")
+    assert cells[4] == "1 of 2"
+    assert cells[5] == "1.200"  # the -local twin's mean: (1.2 + 1.2) / 2
+    assert "adamw-local |" not in run.stdout  # a twin is a column, not a row
