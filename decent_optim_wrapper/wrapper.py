@@ -93,8 +93,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             (gloo; ``world_size`` and ``rank`` then report the new group), meeting in
             ``store`` (default: the rendezvous store at ``MASTER_ADDR:MASTER_PORT``). See the
             failures page of the docs.
-        second_moment: ``"average"`` (default): an Adam or AdamW inner optimizer normalises by an
-            estimate of the second moment of the *average* gradient over the ranks, as under
+        second_moment: ``"average"`` (default): an Adam, AdamW or AccumAdam(W) inner optimizer
+            normalises by an estimate of the second moment of the *average* gradient over the ranks, as under
             all-reduce, from this rank's gradients alone (no bytes, one state tensor per parameter;
             the Adam under gossip page of the docs). ``"local"``: the optimizer's own, from this
             rank's gradients alone (the rule of decent-optim-wrapper 0.1.1 and decent-dp). Other

@@ -41,8 +41,13 @@ maximize, L2 weight decay, complex parameters) and their subclasses run unchange
 (``exp_avg_signal``, saved and averaged with the optimizer's state), one transient tensor per
 parameter during the step (two with a GradScaler's scale or L2 decay), about eight elementwise passes
 (foreach kernels, one launch per group, device and dtype), no bytes on the wire. Other optimizers
-(SGD, Adagrad, Lion, AccumAdam, ...) are stepped as they are; each such class is named once in the
-log.
+(SGD, Adagrad, Lion, ...) are stepped as they are; each such class is named once in the log.
+
+An optimizer whose moments do not move every step cannot be corrected from outside its step: the
+library's AccumAdam and AccumAdamW take the rule themselves, counted in rounds, through the
+param-group option ``second_moment_ranks``. The rule sets it before every step (``n`` with
+``"average"``, 1 otherwise, so a shrinking world or ``"local"`` reverts it), and any optimizer whose
+``defaults`` carry that key is treated the same way.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ import torch
 from loguru import logger
 from torch.optim import Optimizer
 
-__all__ = ["SECOND_MOMENTS", "SIGNAL", "SecondMomentRule", "check_second_moment", "corrects"]
+__all__ = ["RANKS_OPTION", "SECOND_MOMENTS", "SIGNAL", "SecondMomentRule", "check_second_moment", "corrects"]
 
 #: ``"average"``: Adam's second moment estimates the average gradient's (the rule above);
 #: ``"local"``: each rank's own gradients, as torch's optimizer computes it alone (decent-dp and
@@ -75,9 +80,19 @@ def check_second_moment(second_moment: object) -> str:
     return second_moment
 
 
+#: The param-group option of optimizers that apply the rule inside their own step (AccumAdam(W)):
+#: the number of ranks ``n`` whose average gradient the second moment should follow.
+RANKS_OPTION = "second_moment_ranks"
+
+
 def corrects(optimizer: Optimizer) -> bool:
-    """Whether the rule applies to ``optimizer``: torch's Adam or AdamW, or a subclass of either."""
-    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW)
+    """Whether the rule applies to ``optimizer``: torch's Adam or AdamW, or a subclass of either, or
+    an optimizer that takes ``n`` itself (``second_moment_ranks`` in its defaults)."""
+    return isinstance(optimizer, torch.optim.Adam | torch.optim.AdamW) or _takes_ranks(optimizer)
+
+
+def _takes_ranks(optimizer: Optimizer) -> bool:
+    return RANKS_OPTION in optimizer.defaults
 
 
 class SecondMomentRule:
@@ -93,8 +108,11 @@ class SecondMomentRule:
     def applies(self, optimizer: Optimizer, world_size: int) -> bool:
         """Whether :meth:`prepare` would change ``optimizer``'s state at this world size.
 
-        An optimizer outside the Adam family is named once in the log (per class).
+        An optimizer outside the Adam family is named once in the log (per class). One that takes
+        ``second_moment_ranks`` always applies: its count must be set (to 1 where the rule is off).
         """
+        if _takes_ranks(optimizer):
+            return True
         if self.second_moment != "average" or world_size <= 1:
             return False
         if corrects(optimizer):
@@ -120,6 +138,11 @@ class SecondMomentRule:
         of parameters that took their first step.
         """
         if not self.applies(optimizer, world_size):
+            return _nothing
+        if _takes_ranks(optimizer):  # it applies the rule in its own step
+            ranks = world_size if self.second_moment == "average" else 1
+            for group in optimizer.param_groups:
+                group[RANKS_OPTION] = max(ranks, 1)
             return _nothing
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         finishes = [_prepare_group(optimizer, g, world_size, inv_scale) for g in optimizer.param_groups]

@@ -69,6 +69,19 @@ def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
                 f"{where}accum_iter must be >= 1, got {accum_iter}; "
                 "pass accum_iter=1 for plain Adam, or more steps per moment update."
             )
+    if "second_moment_ranks" in group:
+        ranks = group["second_moment_ranks"]
+        if not isinstance(ranks, int) or isinstance(ranks, bool):
+            raise TypeError(
+                f"{where}second_moment_ranks must be an int, got {ranks!r} ({type(ranks).__name__}); "
+                "pass the number of replicas whose average the update should follow, e.g. 4, or 1 for "
+                "this rank's own statistics."
+            )
+        if ranks < 1:
+            raise ValueError(
+                f"{where}second_moment_ranks must be >= 1, got {ranks}; pass 1 for this rank's own "
+                "statistics, or the number of replicas averaged."
+            )
     if "foreach" in group and group["foreach"] not in (None, True, False):
         raise TypeError(f"{where}foreach must be True, False or None, got {group['foreach']!r}.")
 
@@ -82,6 +95,12 @@ class _Bucket:
     exp_avgs: list[Tensor] = field(default_factory=list)
     exp_avg_sqs: list[Tensor] = field(default_factory=list)
     accum_grads: list[Tensor] = field(default_factory=list)
+    states: list[dict[str, Any]] = field(default_factory=list)  # for the signal, with ranks > 1
+
+
+#: The state key of the signal estimate :math:`c` of ``second_moment_ranks > 1`` (the engine's
+#: rule for torch's Adam keeps its estimate under the same name).
+SIGNAL = "exp_avg_signal"
 
 
 @dataclass(frozen=True)
@@ -93,6 +112,7 @@ class _Hyper:
     weight_decay: float
     accum_iter: int
     decoupled: bool
+    ranks: int = 1  # second_moment_ranks: n
 
 
 # The op sequences below repeat torch.optim.adam's `_multi_tensor_adam` and `_single_tensor_adam`
@@ -158,6 +178,72 @@ def _multi_tensor_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
         torch._foreach_zero_(mean_grads)
 
 
+def _as_real(t: Tensor) -> Tensor:
+    return torch.view_as_real(t) if torch.is_complex(t) else t
+
+
+def _store_signal(state: dict[str, Any], real: Tensor) -> None:
+    """Keep ``real`` (a parameter's (re, im) pairs where it is complex) shaped like the parameter."""
+    state[SIGNAL] = torch.view_as_complex(real) if torch.is_complex(state["exp_avg"]) else real
+
+
+def _average_rule_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
+    """The update with ``n = second_moment_ranks > 1``: the step divides by an estimate of the second
+    moment of the average of ``n`` replicas' gradients (see :class:`AccumAdamW`). Foreach kernels
+    whatever ``foreach`` says: there is no torch op sequence to match here."""
+    params, grads, exp_avgs, exp_avg_sqs = bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs
+    beta1, beta2, n = hyper.beta1, hyper.beta2, hyper.ranks
+    if hyper.weight_decay != 0:
+        if hyper.decoupled:
+            torch._foreach_mul_(params, 1 - hyper.lr * hyper.weight_decay)
+        else:
+            grads = list(torch._foreach_add(grads, params, alpha=hyper.weight_decay))
+    step_size, bias_correction2_sqrt = _bias_corrections(hyper, step)
+    done = (step - 1) // hyper.accum_iter  # rounds completed before this step's
+    round_ends = step % hyper.accum_iter == 0
+    if hyper.accum_iter > 1:
+        torch._foreach_add_(bucket.accum_grads, grads, alpha=1.0 / hyper.accum_iter)
+    exp_avgs_now = torch._foreach_lerp(exp_avgs, grads, 1 - beta1)
+    squares_now = torch._foreach_mul(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(squares_now, grads, grads, 1 - beta2)
+    signals: list[Tensor] = []
+    if done >= 1:  # a previous round's momentum exists: the estimate's partner
+        for state, square in zip(bucket.states, exp_avg_sqs, strict=True):
+            if SIGNAL not in state:  # the rule switched on mid-run: start from this rank's own v
+                _store_signal(state, square.clone())
+            signals.append(_as_real(state[SIGNAL]))
+        # c~ = b2 c + (1 - b2) g m_hat, with m_hat the momentum of the completed rounds
+        cross = (1 - beta2) / (1 - beta1**done)
+        signals_now = torch._foreach_mul(signals, beta2)
+        torch._foreach_addcmul_(signals_now, grads, exp_avgs, cross)
+        # v~ = s~ / n + (1 - 1/n) |c~|
+        denom = list(torch._foreach_abs(signals_now))
+        torch._foreach_mul_(denom, 1 - 1 / n)
+        torch._foreach_add_(denom, squares_now, alpha=1 / n)
+        del signals_now
+    else:  # the first round: the optimizer's own v~ (c starts as v at its end)
+        denom = list(squares_now)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_div_(denom, [bias_correction2_sqrt] * len(params))
+    torch._foreach_add_(denom, hyper.eps)
+    torch._foreach_addcdiv_(params, exp_avgs_now, denom, [step_size] * len(params))
+    del denom
+    if not round_ends:
+        return
+    mean_grads = grads if hyper.accum_iter == 1 else bucket.accum_grads
+    if done >= 1:  # c <- b2 c + (1 - b2) a m_hat, before m moves
+        torch._foreach_mul_(signals, beta2)
+        torch._foreach_addcmul_(signals, mean_grads, exp_avgs, (1 - beta2) / (1 - beta1**done))
+    torch._foreach_lerp_(exp_avgs, mean_grads, 1 - beta1)
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, mean_grads, mean_grads, 1 - beta2)
+    if done == 0:  # c_1 = v_1
+        for state, square in zip(bucket.states, exp_avg_sqs, strict=True):
+            _store_signal(state, square.clone())
+    if hyper.accum_iter > 1:
+        torch._foreach_zero_(bucket.accum_grads)
+
+
 def _single_tensor_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
     beta1, beta2 = hyper.beta1, hyper.beta2
     step_size, bias_correction2_sqrt = _bias_corrections(hyper, step)
@@ -202,6 +288,7 @@ class _AccumAdamBase(Optimizer):
         accum_iter: int,
         *,
         foreach: bool | None,
+        second_moment_ranks: int,
     ) -> None:
         defaults: dict[str, Any] = {
             "lr": lr,
@@ -210,6 +297,7 @@ class _AccumAdamBase(Optimizer):
             "weight_decay": weight_decay,
             "accum_iter": accum_iter,
             "foreach": foreach,
+            "second_moment_ranks": second_moment_ranks,
         }
         _check_hyperparameters(defaults, where="")
         super().__init__(params, defaults)
@@ -224,6 +312,7 @@ class _AccumAdamBase(Optimizer):
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("foreach", None)
+            group.setdefault("second_moment_ranks", 1)  # state dicts from before the option
             for param in group["params"]:
                 param_state = self.state.get(param, {})
                 # a checkpoint may hold the step as a number; keep it a CPU tensor like a fresh state
@@ -289,6 +378,7 @@ class _AccumAdamBase(Optimizer):
                 strict=True,
             ):
                 values.append(tensor)
+            bucket.states.append(state)
             steps.append(state["step"])
             params_with_grad.append(param)
         if not steps:
@@ -307,8 +397,12 @@ class _AccumAdamBase(Optimizer):
             weight_decay=group["weight_decay"],
             accum_iter=group["accum_iter"],
             decoupled=self._decoupled,
+            ranks=group["second_moment_ranks"],
         )
-        update = _multi_tensor_update if foreach else _single_tensor_update
+        if hyper.ranks > 1:
+            update = _average_rule_update
+        else:
+            update = _multi_tensor_update if foreach else _single_tensor_update
         for (_, _, step), bucket in buckets.items():
             update(bucket, step, hyper)
 
@@ -348,6 +442,26 @@ class AccumAdamW(_AccumAdamBase):
             the number of workers.
         foreach: Use the ``torch._foreach_*`` kernels (few launches for many tensors). ``None`` picks
             them as torch's Adam does: on CUDA and other foreach devices, not on CPU.
+        second_moment_ranks: :math:`n`, the number of replicas whose average this one follows
+            (``>= 1``). Both front-ends set it every step (the gossip world size with
+            ``second_moment="average"``, 1 with ``"local"``); at 1 the update is the one above.
+
+    With :math:`n > 1` the step divides by an estimate of the second moment of the *average* of
+    :math:`n` replicas' gradients instead of this replica's own (the rule of
+    :mod:`decent_optim_wrapper.engine.second_moment`, counted in rounds): a signal estimate
+    :math:`c`, kept per round from the round's mean gradient and the momentum of the rounds before,
+
+    .. math::
+        \hat m &= m / (1 - \beta_1^{k-1}), \qquad
+            \tilde c = \beta_2 c + (1 - \beta_2)\, g\, \hat m, \qquad
+            \tilde v_n = \tilde v / n + (1 - 1/n)\, |\tilde c| \\
+        \text{if } t \bmod N = 0: \quad c &\leftarrow \beta_2 c + (1 - \beta_2)\, a\, \hat m
+            \quad (\text{before } m \text{ moves})
+
+    and :math:`\tilde v_n` in place of :math:`\tilde v` in the step. In the first round (no
+    :math:`\hat m` yet) the step divides by :math:`\tilde v`, and at its end :math:`c = v`. The
+    estimate is ``exp_avg_signal`` in the state (one more tensor per parameter); this path always
+    uses the foreach kernels.
 
     Raises:
         TypeError: A hyperparameter of the wrong type (e.g. a tensor ``lr``, a float ``accum_iter``).
@@ -355,12 +469,14 @@ class AccumAdamW(_AccumAdamBase):
             param groups passed later (``add_param_group``) are checked the same way.
 
     The state of each parameter is ``step`` (an ``int64`` tensor on the CPU, so reading it never
-    waits for the device), ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`) and ``accum_grad``
-    (:math:`a`); ``state_dict()`` and ``load_state_dict()`` round-trip it exactly::
+    waits for the device), ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`), ``accum_grad``
+    (:math:`a`) and, with :math:`n > 1`, ``exp_avg_signal`` (:math:`c`); ``state_dict()`` and
+    ``load_state_dict()`` round-trip it exactly::
 
         {"state": {0: {"step": tensor(6), "exp_avg": ..., "exp_avg_sq": ..., "accum_grad": ...}},
          "param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "eps": 1e-08, "weight_decay": 0,
-                           "accum_iter": 4, "foreach": None, "params": [0]}]}
+                           "accum_iter": 4, "foreach": None, "second_moment_ranks": 1,
+                           "params": [0]}]}
 
     .. note:: decent-dp 0.2.3 stores :math:`\beta_1 m` and :math:`\beta_2 v` (it applies the next
         step's decay when it stores them): the same trajectory, but its checkpoints' ``exp_avg`` and
@@ -379,8 +495,18 @@ class AccumAdamW(_AccumAdamBase):
         accum_iter: int = 4,
         *,
         foreach: bool | None = None,
+        second_moment_ranks: int = 1,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, accum_iter, foreach=foreach)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            accum_iter,
+            foreach=foreach,
+            second_moment_ranks=second_moment_ranks,
+        )
 
 
 class AccumAdam(_AccumAdamBase):
@@ -419,6 +545,7 @@ class AccumAdam(_AccumAdamBase):
             the number of workers.
         foreach: Use the ``torch._foreach_*`` kernels (few launches for many tensors). ``None`` picks
             them as torch's Adam does: on CUDA and other foreach devices, not on CPU.
+        second_moment_ranks: :math:`n`, as in :class:`AccumAdamW` (the moments see :math:`g'`).
 
     Raises:
         TypeError: A hyperparameter of the wrong type (e.g. a tensor ``lr``, a float ``accum_iter``).
@@ -426,7 +553,8 @@ class AccumAdam(_AccumAdamBase):
             param groups passed later (``add_param_group``) are checked the same way.
 
     The state of each parameter is as in :class:`AccumAdamW`: ``step`` (CPU ``int64`` tensor),
-    ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`), ``accum_grad`` (:math:`a`).
+    ``exp_avg`` (:math:`m`), ``exp_avg_sq`` (:math:`v`), ``accum_grad`` (:math:`a`), and with
+    :math:`n > 1` ``exp_avg_signal`` (:math:`c`).
     """
 
     _decoupled = False
@@ -441,5 +569,15 @@ class AccumAdam(_AccumAdamBase):
         accum_iter: int = 4,
         *,
         foreach: bool | None = None,
+        second_moment_ranks: int = 1,
     ) -> None:
-        super().__init__(params, lr, betas, eps, weight_decay, accum_iter, foreach=foreach)
+        super().__init__(
+            params,
+            lr,
+            betas,
+            eps,
+            weight_decay,
+            accum_iter,
+            foreach=foreach,
+            second_moment_ranks=second_moment_ranks,
+        )
