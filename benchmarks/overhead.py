@@ -37,8 +37,9 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
     average gradient (``second_moment="average"``, the default: the rule's work around the step),
     with gradient tracking (``gradient_tracking=True``: the tracker's own gossip and its update,
     ``y <- W y + g - g_prev``) and with bf16 compression, interleaved the same way; reported
-    relative to the plain ring. Loopback is fast here, so this is the features'
-    compute and memory traffic, not their bytes.
+    relative to the plain ring. AccumAdamW (``accum_iter=4``) is timed with ``"local"`` (against the
+    plain ring) and with the rule it takes in its own step (against AccumAdamW with ``"local"``).
+    Loopback is fast here, so this is the features' compute and memory traffic, not their bytes.
 
 Each process uses ``--threads`` torch threads (default 1). On a small shared VM a multi-threaded
 memory pass waits for its slowest thread at every kernel, so with more threads than idle cores the
@@ -65,10 +66,14 @@ import torch.distributed as dist
 from common import build_mlp, free_port
 from torch import nn
 
-from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.comm import ProcessGroups
+from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
+from decent_optim_wrapper.engine.comm import ProcessGroups, group_layout
 from decent_optim_wrapper.engine.compression import CompressionPlan, resolve_compression
 from decent_optim_wrapper.engine.gossip import Gossip
+from decent_optim_wrapper.engine.world import resolve_gossip_world
+
+#: Part (c) rows timed against another row than the plain ring (each against its own optimizer).
+COMPARED_WITH = {"ring-accum": "ring", "ring-accum-average": "ring-accum"}
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -94,7 +99,9 @@ def measure_gossip(
     tensors = [b.data for b in wrapper.buckets]
     spec = resolve_compression(compression)
     plan = None if spec is None else CompressionPlan(wrapper.topology, spec)
-    gossip = Gossip(tensors, wrapper.topology, rank, ProcessGroups(wrapper.topology), plan=plan)
+    world = resolve_gossip_world(rank, world_size, None)  # the whole job, as the wrapper's
+    groups = ProcessGroups(world, [group_layout(wrapper.topology, world)])
+    gossip = Gossip(tensors, wrapper.topology, rank, groups, plan=plan)
     buckets = range(gossip.num_buckets)
     numel = sum(t.numel() for t in tensors)
     src, dst = torch.randn(numel), torch.empty(numel)
@@ -156,6 +163,9 @@ def measure_training_step(iters: int, batch: int, world_size: int = 1) -> dict[s
     def adamw(model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+    def accum_adamw(model: nn.Module) -> torch.optim.Optimizer:
+        return AccumAdamW(model.parameters(), lr=1e-3, accum_iter=4)
+
     runs: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = {}
     if world_size == 1:
         runs["bare"] = (reference, adamw(reference))
@@ -177,6 +187,10 @@ def measure_training_step(iters: int, batch: int, world_size: int = 1) -> dict[s
         ):
             model = copy_of_model()
             runs[name] = (model, DecentOptimWrapper(adamw(model), topology="ring", **options))
+        # AccumAdamW takes the rule in its own step: its cost against AccumAdamW without it
+        for name, options in (("ring-accum", {"second_moment": "local"}), ("ring-accum-average", {})):
+            model = copy_of_model()
+            runs[name] = (model, DecentOptimWrapper(accum_adamw(model), topology="ring", **options))
     x, y = torch.randn(batch, 512), torch.randint(0, 10, (batch,))
 
     def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
@@ -206,10 +220,12 @@ def measure_training_step(iters: int, batch: int, world_size: int = 1) -> dict[s
     if world_size == 1:
         out["bare_ms"] = median_ms(times["bare"])
     for name in names[1:]:
-        ratios = [w / b for w, b in zip(times[name], times[base], strict=True)]
+        against = COMPARED_WITH.get(name, base)
+        ratios = [w / b for w, b in zip(times[name], times[against], strict=True)]
         out[name] = {
             "ms": median_ms(times[name]),
-            "ratio_of_medians": statistics.median(times[name]) / statistics.median(times[base]),
+            "against": against,
+            "ratio_of_medians": statistics.median(times[name]) / statistics.median(times[against]),
             "median_paired_ratio": statistics.median(ratios),
         }
     return out
@@ -320,11 +336,16 @@ def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:
             ("ring-average", "second_moment='average'"),
             ("ring-gt", "gradient_tracking=True"),
             ("ring@bf16", "compression='bf16'"),
+            ("ring-accum", "AccumAdamW, 'local'"),
+            ("ring-accum-average", "AccumAdamW, 'average'"),
         ):
+            if name not in t:  # results from before the row existed
+                continue
             r = t[name]
+            against = "" if r.get("against", "ring") == "ring" else f"   (against {r['against']})"
             print(
                 f"    {label:<26} {r['ms']:.3f} ms   ratio of medians {r['ratio_of_medians']:.4f}   "
-                f"median paired ratio {r['median_paired_ratio']:.4f}"
+                f"median paired ratio {r['median_paired_ratio']:.4f}{against}"
             )
 
 
