@@ -14,7 +14,7 @@ model in one step's compute (the scaling page's setting), with compute ``--compu
 (18 ms: the benchmark model's forward and backward at batch 16 on one core of the 2-core VM), without
 jitter and with log-normal jitter (sigma 0.3). Both the steps and the times are printed beside DDP's.
 Blocking per-step gossip (``~h1d0``: ``sync_every=1, sync_delay=0``) hides nothing behind compute:
-its step time is estimated as the compute plus the round's time alone (no jitter column).
+the planner simulates it with each round added to the step (its next compute waits for the round).
 """
 
 from __future__ import annotations
@@ -33,23 +33,12 @@ from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 def step_times(
     model_bytes: float, nodes: int, compute_s: float, bandwidth: float, jitter: str
 ) -> dict[str, float]:
-    """Predicted seconds per step of DDP and of every gossip topology (uncompressed) on ``nodes`` nodes."""
+    """Predicted seconds per step of DDP and of every gossip topology (uncompressed) on ``nodes`` nodes,
+    overlapped and blocking (``ring`` and ``ring~h1d0``)."""
     compute = ComputeTimes(compute_s, jitter=jitter, sigma=0.3)
-    predictions = predict(model_bytes, compute, Network(Link(bandwidth)), nodes, compressions=())
+    network = Network(Link(bandwidth))
+    predictions = predict(model_bytes, compute, network, nodes, compressions=(), blocking=True)
     return {p.method: p.step_s for p in predictions}
-
-
-def blocking_step_times(
-    model_bytes: float, nodes: int, compute_s: float, bandwidth: float
-) -> dict[str, float]:
-    """Estimated seconds per step of blocking per-step gossip (``sync_every=1, sync_delay=0``).
-
-    The round starts after the step and the next forward waits for it: compute plus the round's
-    time, which is the planner's step time with (almost) no compute to hide it behind. An estimate
-    (the planner does not simulate blocking rounds), without jitter.
-    """
-    rounds = predict(model_bytes, ComputeTimes(1e-9), Network(Link(bandwidth)), nodes, compressions=())
-    return {p.method: compute_s + p.step_s for p in rounds}
 
 
 def merged_runs(paths: list[Path]) -> list[list[dict[str, Any]]]:
@@ -91,7 +80,6 @@ def main() -> None:
         compute_s = args.compute_ms / 1000
         bandwidth = args.bandwidth or 8 * model_bytes / compute_s  # one model per step's compute
         times = {j: step_times(model_bytes, workers, compute_s, bandwidth, j) for j in ("none", "lognormal")}
-        blocking = blocking_step_times(model_bytes, workers, compute_s, bandwidth)
         print(
             f"\n{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
             f"final validation loss {reference['validation_loss']:.4f} (target x{args.tolerance:g}: "
@@ -108,14 +96,10 @@ def main() -> None:
                 continue
             steps = steps_to_reach([tuple(point) for point in r["curve"]], target)
             name = topology_of(r["method"])
+            if parse_method(r["method"]).sync_delay == 0:  # blocking rounds: the planner's blocking scheme
+                name += "~h1d0"
             if steps is None or name not in times["none"]:
                 print(f"{r['method']:>26} | {'never':>6} |")
-                continue
-            if parse_method(r["method"]).sync_delay == 0:  # blocking: estimated, no jitter column
-                step_s = blocking[name]
-                total, ddp_s = steps * step_s, times["none"]["ddp"] * (ddp_steps or 0)
-                ratio = f"{total / ddp_s:>6.2f}" if ddp_s else f"{'-':>6}"
-                print(f"{r['method']:>26} | {steps:>6} | {step_s * 1000:>7.1f} | {total:>7.1f} | {ratio} |")
                 continue
             cells = []
             for jitter in ("none", "lognormal"):
@@ -128,7 +112,7 @@ def main() -> None:
             print(f"{r['method']:>26} | {steps:>6} | " + " | ".join(cells))
     print(
         "(steps: first evaluation at or below the target; 'jit': log-normal compute jitter, sigma 0.3; "
-        "'~h1d0': blocking per-step gossip, step time estimated as compute plus the round's time)"
+        "'~h1d0': blocking per-step gossip, each round added to the step)"
     )
 
 

@@ -383,3 +383,58 @@ def test_plan_errors_exit_2_with_a_message(argv, message, capsys):
 def test_bytes_subcommand_keeps_the_byte_report(capsys):
     assert main(["bytes", "ring", "-n", "8", "-c", "bf16"]) == 0
     assert "with bf16 compression: 2.0000 (uncompressed 4.0000; x0.500)" in capsys.readouterr().out
+
+
+# -- blocking rounds (sync_every=1, sync_delay=0) ---------------------------------------------------
+
+
+def blocking_gossip(topology_name: str, n: int, exchange_s: float, overhead_s: float) -> Gossip:
+    topology = TopologyFactory.create(topology_name, n)
+    rounds = lambda step: [Transfer.fixed(exchange_s)] * len(topology.phase(step))  # noqa: E731
+    return Gossip(n, topology.phase, rounds, overhead_s, blocking=True)
+
+
+@pytest.mark.parametrize(("compute", "exchange"), [(0.2, 0.15), (0.2, 0.3)])
+def test_blocking_rounds_add_the_exchange_to_every_step(compute, exchange):
+    run = simulate(blocking_gossip("ring", 8, exchange, 0.01), ComputeTimes(compute), 20)
+    # nothing hides the exchange: compute + overhead + exchange, whichever is longer
+    assert run.iteration_s(skip=1) == pytest.approx(compute + 0.01 + exchange, rel=EXACT)
+    assert run.ends[0] == [pytest.approx(compute + 0.01)] * 8
+
+
+def test_blocking_rounds_wait_for_the_groups_slowest_member_every_step():
+    times = ComputeTimes(0.1, "lognormal", sigma=0.5, seed=3)
+    n, steps = 8, 30
+    blocking = simulate(blocking_gossip("ring", n, 0.05, 0.0), times, steps)
+    overlapped = simulate(constant_gossip("ring", n, 0.05, 0.0), times, steps)
+    assert blocking.iteration_s(5) > overlapped.iteration_s(5) + 0.05  # the exchange, and jitter on top
+    # one-peer-exp pairs: a rank's next step starts when its pair's round arrives, so each pair
+    # steps together; the slower member of the pair sets both ends
+    draws = [times.draws(r, steps) for r in range(n)]
+    run = simulate(blocking_gossip("one-peer-exp", n, 0.05, 0.0), times, 2)
+    topology = TopologyFactory.create("one-peer-exp", n)
+    for group in topology.phase(0):
+        a, b = group.ranks
+        start = max(draws[a][0], draws[b][0]) + 0.05
+        assert run.ends[1][a] == pytest.approx(start + draws[a][1], rel=EXACT)
+
+
+def test_blocking_barrier_starts_a_step_on_every_rank_together():
+    times = ComputeTimes(0.1, "straggler", slow_rank=0, slow_factor=2.0)
+    run = simulate(blocking_gossip("ring", 4, 0.05, 0.0), times, 4, barrier_at=2)
+    # steps 0 and 1 end when the slow rank's neighbours have its round: 0.2 + 0.05 + 0.2; the
+    # barrier before step 2 opens when the last round of step 1 has arrived everywhere
+    assert run.barriers[2] == pytest.approx(0.2 + 0.05 + 0.2 + 0.05, rel=EXACT)
+    assert run.ends[2] == [pytest.approx(run.barriers[2] + c, rel=EXACT) for c in (0.2, 0.1, 0.1, 0.1)]
+
+
+def test_predict_names_blocking_variants():
+    from decent_optim_wrapper.plan import predict
+
+    found = {
+        p.method: p.step_s
+        for p in predict(4e6, ComputeTimes(0.1), Network(Link(4e7)), 4, ["ring"], (), blocking=True)
+    }
+    assert set(found) == {"nocomm", "ddp", "ddp-bf16", "ring", "ring~h1d0"}
+    # a 4 MB model at 40 MB/s: a ring round of ~0.1 s hides behind 0.1 s of compute, or adds to it
+    assert found["ring~h1d0"] > found["ring"] + 0.05

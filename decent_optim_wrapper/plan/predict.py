@@ -36,6 +36,7 @@ def predict(
     warmup: int = 10,
     overhead_s: float = 0.0,
     forward_fraction: float = 1 / 3,
+    blocking: bool = False,
 ) -> list[Prediction]:
     """Simulate ``steps`` steps of no communication, DDP (fp32 and bf16 gradients) and gossip.
 
@@ -49,6 +50,8 @@ def predict(
         steps, warmup: simulated steps; the mean over the last ``steps - warmup`` is reported.
         overhead_s: CPU seconds per step besides compute (optimizer step, staging and mixing).
         forward_fraction: share of the compute in forward (DDP starts all-reducing in backward).
+        blocking: also each gossip method with blocking rounds (``sync_every=1, sync_delay=0``),
+            named with ``~h1d0`` after the method (``ring~h1d0``, ``ring@bf16~h1d0``).
     """
     ranks = nodes * network.local_world_size
     numel = int(model_bytes // 4)
@@ -61,10 +64,12 @@ def predict(
     for topology in _topologies(topologies, ranks, network.local_world_size):
         for wire_format in (None, *compressions):
             compression = None if wire_format is None else GossipCompression(wire_format)
-            scheme = gossip_scheme(topology, numel, network, compression, overhead_s)
             sent = bytes_per_parameter(topology, compression) * numel
             name = topology.name + (f"@{wire_format}" if wire_format else "")
-            results.append(Prediction(name, _mean(scheme, compute, steps, warmup), sent))
+            for blocks in (False, True) if blocking else (False,):
+                scheme = gossip_scheme(topology, numel, network, compression, overhead_s, blocking=blocks)
+                label = name + ("~h1d0" if blocks else "")
+                results.append(Prediction(label, _mean(scheme, compute, steps, warmup), sent))
     return results
 
 

@@ -25,8 +25,10 @@ def gossip_scheme(
     compression: GossipCompression | None = None,
     overhead_s: float = 0.0,
     dtype: torch.dtype = torch.float32,
+    blocking: bool = False,
 ) -> Gossip:
-    """Per-step gossip on ``topology`` of a model of ``numel`` parameters of ``dtype``."""
+    """Per-step gossip on ``topology`` of a model of ``numel`` parameters of ``dtype``; ``blocking``:
+    each round mixed in before the next forward (``sync_every=1, sync_delay=0``)."""
     if network.local_world_size != topology.local_world_size:
         raise ValueError(
             f"network.local_world_size={network.local_world_size} differs from the topology's "
@@ -47,6 +49,7 @@ def gossip_scheme(
         rounds=lambda step: phase_rounds(step % topology.period),
         overhead_s=overhead_s,
         sharing=network.sharing,
+        blocking=blocking,
     )
 
 

@@ -19,6 +19,13 @@ plus staging and mixing for gossip). Communication decides when a step may end:
       s_{G(r, t-1)} + d_{G(r, t-1)}\bigr) + o.
 
   A rank therefore waits only for its group, and only when the exchange is slower than its compute.
+  **Blocking** gossip (``blocking=True``: the engine's ``sync_every=1, sync_delay=0``) mixes the round
+  in before the next forward, so the next compute starts only when it has arrived:
+
+  .. math::
+      \mathrm{end}[r, t] = s_{G(r, t-1)} + d_{G(r, t-1)} + c[r, t] + o,
+
+  every exchange added to the step instead of hidden behind it.
   ``d_G`` is not fixed: a round is a :class:`~.sharing.Transfer`, and rounds in flight at the same
   time on the same link (two ranks of a node sending to other nodes, or a round of step ``t + 1``
   catching up with a neighbour's round of step ``t``) share it only while they overlap
@@ -76,6 +83,7 @@ class Gossip:
     rounds: Callable[[int], Sequence[Transfer]]
     overhead_s: float = 0.0
     sharing: SharingModel = field(default_factory=SharingModel)
+    blocking: bool = False  # the next compute waits for the round (sync_every=1, sync_delay=0)
 
 
 Scheme = NoComm | AllReduce | Gossip
@@ -175,7 +183,10 @@ class _GossipRun:
                 for r in self.scheme.phase(step)[who].ranks:
                     self.arrived[r] = at
                     if step + 1 < self.steps:
-                        self.maybe_end(r, step + 1)
+                        if self.scheme.blocking:  # the next forward starts at the mixed point
+                            self.proceed(r, step + 1, at)
+                        else:
+                            self.maybe_end(r, step + 1)
             else:  # "ended"
                 self.end_step(who, step, at)
         return self.run
@@ -202,16 +213,19 @@ class _GossipRun:
         if len(launched) == phase[group].size:  # every member has launched: the round starts
             del self.launched[(step, group)]
             self.links.start((step, group), self.scheme.rounds(step)[group], at)
-        if step + 1 == self.steps:
-            return
-        if step + 1 != self.barrier_at:
-            self.start_step(rank, step + 1, at)
+        if step + 1 < self.steps and not self.scheme.blocking:
+            self.proceed(rank, step + 1, at)
+
+    def proceed(self, rank: int, step: int, at: float) -> None:
+        """``rank`` may start step ``step`` at ``at``, or wait there for the barrier before it."""
+        if step != self.barrier_at:
+            self.start_step(rank, step, at)
             return
         self.at_barrier += 1
         if self.at_barrier == self.scheme.world_size:  # the last rank is in: every rank goes
-            self.run.barriers[step + 1] = at
+            self.run.barriers[step] = at
             for r in range(self.scheme.world_size):
-                self.start_step(r, step + 1, at)
+                self.start_step(r, step, at)
 
 
 def _simulate_gossip(scheme: Gossip, draws: list[list[float]], steps: int, barrier_at: int | None) -> Run:
