@@ -15,12 +15,12 @@ import math
 
 import pytest
 import torch
-import torch.distributed as dist
-from helpers import flat, tiny_model, train_steps
+from helpers import tiny_model
 from simulation import Gossip
 from test_second_moment import _gradients, _run
+from test_second_moment import _trained as trained_under_gossip
 
-from decent_optim_wrapper import AccumAdam, AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
+from decent_optim_wrapper import AccumAdam, AccumAdamW
 from decent_optim_wrapper.engine.second_moment import SecondMomentRule
 
 
@@ -199,29 +199,12 @@ def test_bad_second_moment_ranks_names_the_argument(value, error):
 # -- both front-ends against the independent simulation ---------------------------------------------
 
 
-def _trained(front_end: str, second_moment: str, steps: int) -> torch.Tensor:
-    model = tiny_model(dtype=torch.float64)
-    if front_end == "module":
-        net = DecentralizedDataParallel(
-            model,
-            lambda named: AccumAdamW([p for _, p in named], lr=0.01, weight_decay=0.1, accum_iter=2),
-            topology="ring",
-            second_moment=second_moment,
-        )
-        loss_fn = torch.nn.CrossEntropyLoss()
-        from helpers import batch
+def _accum_adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return AccumAdamW(params, lr=0.01, weight_decay=0.1, accum_iter=2)
 
-        for step in range(steps):
-            x, y = batch(dist.get_rank(), step, torch.float64)
-            loss_fn(net(x), y).backward()
-        return flat(model)
-    opt = DecentOptimWrapper(
-        AccumAdamW(model.parameters(), lr=0.01, weight_decay=0.1, accum_iter=2),
-        topology="ring",
-        second_moment=second_moment,
-    )
-    train_steps(model, opt, dist.get_rank(), range(steps))
-    return flat(model)
+
+def _trained(front_end: str, second_moment: str, steps: int) -> torch.Tensor:
+    return trained_under_gossip(front_end, second_moment, "ring", steps, optimizer=_accum_adamw)
 
 
 def _replicas(n: int):

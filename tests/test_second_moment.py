@@ -10,6 +10,7 @@ test checks against torch's.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -315,15 +316,25 @@ def _rule_replicas(world_size: int, n: int):
     return models, [RuleAdamW(m.parameters(), n=n, lr=0.01) for m in models]
 
 
+def _adamw(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.0)
+
+
 def _trained(
-    front_end: str, second_moment: str, topology: str, steps: int, blocking: bool = False
+    front_end: str,
+    second_moment: str,
+    topology: str,
+    steps: int,
+    blocking: bool = False,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = _adamw,
 ) -> torch.Tensor:
+    """Rank's parameters after ``steps`` steps of ``optimizer`` under gossip, in ``front_end``."""
     model = tiny_model(dtype=torch.float64)
     schedule = {"sync_every": 1, "sync_delay": 0} if blocking else {}
     if front_end == "module":
         net = DecentralizedDataParallel(
             model,
-            lambda named: torch.optim.AdamW([p for _, p in named], lr=0.01, weight_decay=0.0),
+            lambda named: optimizer([p for _, p in named]),
             topology=topology,
             second_moment=second_moment,
             **schedule,
@@ -336,7 +347,7 @@ def _trained(
             loss_fn(net(x), y).backward()
         return flat(model)
     opt = DecentOptimWrapper(
-        torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0),
+        optimizer(list(model.parameters())),
         topology=topology,
         second_moment=second_moment,
         **schedule,

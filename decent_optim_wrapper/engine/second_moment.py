@@ -142,7 +142,7 @@ class SecondMomentRule:
         if _takes_ranks(optimizer):  # it applies the rule in its own step
             ranks = world_size if self.second_moment == "average" else 1
             for group in optimizer.param_groups:
-                group[RANKS_OPTION] = max(ranks, 1)
+                group[RANKS_OPTION] = ranks
             return _nothing
         inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
         finishes = [_prepare_group(optimizer, g, world_size, inv_scale) for g in optimizer.param_groups]
