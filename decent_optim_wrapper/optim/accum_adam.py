@@ -220,7 +220,6 @@ def _average_rule_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
         denom = list(torch._foreach_abs(signals_now))
         torch._foreach_mul_(denom, 1 - 1 / n)
         torch._foreach_add_(denom, squares_now, alpha=1 / n)
-        del signals_now
     else:  # the first round: the optimizer's own v~ (c starts as v at its end)
         denom = list(squares_now)
     torch._foreach_sqrt_(denom)
@@ -231,10 +230,17 @@ def _average_rule_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
     if not round_ends:
         return
     mean_grads = grads if hyper.accum_iter == 1 else bucket.accum_grads
-    if done >= 1:  # c <- b2 c + (1 - b2) a m_hat, before m moves
+    # c <- b2 c + (1 - b2) a m_hat, before m moves; with accum_iter=1 the round's mean is this step's
+    # gradient, so c~ and m~ are already the new values
+    if done >= 1 and hyper.accum_iter == 1:
+        torch._foreach_copy_(signals, signals_now)
+    elif done >= 1:
         torch._foreach_mul_(signals, beta2)
-        torch._foreach_addcmul_(signals, mean_grads, exp_avgs, (1 - beta2) / (1 - beta1**done))
-    torch._foreach_lerp_(exp_avgs, mean_grads, 1 - beta1)
+        torch._foreach_addcmul_(signals, mean_grads, exp_avgs, cross)
+    if hyper.accum_iter == 1:
+        torch._foreach_copy_(exp_avgs, exp_avgs_now)
+    else:
+        torch._foreach_lerp_(exp_avgs, mean_grads, 1 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, mean_grads, mean_grads, 1 - beta2)
     if done == 0:  # c_1 = v_1
