@@ -399,14 +399,12 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             # With a scaler the gradients are unscaled already and the inf decision is taken for the
             # whole model; scaler.step() would also refuse a bucket without gradients (no inf check).
             # Global step hooks fire once per update (in backward's hooks), not once per bucket.
-            prepare = self._engine.second_moment_hook(optimizer)
-            finish = prepare(None) if prepare is not None else None
-            try:
-                with global_step_hooks_suspended():
+            rule_step = self._engine.second_moment_hook(optimizer)
+            with global_step_hooks_suspended():
+                if rule_step is not None:
+                    rule_step(None)
+                else:
                     optimizer.step()
-            finally:
-                if finish is not None:
-                    finish()
 
         self._engine.step_bucket(bucket, local_update, skip_local_update=skip_local_update)
         optimizer.zero_grad(set_to_none=True)

@@ -30,52 +30,45 @@ def scaled_step(
     closure: Callable[[], float] | None,
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
-    prepare: Callable[[torch.Tensor | None], Callable[[], None]] | None = None,
+    step: Callable[[torch.Tensor | None], None] | None = None,
 ) -> float | None:
     """Run ``optimizer``'s step under GradScaler's protocol, without firing global step hooks.
 
-    ``prepare(scale)``, if given, runs right before a step that is taken (never before a skipped
+    ``step(scale)``, if given, takes the step in place of ``optimizer.step()`` (never a skipped
     one), once the gradients are final: ``scale`` is the factor they are still multiplied by (a
-    fused optimizer unscales inside its step), else None; what it returns runs right after the step.
-    A ``closure`` is then evaluated first, as the optimizer would, and the step runs without it.
-    Returns what the step (or the closure) returns, or None when the step was skipped (inf/NaN
-    gradients).
+    fused optimizer unscales inside its step), else None. A ``closure`` is then evaluated first, as
+    the optimizer would, and the step runs without it. Returns what the step (or the closure)
+    returns, or None when the step was skipped (inf/NaN gradients).
     """
     loss = None
-    if prepare is not None and closure is not None:
+    if step is not None and closure is not None:
         with torch.enable_grad():
             loss = closure()
         closure = None
     if found_inf is not None and getattr(optimizer, "_step_supports_amp_scaling", False):
         inner: Any = optimizer
-        # The optimizer would skip a step with inf/NaN itself; what prepare changes must be skipped
-        # with it, so it needs the decision now (one host read, only with prepare).
-        if prepare is not None and bool(found_inf.item()):
+        # The optimizer would skip a step with inf/NaN itself; a step taken for it must be skipped
+        # here, so it needs the decision now (one host read, only with ``step``).
+        if step is not None and bool(found_inf.item()):
             return loss
-        finish = prepare(grad_scale) if prepare is not None else _nothing
         inner.grad_scale, inner.found_inf = grad_scale, found_inf
         try:
-            result = _step(optimizer, closure)
+            if step is None:
+                return _step(optimizer, closure)
+            with global_step_hooks_suspended():
+                step(grad_scale)
+            return loss
         finally:
             del inner.grad_scale, inner.found_inf
-            finish()
-        return loss if prepare is not None else result
     if found_inf is not None and bool(found_inf.item()):
         return loss
     if grad_scale is not None:
         unscale_grads_(optimizer.param_groups, grad_scale)
-    if prepare is not None:
-        finish = prepare(None)
-        try:
-            _step(optimizer, None)
-        finally:
-            finish()
+    if step is not None:
+        with global_step_hooks_suspended():
+            step(None)
         return loss
     return _step(optimizer, closure)
-
-
-def _nothing() -> None:
-    return None
 
 
 def _step(optimizer: Optimizer, closure: Callable[[], float] | None) -> float | None:

@@ -60,7 +60,7 @@ class Net(nn.Module):
         h = self.embed(x)
         for block in self.blocks:
             h = block(h)
-        return self.head(h).squeeze(-1)
+        return self.head(h)  # (batch, 1), not squeezed: FSDP2 warns of a module that returns a view
 
 
 def teacher(x: torch.Tensor) -> torch.Tensor:
@@ -68,7 +68,7 @@ def teacher(x: torch.Tensor) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1234)
     w1 = torch.randn(INPUTS, 64, generator=generator) / INPUTS**0.5
     w2 = torch.randn(64, generator=generator) / 8
-    return torch.tanh(x @ w1) @ w2
+    return torch.tanh(x @ w1) @ w2.unsqueeze(-1)  # (batch, 1), the model's output shape
 
 
 def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,8 +16,10 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
 * :mod:`~decent_optim_wrapper.engine.gossip` -- asynchronous gossip, one round in flight per bucket.
 * :mod:`~decent_optim_wrapper.engine.tracking` -- opt-in gradient tracking.
-* :mod:`~decent_optim_wrapper.engine.second_moment` -- Adam's second moment of the average gradient,
-  set around an Adam-family optimizer's local step.
+* :mod:`~decent_optim_wrapper.engine.adam_step` -- Adam's and AdamW's step with the rule's denominator,
+  torch's own moments bit for bit.
+* :mod:`~decent_optim_wrapper.engine.second_moment` -- Adam's second moment of the average gradient:
+  which optimizers take it, and their local step with it.
 * :mod:`~decent_optim_wrapper.engine.local_steps` -- opt-in low-communication gossip: local steps, an
   outer optimizer, anchors gossiped behind the next inner steps.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.

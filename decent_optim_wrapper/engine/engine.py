@@ -325,14 +325,14 @@ class GossipEngine:
 
     def second_moment_hook(
         self, optimizer: torch.optim.Optimizer
-    ) -> Callable[[torch.Tensor | None], Callable[[], None]] | None:
-        """``hook(grad_scale)`` to run right before ``optimizer``'s step (it returns what to run right
-        after), or None where the step stays the optimizer's own; see
-        :meth:`~decent_optim_wrapper.engine.second_moment.SecondMomentRule.prepare`. Local."""
+    ) -> Callable[[torch.Tensor | None], None] | None:
+        """``step(grad_scale)`` to take in place of ``optimizer.step()``, or None where the step stays
+        the optimizer's own; see :meth:`~decent_optim_wrapper.engine.second_moment.SecondMomentRule.step`.
+        Local."""
         rule, world_size = self._second_moment, self.world_size
         if not rule.applies(optimizer, world_size):
             return None
-        return lambda grad_scale: rule.prepare(optimizer, world_size, grad_scale)
+        return lambda grad_scale: rule.step(optimizer, world_size, grad_scale)
 
     @property
     def gradient_tracking_requested(self) -> bool:

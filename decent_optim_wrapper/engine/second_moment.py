@@ -31,17 +31,17 @@ the optimizer's own (:math:`c_1 = s_1`). ``n`` is the
 number of ranks whose replicas are averaged (the gossip world size; after a lost peer, the
 survivors'). At ``n = 1`` nothing changes.
 
-The optimizer takes its own step: just before it, its ``exp_avg_sq`` entry is replaced by a tensor
-holding the value from which its update :math:`v \leftarrow \beta_2 v + (1 - \beta_2) g^2` lands on
-:math:`v_t`, and just after it, its own tensor, advanced to :math:`s_t` with the optimizer's own
-operations, is put back. So torch's Adam and AdamW (single-tensor, foreach or fused; amsgrad,
-maximize, L2 weight decay, complex parameters) and their subclasses run unchanged, and their
-``exp_avg_sq`` is their own, bit for bit. The algebra rounds once more than a direct computation of
-:math:`v_t` (a few ulp of :math:`(1-\beta_2) g_t^2 / v_t`). Costs: one tensor of state per parameter
-(``exp_avg_signal``, saved and averaged with the optimizer's state), one transient tensor per
-parameter during the step (two with a GradScaler's scale or L2 decay), about eight elementwise passes
-(foreach kernels, one launch per group, device and dtype), no bytes on the wire. Other optimizers
-(SGD, Adagrad, Lion, ...) are stepped as they are; each such class is named once in the log.
+The library takes the step of torch's Adam and AdamW (and their subclasses that keep Adam's
+``step``) itself, with this denominator, in :mod:`~decent_optim_wrapper.engine.adam_step`: the
+optimizer's ``step``, ``exp_avg`` and ``exp_avg_sq`` are torch's own, bit for bit, for every
+combination torch supports (single-tensor, foreach, fused, capturable, differentiable; amsgrad,
+maximize, L2 weight decay, complex parameters, GradScaler), and :math:`v_t` is a sum of
+non-negative terms. The optimizer's per-instance step hooks fire around it as around its own
+step. Costs: one tensor of state per parameter (``exp_avg_signal``, saved and averaged with the
+optimizer's state), no bytes on the wire; on a CPU the step is about as fast as torch's own
+(chunked so that its passes stay in cache). A subclass that overrides ``step`` is stepped as it
+is (its statistics this rank's own, named once in the log), as are other optimizers (SGD,
+Adagrad, Lion, ...).
 
 An optimizer whose moments do not move every step cannot be corrected from outside its step: the
 library's AccumAdam and AccumAdamW take the rule themselves, counted in rounds, through the
@@ -52,12 +52,13 @@ param-group option ``second_moment_ranks``. The rule sets it before every step (
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import inspect
 
 import torch
 from loguru import logger
 from torch.optim import Optimizer
+
+from decent_optim_wrapper.engine.adam_step import SIGNAL, adam_step_with_rule
 
 __all__ = ["RANKS_OPTION", "SECOND_MOMENTS", "SIGNAL", "SecondMomentRule", "check_second_moment", "corrects"]
 
@@ -96,153 +97,71 @@ def _takes_ranks(optimizer: Optimizer) -> bool:
 
 
 class SecondMomentRule:
-    """Sets an Adam-family optimizer's ``exp_avg_sq`` before its step, as the module docstring says.
+    """Takes an Adam-family optimizer's step with the rule's denominator, as the module docstring says.
 
     Args:
-        second_moment: ``"average"`` or ``"local"`` (then :meth:`prepare` does nothing).
+        second_moment: ``"average"`` or ``"local"`` (then :meth:`applies` only to optimizers that
+            take the count themselves, which it sets to 1).
     """
 
     def __init__(self, second_moment: str) -> None:
         self.second_moment = check_second_moment(second_moment)
 
     def applies(self, optimizer: Optimizer, world_size: int) -> bool:
-        """Whether :meth:`prepare` would change ``optimizer``'s state at this world size.
+        """Whether :meth:`step` differs from ``optimizer.step()`` at this world size.
 
-        An optimizer outside the Adam family is named once in the log (per class). One that takes
-        ``second_moment_ranks`` always applies: its count must be set (to 1 where the rule is off).
+        An optimizer outside the Adam family, or an Adam subclass with a ``step`` of its own, is
+        named once in the log (per class). One that takes ``second_moment_ranks`` always applies:
+        its count must be set (to 1 where the rule is off).
         """
         if _takes_ranks(optimizer):
             return True
         if self.second_moment != "average" or world_size <= 1:
             return False
-        if corrects(optimizer):
+        if corrects(optimizer) and _steps_as_adam(optimizer):
             return True
         name = type(optimizer).__name__
         if name not in _named:
             _named.add(name)
+            why = "its own step()" if corrects(optimizer) else "not torch's Adam or AdamW"
             logger.info(
-                f"second_moment='average' applies to torch's Adam and AdamW (and their subclasses); {name} "
-                "steps as it is, its statistics from this rank's gradients."
+                f"second_moment='average' applies to torch's Adam and AdamW (and subclasses that keep their "
+                f"step); {name} ({why}) steps as it is, its statistics from this rank's gradients."
             )
         return False
 
     @torch.no_grad()
-    def prepare(
-        self, optimizer: Optimizer, world_size: int, grad_scale: torch.Tensor | None = None
-    ) -> Callable[[], None]:
-        """Set ``optimizer``'s second moments so that its next step divides by the rule's :math:`v_t`.
+    def step(self, optimizer: Optimizer, world_size: int, grad_scale: torch.Tensor | None = None) -> None:
+        """Take ``optimizer``'s step with the rule (where :meth:`applies`), in place of ``optimizer.step()``.
 
-        Call it right before the step, once the gradients are final; ``grad_scale``: the gradients
-        are still multiplied by it (a fused optimizer unscales inside its step). Returns what to call
-        right after the step: it writes the optimizer's own :math:`s_t` back and starts the signal
-        of parameters that took their first step.
+        Call it once the gradients are final; ``grad_scale``: they are still multiplied by it (a
+        fused optimizer unscales inside its step). The optimizer's per-instance step hooks fire
+        around it. Local: no collectives.
         """
-        if not self.applies(optimizer, world_size):
-            return _nothing
         if _takes_ranks(optimizer):  # it applies the rule in its own step
             ranks = world_size if self.second_moment == "average" else 1
             for group in optimizer.param_groups:
                 group[RANKS_OPTION] = ranks
-            return _nothing
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
-        finishes = [_prepare_group(optimizer, g, world_size, inv_scale) for g in optimizer.param_groups]
+            if grad_scale is not None:
+                raise RuntimeError(f"{type(optimizer).__name__} does not unscale gradients in its step.")
+            optimizer.step()
+            return
+        if not self.applies(optimizer, world_size):
+            optimizer.step()
+            return
 
-        def finish() -> None:
-            for finish_group in finishes:
-                finish_group()
+        def rule_step(opt: Optimizer) -> None:
+            adam_step_with_rule(opt, world_size, grad_scale)
 
-        return finish
-
-
-def _nothing() -> None:
-    return None
-
-
-#: The optimizer-state key of the signal estimate :math:`c_t`.
-SIGNAL = "exp_avg_signal"
-
-
-def _real(t: torch.Tensor) -> torch.Tensor:
-    return torch.view_as_real(t) if torch.is_complex(t) else t
+        # torch's own wrapper of a step: the profiler's record and the per-instance step hooks.
+        Optimizer.profile_hook_step(rule_step)(optimizer)
+        # An LR scheduler built on this optimizer wraps its ``step`` to record the call (torch has no
+        # public hook for it) and warns at its own step if none was made: this step is that call.
+        if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+            setattr(optimizer, "_opt_called", True)  # noqa: B010
 
 
-class _Batch:
-    """The started parameters of one param group on one device and dtype, as foreach lists."""
-
-    def __init__(self) -> None:
-        self.states: list[dict[str, Any]] = []
-        self.grads: list[torch.Tensor] = []  # the gradient the moments see (unscaled, with L2)
-        self.exp_avgs: list[torch.Tensor] = []
-        self.exp_avg_sqs: list[torch.Tensor] = []  # s_{t-1}, set aside during the step
-        self.signals: list[torch.Tensor] = []
-        self.cross: list[float] = []  # (1 - b2) / (1 - b1^(t-1)), negated with maximize
-
-
-def _prepare_group(
-    optimizer: Optimizer, group: dict[str, Any], n: int, inv_scale: torch.Tensor | None
-) -> Callable[[], None]:
-    params = [p for p in group["params"] if p.grad is not None and not p.grad.is_sparse]
-    if not params:
-        return _nothing
-    beta1, beta2 = (float(b) for b in group["betas"])
-    # L2 weight decay (Adam's, not AdamW's decoupled one) is added to the gradient the moments see;
-    # maximize negates it, which only flips the sign of g m.
-    decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay", False))
-    l2 = 0.0 if decoupled else float(group.get("weight_decay", 0.0))
-    sign = -1.0 if group.get("maximize", False) else 1.0
-    started = [p for p in params if SIGNAL in optimizer.state.get(p, {})]
-    fresh = [p for p in params if SIGNAL not in optimizer.state.get(p, {})]
-    # One read of the step counters per group (they may live on the device: fused, capturable).
-    done = (
-        torch.stack(
-            [torch.as_tensor(optimizer.state[p]["step"]).detach().cpu().double() for p in started]
-        ).tolist()
-        if started
-        else []
-    )
-    batches: dict[tuple[torch.device, torch.dtype], _Batch] = {}
-    for param, steps_done in zip(started, done, strict=True):
-        state = optimizer.state[param]
-        batch = batches.setdefault((param.device, state["exp_avg_sq"].dtype), _Batch())
-        assert param.grad is not None
-        batch.states.append(state)
-        batch.grads.append(_real(param.grad))
-        batch.exp_avgs.append(_real(state["exp_avg"]))
-        batch.exp_avg_sqs.append(state["exp_avg_sq"])
-        batch.signals.append(_real(state[SIGNAL]))
-        batch.cross.append(sign * (1 - beta2) / (1 - beta1**steps_done))
-        if l2 != 0.0 or inv_scale is not None:  # a gradient of its own, kept for finish()
-            grad = (
-                batch.grads[-1].mul(inv_scale.to(param.device)) if inv_scale is not None else batch.grads[-1]
-            )
-            batch.grads[-1] = grad.add(_real(param), alpha=l2) if l2 != 0.0 else grad
-    for batch in batches.values():
-        squares = [_real(s) for s in batch.exp_avg_sqs]
-        # c_t = b2 c_{t-1} + (1 - b2) g_t m_hat_{t-1}
-        torch._foreach_mul_(batch.signals, beta2)
-        torch._foreach_addcmul_(batch.signals, batch.grads, batch.exp_avgs, batch.cross)
-        # The optimizer computes b2 v + (1 - b2) g^2 from the v it finds; for it to land on
-        # v_t = s_t / n + (1 - 1/n) |c_t|, with s_t = b2 s + (1 - b2) g^2, it must find
-        # v = s / n + (1 - 1/n) / b2 (|c_t| - (1 - b2) g^2): a tensor of its own, in s's place.
-        pre_step = torch._foreach_abs(batch.signals)
-        torch._foreach_addcmul_(pre_step, batch.grads, batch.grads, -(1 - beta2))
-        torch._foreach_mul_(pre_step, (1 - 1 / n) / beta2)
-        torch._foreach_add_(pre_step, squares, alpha=1 / n)
-        for state, square, value in zip(batch.states, batch.exp_avg_sqs, pre_step, strict=True):
-            state["exp_avg_sq"] = torch.view_as_complex(value) if torch.is_complex(square) else value
-
-    def finish() -> None:
-        # s_t with the optimizer's own operations, back in its own tensor.
-        for batch in batches.values():
-            squares = [_real(s) for s in batch.exp_avg_sqs]
-            torch._foreach_mul_(squares, beta2)
-            torch._foreach_addcmul_(squares, batch.grads, batch.grads, 1 - beta2)
-            for state, square in zip(batch.states, batch.exp_avg_sqs, strict=True):
-                state["exp_avg_sq"] = square
-        # A parameter's first step: c_1 = (1 - beta2) g_1^2 = s_1 (m_hat_0 := g_1).
-        for param in fresh:
-            state = optimizer.state.get(param, {})
-            if "exp_avg_sq" in state:
-                state[SIGNAL] = state["exp_avg_sq"].clone()
-
-    return finish
+def _steps_as_adam(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s class runs torch's ``Adam.step`` (or AdamW's), not a step of its own."""
+    own = inspect.unwrap(type(optimizer).step)  # torch wraps steps in hooks and grad-mode decorators
+    return any(own is inspect.unwrap(cls.step) for cls in (torch.optim.Adam, torch.optim.AdamW))

@@ -1,0 +1,244 @@
+"""What Adam's second-moment rule costs: time per step and memory, side by side.
+
+Three measurements on an MLP of about 8.4M parameters (``--width 2048 --depth 3``) with AdamW, each
+printed as ratios of numbers taken in the same run:
+
+(a) **Training step**, 2 gloo ranks on loopback, one torch thread each (as ``torchrun`` sets):
+    forward + backward + step with the bare AdamW (no gossip), and with ``DecentOptimWrapper`` on a
+    ring with ``second_moment="local"`` and with the default ``"average"``, interleaved (the order
+    rotates every step). Target: ``average`` within 1.08x of ``local`` (median paired ratio).
+(b) **Optimizer step alone**, one process: torch's AdamW step against the rule's step for n = 2 on
+    the same parameters and gradients, interleaved; for torch's single-tensor, foreach and fused
+    AdamW.
+(c) **Memory**: for each of bare / local / average, a fresh pair of ranks trains ``--memory-steps``
+    steps; each reports the growth of its resident set's high-water mark (``ru_maxrss``) over the
+    model and data alone, and the bytes of the optimizer state. Target: ``average`` at most one
+    state tensor (the model's size) over ``local``.
+
+Run: ``uv run benchmarks/second_moment_cost.py`` (about two minutes on 2 cores); ``--json PATH``
+saves the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import queue
+import resource
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from common import build_mlp, free_port
+from torch import nn
+
+from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper.engine.second_moment import SecondMomentRule
+
+METHODS = {"bare": None, "local": {"second_moment": "local"}, "average": {}}
+MIB = 2**20
+
+
+def build(args: argparse.Namespace, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = build_mlp(args.width, args.width, args.depth, 10)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    options = METHODS[method]
+    return model, adamw if options is None else DecentOptimWrapper(adamw, topology="ring", **options)
+
+
+def train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, batch: tuple[torch.Tensor, torch.Tensor]
+) -> None:
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(batch[0]), batch[1]).backward()
+    optimizer.step()
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def paired(times: dict[str, list[float]], name: str, against: str) -> dict[str, float]:
+    ratios = [a / b for a, b in zip(times[name], times[against], strict=True)]
+    return {
+        "ms": statistics.median(times[name]) * 1e3,
+        "ratio_of_medians": statistics.median(times[name]) / statistics.median(times[against]),
+        "median_paired_ratio": statistics.median(ratios),
+    }
+
+
+def training_steps(args: argparse.Namespace) -> dict[str, Any]:
+    """Part (a) on one rank: the three methods interleaved."""
+    runs = {name: build(args, name) for name in METHODS}
+    batch = (torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,)))
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(args.warmup + args.iters):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            seconds = timed(lambda name=name: train_step(*runs[name], batch))
+            if i >= args.warmup:
+                times[name].append(seconds)
+    return {
+        "params": sum(p.numel() for p in runs["bare"][0].parameters()),
+        "bare": paired(times, "bare", "bare"),
+        "local": paired(times, "local", "bare"),
+        "average": paired(times, "average", "local"),
+    }
+
+
+def memory(args: argparse.Namespace, method: str) -> dict[str, float]:
+    """Part (c) on one rank: high-water growth over the model and data, and optimizer-state bytes."""
+    model, optimizer = build(args, method)
+    batch = (torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,)))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for _ in range(args.memory_steps):
+        train_step(model, optimizer, batch)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    state = sum(
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        for v in s.values()
+        if torch.is_tensor(v)
+    )
+    return {"peak_growth_mib": (peak - before) / MIB, "state_mib": state / MIB}
+
+
+def optimizer_steps(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """Part (b): torch's step against the rule's, same parameters and gradients, interleaved."""
+    torch.set_num_threads(1)
+    out = {}
+    for impl, flags in (
+        ("single", {"foreach": False}),
+        ("foreach", {"foreach": True}),
+        ("fused", {"fused": True}),
+    ):
+        torch.manual_seed(0)
+        params = [
+            p.detach().requires_grad_()
+            for p in build_mlp(args.width, args.width, args.depth, 10).parameters()
+        ]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        torch_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
+        rule_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
+        rule = SecondMomentRule("average")
+        steps = {"torch": torch_opt.step, "rule": lambda opt=rule_opt, rule=rule: rule.step(opt, 2)}
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for i in range(args.warmup + args.iters):
+            for name in ("torch", "rule") if i % 2 else ("rule", "torch"):
+                seconds = timed(steps[name])
+                if i >= args.warmup:
+                    times[name].append(seconds)
+        out[impl] = {"torch_ms": statistics.median(times["torch"]) * 1e3, **paired(times, "rule", "torch")}
+    return out
+
+
+def worker(rank: int, port: int, part: str, args: argparse.Namespace, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        results.put((rank, training_steps(args) if part == "time" else memory(args, part)))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_two_ranks(part: str, args: argparse.Namespace) -> dict[int, Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=worker, args=(r, port, part, args, results)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + args.max_seconds
+    try:
+        while len(out) < 2:
+            try:
+                rank, value = results.get(timeout=1.0)
+                out[rank] = value
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{part}: no result within {args.max_seconds} s") from None
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{part}: a rank failed") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return out
+
+
+def report(results: dict[str, Any]) -> None:
+    t = results["time"][0]
+    print(f"torch {torch.__version__}, {platform.machine()}, {results['cpus']} CPUs, 1 thread per rank")
+    print(
+        f"(a) 2 ranks, ring, AdamW, MLP {t['params'] / 1e6:.2f}M params, batch {results['args']['batch']}, "
+        f"{results['args']['iters']} interleaved steps each (rank 0)"
+    )
+    print(f"    bare AdamW (no gossip)        {t['bare']['ms']:8.2f} ms")
+    for name, against in (("local", "bare"), ("average", "local")):
+        r = t[name]
+        print(
+            f"    second_moment={name!r:<10} {r['ms']:8.2f} ms   vs {against}: ratio of medians "
+            f"{r['ratio_of_medians']:.3f}, median paired ratio {r['median_paired_ratio']:.3f}"
+        )
+    print("    target: 'average' within 1.08x of 'local'")
+    print("(b) optimizer step alone (one process): the rule's step (n=2) against torch's AdamW step")
+    for impl, r in results["step"].items():
+        print(
+            f"    {impl:<8} torch {r['torch_ms']:7.2f} ms   rule {r['ms']:7.2f} ms   "
+            f"ratio of medians {r['ratio_of_medians']:.3f}, median paired {r['median_paired_ratio']:.3f}"
+        )
+    print(f"(c) memory, {results['args']['memory_steps']} steps in fresh ranks (rank 0; MiB)")
+    mem = {name: results["memory"][name][0] for name in METHODS}
+    model_mib = t["params"] * 4 / MIB
+    for name, m in mem.items():
+        print(
+            f"    {name:<8} high-water growth {m['peak_growth_mib']:7.1f}   "
+            f"optimizer state {m['state_mib']:7.1f}   "
+            f"over bare {m['peak_growth_mib'] - mem['bare']['peak_growth_mib']:7.1f}"
+        )
+    extra = mem["average"]["peak_growth_mib"] - mem["local"]["peak_growth_mib"]
+    print(
+        f"    'average' over 'local': {extra:.1f} MiB = {extra / model_mib:.2f} model copies "
+        f"({model_mib:.1f} MiB each); target: at most 1"
+    )
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--iters", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--memory-steps", type=int, default=5)
+    parser.add_argument("--max-seconds", type=float, default=600.0)
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    results: dict[str, Any] = {"args": vars(args), "cpus": mp.cpu_count(), "torch": torch.__version__}
+    results["time"] = on_two_ranks("time", args)
+    results["step"] = optimizer_steps(args)
+    results["memory"] = {name: on_two_ranks(name, args) for name in METHODS}
+    report(results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"results written to {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,369 @@
+r"""Adam's and AdamW's step with the second-moment rule's denominator, taken by the library.
+
+The rule (:mod:`~decent_optim_wrapper.engine.second_moment`) changes one thing in Adam's update:
+what it divides by. Per coordinate, with the optimizer's own moments :math:`m_t, s_t`, the signal
+:math:`c_t` and ``n`` ranks,
+
+.. math::
+    g'_t &= \pm g_t \;(+\, \lambda\, x_{t-1} \text{ with L2 decay})
+        &&\text{(exactly the gradient torch's moments see: maximize, L2, unscaled)} \\
+    c_t &= \beta_2 c_{t-1} + \tfrac{1 - \beta_2}{1 - \beta_1^{t-1}}\, g'_t\, m_{t-1}
+        &&\text{(before } m \text{ moves)} \\
+    m_t, s_t &= \text{torch's own}, \text{ bit for bit} \\
+    v_t &= \tfrac{1}{n} s_t + \left(1 - \tfrac{1}{n}\right) |c_t|
+        \;\;(v_t := s_t \text{ on a parameter's first step, and then } c_t := s_t) \\
+    x_t &= x_{t-1}\,(1 - \eta\lambda)_{\text{AdamW}}
+        - \frac{\eta}{1 - \beta_1^t}\, \frac{m_t}{\sqrt{v_t / (1 - \beta_2^t)} + \epsilon}
+
+(with ``amsgrad``, :math:`\max` over the :math:`v_t` so far in ``max_exp_avg_sq``). torch's step
+divides by its own ``exp_avg_sq`` and offers no other denominator; handing it a substitute from
+which its update lands on :math:`v_t` needs a value that is negative wherever
+:math:`v_t < (1 - \beta_2) g'^2`, so the step is taken here, and every value it takes a square root
+of is a sum of non-negative terms.
+
+What stays torch's, bit for bit: ``step``, ``exp_avg`` and ``exp_avg_sq``. For single-tensor and
+foreach Adam they are computed with torch's own operations in torch's order (``lerp_``, ``mul_``,
+``addcmul_``; on a CPU foreach loops over the same per-tensor kernels); for ``fused``,
+``capturable`` and ``differentiable`` Adam, torch's functional :func:`torch.optim.adam.adam` moves
+them itself (its parameter update given ``lr=0``, which leaves the parameters as they are), and
+the parameter update follows here.
+
+Cost: one state tensor (``exp_avg_signal``), no bytes. On a CPU (one thread per process, as
+``torchrun`` sets) each parameter is processed in chunks of :data:`CHUNK_NUMEL` elements, every
+operation of the step on one chunk before the next,
+so the intermediate passes stay in cache and the temporaries are chunk-sized: the step is about as
+fast as torch's own (``benchmarks/second_moment_cost.py``). On an accelerator the parameters of a
+group are processed as foreach lists, one kernel per operation, with the same temporaries as
+torch's foreach step. The step reads the step counters on the host, once per param group (the
+rule's bias corrections are host scalars): no CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.adam import adam as functional_adam
+
+__all__ = ["CHUNK_NUMEL", "SIGNAL", "adam_step_with_rule"]
+
+#: The optimizer-state key of the signal estimate :math:`c_t`.
+SIGNAL = "exp_avg_signal"
+
+#: How many elements of a parameter the step processes at a time on a CPU. 1 MiB per fp32 tensor,
+#: so the five tensors a chunk touches stay in a core's L2 cache between the step's operations; a
+#: multiple of 64 (why: ``_parts``).
+CHUNK_NUMEL = 1 << 18
+
+
+@dataclass(frozen=True)
+class _Hyper:
+    """One param group's hyperparameters, as host scalars."""
+
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    decoupled: bool
+    maximize: bool
+    amsgrad: bool
+    ranks: int
+
+
+@dataclass
+class _Tensors:
+    """Parallel lists of real tensors (complex ones viewed as pairs of reals) for foreach ops."""
+
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    exp_avgs: list[torch.Tensor]
+    exp_avg_sqs: list[torch.Tensor]
+    signals: list[torch.Tensor]  # empty on a first step
+    max_sqs: list[torch.Tensor]  # empty without amsgrad
+    done: list[float]  # steps taken before this one, per parameter
+    single: bool = False  # torch would take the single-tensor step (else foreach)
+    complex_: bool = False  # the real views are of complex tensors
+
+    def chunks(self) -> Iterator[_Tensors]:
+        """The same tensors, one parameter and ``CHUNK_NUMEL`` elements at a time (views)."""
+        for i in range(len(self.params)):
+            columns = [self.params[i], self.grads[i], self.exp_avgs[i], self.exp_avg_sqs[i]]
+            columns += [x[i] for x in (self.signals, self.max_sqs) if x]
+            numel = columns[0].numel()
+            if numel <= CHUNK_NUMEL or not all(t.is_contiguous() for t in columns):
+                yield self._row(i, columns)
+                continue
+            flat = [t.view(-1) for t in columns]
+            for start in range(0, numel, CHUNK_NUMEL):
+                yield self._row(i, [t[start : start + CHUNK_NUMEL] for t in flat])
+
+    def _row(self, i: int, columns: list[torch.Tensor]) -> _Tensors:
+        it = iter(columns)
+        p, g, m, s = next(it), next(it), next(it), next(it)
+        c = [next(it)] if self.signals else []
+        mx = [next(it)] if self.max_sqs else []
+        return _Tensors([p], [g], [m], [s], c, mx, [self.done[i]], self.single, self.complex_)
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if torch.is_complex(t) else t
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad
+
+
+def _scalar(value: float | torch.Tensor) -> float:
+    return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
+
+
+def adam_step_with_rule(optimizer: Optimizer, ranks: int, grad_scale: torch.Tensor | None = None) -> None:
+    """Take ``optimizer``'s step (torch's Adam or AdamW) with the rule's denominator for ``ranks``.
+
+    ``grad_scale``: the gradients are still multiplied by it (GradScaler with a fused optimizer,
+    which unscales inside its step); otherwise they must be final. Local: no collectives.
+    """
+    for group in optimizer.param_groups:
+        with torch.set_grad_enabled(bool(group.get("differentiable", False))):
+            _step_group(optimizer, group, ranks, grad_scale)
+
+
+def _step_group(
+    optimizer: Optimizer, group: dict[str, Any], ranks: int, grad_scale: torch.Tensor | None
+) -> None:
+    params = [p for p in group["params"] if p.grad is not None]
+    if not params:
+        return
+    for param in params:
+        if _grad(param).is_sparse:
+            raise RuntimeError("Adam does not support sparse gradients, please consider SparseAdam instead")
+        if not optimizer.state.get(param):
+            _init_state(optimizer.state[param], param, group)
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    hyper = _Hyper(
+        lr=_scalar(group["lr"]),
+        beta1=beta1,
+        beta2=beta2,
+        eps=float(group["eps"]),
+        weight_decay=_scalar(group["weight_decay"]),
+        decoupled=isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay")),
+        maximize=bool(group.get("maximize", False)),
+        amsgrad=bool(group.get("amsgrad", False)),
+        ranks=ranks,
+    )
+    states = [optimizer.state[p] for p in params]
+    batches = _batches(params, states, hyper, group.get("foreach"))
+    if group.get("fused") or group.get("capturable") or group.get("differentiable"):
+        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+        for started, batch in batches:
+            if started:  # c_t needs m_{t-1}: before torch moves it
+                for part in _parts(batch):
+                    _advance_signal(hyper, part, _moment_gradients(hyper, part, inv_scale))
+        _torch_moments(group, params, states, hyper, grad_scale)
+        for started, batch in batches:
+            for part in _parts(batch):
+                if hyper.decoupled and hyper.weight_decay != 0:
+                    torch._foreach_mul_(part.params, 1 - hyper.lr * hyper.weight_decay)
+                _update_params(hyper, part, started)
+    else:
+        for state in states:
+            state["step"] += 1
+        for started, batch in batches:
+            for part in _parts(batch):
+                _own_step(hyper, part, started)
+    for state in states:
+        if SIGNAL not in state:  # c_1 = s_1: the first step divided by the optimizer's own s
+            state[SIGNAL] = state["exp_avg_sq"].detach().clone()
+
+
+def _batches(
+    params: list[torch.Tensor], states: list[dict[str, Any]], hyper: _Hyper, foreach: bool | None
+) -> list[tuple[bool, _Tensors]]:
+    """The parameters by (device, dtype, whether their signal has started), as foreach lists."""
+    # One host read of the step counters per group (they may live on the device: fused, capturable).
+    done = torch.stack([s["step"].detach().to("cpu", torch.float64) for s in states]).tolist()
+    lists: dict[tuple[torch.device, torch.dtype, bool], list[int]] = {}
+    for i, (param, state) in enumerate(zip(params, states, strict=True)):
+        lists.setdefault((param.device, param.dtype, SIGNAL in state), []).append(i)
+    return [
+        (
+            started,
+            _Tensors(
+                params=[_real(params[i]) for i in indices],
+                grads=[_real(_grad(params[i])) for i in indices],
+                exp_avgs=[_real(states[i]["exp_avg"]) for i in indices],
+                exp_avg_sqs=[_real(states[i]["exp_avg_sq"]) for i in indices],
+                signals=[_real(states[i][SIGNAL]) for i in indices] if started else [],
+                max_sqs=[_real(states[i]["max_exp_avg_sq"]) for i in indices] if hyper.amsgrad else [],
+                done=[done[i] for i in indices],
+                # torch's default: foreach where foreach kernels exist (not on a CPU)
+                single=not (foreach if foreach is not None else device.type != "cpu"),
+                complex_=dtype.is_complex,
+            ),
+        )
+        for (device, dtype, started), indices in lists.items()
+    ]
+
+
+def _parts(batch: _Tensors) -> Iterator[_Tensors]:
+    """Chunks on a single-threaded CPU (cache-sized), the whole lists elsewhere (one kernel per
+    operation).
+
+    Bit for bit: torch's vectorised CPU loops run blocks of up to 64 elements and the rest
+    element by element, which can round differently (a fused multiply-add); a chunk that is a
+    multiple of the block leaves every element on the path it takes in a whole tensor. With more
+    threads torch splits each tensor among them at a point that need not be a multiple of the
+    block, so chunks would move elements between the paths: whole tensors then.
+    """
+    if batch.params[0].device.type == "cpu" and torch.get_num_threads() == 1:
+        yield from batch.chunks()
+    else:
+        yield batch
+
+
+def _init_state(state: dict[str, Any], param: torch.Tensor, group: dict[str, Any]) -> None:
+    """A parameter's first state, as torch's Adam creates it (same keys, dtypes and devices)."""
+    fused, capturable = bool(group.get("fused")), bool(group.get("capturable"))
+    if fused or capturable:
+        dtype = torch.float32 if fused else _step_dtype()
+        state["step"] = torch.zeros((), dtype=dtype, device=param.device)
+    else:
+        state["step"] = torch.tensor(0.0, dtype=_step_dtype())
+    state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+    if group.get("amsgrad", False):
+        state["max_exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+
+def _step_dtype() -> torch.dtype:
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _moment_gradients(hyper: _Hyper, part: _Tensors, inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
+    """The gradient torch's moments see, computed with torch's operations in torch's order.
+
+    Single-tensor Adam adds L2 decay to a complex gradient before viewing it as real, foreach Adam
+    after (the two round differently); each is followed here."""
+    grads = part.grads
+    if inv_scale is not None:
+        grads = list(torch._foreach_mul(grads, inv_scale.to(grads[0].device)))
+    if hyper.maximize:
+        grads = list(torch._foreach_neg(grads))
+    if hyper.weight_decay != 0 and not hyper.decoupled:
+        if part.single and part.complex_:
+            grads = [
+                torch.view_as_real(_complex(g).add(_complex(p), alpha=hyper.weight_decay)).view(g.shape)
+                for g, p in zip(grads, part.params, strict=True)
+            ]
+        else:
+            grads = list(torch._foreach_add(grads, part.params, alpha=hyper.weight_decay))
+    return grads
+
+
+def _complex(real: torch.Tensor) -> torch.Tensor:
+    """The complex tensor whose real view (or a flat chunk of it: even offset and length) is ``real``."""
+    return torch.view_as_complex(real if real.dim() > 1 and real.shape[-1] == 2 else real.view(-1, 2))
+
+
+def _advance_signal(hyper: _Hyper, part: _Tensors, grads: list[torch.Tensor]) -> None:
+    """:math:`c_t = \\beta_2 c_{t-1} + (1 - \\beta_2) g'_t \\hat m_{t-1}`, before ``exp_avg`` moves."""
+    cross = [(1 - hyper.beta2) / (1 - hyper.beta1**done) for done in part.done]
+    torch._foreach_mul_(part.signals, hyper.beta2)
+    torch._foreach_addcmul_(part.signals, grads, part.exp_avgs, cross)
+
+
+def _own_step(hyper: _Hyper, part: _Tensors, started: bool) -> None:
+    """Single-tensor or foreach Adam with the rule's denominator: torch's moments, bit for bit."""
+    grads = _moment_gradients(hyper, part, None)
+    if started:
+        _advance_signal(hyper, part, grads)
+    if hyper.weight_decay != 0 and hyper.decoupled:
+        torch._foreach_mul_(part.params, 1 - hyper.lr * hyper.weight_decay)
+    if part.single:  # torch's per-tensor kernels (a foreach kernel on an accelerator may round otherwise)
+        for exp_avg, exp_avg_sq, grad in zip(part.exp_avgs, part.exp_avg_sqs, grads, strict=True):
+            exp_avg.lerp_(grad, 1 - hyper.beta1)
+            exp_avg_sq.mul_(hyper.beta2).addcmul_(grad, grad, value=1 - hyper.beta2)
+    else:
+        torch._foreach_lerp_(part.exp_avgs, grads, 1 - hyper.beta1)
+        torch._foreach_mul_(part.exp_avg_sqs, hyper.beta2)
+        torch._foreach_addcmul_(part.exp_avg_sqs, grads, grads, 1 - hyper.beta2)
+    del grads
+    _update_params(hyper, part, started)
+
+
+def _update_params(hyper: _Hyper, part: _Tensors, started: bool) -> None:
+    """The parameter update of the rule (the decoupled decay is done): torch's on a first step."""
+    steps = [done + 1 for done in part.done]
+    step_sizes = [hyper.lr / (1 - hyper.beta1**t) for t in steps]
+    corrections = [math.sqrt(1 - hyper.beta2**t) for t in steps]  # sqrt of the bias correction
+    if not started:  # v_t = s_t: torch's own first step, in torch's foreach order
+        if hyper.amsgrad:
+            torch._foreach_maximum_(part.max_sqs, part.exp_avg_sqs)
+            denominators = torch._foreach_sqrt(part.max_sqs)
+        else:
+            denominators = torch._foreach_sqrt(part.exp_avg_sqs)
+        torch._foreach_div_(denominators, corrections)
+        torch._foreach_add_(denominators, hyper.eps)
+        torch._foreach_addcdiv_(part.params, part.exp_avgs, denominators, [-size for size in step_sizes])
+        return
+    n = hyper.ranks
+    # u = |c_t| + s_t / (n - 1) = v_t * n / (n - 1): a sum of non-negative terms.
+    u = torch._foreach_abs(part.signals)
+    torch._foreach_add_(u, part.exp_avg_sqs, alpha=1 / (n - 1))
+    if hyper.amsgrad:
+        torch._foreach_mul_(u, 1 - 1 / n)  # v_t itself, whose running maximum is kept
+        torch._foreach_maximum_(part.max_sqs, u)
+        torch._foreach_copy_(u, part.max_sqs)
+        torch._foreach_sqrt_(u)
+        torch._foreach_div_(u, corrections)
+        torch._foreach_add_(u, hyper.eps)
+        torch._foreach_addcdiv_(part.params, part.exp_avgs, u, [-size for size in step_sizes])
+        return
+    # sqrt(v / bc2) + eps = k (sqrt(u) + eps / k) with k = sqrt(1 - 1/n) / sqrt(bc2): two passes
+    # fewer than forming v, dividing by the correction and adding eps.
+    scales = [math.sqrt(1 - 1 / n) / correction for correction in corrections]
+    torch._foreach_sqrt_(u)
+    torch._foreach_add_(u, [hyper.eps / k for k in scales])
+    torch._foreach_addcdiv_(
+        part.params, part.exp_avgs, u, [-size / k for size, k in zip(step_sizes, scales, strict=True)]
+    )
+
+
+def _torch_moments(
+    group: dict[str, Any],
+    params: list[torch.Tensor],
+    states: list[dict[str, Any]],
+    hyper: _Hyper,
+    grad_scale: torch.Tensor | None,
+) -> None:
+    """torch's functional Adam moves ``step``, ``exp_avg`` and ``exp_avg_sq`` (fused, capturable,
+    differentiable); its parameter update is given ``lr=0``, which leaves the parameters as they are."""
+    functional_adam(
+        params,
+        [p.grad for p in params],  # type: ignore[misc]
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [],
+        [s["step"] for s in states],
+        foreach=group.get("foreach"),
+        capturable=bool(group.get("capturable", False)),
+        differentiable=bool(group.get("differentiable", False)),
+        fused=group.get("fused"),
+        grad_scale=grad_scale,
+        found_inf=None,
+        has_complex=any(torch.is_complex(p) for p in params),
+        decoupled_weight_decay=hyper.decoupled,
+        amsgrad=False,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        lr=0.0,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        maximize=hyper.maximize,
+    )
