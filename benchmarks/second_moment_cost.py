@@ -11,7 +11,7 @@ printed as ratios of numbers taken in the same run:
     the same parameters and gradients, interleaved; for torch's single-tensor, foreach and fused
     AdamW.
 (c) **Memory**: for each of bare / local / average, a fresh pair of ranks trains ``--memory-steps``
-    steps; each reports the growth of its resident set's high-water mark (``ru_maxrss``) over the
+    steps; each reports the growth of its resident set's high-water mark (``VmHWM``) over the
     model and data alone, and the bytes of the optimizer state. Target: ``average`` at most one
     state tensor (the model's size) over ``local``.
 
@@ -26,7 +26,6 @@ import json
 import multiprocessing as mp
 import platform
 import queue
-import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -94,14 +93,24 @@ def training_steps(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def high_water_bytes() -> int:
+    """This process's resident-set high-water mark (``VmHWM``). Not ``ru_maxrss``: a spawned
+    process inherits its parent's from the fork, and the parent holds part (a)'s models."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status (Linux only)")
+
+
 def memory(args: argparse.Namespace, method: str) -> dict[str, float]:
     """Part (c) on one rank: high-water growth over the model and data, and optimizer-state bytes."""
     model, optimizer = build(args, method)
     batch = (torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,)))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = high_water_bytes()
     for _ in range(args.memory_steps):
         train_step(model, optimizer, batch)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = high_water_bytes()
     state = sum(
         v.numel() * v.element_size()
         for s in optimizer.state.values()

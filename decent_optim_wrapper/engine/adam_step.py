@@ -90,24 +90,36 @@ class _Tensors:
     complex_: bool = False  # the real views are of complex tensors
 
     def chunks(self) -> Iterator[_Tensors]:
-        """The same tensors, one parameter and ``CHUNK_NUMEL`` elements at a time (views)."""
+        """The same tensors as views of at most about ``CHUNK_NUMEL`` elements: a large parameter
+        cut into chunks, consecutive small ones packed together (fewer calls for the same work)."""
+        pack: list[tuple[int, list[torch.Tensor]]] = []
+        packed = 0
         for i in range(len(self.params)):
             columns = [self.params[i], self.grads[i], self.exp_avgs[i], self.exp_avg_sqs[i]]
             columns += [x[i] for x in (self.signals, self.max_sqs) if x]
             numel = columns[0].numel()
             if numel <= CHUNK_NUMEL or not all(t.is_contiguous() for t in columns):
-                yield self._row(i, columns)
+                if pack and packed + numel > CHUNK_NUMEL:
+                    yield self._rows(pack)
+                    pack, packed = [], 0
+                pack.append((i, columns))
+                packed += numel
                 continue
             flat = [t.view(-1) for t in columns]
             for start in range(0, numel, CHUNK_NUMEL):
-                yield self._row(i, [t[start : start + CHUNK_NUMEL] for t in flat])
+                yield self._rows([(i, [t[start : start + CHUNK_NUMEL] for t in flat])])
+        if pack:
+            yield self._rows(pack)
 
-    def _row(self, i: int, columns: list[torch.Tensor]) -> _Tensors:
-        it = iter(columns)
-        p, g, m, s = next(it), next(it), next(it), next(it)
-        c = [next(it)] if self.signals else []
-        mx = [next(it)] if self.max_sqs else []
-        return _Tensors([p], [g], [m], [s], c, mx, [self.done[i]], self.single, self.complex_)
+    def _rows(self, rows: list[tuple[int, list[torch.Tensor]]]) -> _Tensors:
+        """The parameters ``rows`` names (index, their columns' views), as lists of their own."""
+        columns = list(zip(*(row for _, row in rows), strict=True))
+        p, g, m, s = (list(column) for column in columns[:4])
+        rest = iter(columns[4:])
+        c = list(next(rest)) if self.signals else []
+        mx = list(next(rest)) if self.max_sqs else []
+        done = [self.done[i] for i, _ in rows]
+        return _Tensors(p, g, m, s, c, mx, done, self.single, self.complex_)
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -159,18 +171,46 @@ def _step_group(
     )
     states = [optimizer.state[p] for p in params]
     batches = _batches(params, states, hyper, group.get("foreach"))
-    if group.get("fused") or group.get("capturable") or group.get("differentiable"):
-        inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    inv_scale = None if grad_scale is None else grad_scale.double().reciprocal().float()
+    if group.get("fused") and all(_chunked(batch) for _, batch in batches):
+        # torch's fused kernel moves the moments chunk by chunk, in cache with the rest of the step
+        # (the kernel's arithmetic does not depend on where a chunk starts: multiples of 64).
+        for state in states:
+            state["step"] += 1
+        for started, batch in batches:
+            for part in _parts(batch):
+                if started:
+                    _advance_signal(hyper, part, _moment_gradients(hyper, part, inv_scale))
+                scratch = [torch.zeros((), dtype=torch.float32) for _ in part.params]  # lr=0: unused
+                _torch_moments(
+                    group,
+                    hyper,
+                    grad_scale,
+                    part.params,
+                    part.grads,
+                    part.exp_avgs,
+                    part.exp_avg_sqs,
+                    scratch,
+                )
+                _decay_and_update(hyper, part, started)
+    elif group.get("fused") or group.get("capturable") or group.get("differentiable"):
         for started, batch in batches:
             if started:  # c_t needs m_{t-1}: before torch moves it
                 for part in _parts(batch):
                     _advance_signal(hyper, part, _moment_gradients(hyper, part, inv_scale))
-        _torch_moments(group, params, states, hyper, grad_scale)
+        _torch_moments(
+            group,
+            hyper,
+            grad_scale,
+            params,  # as the optimizer holds them: torch views complex ones as real itself
+            [_grad(p) for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+        )
         for started, batch in batches:
             for part in _parts(batch):
-                if hyper.decoupled and hyper.weight_decay != 0:
-                    torch._foreach_mul_(part.params, 1 - hyper.lr * hyper.weight_decay)
-                _update_params(hyper, part, started)
+                _decay_and_update(hyper, part, started)
     else:
         for state in states:
             state["step"] += 1
@@ -211,6 +251,18 @@ def _batches(
     ]
 
 
+def _chunked(batch: _Tensors) -> bool:
+    return batch.params[0].device.type == "cpu" and torch.get_num_threads() == 1
+
+
+def _decay_and_update(hyper: _Hyper, part: _Tensors, started: bool) -> None:
+    """AdamW's decoupled decay, then the update, once torch has moved the moments (under decoupled
+    decay the moments do not read the parameters, so decaying after them gives torch's result)."""
+    if hyper.decoupled and hyper.weight_decay != 0:
+        torch._foreach_mul_(part.params, 1 - hyper.lr * hyper.weight_decay)
+    _update_params(hyper, part, started)
+
+
 def _parts(batch: _Tensors) -> Iterator[_Tensors]:
     """Chunks on a single-threaded CPU (cache-sized), the whole lists elsewhere (one kernel per
     operation).
@@ -221,7 +273,7 @@ def _parts(batch: _Tensors) -> Iterator[_Tensors]:
     threads torch splits each tensor among them at a point that need not be a multiple of the
     block, so chunks would move elements between the paths: whole tensors then.
     """
-    if batch.params[0].device.type == "cpu" and torch.get_num_threads() == 1:
+    if _chunked(batch):
         yield from batch.chunks()
     else:
         yield batch
@@ -337,20 +389,23 @@ def _update_params(hyper: _Hyper, part: _Tensors, started: bool) -> None:
 
 def _torch_moments(
     group: dict[str, Any],
-    params: list[torch.Tensor],
-    states: list[dict[str, Any]],
     hyper: _Hyper,
     grad_scale: torch.Tensor | None,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
+    steps: list[torch.Tensor],
 ) -> None:
-    """torch's functional Adam moves ``step``, ``exp_avg`` and ``exp_avg_sq`` (fused, capturable,
+    """torch's functional Adam moves ``steps``, ``exp_avgs`` and ``exp_avg_sqs`` (fused, capturable,
     differentiable); its parameter update is given ``lr=0``, which leaves the parameters as they are."""
     functional_adam(
         params,
-        [p.grad for p in params],  # type: ignore[misc]
-        [s["exp_avg"] for s in states],
-        [s["exp_avg_sq"] for s in states],
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
         [],
-        [s["step"] for s in states],
+        steps,
         foreach=group.get("foreach"),
         capturable=bool(group.get("capturable", False)),
         differentiable=bool(group.get("differentiable", False)),
