@@ -34,7 +34,7 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
 
 (c) **Training step at world size 2, by feature.** The same step on a 2-rank ring with
     ``DecentOptimWrapper``: plain (``second_moment="local"``), with Adam's second moment of the
-    average gradient (``second_moment="average"``, the default: the rule's work around the step),
+    average gradient (``second_moment="average"``, the default: the rule's own Adam step),
     with gradient tracking (``gradient_tracking=True``: the tracker's own gossip and its update,
     ``y <- W y + g - g_prev``) and with bf16 compression, interleaved the same way; reported
     relative to the plain ring. AccumAdamW (``accum_iter=4``) is timed with ``"local"`` (against the

@@ -67,7 +67,7 @@ __all__ = ["RANKS_OPTION", "SECOND_MOMENTS", "SIGNAL", "SecondMomentRule", "chec
 #: decent-optim-wrapper 0.1.1).
 SECOND_MOMENTS = ("average", "local")
 
-_named: set[str] = set()  # optimizer classes the rule skipped, named once
+_named: set[tuple[str, str]] = set()  # optimizer classes the rule skipped (and why), named once
 
 
 def check_second_moment(second_moment: object) -> str:
@@ -118,12 +118,12 @@ class SecondMomentRule:
             return True
         if self.second_moment != "average" or world_size <= 1:
             return False
-        if corrects(optimizer) and _steps_as_adam(optimizer):
+        why = _why_not(optimizer)
+        if why is None:
             return True
         name = type(optimizer).__name__
-        if name not in _named:
-            _named.add(name)
-            why = "its own step()" if corrects(optimizer) else "not torch's Adam or AdamW"
+        if (name, why) not in _named:
+            _named.add((name, why))
             logger.info(
                 f"second_moment='average' applies to torch's Adam and AdamW (and subclasses that keep their "
                 f"step); {name} ({why}) steps as it is, its statistics from this rank's gradients."
@@ -159,6 +159,24 @@ class SecondMomentRule:
         # public hook for it) and warns at its own step if none was made: this step is that call.
         if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
             setattr(optimizer, "_opt_called", True)  # noqa: B010
+
+
+def _why_not(optimizer: Optimizer) -> str | None:
+    """Why the library cannot take ``optimizer``'s step with the rule, or None where it can."""
+    if not corrects(optimizer):
+        return "not torch's Adam or AdamW"
+    if not _steps_as_adam(optimizer):
+        return "a step() of its own"
+    patched = vars(optimizer).get("step")  # an LR scheduler's wrapper only records the call
+    if patched is not None and not hasattr(patched, "_wrapped_by_lr_sched"):
+        return "a step() patched onto the instance"
+    for group in optimizer.param_groups:
+        hyper = [group["lr"], *group["betas"], group["weight_decay"]]
+        if group.get("differentiable") and any(
+            isinstance(h, torch.Tensor) and h.requires_grad for h in hyper
+        ):
+            return "hyperparameters that take gradients through the step"
+    return None
 
 
 def _steps_as_adam(optimizer: Optimizer) -> bool:
