@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
+import queue
 import socket
+import time
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -24,3 +29,39 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def collect_from_ranks(
+    world_size: int,
+    target: Callable[..., None],
+    args_for: Callable[[int, int, Any], tuple[Any, ...]],
+    max_seconds: float,
+    what: str,
+) -> dict[int, Any]:
+    """Spawn ``world_size`` local processes running ``target(*args_for(rank, port, results))``; each
+    puts ``(rank, value)`` on ``results``. Returns the values by rank; raises if a rank fails or
+    none answers within ``max_seconds`` (``what`` names the run), and kills what is left."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=args_for(rank, port, results)) for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    deadline = time.monotonic() + max_seconds
+    out: dict[int, Any] = {}
+    try:
+        while len(out) < world_size:
+            try:
+                rank, value = results.get(timeout=1.0)
+                out[rank] = value
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{what}: no result within {max_seconds} s") from None
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError(f"{what}: a rank failed") from None
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return out

@@ -52,10 +52,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import platform
-import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -63,7 +61,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import build_mlp, free_port
+from common import build_mlp, collect_from_ranks
 from torch import nn
 
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
@@ -251,32 +249,13 @@ def worker(rank: int, world_size: int, port: int, args: argparse.Namespace, resu
 
 def run_world(world_size: int, args: argparse.Namespace) -> dict[int, dict[str, Any]]:
     """Spawn ``world_size`` local ranks, return each rank's results; kill them at the deadline."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, world_size, port, args, results)) for r in range(world_size)]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + args.max_seconds
-    out: dict[int, dict[str, Any]] = {}
-    try:
-        while len(out) < world_size:
-            try:
-                rank, value = results.get(timeout=1.0)
-                out[rank] = value
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"world size {world_size}: no result within {args.max_seconds} s"
-                    ) from None
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"world size {world_size}: a rank failed") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return out
+    return collect_from_ranks(
+        world_size,
+        worker,
+        lambda rank, port, results: (rank, world_size, port, args, results),
+        args.max_seconds,
+        f"world size {world_size}",
+    )
 
 
 def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:

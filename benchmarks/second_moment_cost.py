@@ -28,7 +28,6 @@ import json
 import multiprocessing as mp
 import os
 import platform
-import queue
 import statistics
 import time
 from collections.abc import Callable
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import build_mlp, free_port
+from common import build_mlp, collect_from_ranks
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper
@@ -163,30 +162,9 @@ def worker(rank: int, port: int, part: str, args: argparse.Namespace, results: A
 
 
 def on_two_ranks(part: str, args: argparse.Namespace) -> dict[int, Any]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=worker, args=(r, port, part, args, results)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    out: dict[int, Any] = {}
-    deadline = time.monotonic() + args.max_seconds
-    try:
-        while len(out) < 2:
-            try:
-                rank, value = results.get(timeout=1.0)
-                out[rank] = value
-            except queue.Empty:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{part}: no result within {args.max_seconds} s") from None
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    raise RuntimeError(f"{part}: a rank failed") from None
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return out
+    return collect_from_ranks(
+        2, worker, lambda rank, port, results: (rank, port, part, args, results), args.max_seconds, part
+    )
 
 
 def report(results: dict[str, Any]) -> None:

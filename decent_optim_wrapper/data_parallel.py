@@ -399,7 +399,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             # With a scaler the gradients are unscaled already and the inf decision is taken for the
             # whole model; scaler.step() would also refuse a bucket without gradients (no inf check).
             # Global step hooks fire once per update (in backward's hooks), not once per bucket.
-            rule_step = self._engine.second_moment_hook(optimizer)
+            rule_step = self._engine.second_moment_step(optimizer)
             with global_step_hooks_suspended():
                 if rule_step is not None:
                     rule_step(None)

@@ -244,7 +244,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             _check_tracking_step(closure, grad_scale)
         inner = self.optimizer
         return engine.step(
-            lambda: scaled_step(inner, closure, grad_scale, found_inf, engine.second_moment_hook(inner)),
+            lambda: scaled_step(inner, closure, grad_scale, found_inf, engine.second_moment_step(inner)),
             found_inf=found_inf,
         )
 

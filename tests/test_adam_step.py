@@ -11,18 +11,17 @@ sizes, and the update against a float64 formula.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import warnings
 
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from torch.testing._internal.common_optimizers import (
-    _get_optim_inputs_including_global_cliquey_kwargs,
-    optim_db,
-)
+from twins import assert_state_is_torchs, bare_twin, database_under_the_wrapper
 
-from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine import adam_step
 from decent_optim_wrapper.engine.second_moment import SIGNAL, SecondMomentRule
 from decent_optim_wrapper.inner_step import scaled_step
@@ -30,17 +29,37 @@ from decent_optim_wrapper.inner_step import scaled_step
 ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def _database_configs() -> list[tuple[type[torch.optim.Optimizer], str, dict]]:
-    """torch's Adam and AdamW configurations on the CPU, and each once more with ``foreach=True``
-    (torch lists foreach only for devices with foreach kernels; on a CPU it loops the same kernels)."""
-    configs = []
-    for info in optim_db:
-        if info.optim_cls not in ADAMS:
-            continue
+#: Run in a process of its own: importing torch's test internals switches off torch's global
+#: backend flags (``torch.backends.disable_global_flags``) for the whole process, which breaks
+#: Lightning's tests in the same pytest process or worker.
+_ENUMERATE_DATABASE = """
+import json, torch
+from torch.testing._internal.common_optimizers import (
+    _get_optim_inputs_including_global_cliquey_kwargs, optim_db,
+)
+configs = []
+for info in optim_db:
+    if info.optim_cls in (torch.optim.Adam, torch.optim.AdamW):
         for entry in _get_optim_inputs_including_global_cliquey_kwargs("cpu", torch.float32, info):
-            configs.append((info.optim_cls, entry.desc, dict(entry.kwargs)))
-            if not any(entry.kwargs.get(flag) for flag in ("fused", "differentiable")):
-                configs.append((info.optim_cls, f"{entry.desc} & foreach", {**entry.kwargs, "foreach": True}))
+            kwargs = {k: float(v) if isinstance(v, torch.Tensor) else v for k, v in entry.kwargs.items()}
+            configs.append((info.optim_cls.__name__, entry.desc, kwargs))
+print(json.dumps(configs))
+"""
+
+
+def _database_configs() -> list[tuple[type[torch.optim.Optimizer], str, dict]]:
+    """torch's Adam and AdamW configurations on the CPU, enumerated as torch's own tests enumerate
+    them, and each once more with ``foreach=True`` (torch lists foreach only for devices with foreach
+    kernels; on a CPU it loops the same kernels)."""
+    listed = subprocess.run(
+        [sys.executable, "-c", _ENUMERATE_DATABASE], capture_output=True, text=True, timeout=120, check=True
+    )
+    configs = []
+    for name, desc, kwargs in json.loads(listed.stdout.strip().splitlines()[-1]):
+        cls = getattr(torch.optim, name)
+        configs.append((cls, desc, kwargs))
+        if not any(kwargs.get(flag) for flag in ("fused", "differentiable")):
+            configs.append((cls, f"{desc} & foreach", {**kwargs, "foreach": True}))
     return configs
 
 
@@ -74,35 +93,6 @@ def _loss(params: list[torch.Tensor], maximize: bool) -> torch.Tensor:
     out = torch.tanh(x.to(w1.dtype) @ w1.T + b1) @ w2.T + b2
     mse = torch.nn.functional.mse_loss(out, y.to(out.dtype))
     return -mse if maximize else mse  # the issue's reproduction: maximize the negated loss
-
-
-def bare_twin(opt: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.Tensor]]:
-    """A torch optimizer of ``opt``'s class with copies of its groups, parameters, gradients and
-    state (the rule's signal left out): what the bare optimizer would step from the same point."""
-    twins: dict[torch.Tensor, torch.Tensor] = {}
-    groups = []
-    for group in opt.param_groups:
-        copies = []
-        for p in group["params"]:
-            copy = p.detach().clone()
-            if p.grad is not None:
-                copy.grad = p.grad.detach().clone()
-            twins[p] = copy
-            copies.append(copy)
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": copies})
-    twin = type(opt)(groups)
-    for p, copy in twins.items():
-        if p in opt.state:
-            twin.state[copy] = {k: v.detach().clone() for k, v in opt.state[p].items() if k != SIGNAL}
-    return twin, twins
-
-
-def assert_state_is_torchs(opt, twin, twins) -> None:
-    for p, copy in twins.items():
-        ours, theirs = opt.state[p], twin.state[copy]
-        for key in ("step", "exp_avg", "exp_avg_sq"):
-            # bit for bit; a NaN where torch's own holds one (fp16 divides by an eps that rounds to 0)
-            torch.testing.assert_close(ours[key], theirs[key], rtol=0, atol=0, equal_nan=True, msg=key)
 
 
 def _train(cls, options: dict, ranks: int | None, steps: int = 6, check=True):
@@ -391,56 +381,12 @@ def _check_update(decoupled, options, n, p, x0, grad, state0, state):
 # -- the database under the wrapper, at world size 2 -----------------------------------------------
 
 
-def _database_under_the_wrapper(configs: list[tuple[type, str, dict]]) -> list[dict]:
-    """Each configuration for 5 steps on a fixed batch (the same on both ranks), wrapped with the
-    default rule on "complete", beside the bare optimizer; a bare twin checks the state every step."""
-    results = []
-    for cls, desc, options in configs:
-        runs = {}
-        for wrapped in (False, True):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
-            inner = cls(model.parameters(), **options)
-            opt = DecentOptimWrapper(inner, topology="complete") if wrapped else inner
-            mismatches: list[str] = []
-            pending: list = []
-            inner.register_step_pre_hook(lambda o, a, k, p=pending: p.append(bare_twin(o)))
-
-            def check(o, a, k, p=pending, bad=mismatches):
-                twin, twins = p.pop()
-                twin.step()
-                try:
-                    assert_state_is_torchs(o, twin, twins)
-                except AssertionError as error:
-                    bad.append(str(error))
-
-            inner.register_step_post_hook(check)
-            g = torch.Generator().manual_seed(7)
-            x, y = torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
-            for _ in range(5):
-                opt.zero_grad()
-                mse = torch.nn.functional.mse_loss(model(x), y)
-                (-mse if options.get("maximize") else mse).backward()
-                opt.step()
-            finite = all(bool(p.isfinite().all()) for p in model.parameters())
-            runs[wrapped] = (finite, mismatches)
-        results.append(
-            {
-                "desc": f"{cls.__name__} {desc}",
-                "bare finite": runs[False][0],
-                "finite": runs[True][0],
-                "mismatches": runs[True][1],
-            }
-        )
-    return results
-
-
 @pytest.mark.dist
 def test_torchs_database_under_the_wrapper_at_world_size_two(pool):
     # differentiable configurations update parameters in place under autograd, which the model's
     # leaf parameters refuse (the bare optimizer raises too); they are checked above, on non-leaves.
     configs = [c for c in DATABASE if not c[2].get("differentiable")]
-    results = pool(2).run(_database_under_the_wrapper, configs, timeout=120)
+    results = pool(2).run(database_under_the_wrapper, configs, timeout=120)
     for rank_results in results:
         assert len(rank_results) == len(configs)
         for result in rank_results:

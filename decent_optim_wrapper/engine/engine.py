@@ -323,7 +323,7 @@ class GossipEngine:
         rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
         return rounds * self._gossip.bytes_sent_per_step()
 
-    def second_moment_hook(
+    def second_moment_step(
         self, optimizer: torch.optim.Optimizer
     ) -> Callable[[torch.Tensor | None], None] | None:
         """``step(grad_scale)`` to take in place of ``optimizer.step()``, or None where the step stays
