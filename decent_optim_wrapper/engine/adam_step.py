@@ -308,8 +308,8 @@ def _chunked(batch: _Tensors) -> bool:
 
 
 def _decay_and_update(hyper: _Hyper, part: _Tensors, started: bool) -> None:
-    """AdamW's decoupled decay, then the update, once torch has moved the moments (under decoupled
-    decay the moments do not read the parameters, so decaying after them gives torch's result)."""
+    """AdamW's decoupled decay, then the update, once the moments have moved (torch decays first;
+    under decoupled decay the moments do not read the parameters, so the result is the same)."""
     if hyper.decoupled and hyper.weight_decay != 0:
         torch._foreach_mul_(part.params, 1 - hyper.lr * hyper.weight_decay)
     _update_params(hyper, part, started)
@@ -395,8 +395,6 @@ def _own_step(hyper: _Hyper, part: _Tensors, started: bool) -> None:
     grads = _moment_gradients(hyper, part, None)
     if started:
         _advance_signal(hyper, part, grads)
-    if hyper.weight_decay != 0 and hyper.decoupled:
-        torch._foreach_mul_(part.params, 1 - hyper.lr * hyper.weight_decay)
     beta1, beta2 = hyper.torch_betas
     if part.single:  # torch's per-tensor kernels (a foreach kernel on an accelerator may round otherwise)
         for exp_avg, exp_avg_sq, grad in zip(part.exp_avgs, part.exp_avg_sqs, grads, strict=True):
@@ -414,7 +412,7 @@ def _own_step(hyper: _Hyper, part: _Tensors, started: bool) -> None:
         else:
             torch._foreach_addcmul_(part.exp_avg_sqs, grads, grads, 1 - beta2)
     del grads
-    _update_params(hyper, part, started)
+    _decay_and_update(hyper, part, started)
 
 
 def _update_params(hyper: _Hyper, part: _Tensors, started: bool) -> None:
