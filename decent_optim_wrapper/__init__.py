@@ -27,10 +27,12 @@ from decent_optim_wrapper.engine import (
     GossipCompression,
     GossipEngine,
     GossipError,
+    JoinRejectedError,
     PeerFailure,
     PeerFailureError,
+    PeerJoin,
 )
-from decent_optim_wrapper.launch import initialize_dist
+from decent_optim_wrapper.launch import init_elastic, initialize_dist
 from decent_optim_wrapper.metrics import consensus_distance
 from decent_optim_wrapper.optim import (
     LR_SCHEDULER_FN_TYPE,
@@ -79,14 +81,17 @@ __all__ = [
     "GossipError",
     "Group",
     "HierarchicalTopology",
+    "JoinRejectedError",
     "OnePeerExpTopology",
     "PeerFailure",
     "PeerFailureError",
+    "PeerJoin",
     "RingTopology",
     "Topology",
     "TopologyFactory",
     "TopologyReg",
     "consensus_distance",
+    "init_elastic",
     "initialize_dist",
     "lr_scheduler_fn_cosine_with_warmup",
     "optim_fn_accum_adam",

@@ -185,6 +185,20 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         )
         self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)
         self._sync_frozen_state()
+        self._engine.open_to_joiners(
+            self._training_state,
+            self._load_training_state,
+            (
+                ("optimizers", tuple((type(o).__name__, len(o.param_groups)) for o in self._optimizers)),
+                ("lr_schedulers", tuple(None if s is None else type(s).__name__ for s in self._schedulers)),
+                ("scaler", None if scaler is None else type(scaler).__name__),
+                ("grad_clip_norm", self._grad_clip_norm),
+                (
+                    "model_state",
+                    tuple((k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()),
+                ),
+            ),
+        )
 
         num_buckets = len(self._engine.buckets)
         self._accumulating = False
@@ -467,13 +481,16 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         """
         if self._in_backward:
             raise RuntimeError("training_state_dict() cannot be called during backward.")
+        return {**self._training_state(), "decent": self._engine.state_dict()}
+
+    def _training_state(self) -> dict[str, Any]:
+        """Everything but the engine's part (also what a donor hands a joiner, possibly inside backward)."""
         return {
             "version": TRAINING_STATE_VERSION,
             "model": self._model.state_dict(),
             "optimizers": [o.state_dict() for o in self._optimizers],
             "lr_schedulers": [s.state_dict() if s is not None else None for s in self._schedulers],
             "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-            "decent": self._engine.state_dict(),
         }
 
     def load_training_state_dict(self, state: dict[str, Any]) -> None:
@@ -519,6 +536,10 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             raise ValueError(
                 "checkpoint and this run disagree on whether a GradScaler is used; pass the same scaler."
             )
+        self._load_training_state(state)
+        self._engine.load_state_dict(state["decent"])
+
+    def _load_training_state(self, state: dict[str, Any]) -> None:
         self._model.load_state_dict(state["model"])
         for optimizer, saved in zip(self._optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
@@ -527,7 +548,6 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
                 scheduler.load_state_dict(saved)
         if self._scaler is not None:
             self._scaler.load_state_dict(state["scaler"])
-        self._engine.load_state_dict(state["decent"])
 
     def load_training_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
         """Resume at any world size from every saved rank's :meth:`training_state_dict`, in rank order.
@@ -549,8 +569,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
                     f"states[{index}] is not a DecentralizedDataParallel.training_state_dict(); pass the one "
                     "of every saved rank, in rank order."
                 )
-        decents = [state["decent"] for state in states]
-        if self._engine.resumes_exactly(decents):
+        averaged = self._engine.resume_state([state["decent"] for state in states])
+        if averaged is None:
             self.load_training_state_dict(states[self.rank])
             return
         first = states[0]  # its engine entry has this run's bucket layout: one optimizer per bucket
@@ -563,7 +583,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
                 **first,
                 "model": average_nested([s["model"] for s in states], "model"),
                 "optimizers": optimizers,
-                "decent": self._engine.averaged_state_dict(decents),
+                "decent": averaged,
             }
         )
 

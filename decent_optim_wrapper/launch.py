@@ -6,6 +6,11 @@ with the host's GPUs before any rendezvous (a bad variable fails at once, not as
 initializes the default process group: NCCL with one GPU per process on GPU hosts, gloo otherwise.
 Without those variables the process is a world of one, so the same script runs unchanged on a
 laptop.
+
+:func:`init_elastic` (or ``initialize_dist(elastic=True)``) starts a job that workers may join while
+it runs: the workers that start together form the default group as usual; a worker started later
+with the same command finds the job running in the store, and its front-end (built with
+``on_peer_failure="continue"``) joins it (:mod:`~decent_optim_wrapper.engine.admission`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-__all__ = ["initialize_dist"]
+from decent_optim_wrapper.engine.admission import enter_job, job_running
+
+__all__ = ["init_elastic", "initialize_dist"]
 
 
 @dataclass(frozen=True)
@@ -117,8 +126,77 @@ def plan_launch(env: Mapping[str, str], cuda_device_count: int) -> LaunchPlan:
     return LaunchPlan("nccl", rank, world_size, local_rank, rendezvous)
 
 
-def initialize_dist() -> tuple[int, int]:
+def init_elastic(
+    store: Store,
+    rank: int,
+    world_size: int,
+    *,
+    job: str | None = None,
+    timeout: timedelta = timedelta(minutes=10),
+) -> bool:
+    """Start a worker of a job that grows and shrinks: form the default group, or prepare to join.
+
+    If no live job named ``job`` is in ``store``, this worker is one of the ``world_size`` that start
+    the job: the default (gloo) process group is formed with them as with ``init_process_group``.
+    If the job is already running (this worker replaces a lost one, restarts, or adds one), the
+    process starts in a world of its own and returns True: build the model and the front-end
+    (``on_peer_failure="continue"``) as every worker does, and the front-end's constructor joins the
+    job, taking a member's replica; its ``rank``, ``world_size`` and ``step_count`` then say where
+    it stands (``rank`` and ``world_size`` given here are ignored).
+
+    Args:
+        store: a store hosted outside the workers (a launcher's ``TCPStore``), reachable by all,
+            that outlives any worker.
+        rank, world_size: this worker's place among the workers that start the job.
+        job: the job's name in the store; default ``$TORCHELASTIC_RUN_ID``, else ``"default"``.
+        timeout: the default group's timeout.
+
+    Returns:
+        True if this worker joins a running job, False if it starts the job.
+
+    .. warning:: When the job starts, this is a collective: all ``world_size`` workers must call it.
+    """
+    if not isinstance(store, Store):
+        raise TypeError(
+            f"store must be a torch.distributed.Store (a launcher's TCPStore client), got {store!r}."
+        )
+    name = job if job is not None else os.environ.get("TORCHELASTIC_RUN_ID") or "default"
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"job must be a non-empty string naming the job in the store, got {job!r}.")
+    if dist.is_initialized():
+        raise RuntimeError(
+            "init_elastic() forms the default process group itself, but one exists already; call it "
+            "instead of init_process_group()."
+        )
+    joining = job_running(store, name) is not None
+    if not joining:
+        for arg, value, least in (("world_size", world_size, 1), ("rank", rank, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{arg} must be an int >= {least}, got {value!r}.")
+        if rank >= world_size:
+            raise ValueError(
+                f"rank={rank} must be < world_size={world_size}: no job {name!r} is running in the store, so "
+                "this worker is one of the world_size workers that start it (ranks 0 to world_size-1)."
+            )
+    if joining:
+        # A world of its own until the members admit it: the model and front-end build locally.
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
+    else:
+        # Each start of the job forms its group under keys of its own: the store may hold an earlier
+        # start's (a job run again on a store that stays up), whose addresses are stale.
+        launch = (int(store.add(f"decent-optim-wrapper/jobs/{name}/starts", 1)) - 1) // world_size
+        keys = PrefixStore(f"decent-optim-wrapper/jobs/{name}/start/{launch}", store)
+        dist.init_process_group("gloo", store=keys, rank=rank, world_size=world_size, timeout=timeout)
+    enter_job(store, name, joining)
+    return joining
+
+
+def initialize_dist(*, elastic: bool = False) -> tuple[int, int]:
     """Initialize the default process group from the environment; return ``(rank, world_size)``.
+
+    With ``elastic=True`` the job may grow while it runs (:func:`init_elastic`, the store a client of
+    ``MASTER_ADDR:MASTER_PORT``); a worker that joins a running job gets ``(0, 1)`` here and its
+    place from its front-end once built.
 
     Under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the ranks meet at
     ``env://``. Under plain ``python`` (none of them set) the process is a world of one, on an
@@ -141,6 +219,16 @@ def initialize_dist() -> tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     plan = plan_launch(os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if elastic:
+        if not plan.rendezvous or plan.backend != "gloo":
+            raise ValueError(
+                "initialize_dist(elastic=True) needs a CPU (gloo) job of more than one worker, with "
+                "MASTER_ADDR/MASTER_PORT naming a store hosted outside the workers; got backend "
+                f"{plan.backend!r}, WORLD_SIZE={plan.world_size}."
+            )
+        client = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+        init_elastic(client, plan.rank, plan.world_size)
+        return dist.get_rank(), dist.get_world_size()
     device = None
     if plan.device_index is not None:
         device = torch.device("cuda", plan.device_index)

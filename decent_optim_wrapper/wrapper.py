@@ -170,6 +170,11 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             process_group=process_group,
             context="DecentOptimWrapper",
         )
+        self._engine.open_to_joiners(
+            lambda: local_optimizer_state(optimizer.state_dict()),
+            self._load_inner_state,
+            (("optimizer", (type(optimizer).__name__, [len(g["params"]) for g in optimizer.param_groups])),),
+        )
 
     def _init_optimizer_hooks(self) -> None:
         # Optimizer.__init__ would re-create param_groups and state, which belong to the inner
@@ -351,12 +356,14 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         self._engine.check_state_dict(decent)
         # The inner optimizer checks its own part before changing anything; the engine's part is
         # already checked, so after this nothing below can fail halfway.
-        inner = {key: value for key, value in state_dict.items() if key != "decent"}
-        params = [p for group in self.optimizer.param_groups for p in group["params"]]
-        self.optimizer.load_state_dict(placed_optimizer_state(inner, params))
+        self._load_inner_state({key: value for key, value in state_dict.items() if key != "decent"})
         self._engine.load_state_dict(decent)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _load_inner_state(self, inner: dict[str, Any]) -> None:
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        self.optimizer.load_state_dict(placed_optimizer_state(inner, params))
 
     def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
         """Resume at any world size from every saved rank's :meth:`state_dict`, in rank order.
@@ -386,14 +393,14 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
                     f"states[{index}] has no 'decent' entry: pass DecentOptimWrapper.state_dict() of every "
                     "saved rank, in rank order."
                 )
-        decents = [state["decent"] for state in states]
-        if self._engine.resumes_exactly(decents):
+        averaged = self._engine.resume_state([state["decent"] for state in states])
+        if averaged is None:
             self.load_state_dict(states[self.rank])
             return
         inner = average_optimizer_states(
             [{key: value for key, value in state.items() if key != "decent"} for state in states]
         )
-        self.load_state_dict({**inner, "decent": self._engine.averaged_state_dict(decents)})
+        self.load_state_dict({**inner, "decent": averaged})
 
     def __repr__(self) -> str:
         return (

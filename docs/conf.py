@@ -61,7 +61,7 @@ napoleon_use_rtype = False
 # to them are accepted unresolved, rendered as code.
 _EXTERNAL = (
     r"(torch|datetime|typing|typing_extensions|collections|contextlib|dataclasses|argparse|enum|"
-    r"functools|loguru|os|pathlib|numbers|abc|types|lightning|transformers|accelerate)(\..*)?"
+    r"functools|loguru|os|pathlib|numbers|abc|types|threading|lightning|transformers|accelerate)(\..*)?"
 )
 nitpick_ignore_regex = [
     (r"py:.*", _EXTERNAL),

@@ -28,7 +28,7 @@ from typing import Any
 import torch.distributed as dist
 from workers import dump_stacks, register_stack_dump
 
-__all__ = ["Outcome", "inject", "join", "run_with_faults"]
+__all__ = ["Outcome", "inject", "join", "request_worker", "run_elastic", "run_with_faults"]
 
 
 def join(rank: int, world_size: int, port: int) -> dist.Store:
@@ -129,4 +129,79 @@ def run_with_faults(
             results[rank] = pickle.loads(result.read_bytes())
         if error.exists():
             errors[rank] = error.read_text()
+    return Outcome({r: p.exitcode for r, p in enumerate(procs)}, results, errors)
+
+
+def request_worker(workdir: str, tag: str) -> None:
+    """Ask the parent of :func:`run_elastic` to start one more worker (it runs the same ``fn``)."""
+    (Path(workdir) / f"spawn-{tag}.req").write_text(tag)
+
+
+def run_elastic(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    deadline_s: float = 120.0,
+    restart_killed: int = 0,
+) -> Outcome:
+    """Like :func:`run_with_faults`, but the job may grow: ``fn(index, world_size, port, workdir, *args)``.
+
+    Workers ``0..world_size-1`` start the job. A worker that calls :func:`request_worker` (or, up to
+    ``restart_killed`` times, one killed by a signal) makes the parent start another process running
+    ``fn`` with the next index, as a launcher brings a node back: it finds the job running and joins.
+    """
+    workdir = tempfile.mkdtemp(prefix="dow-elastic-")
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    ctx = mp.get_context("spawn")
+    procs: list[Any] = []
+    handled: set[str] = set()
+    restarted: set[int] = set()
+
+    def start() -> None:
+        index = len(procs)
+        proc = ctx.Process(
+            target=_main, args=(index, workdir, fn, (world_size, port, workdir, *args)), daemon=True
+        )
+        proc.start()
+        procs.append(proc)
+
+    for _ in range(world_size):
+        start()
+    deadline = time.monotonic() + deadline_s
+    try:
+        while True:
+            for request in sorted(Path(workdir).glob("spawn-*.req")):
+                if request.name not in handled:
+                    handled.add(request.name)
+                    start()
+            for index, proc in enumerate(list(procs)):
+                killed = proc.exitcode is not None and proc.exitcode < 0
+                if killed and index not in restarted and len(restarted) < restart_killed:
+                    restarted.add(index)
+                    start()
+            running = [p for p in procs if p.is_alive()]
+            remaining = deadline - time.monotonic()
+            if not running or remaining <= 0:
+                break
+            multiprocessing.connection.wait([p.sentinel for p in running], timeout=min(remaining, 0.2))
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        if hung:
+            stacks = dump_stacks(procs, workdir, hung)
+            raise TimeoutError(
+                f"{fn.__name__}: workers {hung} did not finish within {deadline_s:.0f} s:\n{stacks}"
+            )
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+        del store
+    results, errors = {}, {}
+    for index in range(len(procs)):
+        result, error = Path(workdir) / f"result-{index}.pkl", Path(workdir) / f"error-{index}.txt"
+        if result.exists():
+            results[index] = pickle.loads(result.read_bytes())
+        if error.exists():
+            errors[index] = error.read_text()
     return Outcome({r: p.exitcode for r, p in enumerate(procs)}, results, errors)

@@ -9,6 +9,8 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.buckets` -- flat parameter buckets that parameters become views of.
 * :mod:`~decent_optim_wrapper.engine.comm` -- cross-rank agreement, process groups, and how to wait for a
   collective (timed on CPU, stream-ordered on CUDA).
+* :mod:`~decent_optim_wrapper.engine.admission` -- a running job's applicants: how a worker started
+  later applies through the store and how the members decide.
 * :mod:`~decent_optim_wrapper.engine.membership` -- opt-in survival of a lost peer: who is still here,
   agreed through the job's store, and a new process group over the survivors.
 * :mod:`~decent_optim_wrapper.engine.compression` -- opt-in compressed gossip: wire formats and which
@@ -23,6 +25,9 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.local_steps` -- opt-in low-communication gossip: local steps, an
   outer optimizer, anchors gossiped behind the next inner steps.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
+* :mod:`~decent_optim_wrapper.engine.transfer` -- a replica handed to a joiner, checked by its digest.
+* :mod:`~decent_optim_wrapper.engine.growth` -- joins: donating replicas, what a join does to the mean,
+  the record of joins and their hooks.
 * :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop, the
   rounds settled and the topology over the survivors, the record of failures and their hooks.
 * :mod:`~decent_optim_wrapper.engine.checkpoint` -- the engine's part of a checkpoint.
@@ -32,6 +37,7 @@ Modules, each importing only those listed before it:
 * :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.
 """
 
+from decent_optim_wrapper.engine.admission import JoinRejectedError
 from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.compression import CompressionSpec, GossipCompression
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
@@ -39,7 +45,7 @@ from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, 
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.local_steps import OuterFactory
-from decent_optim_wrapper.engine.membership import PeerFailure
+from decent_optim_wrapper.engine.membership import PeerFailure, PeerJoin
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -53,8 +59,10 @@ __all__ = [
     "GossipCompression",
     "GossipEngine",
     "GossipError",
+    "JoinRejectedError",
     "OuterFactory",
     "PeerFailure",
     "PeerFailureError",
+    "PeerJoin",
     "TopologySpec",
 ]

@@ -8,8 +8,9 @@ tensors are summed in fp32 and rounded once (:func:`~.comm.reduction_dtype`).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -217,6 +218,18 @@ class GlobalAverage:
         self._buckets = buckets
         self._shards = shards
         self.snapshot: Snapshot | None = None
+        #: Whether a collective of the whole gossip world runs (no joiner is admitted during one, since
+        #: it would not call it).
+        self.busy = False
+
+    @contextlib.contextmanager
+    def whole_world(self) -> Iterator[None]:
+        """Mark a collective every rank of the world must call (global average, consensus distance)."""
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
 
     @torch.no_grad()
     def average(

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from loguru import logger
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.hooks import RemovableHandle
 
+from decent_optim_wrapper.engine.admission import current_job
 from decent_optim_wrapper.engine.averaging import (
     GlobalAverage,
     WorldReduce,
@@ -38,20 +38,24 @@ from decent_optim_wrapper.engine.checkpoint import (
     snapshot_state,
 )
 from decent_optim_wrapper.engine.comm import ProcessGroups, agree, all_gather_pickled, group_layout
-from decent_optim_wrapper.engine.compression import (
-    CompressionPlan,
-    CompressionSpec,
-    GossipCompression,
-    resolve_compression,
-)
+from decent_optim_wrapper.engine.compression import CompressionPlan, CompressionSpec, GossipCompression
 from decent_optim_wrapper.engine.gossip import Gossip
-from decent_optim_wrapper.engine.local_steps import LocalSteps, OuterFactory, resolve_local_steps
+from decent_optim_wrapper.engine.growth import Growth
+from decent_optim_wrapper.engine.layout import (
+    EngineParts,
+    NamedParams,
+    build_parts,
+    join_signature,
+    signatures,
+)
+from decent_optim_wrapper.engine.local_steps import OuterFactory
 from decent_optim_wrapper.engine.membership import (
     ChannelReport,
     Decision,
     Membership,
-    PeerFailure,
+    MembershipChange,
     PeerLost,
+    Phase,
     connect_store,
 )
 from decent_optim_wrapper.engine.options import (
@@ -62,13 +66,9 @@ from decent_optim_wrapper.engine.options import (
     check_buckets_agree,
     check_layouts_agree,
     check_mixing_factor,
-    check_on_peer_failure,
     check_timeout,
-    resolve_topology,
 )
 from decent_optim_wrapper.engine.resize import averaged_engine_state, check_saved_world
-from decent_optim_wrapper.engine.second_moment import SecondMomentRule
-from decent_optim_wrapper.engine.shards import ShardLayout
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, settle_rounds, survivors_topology
 from decent_optim_wrapper.engine.tracking import GradientTracker
 from decent_optim_wrapper.engine.world import resolve_gossip_world
@@ -110,52 +110,40 @@ class GossipEngine:
             :class:`~decent_optim_wrapper.topo.Topology` subclass, or an instance.
         rank: this process's rank in the gossip world; defaults to the group's.
         world_size: number of processes in the gossip world; defaults to the group's size.
-        local_world_size: processes per node along the gossip world; defaults to those sharing a
-            node by ``$LOCAL_WORLD_SIZE`` (torchrun), else 1.
-        device_mesh: a 1-D device mesh (e.g. ``mesh["replicate"]``): gossip only with its members,
-            the ranks that hold the same shard of other replicas. None (default): the whole job.
-        process_group: the same as a process group. Give at most one of the two.
+        local_world_size: processes per node along the gossip world; default ``$LOCAL_WORLD_SIZE``, else 1.
+        device_mesh, process_group: a 1-D device mesh (e.g. ``mesh["replicate"]``) or a process group to
+            gossip within (the ranks holding the same shard of other replicas); default: the whole job.
         bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
         timeout: how long gossip and global averaging wait for a peer (dead or hung) before raising
-            :class:`~decent_optim_wrapper.GossipError` (naming the step and the group) or
-            :class:`~decent_optim_wrapper.GlobalAverageError` (naming the step); default
-            :data:`DEFAULT_TIMEOUT`, ten minutes.
+            :class:`~decent_optim_wrapper.GossipError` or ``GlobalAverageError``; default ten minutes.
         params_as_views: make ``param.data`` a view into its bucket. With False the parameters keep
             their own storage and are copied in before a bucket is read and back after it is written.
-        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or a
-            :class:`~decent_optim_wrapper.engine.compression.GossipCompression`: each round sends the
-            compressed difference to a reference the group shares, so fp32 parameters move in half
-            (16 bits) or about a quarter (int8) of the bytes, and global averaging stays exact. None
-            (default) gossips exactly.
+        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or a :class:`~.compression.GossipCompression`:
+            each round sends the compressed difference to a reference the group shares (global
+            averaging stays exact). None (default) gossips exactly.
         gradient_tracking: for data that differs between workers: gossip a tracker of the average
             gradient beside the parameters and step with it instead of the local gradient (DSGT);
             twice the bytes and three more parameter copies. Off at world size 1.
-        sync_every: inner steps per round of low-communication gossip (``H``): with ``H > 1`` (or an
-            ``outer_optimizer``, or a ``sync_delay``) the parameters are not gossiped after every
-            step; every ``H`` steps each rank takes an outer step on its anchor and gossips the
-            anchors (:mod:`~decent_optim_wrapper.engine.local_steps`). 1 (default): per-step gossip.
+        sync_every: inner steps per round of low-communication gossip (``H``, :mod:`~.local_steps`):
+            every ``H`` steps each rank takes an outer step on its anchor and gossips the anchors.
         outer_optimizer: a function from the anchors (one tensor per parameter) to the outer
             ``torch.optim.Optimizer`` over them, e.g. ``lambda p: torch.optim.SGD(p, lr=0.7,
             momentum=0.9, nesterov=True)`` (DiLoCo's); None: periodic gossip of the parameters.
         sync_delay: inner steps a round's exchange may run behind (``D``, ``0 <= D <= H``): 0 blocks
             at the end of the round; None (default) gives it a whole round (``D = H``).
-        on_peer_failure: ``"raise"`` (default): a peer that dies or stays silent past ``timeout``
-            raises :class:`~decent_optim_wrapper.GossipError` (or ``GlobalAverageError``) on the others.
-            ``"continue"``: the survivors agree on who is gone, rebuild the process groups and the
-            topology for the new world size, and go on from their own replicas
-            (:mod:`~decent_optim_wrapper.engine.membership`; gloo only; the failures page of the docs).
-        store: with ``"continue"``, the store the survivors meet in; default: a client of
-            ``MASTER_ADDR:MASTER_PORT``, the store the job rendezvoused through.
-        second_moment: ``"average"`` (default): an Adam-family inner optimizer's second moment
-            estimates that of the average gradient over the ranks, as under all-reduce, from this
-            rank's gradients alone (:mod:`~decent_optim_wrapper.engine.second_moment`; no bytes, one
-            state tensor). ``"local"``: the optimizer's own, from this rank's gradients (decent-dp's rule).
+        on_peer_failure: ``"raise"`` (default): a dead or silent peer raises ``GossipError`` on the others.
+            ``"continue"`` (gloo): the survivors agree on who is gone and go on (:mod:`~.membership`);
+            in a job started with :func:`~decent_optim_wrapper.init_elastic`, workers may also join.
+        store: with ``"continue"``, the store the survivors meet in; default: the elastic job's, else a
+            client of ``MASTER_ADDR:MASTER_PORT``.
+        second_moment: ``"average"`` (default): Adam's second moment estimates the average gradient's,
+            as under all-reduce (:mod:`~.second_moment`). ``"local"``: the optimizer's own (decent-dp's).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
     """
 
     def __init__(
         self,
-        named_params: Sequence[tuple[str, torch.Tensor]] | Callable[[], Sequence[tuple[str, torch.Tensor]]],
+        named_params: NamedParams,
         *,
         topology: TopologySpec = "ring",
         rank: int | None = None,
@@ -187,65 +175,62 @@ class GossipEngine:
         self._world = world
         self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
         self._timeout = timeout
-        self._local: LocalSteps | None = None
+        parts: list[EngineParts] = []
 
         def local_layout() -> LocalLayout:
-            check_on_peer_failure(on_peer_failure, topology, world.subgroup)
-            self._second_moment = SecondMomentRule(second_moment)
-            self._compression = resolve_compression(compression)
-            topo = resolve_topology(topology, world.world_size, world.local_world_size)
-            local = resolve_local_steps(sync_every, sync_delay, outer_optimizer)
-            if local is not None and gradient_tracking:
-                raise ValueError(
-                    "gradient_tracking=True cannot be combined with low-communication gossip (sync_every="
-                    f"{sync_every}, outer_optimizer={outer_optimizer!r}, sync_delay={sync_delay!r}): the "
-                    "trackers are gossiped every step, which is what sync_every > 1 avoids. Use one or the "
-                    "other."
+            parts.append(
+                build_parts(
+                    named_params,
+                    world,
+                    topology=topology,
+                    bucket_cap_bytes=self._bucket_cap_bytes,
+                    params_as_views=params_as_views,
+                    compression=compression,
+                    gradient_tracking=gradient_tracking,
+                    sync_every=sync_every,
+                    sync_delay=sync_delay,
+                    outer_optimizer=outer_optimizer,
+                    on_peer_failure=on_peer_failure,
+                    second_moment=second_moment,
                 )
-            pairs = named_params() if callable(named_params) else named_params
-            params, names = check_named_params(pairs)
-            self._shards = ShardLayout(params, names, world)
-            buckets = build_buckets(params, names, self._bucket_cap_bytes, self._as_views)
-            self._topology, self._buckets = topo, buckets
-            self._local = None if local is None else LocalSteps(buckets, local)
-            return LocalLayout(
-                world.local_world_size,
-                (topo.name, topo.fingerprint()),
-                _signatures(buckets),
-                self._compression,
-                gradient_tracking,
-                None if self._local is None else self._local.agreement(),
-                on_peer_failure,
-                second_moment,
-                group_layout(topo, world),
             )
+            return parts[0].layout
 
-        # Every rank of the job reaches this gather even if its own input is bad, so a mistake on one
-        # rank is an error everywhere rather than a hang; and layouts are compared (within each gossip
-        # world) before anything is broadcast.
+        # Every rank of the job reaches this gather even if its own input is bad (an error everywhere
+        # rather than a hang); layouts are compared, per gossip world, before anything is broadcast.
         reports = agree(f"Building {context}", local_layout)
         check_layouts_agree(reports, world.ranks)
+        built = parts[0]
+        self._topology, self._buckets, self._shards = built.topology, built.buckets, built.shards
+        self._local, self._compression, self._second_moment = (
+            built.local,
+            built.compression,
+            built.second_moment,
+        )
+        self._join_signature = join_signature(built.layout)
         self._layouts = list(dict.fromkeys(r.groups for r in reports))  # every gossip world's groups
         self._averaging = GlobalAverage(self._buckets, self._shards)
 
         self._survival: Survival | None = None
+        self._growth = Growth(enabled=on_peer_failure == "continue")
         if on_peer_failure == "continue":
             # A token every rank shares names this run's keys in the store (reruns never collide).
             run = all_gather_pickled(secrets.token_hex(8))[0]
+            job = current_job()
+            store = store if store is not None or job is None else job.store
             membership = Membership(connect_store(store, timeout), run, world.rank, world.world_size, timeout)
+            membership.hold_joins = lambda: self._averaging.busy  # no joiner inside global_avg
             self._survival = Survival(membership, timeout)
+        self._updated = False  # whether the current step has run a local update (it cannot donate then)
         self._tracking_requested = gradient_tracking
-        self._step = 0
-        self._in_step = False
-        self._launch_from = 0  # after a lost peer: the step whose rounds the survivors launch first
+        self._step, self._in_step = 0, False
+        self._launch_from = 0  # after a change of the world: the step whose rounds all launch first
         self._wire(broadcast=True)
         logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._topology)
 
     def _wire(self, broadcast: bool = False) -> None:
-        """Process groups, gossip and trackers for the current rank, world size and topology.
-
-        Built once, and again over the survivors of a lost peer (fresh rounds, references and trackers).
-        """
+        """Process groups, gossip and trackers for the current rank, world size and topology: built once,
+        and again whenever the world changes (fresh rounds, references and trackers)."""
         waiter = None if self._survival is None else self._survival.membership.wait
         self._process_groups = ProcessGroups(self._world, self._layouts, self._group_timeout())
         world = WorldReduce(self._process_groups.world, self.world_size, self.rank, self._timeout, waiter)
@@ -405,6 +390,7 @@ class GossipEngine:
         if self._tracker is not None and (found_inf is None or not bool(found_inf.item())):
             for bucket in buckets:
                 self._tracker.track(bucket)
+        self._updated = True
         result = local_update()
         for bucket in buckets:
             self._launch(bucket)
@@ -422,6 +408,7 @@ class GossipEngine:
         the same bucket order on every rank.
         """
         self._mix(bucket)
+        self._updated = True  # the front-end's per-bucket state (schedulers) moves on even when skipping
         if not skip_local_update:
             if self._tracker is not None:
                 self._tracker.track(bucket)
@@ -429,12 +416,14 @@ class GossipEngine:
         self._launch(bucket)
 
     def begin_step(self) -> None:
-        """Start a step: check the buckets; an un-reverted global average stands (snapshot dropped).
-
-        With low-communication gossip the first step sets the anchors to the parameters.
-        """
+        """Start a step: check the buckets, drop a global average's snapshot, admit waiting joiners;
+        with low-communication gossip the first step sets the anchors to the parameters."""
         self.check_buckets()
         self._averaging.snapshot = None
+        if self._survival is not None and self._survival.membership.watch.due():
+            # Workers apply to join: admit them at this step boundary (the others follow from their waits).
+            self._survival.membership.announce()
+            self._survive(lambda: self._recover(MembershipChange("workers apply to join")))
         self._in_step = True
         if self._local is not None and self._step == 0:
             self._local.reset_anchors()
@@ -453,11 +442,8 @@ class GossipEngine:
 
     @torch.no_grad()
     def _launch(self, bucket: int) -> None:
-        """Start bucket ``bucket``'s gossip for the current step, non-blocking.
-
-        With low-communication gossip: fold in a round that is due, and at the end of a round take
-        the outer step and launch the anchors' round instead.
-        """
+        """Start bucket ``bucket``'s gossip for the current step, non-blocking. With low-communication
+        gossip: fold in a round that is due; at a round's end, the outer step and the anchors' round."""
         launch = self._step >= self._launch_from  # after a lost peer, rounds restart in step
         local = self._local
         if local is not None:
@@ -491,7 +477,7 @@ class GossipEngine:
     def end_step(self) -> None:
         """Finish a step: the next one gossips in the next phase."""
         self._step += 1
-        self._in_step = False
+        self._in_step = self._updated = False
 
     def check_buckets(self) -> None:
         """Raise if a parameter no longer lives in its bucket (e.g. ``model.to()`` after wrapping)."""
@@ -523,7 +509,7 @@ class GossipEngine:
                     raise ValueError(f"{name} is already gossiped; add each parameter only once.")
             self._shards.add(params, names)
             built.extend(build_buckets(params, names, self._bucket_cap_bytes, self._as_views))
-            return _signatures(built)
+            return signatures(built)
 
         check_buckets_agree(agree(context, local_layout))
         self._bind_and_broadcast(built)
@@ -550,19 +536,20 @@ class GossipEngine:
         """
         extra = floating_buffers(buffers) if buffers is not None else []
         self.check_buckets()
-        if may_revert and self._averaging.snapshot is None:
-            # The snapshot saves the rounds in flight, waiting for them: a peer lost there is
-            # survived first, so that the snapshot holds the replica and rounds as recovery left them.
-            self.wait_all()
-        return self._averaging.average(
-            lambda: (self._world_reduce, self._gossip),  # new ones after a lost peer
-            self._local,
-            step=self._step,
-            may_revert=may_revert,
-            extra=extra,
-            return_distance=return_distance,
-            survive=self._survive,
-        )
+        with self._averaging.whole_world():
+            if may_revert and self._averaging.snapshot is None:
+                # The snapshot saves the rounds in flight, waiting for them: a peer lost there is
+                # survived first, so that the snapshot holds the replica and rounds as recovery left them.
+                self.wait_all()
+            return self._averaging.average(
+                lambda: (self._world_reduce, self._gossip),  # new ones after a lost peer
+                self._local,
+                step=self._step,
+                may_revert=may_revert,
+                extra=extra,
+                return_distance=return_distance,
+                survive=self._survive,
+            )
 
     def revert_global_avg(self) -> None:
         """Restore the replica saved by :meth:`global_avg` bit for bit (local; RuntimeError if none)."""
@@ -574,16 +561,14 @@ class GossipEngine:
         .. warning:: This is a collective: all ranks must call it.
         """
         self.check_buckets()
-        return self._averaging.distance(lambda: self._world_reduce, self._survive)
+        with self._averaging.whole_world():
+            return self._averaging.distance(lambda: self._world_reduce, self._survive)
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """This replica's engine state: the ``"decent"`` entry of a front-end's checkpoint.
-
-        Waits for gossip in flight (no collective), so it holds the received rounds the next step
-        mixes in, and a run resumed from it continues bit for bit. The layout is shown in
-        :mod:`~decent_optim_wrapper.engine.checkpoint`.
-        """
+        """This replica's engine state: the ``"decent"`` entry of a front-end's checkpoint (layout in
+        :mod:`~.checkpoint`). Waits for gossip in flight (no collective), so it holds the received
+        rounds the next step mixes in, and a run resumed from it continues bit for bit."""
         self.check_buckets()
         self._survive(self.wait_all)  # a peer lost now is survived before anything is saved
         with current(self._buckets, write=False):
@@ -632,22 +617,44 @@ class GossipEngine:
         return "raise" if self._survival is None else "continue"
 
     @property
-    def peer_failures(self) -> list[PeerFailure]:
-        """Every lost peer survived so far, oldest first (a new list)."""
-        return [] if self._survival is None else self._survival.failures
+    def survival(self) -> Survival | None:
+        """The lost peers survived and their hooks (:mod:`~.survival`); None with ``"raise"``."""
+        return self._survival
 
-    def register_peer_failure_hook(self, hook: PeerFailureHook) -> RemovableHandle:
-        """Call ``hook(failure)`` on every survivor after a lost peer, once the new groups stand.
+    # -- growing the world (init_elastic, on_peer_failure="continue") -----------------------------------
+    def open_to_joiners(
+        self,
+        save: Callable[[], dict[str, Any]],
+        load: Callable[[dict[str, Any]], None],
+        signature: tuple[tuple[str, object], ...] = (),
+    ) -> None:
+        """Let workers join (in a job of :func:`~decent_optim_wrapper.init_elastic`); on a joiner, join.
 
-        For example to rescale the learning rate or the data shard for the new world size. Returns a
-        handle whose ``remove()`` unregisters it.
+        Front-ends call this last in their constructor: ``save()``/``load(state)`` give and take their
+        part of a replica, ``signature`` what a joiner must share besides the engine's layout. The
+        protocol: :mod:`~.admission`; the transfer and the mean: :mod:`~.growth`.
         """
-        if self._survival is None:
-            raise RuntimeError(
-                'register_peer_failure_hook() needs on_peer_failure="continue": with "raise" (the default) '
-                "a lost peer raises GossipError instead, and no hook would ever run."
-            )
-        return self._survival.register_hook(hook)
+        job = current_job()
+        if job is None:
+            return
+
+        def wire(membership: Membership) -> None:  # a joiner's world, once admitted
+            membership.hold_joins = lambda: self._averaging.busy
+            self._survival = Survival(membership, self._timeout)
+            self._rewire(None, [])
+
+        def load_replica(state: dict[str, Any], resume_step: int) -> None:
+            self.load_state_dict({**state, "rank": self.rank})
+            self._launch_from = resume_step
+
+        membership = None if self._survival is None else self._survival.membership
+        signature = (*self._join_signature, *signature)
+        self._growth.open(job, membership, signature, self._timeout, (save, load), (wire, load_replica))
+
+    @property
+    def growth(self) -> Growth:
+        """Joins seen by this rank, their hooks, and what joiners receive (:mod:`~.growth`)."""
+        return self._growth
 
     def _survive(self, action: Callable[[], _T], retry: bool = True) -> _T | None:
         """Run ``action``; on a lost peer (``"continue"``) recover, and run it again if ``retry``."""
@@ -663,32 +670,46 @@ class GossipEngine:
 
     @torch.no_grad()
     def _recover(self, cause: BaseException) -> None:
-        """Agree with the survivors on who is gone, settle the rounds in flight, and rewire over them."""
+        """Agree with the others on the new world, settle the rounds in flight, and rewire over it."""
         assert self._survival is not None
 
-        def reports() -> list[ChannelReport]:
+        def reports() -> list[ChannelReport]:  # the rounds this rank has in flight
             return self._gossip.reports("params") + ([] if self._local is None else self._local.reports())
 
-        self._survival.recover(
-            cause,
-            step=self._step,
-            position=self._step + 1 if self._in_step else self._step,
-            rank=self.rank,
-            reports=reports,
-            settle=self._settle_rounds,
-            rewire=self._rewire,
-        )
+        phase: Phase = "collective" if self._averaging.busy else "updating" if self._updated else "idle"
+        while True:
+            try:
+                self._survival.recover(
+                    cause,
+                    step=self._step,
+                    position=self._step + 1 if self._in_step else self._step,
+                    rank=self.rank,
+                    reports=reports,
+                    settle=self._settle_rounds,
+                    rewire=self._rewire,
+                    phase=phase,
+                    admitted=self._admitted,
+                )
+                return
+            except PeerLost as again:  # a transfer to a joiner met a lost peer in turn
+                cause = again
+
+    def _admitted(self, decision: Decision, previous_rank: int) -> None:
+        assert self._survival is not None
+        membership, step = self._survival.membership, self._step
+        self._growth.admitted(decision, membership, previous_rank, step, self.state_dict, self._timeout)
 
     def _settle_rounds(self, decision: Decision) -> None:
         assert self._survival is not None
-        member = self._survival.membership.member
-        settle_rounds(decision, member, self._buckets, self._gossip, self._local, self._mixing_factor)
+        member, factor = self._survival.membership.member, self._mixing_factor
+        settle_rounds(decision, member, self._buckets, self._gossip, self._local, factor)
         # The trackers restart over the survivors (their mean would still hold the lost rank's share).
         self._averaging.forget_rounds()
         self._launch_from = decision.resume_step
 
-    def _rewire(self, decision: Decision, before: list[int]) -> None:
-        """The topology, process groups and gossip over the survivors (the new default group stands)."""
+    def _rewire(self, decision: Decision | None, before: list[int]) -> None:
+        """The topology, process groups and gossip over the new members (the new default group stands;
+        ``decision`` None on a joiner)."""
         # Old groups may hold collectives stuck on the lost peer: let them go off this thread.
         self._process_groups.retire(self._group_timeout() + self._timeout)
         spec, name = self._topology_spec, self._topology.name
@@ -697,34 +718,18 @@ class GossipEngine:
         self._wire()
 
     # -- resuming at another world size ----------------------------------------------------------------
-    def resumes_exactly(self, states: Sequence[Any]) -> bool:
-        """Whether the engine entries of a checkpoint (one per saved rank, in order) load as they are.
+    def resume_state(self, states: Sequence[Any]) -> dict[str, Any] | None:
+        """What this rank loads from a checkpoint's engine entries (every saved rank's, in order).
 
-        True when this run has the saved world size and topology: rank ``r`` then loads
-        ``states[r]`` with :meth:`load_state_dict` and continues bit for bit. False when it starts
-        from the average of the saved replicas (:meth:`averaged_state_dict`). Checks that the
-        entries form one checkpoint of this parameter layout (``ValueError`` otherwise). Local.
+        None when this run has the saved world size and topology: rank ``r`` then loads ``states[r]``
+        with :meth:`load_state_dict` and continues bit for bit. Otherwise the state every rank starts
+        from: the average of the saved replicas, the same bits on every rank (the rule, and what is
+        reset, in :mod:`~decent_optim_wrapper.engine.resize`). Raises ``ValueError`` if the entries
+        are not one checkpoint of this parameter layout. Local.
         """
-        return check_saved_world(states, self._identity())
-
-    def averaged_state_dict(self, states: Sequence[Any]) -> dict[str, Any]:
-        """The state every rank of this run starts from at another world size: the saved replicas' average.
-
-        ``states`` holds the ``"decent"`` entries of every saved rank, in saved-rank order. The rule,
-        and what is reset (gossip in flight, compression references, gradient trackers, a global
-        average's snapshot), is given in :mod:`~decent_optim_wrapper.engine.resize`. The result loads
-        with :meth:`load_state_dict`, which still checks it against this run (layout, dtypes,
-        ``sync_every``, the outer optimizer). Local, and the same bits on every rank.
-        """
-        state = averaged_engine_state(states, self._identity())
-        if self.rank == 0:
-            logger.info(
-                f"resuming a checkpoint of {len(states)} ranks (step {state['step']}) on "
-                f"{self.world_size} ranks: every rank starts from the average of the saved replicas; gossip "
-                "in flight, compression references, gradient trackers and any global-average snapshot start "
-                "afresh."
-            )
-        return state
+        if check_saved_world(states, self._identity()):
+            return None
+        return averaged_engine_state(states, self._identity())
 
     def _identity(self) -> RunIdentity:
         return RunIdentity(
@@ -733,7 +738,7 @@ class GossipEngine:
             local_world_size=self.local_world_size,
             topology=self._topology.name,
             schedule=plain(self._topology.fingerprint()),
-            buckets=plain(_signatures(self._buckets)),
+            buckets=plain(signatures(self._buckets)),
         )
 
     def __repr__(self) -> str:
@@ -741,8 +746,3 @@ class GossipEngine:
             f"GossipEngine(topology={self._topology.name!r}, rank={self.rank}, "
             f"world_size={self.world_size}, buckets={len(self._buckets)}, step={self._step})"
         )
-
-
-def _signatures(buckets: Sequence[Bucket]) -> tuple[object, ...]:
-    """What must agree across ranks and checkpoints: each bucket's dtype, device type and shapes."""
-    return tuple(b.signature() for b in buckets)

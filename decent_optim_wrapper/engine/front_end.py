@@ -11,7 +11,8 @@ from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.engine import GossipEngine
-from decent_optim_wrapper.engine.membership import PeerFailure
+from decent_optim_wrapper.engine.growth import JoinHook, Stateful
+from decent_optim_wrapper.engine.membership import PeerFailure, PeerJoin
 from decent_optim_wrapper.engine.survival import PeerFailureHook
 from decent_optim_wrapper.topo import Topology
 
@@ -67,7 +68,8 @@ class EngineFrontEnd:
     @property
     def peer_failures(self) -> list[PeerFailure]:
         """Every lost peer survived so far (``on_peer_failure="continue"``), oldest first."""
-        return self._engine.peer_failures
+        survival = self._engine.survival
+        return [] if survival is None else survival.failures
 
     def register_peer_failure_hook(self, hook: PeerFailureHook) -> RemovableHandle:
         """Call ``hook(failure)`` on every survivor once it goes on without a lost peer.
@@ -76,7 +78,38 @@ class EngineFrontEnd:
         the lost ranks, the world size before and after); e.g. rescale the learning rate or re-shard
         the data there. Returns a handle whose ``remove()`` unregisters the hook.
         """
-        return self._engine.register_peer_failure_hook(hook)
+        survival = self._engine.survival
+        if survival is None:
+            raise RuntimeError(
+                'register_peer_failure_hook() needs on_peer_failure="continue": with "raise" (the default) '
+                "a lost peer raises GossipError instead, and no hook would ever run."
+            )
+        return survival.register_hook(hook)
+
+    @property
+    def peer_joins(self) -> list[PeerJoin]:
+        """Every admission of new workers this rank took part in as a member, oldest first."""
+        return self._engine.growth.joins
+
+    @property
+    def joined(self) -> PeerJoin | None:
+        """This worker's admission (a :class:`~decent_optim_wrapper.PeerJoin`) if it joined a running
+        job, else None; a joiner starts at ``step_count``, as ``rank`` of ``world_size``."""
+        return self._engine.growth.joined
+
+    def register_join_hook(self, hook: JoinHook) -> RemovableHandle:
+        """Call ``hook(join)`` on every member after workers joined (the world grew), once they hold
+        their replicas; e.g. re-shard the data there. Returns a handle whose ``remove()`` unregisters it.
+        """
+        return self._engine.growth.register_hook(hook)
+
+    def register_join_state(self, name: str, obj: Stateful) -> None:
+        """Hand ``obj``'s ``state_dict()`` (an LR scheduler, a sampler) to joiners with the replica.
+
+        Register the same objects under the same names on every worker; on a worker that joined, the
+        call loads what its donor sent into ``obj`` at once.
+        """
+        self._engine.growth.register_state(name, obj)
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average; the same on every rank.

@@ -36,19 +36,31 @@ nothing but the lost replica's share.
 from __future__ import annotations
 
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from loguru import logger
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
+from decent_optim_wrapper.engine.admission import (
+    STALE_AFTER_S,
+    Admission,
+    JoinerWatch,
+    admit,
+    beat,
+    decode,
+    encode,
+    joiner_verdicts,
+    ready_key,
+    run_prefix,
+    write_verdicts,
+)
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
 
 __all__ = [
@@ -56,26 +68,39 @@ __all__ = [
     "Decision",
     "Membership",
     "PeerFailure",
+    "MembershipChange",
+    "PeerJoin",
     "PeerLost",
     "Report",
     "connect_store",
 ]
 
-#: How often each rank's heartbeat thread bumps its counter, and how long a counter may stand still
-#: before its rank counts as dead. A live rank's beat stalls only if its process stops (SIGSTOP, a
-#: frozen VM) or the machine is starved for seconds; a hung main thread keeps beating, and is
-#: instead dropped when ``timeout`` passes without its report.
-HEARTBEAT_S = 0.2
-STALE_AFTER_S = 3.0
+# Each rank's heartbeat thread bumps its counter every HEARTBEAT_S; a counter standing still for
+# STALE_AFTER_S means its rank is dead. A live rank's beat stalls only if its process stops (SIGSTOP, a
+# frozen VM) or the machine is starved for seconds; a hung main thread keeps beating, and is instead
+# dropped when ``timeout`` passes without its report.
 _POLL_S = 0.05
 #: A pause between two polls longer than this means the polling process itself was descheduled.
 _STARVED_S = 0.5
 
 RoundState = Literal["done", "failed", "running"]
+#: Where a rank stands when it reports. "idle" between steps or inside one before its local update
+#: (its replica, optimizer state and step count agree: it can donate to a joiner), "updating" past
+#: its first local update of the step, "collective" inside a collective of the whole world.
+Phase = Literal["idle", "updating", "collective"]
 
 
 class PeerLost(DecentError):
     """A collective failed or went silent with ``on_peer_failure="continue"``: the engine recovers."""
+
+
+class MembershipChange(PeerLost):
+    """Workers apply to join: the members agree on a new world as after a loss, though nobody failed.
+
+    Announced under its own key (``g/join``), which a rank inside a collective of the whole world
+    (``global_avg``) does not follow until the collective is done: the joiners would not take part in
+    it, so it must not be redone over the new world.
+    """
 
 
 @dataclass(frozen=True)
@@ -88,6 +113,22 @@ class PeerFailure:
     step: int  # the step count when the failure was detected
     lost: tuple[int, ...]  # ranks gone
     survivors: tuple[int, ...]  # ranks that continue, in their new order
+    previous_world_size: int
+    world_size: int
+    previous_rank: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class PeerJoin:
+    """One admission of new workers, as the training loop sees it (``front_end.peer_joins``, the hooks).
+
+    Ranks are numbered in the new world; ``previous_rank`` is -1 on a joiner.
+    """
+
+    step: int  # the step count at the admission (a joiner starts there)
+    joined: tuple[int, ...]  # the joiners' ranks (the last ranks of the new world)
+    donors: tuple[int, ...]  # the rank whose replica each joiner received
     previous_world_size: int
     world_size: int
     previous_rank: int
@@ -115,6 +156,7 @@ class Report:
     rank: int  # rank in the failed generation
     position: int  # the first step at which it can launch on the new groups
     channels: tuple[ChannelReport, ...]
+    phase: Phase = "updating"
 
 
 @dataclass(frozen=True)
@@ -123,13 +165,16 @@ class Decision:
 
     generation: int
     reports: tuple[Report, ...]
+    admission: Admission = field(default_factory=Admission)
 
     @property
     def members(self) -> tuple[int, ...]:
-        return tuple(r.member for r in self.reports)
+        """The new world's members in rank order, those that reported first and admitted joiners last."""
+        return tuple(r.member for r in self.reports) + tuple(j.member for j in self.admission.joiners)
 
     @property
     def ranks(self) -> tuple[int, ...]:
+        """The ranks (in the failed generation) of the members that go on."""
         return tuple(r.rank for r in self.reports)
 
     @property
@@ -194,21 +239,50 @@ class Membership:
         timeout: how long a collective, or a report, may take before its peer counts as lost.
     """
 
-    def __init__(self, store: Store, run: str, rank: int, world_size: int, timeout: timedelta) -> None:
+    def __init__(
+        self,
+        store: Store,
+        run: str,
+        rank: int,
+        world_size: int,
+        timeout: timedelta,
+        *,
+        members: Sequence[int] | None = None,
+        generation: int = 0,
+    ) -> None:
         self._store = store
-        self._prefix = f"decent-optim-wrapper/{run}"
+        self._prefix = run_prefix(run)
+        self._run = run
         self._me = rank
-        self._members = list(range(world_size))
-        self._generation = 0
+        self._members = list(range(world_size)) if members is None else list(members)
+        self._generation = generation
         self._timeout = timeout.total_seconds()
         self._recovering = False
         self._stopped = threading.Event()
+        #: The members' signature for applicants to match; None until the job opens to joiners.
+        self.signature: tuple[tuple[str, object], ...] | None = None
+        self.watch = JoinerWatch()
+        #: Whether this rank is inside a collective of the whole world (joins are not followed then).
+        self.hold_joins: Callable[[], bool] = lambda: False
         beat_key = f"{self._prefix}/beat/{rank}"
         self._store.add(beat_key, 1)
-        # The thread holds the store, not this object, so that it stops once the engine is gone.
+        # The thread holds the store and the watch, not this object, so that it stops once the engine
+        # is gone.
         threading.Thread(
-            target=_beat, args=(store, beat_key, self._stopped), name="decent-heartbeat", daemon=True
+            target=beat,
+            args=(store, beat_key, self._prefix, self._stopped, self.watch),
+            name="decent-heartbeat",
+            daemon=True,
         ).start()
+
+    @property
+    def run(self) -> str:
+        """The token naming this run's keys in the store."""
+        return self._run
+
+    @property
+    def store(self) -> Store:
+        return self._store
 
     @property
     def member(self) -> int:
@@ -259,6 +333,8 @@ class Membership:
                     next_check = now + _POLL_S
                     if self.failure_announced():
                         raise PeerLost(str(failure(announced)))
+                    if self.joins_announced():
+                        raise MembershipChange("workers apply to join (announced by another member)")
                 time.sleep(pause)
                 pause = min(2 * pause, 2e-3)
             try:
@@ -273,6 +349,15 @@ class Membership:
     def failure_announced(self) -> bool:
         try:
             return bool(self._store.check([self._key("lost")]))
+        except Exception as err:
+            raise self._store_gone(err) from err
+
+    def joins_announced(self) -> bool:
+        """Whether a member announced applicants (not followed inside a collective of the whole world)."""
+        if not self.watch.open or self.hold_joins():
+            return False
+        try:
+            return bool(self._store.check([self._key("join")]))
         except Exception as err:
             raise self._store_gone(err) from err
 
@@ -296,8 +381,8 @@ class Membership:
 
     def _agree(self, report: Report, cause: BaseException) -> Decision:
         store = self._store
-        store.set(self._key("lost"), str(report.member))
-        store.set(self._key(f"report/{report.member}"), _encode(report))
+        store.set(self._key("join" if isinstance(cause, MembershipChange) else "lost"), str(report.member))
+        store.set(self._key(f"report/{report.member}"), encode(report))
         logger.debug("rank {} (launch rank {}): recovering from: {}", report.rank, report.member, cause)
         decision_key = self._key("decision")
         clock = _AwakeClock(self._timeout)
@@ -313,7 +398,10 @@ class Membership:
                     continue
                 key = self._key(f"report/{member}")
                 if store.check([key]):
-                    reported[member] = _decode(store.get(key))
+                    reported[member] = decode(store.get(key))
+                    continue
+                if store.check([self._key(f"left/{member}")]):  # it said so: no need to wait for its beat
+                    dead.add(member)
                     continue
                 beat = int(store.add(f"{self._prefix}/beat/{member}", 0))
                 last = beats.get(member)
@@ -322,12 +410,13 @@ class Membership:
                 elif now - last[1] > STALE_AFTER_S:
                     dead.add(member)
             if len(reported) + len(dead) == len(self._members) or clock.expired():
-                ordered = sorted(reported.values(), key=lambda r: r.rank)
-                proposal = _encode(Decision(self._generation, tuple(ordered)))
+                ordered = tuple(sorted(reported.values(), key=lambda r: r.rank))
+                proposal = encode(Decision(self._generation, ordered, self._admission(ordered)))
                 store.compare_set(decision_key, "", proposal)
                 break
             time.sleep(_POLL_S)
-        decision: Decision = _decode(store.get(decision_key))
+        decision: Decision = decode(store.get(decision_key))
+        self._record_verdicts(decision)
         if report.member not in decision.members:
             raise PeerFailureError(
                 f"rank {report.rank} (rank {report.member} at launch) reported too late to recovery "
@@ -335,6 +424,38 @@ class Membership:
                 "replica is no longer part of the job; restart it from a checkpoint."
             )
         return decision
+
+    def _admission(self, reports: tuple[Report, ...]) -> Admission:
+        """The joiners part of this rank's proposal (:func:`~.admission.admit`)."""
+        if self.signature is None:
+            return Admission(handled=self.watch.handled)
+        donors = [r.member for r in reports if r.phase == "idle"]
+        blocked = any(r.phase == "collective" for r in reports)
+        return admit(self._store, self._prefix, self.watch.handled, self.signature, donors, blocked)
+
+    def _record_verdicts(self, decision: Decision) -> None:
+        """Write the verdicts of the decision's applications; defer the next announcement if some wait."""
+        admission = decision.admission
+        verdicts = joiner_verdicts(admission, decision.generation, decision.members, decision.resume_step)
+        write_verdicts(self._store, self._prefix, verdicts)
+        self.watch.decided(self._store, self._prefix, admission)
+
+    def leave(self) -> None:
+        """Leave the job for good (a joiner whose join failed): the others recover without this rank
+        at once, without waiting for its heartbeat to stand still."""
+        try:
+            self._store.set(self._key(f"left/{self._me}"), "1")
+            self._store.set(self._key("lost"), f"{self._me} left")
+        finally:
+            self.close()
+
+    def announce(self) -> None:
+        """Announce applicants: the members follow into an agreement from their next wait."""
+        self._store.set(self._key("join"), str(self._me))
+
+    def ready(self) -> None:
+        """This joiner holds its replica: members may announce the next change."""
+        self._store.set(ready_key(self._prefix, self._me), "1")
 
     def reform(self, decision: Decision, backend: str, timeout: timedelta) -> None:
         """Replace the default process group by one over ``decision``'s survivors (ranks renumbered).
@@ -346,7 +467,7 @@ class Membership:
             dist.destroy_process_group()
         self._generation = decision.generation + 1
         self._members = list(decision.members)
-        store = PrefixStore(self._key("group"), self._store)
+        store = PrefixStore(group_prefix(self._prefix, decision.generation), self._store)
         try:
             dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
         finally:
@@ -386,19 +507,6 @@ class _AwakeClock:
         return self._last >= self._deadline
 
 
-def _beat(store: Store, key: str, stopped: threading.Event) -> None:
-    """Bump ``key`` every :data:`HEARTBEAT_S` until ``stopped`` (or the store is gone)."""
-    while not stopped.wait(HEARTBEAT_S):
-        try:
-            store.add(key, 1)
-        except Exception:  # the store is gone: recovery will say so; the heartbeat just stops
-            return
-
-
-def _encode(value: object) -> str:
-    """Pickled, as text: the store's Python API takes strings."""
-    return pickle.dumps(value).hex()
-
-
-def _decode(raw: bytes) -> Any:
-    return pickle.loads(bytes.fromhex(raw.decode()))
+def group_prefix(prefix: str, generation: int) -> str:
+    """Where the default group of the generation after ``generation``'s decision forms in the store."""
+    return f"{prefix}/g{generation}/group"

@@ -52,6 +52,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from loguru import logger
 
 from decent_optim_wrapper.engine.buckets import check_saved_tensors
 from decent_optim_wrapper.engine.checkpoint import STATE_VERSION, RunIdentity, check_entry_keys
@@ -252,6 +253,12 @@ def averaged_engine_state(states: Sequence[Mapping[str, Any]], run: RunIdentity)
     """
     check_saved_world(states, run)
     first = states[0]
+    if run.rank == 0:
+        logger.info(
+            f"resuming a checkpoint of {len(states)} ranks (step {first['step']}) on {run.world_size} ranks: "
+            "every rank starts from the average of the saved replicas; gossip in flight, compression "
+            "references, gradient trackers and any global-average snapshot start afresh."
+        )
     layout = [(p.shape, p.dtype) for p in first["params"]]
     for index, state in enumerate(states):
         check_saved_tensors(f"params of saved rank {index}", state["params"], layout)

@@ -21,7 +21,14 @@ from decent_optim_wrapper.engine.buckets import Bucket, current
 from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.local_steps import LocalSteps
-from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Membership, PeerFailure, Report
+from decent_optim_wrapper.engine.membership import (
+    ChannelReport,
+    Decision,
+    Membership,
+    PeerFailure,
+    Phase,
+    Report,
+)
 from decent_optim_wrapper.engine.options import TopologySpec, resolve_topology
 from decent_optim_wrapper.engine.world import GossipWorld
 from decent_optim_wrapper.topo import Topology
@@ -64,16 +71,20 @@ def settle_rounds(
 
 
 def survivors_topology(
-    spec: TopologySpec, name: str, decision: Decision, before: list[int], local_world_size: int
+    spec: TopologySpec, name: str, decision: Decision | None, before: list[int], local_world_size: int
 ) -> tuple[Topology, GossipWorld]:
-    """The topology and gossip world over the survivors, once the new default group stands.
+    """The topology and gossip world over the new members, once the new default group stands.
 
-    ``before`` lists the members before the loss; ``name`` is the topology's, for the error raised
-    when it does not exist at the survivors' world size.
+    ``before`` lists the members before the change; ``name`` is the topology's, for the error raised
+    when it does not exist at the new world size. With joiners (or on a joiner: ``decision`` None)
+    every rank counts as a node of its own.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    kept = {before.index(m) for m in decision.members}
-    per_node = surviving_local_world_size(kept, len(before), local_world_size)
+    if decision is None or decision.admission.joiners:
+        per_node = 1
+    else:
+        kept = {before.index(m) for m in decision.members}
+        per_node = surviving_local_world_size(kept, len(before), local_world_size)
     try:
         topology = resolve_topology(spec, world_size, per_node)
     except (ValueError, TypeError) as err:
@@ -117,13 +128,16 @@ class Survival:
         reports: Callable[[], Sequence[ChannelReport]],
         settle: Callable[[Decision], None],
         rewire: Callable[[Decision, list[int]], None],
+        phase: Phase = "updating",
+        admitted: Callable[[Decision, int], None] | None = None,
     ) -> PeerFailure | None:
-        """Agree, ``settle(decision)`` once, re-form the default group and ``rewire(decision, before)``.
+        """Agree, ``settle(decision)`` once, re-form the default group and ``rewire(decision, before)``;
+        then, if the decision admits joiners, ``admitted(decision, previous_rank)`` (the transfers).
 
         ``position`` is the first step at which this rank can launch on new groups, ``reports()`` its
-        rounds in flight. Returns the failure, or None if every member rejoined (a false alarm: a
-        collective outlasted the timeout, nobody is lost, no hook runs). Raises
-        :class:`~.errors.PeerFailureError` if this rank cannot go on.
+        rounds in flight, ``phase`` where it stands (whether it can donate). Returns the failure, or
+        None if nobody was lost (a false alarm: a collective outlasted the timeout; or an admission).
+        Raises :class:`~.errors.PeerFailureError` if this rank cannot go on.
         """
         membership = self.membership
         before = membership.members
@@ -131,7 +145,7 @@ class Survival:
         settled = False
         unformed: set[tuple[int, ...]] = set()
         while True:
-            report = Report(membership.member, rank, position, tuple(reports()))
+            report = Report(membership.member, rank, position, tuple(reports()), phase)
             decision = membership.agree(report, cause)
             if not settled:
                 settle(decision)
@@ -152,7 +166,13 @@ class Survival:
                 unformed.add(decision.members)
                 membership.failed_to_reform(err)
                 cause = err
-        if decision.members == tuple(before):
+        if decision.admission.joiners and admitted is not None:
+            admitted(decision, rank_before)
+        lost = tuple(before.index(m) for m in before if m not in decision.members)
+        admission = decision.admission
+        if not lost and (admission.joiners or admission.deferred or admission.rejected):
+            return None  # an admission (or joiners deferred or refused): nobody is lost
+        if not lost:
             logger.warning(
                 "rank {}: a collective outlasted the timeout at step {}, but all {} ranks rejoined: nobody "
                 "is lost; the process group was re-formed over the same ranks. If this recurs, raise "
@@ -164,8 +184,8 @@ class Survival:
             return None
         failure = PeerFailure(
             step=step,
-            lost=tuple(before.index(m) for m in before if m not in decision.members),
-            survivors=tuple(before.index(m) for m in decision.members),
+            lost=lost,
+            survivors=tuple(before.index(m) for m in decision.members if m in before),
             previous_world_size=world_before,
             world_size=len(decision.members),
             previous_rank=rank_before,

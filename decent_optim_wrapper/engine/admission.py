@@ -1,0 +1,439 @@
+r"""Growing a running job: a worker that starts while the job runs applies through the store and is
+admitted at a step boundary.
+
+A job opens to joiners when its workers start with :func:`~decent_optim_wrapper.launch.init_elastic`
+(or ``initialize_dist(elastic=True)``) and build a front-end with ``on_peer_failure="continue"``: rank 0
+then publishes the job under its name in the store. A worker that starts later (a replacement for a
+lost one, a restarted one, or an extra one) runs the same command; :func:`job_running` finds the job
+live, the worker builds its model and front-end in a world of its own, and the engine applies:
+
+1. *Apply.* The joiner compares the signature of its model and options with the one the job
+   published (a mismatch raises :class:`JoinRejectedError` there, and the members never hear of it),
+   then claims the first free application slot with its :class:`JoinRequest` in one
+   ``compare_set`` (so a slot is either free or holds a whole request) and starts its heartbeat.
+2. *Notice.* Each member's heartbeat thread sees the slot after the last decided one taken and
+   raises a flag; the next member to reach a step boundary reads the flag (attributes: nothing per
+   step) and announces the applicants under ``g/join``. The others follow into the agreement of
+   :mod:`~.membership` from their next wait, except inside a collective of the whole world
+   (``global_avg``), which they finish first: the joiner would not take part in it. No change is
+   announced while the latest admission's joiners do not hold their replicas yet.
+3. *Decide.* The member whose proposal wins the agreement also decides the applicants
+   (:func:`admit`): one whose signature differs from the members' is rejected with the entry that
+   differs; one whose heartbeat does not move is dropped; the others are admitted if some member
+   can donate (it has not yet updated in its current step, so its replica, optimizer state and step
+   count agree) and no member is inside a collective of the whole world. Otherwise they wait for a
+   later boundary. Donors are spread over the members that can donate, one joiner each in turn, so
+   no member carries every transfer.
+4. *Verdict.* Every member writes each applicant's :class:`Verdict` from the decision (the same bits
+   whoever writes); an admitted joiner forms the new default group with the members under the
+   decision's generation and receives its donor's state (:mod:`~.transfer`).
+
+Keys live beside the membership's, under ``decent-optim-wrapper/<run>``; the job's name maps to its run
+under ``decent-optim-wrapper/jobs/<job>``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.distributed import Store  # type: ignore[attr-defined]
+
+from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
+
+__all__ = [
+    "Applicant",
+    "ElasticJob",
+    "JobInfo",
+    "JoinRejectedError",
+    "JoinRequest",
+    "Verdict",
+    "admit",
+    "current_job",
+    "decode",
+    "encode",
+    "enter_job",
+    "job_running",
+    "publish_job",
+]
+
+#: How often the heartbeat thread of a member (and of an applicant) bumps its counter, in seconds.
+HEARTBEAT_S = 0.2
+#: A counter standing still this long means its process is gone.
+STALE_AFTER_S = 3.0
+_POLL_S = 0.05
+#: After joiners were deferred (no member could donate, or one was inside global_avg), members wait
+#: this long before announcing them again, so that a long collective is not interrupted in a loop.
+RETRY_AFTER_S = 1.0
+
+
+class JoinRejectedError(DecentError, ValueError):
+    """The running job refused this worker: its model or options differ from the members'."""
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """What the store says of a running job: its run (the key prefix) and its size at launch."""
+
+    run: str
+    launch_world_size: int
+    signature: tuple[tuple[str, object], ...] = ()  # what an applicant must match (checked before applying)
+
+
+@dataclass(frozen=True)
+class JoinRequest:
+    """An applicant, as the members read it from the store."""
+
+    number: int  # its place in the order of applications, from 1
+    member: int  # its identity in the membership, stable across generations
+    signature: tuple[tuple[str, object], ...]  # (field, value) pairs that must equal the members'
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the members decided about one applicant."""
+
+    admitted: bool
+    reason: str = ""  # why not, for a rejected applicant
+    generation: int = -1  # the decision's generation: the new group forms under it
+    members: tuple[int, ...] = ()  # the new world's members in rank order (joiners last)
+    donor: int = -1  # the member whose replica the joiner receives
+    resume_step: int = 0  # the step from which rounds start on the new groups
+    handled: int = 0  # applications decided up to this number (the joiner's watch starts there)
+    joiners: tuple[int, ...] = ()  # every joiner admitted with it (member ids), and their donors
+    donors: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class Admission:
+    """The joiners part of a decision: who is admitted and from whom, who is refused."""
+
+    joiners: tuple[JoinRequest, ...] = ()
+    donors: tuple[int, ...] = ()  # member id of each joiner's donor
+    rejected: tuple[tuple[int, str], ...] = ()  # (application number, reason)
+    handled: int = 0  # applications up to this number have a verdict
+    deferred: int = 0  # applicants left for a later boundary (nobody could donate, or a collective ran)
+
+
+@dataclass
+class ElasticJob:
+    """This process's elastic job: the store it meets the others in, the job's name, and whether it
+    started as a joiner (set by :func:`enter_job`, read by the engine)."""
+
+    store: Store
+    job: str
+    joining: bool
+
+
+_context: ElasticJob | None = None
+
+
+def enter_job(store: Store, job: str, joining: bool) -> None:
+    """Record this process's elastic job (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
+    global _context
+    _context = ElasticJob(store, job, joining)
+
+
+def current_job() -> ElasticJob | None:
+    """The elastic job this process entered, or None (survival only, no joins)."""
+    return _context
+
+
+def _job_key(job: str) -> str:
+    return f"decent-optim-wrapper/jobs/{job}"
+
+
+def run_prefix(run: str) -> str:
+    return f"decent-optim-wrapper/{run}"
+
+
+def publish_job(store: Store, job: str, info: JobInfo) -> None:
+    """Make ``job`` findable by joiners (rank 0 of the members, once the engine is built)."""
+    store.set(_job_key(job), encode(info))
+
+
+def job_running(store: Store, job: str) -> JobInfo | None:
+    """The job's info if ``job`` is published and its members are alive, else None.
+
+    Alive: the run's shared heartbeat counter moves within :data:`STALE_AFTER_S` (a job that ended,
+    or a store left over from an earlier job, has a counter standing still).
+    """
+    key = _job_key(job)
+    if not store.check([key]):
+        return None
+    info: JobInfo = decode(store.get(key))
+    alive = f"{run_prefix(info.run)}/alive"
+    first = int(store.add(alive, 0))
+    deadline = time.monotonic() + STALE_AFTER_S
+    while time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        if int(store.add(alive, 0)) != first:
+            return info
+    return None
+
+
+def slot_key(prefix: str, number: int) -> str:
+    """Where application ``number`` lives: claimed whole, with its request, by one ``compare_set``."""
+    return f"{prefix}/joiner/{number}"
+
+
+def ready_key(prefix: str, member: int) -> str:
+    """Set by a joiner once it holds its replica (members announce no other change before)."""
+    return f"{prefix}/joined/{member}"
+
+
+class JoinerWatch:
+    """What a member's heartbeat thread knows about applicants: the flag the step boundary reads.
+
+    The thread (``refresh``) and the decisions (``decided``) update it under a lock, so a
+    refresh made with the previous decision's count never overwrites a newer decision's.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.open = False  # the job takes joiners: set once the front-end is built
+        self.handled = 0  # applications with a verdict, from the latest decision
+        self.transfers: tuple[str, ...] = ()  # ready keys of the latest admission's joiners still missing
+        self.not_before = 0.0  # monotonic time before which deferred applicants are not announced
+        self.waiting = False
+
+    def due(self) -> bool:
+        """Whether an application waits for a decision (read at every step boundary: attributes only)."""
+        return self.waiting and not self.transfers and time.monotonic() >= self.not_before
+
+    def refresh(self, store: Store, prefix: str) -> None:
+        with self._lock:
+            if self.transfers:
+                self.transfers = tuple(key for key in self.transfers if not store.check([key]))
+            self.waiting = store.check([slot_key(prefix, self.handled + 1)])
+
+    def decided(self, store: Store, prefix: str, admission: Admission) -> None:
+        """After a decision: applications up to ``admission.handled`` have their verdicts."""
+        with self._lock:
+            self.handled = admission.handled
+            self.transfers = tuple(ready_key(prefix, j.member) for j in admission.joiners)
+            self.waiting = store.check([slot_key(prefix, self.handled + 1)])
+            if admission.deferred:
+                self.not_before = time.monotonic() + RETRY_AFTER_S
+
+
+def beat(
+    store: Store, key: str, prefix: str, stopped: threading.Event, watch: JoinerWatch | None = None
+) -> None:
+    """Bump ``key`` every :data:`HEARTBEAT_S` until ``stopped``. A member of a job open to joiners
+    (its ``watch`` open) also bumps the run's shared counter (the job is alive) and refreshes the watch."""
+    alive = f"{prefix}/alive"
+    while not stopped.wait(HEARTBEAT_S):
+        try:
+            store.add(key, 1)
+            if watch is not None and watch.open:
+                store.add(alive, 1)
+                watch.refresh(store, prefix)
+        except Exception:  # the store is gone: recovery will say so; the heartbeat just stops
+            return
+
+
+def admit(
+    store: Store,
+    prefix: str,
+    handled: int,
+    signature: tuple[tuple[str, object], ...],
+    donors: Sequence[int],
+    blocked: bool,
+) -> Admission:
+    """Decide the applications after number ``handled`` (the winning proposer calls this).
+
+    ``signature`` is the members' own; ``donors`` the members that can donate, in rank order;
+    ``blocked`` says a member is inside a collective of the whole world. Applications whose request
+    is not written yet are left for a later decision, as are all of them when nobody can donate.
+    """
+    requests: list[JoinRequest] = []
+    number = handled + 1
+    while store.check([slot_key(prefix, number)]):  # slots are claimed in order, without gaps
+        requests.append(decode(store.get(slot_key(prefix, number))))
+        number += 1
+    rejected = [(r.number, reason) for r in requests if (reason := mismatch(signature, r.signature))]
+    applicants = [r for r in requests if r.number not in dict(rejected)]
+    applicants, dead = _alive(store, prefix, applicants)
+    rejected += [(r.number, "its heartbeat stopped before it was admitted") for r in dead]
+    if applicants and (blocked or not donors):
+        # Deferred: handled stops below the first deferred application, so it is decided again.
+        first = applicants[0].number
+        early = tuple((n, w) for n, w in rejected if n < first)
+        return Admission(rejected=early, handled=first - 1, deferred=len(applicants))
+    cycle = itertools.cycle(donors)
+    return Admission(
+        joiners=tuple(applicants),
+        donors=tuple(next(cycle) for _ in applicants),
+        rejected=tuple(rejected),
+        handled=handled + len(requests),
+    )
+
+
+def mismatch(ours: tuple[tuple[str, object], ...], theirs: tuple[tuple[str, object], ...]) -> str:
+    """Why an applicant's signature cannot join (the first field, and the first entry in it, that
+    differs), or ``""``."""
+    mine, yours = dict(ours), dict(theirs)
+    for field, value in ours:
+        other = yours.get(field, "<missing>")
+        if other != value:
+            where, here, there = _first_difference(other, value, field)
+            return (
+                f"its {where} differs from the running job's ({_brief(here)} here, {_brief(there)} in the "
+                "job); start it with the job's code, model and options"
+            )
+    extra = [field for field in yours if field not in mine]
+    return f"it passes options the job does not know ({extra}); run the job's own code" if extra else ""
+
+
+def _first_difference(here: object, there: object, path: str) -> tuple[str, object, object]:
+    """The innermost entry of two nested tuples/lists where they differ, and its path (a tuple of plain
+    values, such as a shape, is one entry)."""
+    if (
+        isinstance(here, tuple | list)
+        and isinstance(there, tuple | list)
+        and any(isinstance(v, tuple | list) for v in here)
+        and len(here) == len(there)
+    ):
+        for index, (a, b) in enumerate(zip(here, there, strict=True)):
+            if a != b:
+                return _first_difference(a, b, f"{path}[{index}]")
+    return path, here, there
+
+
+def _brief(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+def _alive(
+    store: Store, prefix: str, requests: list[JoinRequest]
+) -> tuple[list[JoinRequest], list[JoinRequest]]:
+    """Split ``requests`` into applicants whose heartbeat moves (within two beats) and the rest."""
+    if not requests:
+        return [], []
+    keys = {r.number: f"{prefix}/beat/{r.member}" for r in requests}
+    first = {n: int(store.add(k, 0)) for n, k in keys.items()}
+    moved: set[int] = set()
+    deadline = time.monotonic() + 3 * HEARTBEAT_S
+    while len(moved) < len(requests) and time.monotonic() < deadline:
+        time.sleep(_POLL_S)
+        moved |= {n for n, k in keys.items() if n not in moved and int(store.add(k, 0)) != first[n]}
+    return [r for r in requests if r.number in moved], [r for r in requests if r.number not in moved]
+
+
+def write_verdicts(store: Store, prefix: str, verdicts: dict[int, Verdict]) -> None:
+    """Record each application's verdict (idempotent: every member writes the same bits)."""
+    for number, verdict in verdicts.items():
+        store.set(f"{slot_key(prefix, number)}/verdict", encode(verdict))
+
+
+class Applicant:
+    """A worker applying to join a running job: its request, its heartbeat, its wait for a verdict.
+
+    Args:
+        store: the job's store.
+        info: the running job (:func:`job_running`).
+        signature: what the members compare with theirs (model layout and options).
+        timeout: how long to wait for a verdict before giving up.
+    """
+
+    def __init__(
+        self, store: Store, info: JobInfo, signature: tuple[tuple[str, object], ...], timeout: float
+    ) -> None:
+        self._store = store
+        self._prefix = run_prefix(info.run)
+        self._info = info
+        self._signature = signature
+        self._timeout = timeout
+        self._stopped = threading.Event()
+        self.member = -1
+
+    def apply(self) -> Verdict:
+        """Apply and wait for the verdict; raises if refused, if the job is gone, or after a deadline."""
+        store, prefix = self._store, self._prefix
+        reason = mismatch(self._info.signature, self._signature)
+        if self._info.signature and reason:  # refused here: the members never hear of it
+            raise JoinRejectedError(f"the running job refuses this worker: {reason}.")
+        # Claim the first free slot, request included, with one compare_set: an applicant that dies
+        # at any point leaves either no slot or a whole request (whose heartbeat then never moves).
+        number = int(store.add(f"{prefix}/joiners/count", 0)) + 1
+        while True:
+            self.member = self._info.launch_world_size + number - 1
+            request = encode(JoinRequest(number, self.member, self._signature))
+            if store.compare_set(slot_key(prefix, number), "", request) == request.encode():
+                break
+            number += 1
+        store.add(f"{prefix}/joiners/count", 1)  # a hint for the next applicant's first try
+        key = f"{prefix}/beat/{self.member}"
+        store.add(key, 1)
+        threading.Thread(
+            target=beat, args=(store, key, prefix, self._stopped), name="decent-heartbeat", daemon=True
+        ).start()
+        verdict_key = f"{slot_key(prefix, number)}/verdict"
+        alive = f"{prefix}/alive"
+        last, moved_at = -1, time.monotonic()
+        # Members admit at their next step boundary, after recovering from a lost peer if one is
+        # being recovered (up to ``timeout`` to notice it, a few seconds to agree).
+        deadline = time.monotonic() + 2 * self._timeout + 2 * STALE_AFTER_S
+        while not store.check([verdict_key]):
+            now = time.monotonic()
+            count = int(store.add(alive, 0))
+            if count != last:
+                last, moved_at = count, now
+            elif now - moved_at > STALE_AFTER_S:
+                self.withdraw()
+                raise PeerFailureError(
+                    f"the job {prefix!r} this worker applied to has no live member (no heartbeat for "
+                    f"{STALE_AFTER_S:.0f} s); start the job afresh (it is over, or its store is stale)."
+                )
+            if now > deadline:
+                self.withdraw()
+                raise PeerFailureError(
+                    f"no member of the running job admitted this worker within "
+                    f"{2 * self._timeout + 2 * STALE_AFTER_S:.0f} s "
+                    "(members admit joiners at a step boundary, not inside global_avg); raise timeout, "
+                    "or check that the members train with on_peer_failure='continue'."
+                )
+            time.sleep(_POLL_S)
+        verdict: Verdict = decode(store.get(verdict_key))
+        if not verdict.admitted:
+            self.withdraw()
+            raise JoinRejectedError(f"the running job refused this worker: {verdict.reason}.")
+        return verdict
+
+    def withdraw(self) -> None:
+        """Stop the heartbeat: the members take this applicant for gone (after an aborted join)."""
+        self._stopped.set()
+
+    @property
+    def stopped(self) -> threading.Event:
+        """Set when the applicant withdraws; a joined worker's membership takes the heartbeat over."""
+        return self._stopped
+
+
+def joiner_verdicts(
+    admission: Admission, generation: int, members: tuple[int, ...], resume: int
+) -> dict[int, Verdict]:
+    """The verdict of every application an admission decided."""
+    verdicts = {n: Verdict(False, reason) for n, reason in admission.rejected}
+    joiners = tuple(j.member for j in admission.joiners)
+    for joiner, donor in zip(admission.joiners, admission.donors, strict=True):
+        verdicts[joiner.number] = Verdict(
+            True, "", generation, members, donor, resume, admission.handled, joiners, admission.donors
+        )
+    return verdicts
+
+
+def encode(value: object) -> str:
+    """Pickled, as text: the store's Python API takes strings."""
+    return pickle.dumps(value).hex()
+
+
+def decode(raw: bytes) -> Any:
+    return pickle.loads(bytes.fromhex(raw.decode()))

@@ -1,0 +1,342 @@
+r"""Growing the world: members donate their replicas to admitted joiners, and a joiner takes one.
+
+:mod:`~.admission` decides who joins and from whom; :mod:`~.membership` re-forms the default group
+with the joiners appended; this module moves the state and tells the training loop.
+
+**What a join does to the replicas.** Each joiner starts as a bit-for-bit copy of its donor's replica
+(parameters, optimizer state, step count, anchors and outer optimizer state of low-communication
+gossip), so over the new world of ``n + k`` replicas
+
+.. math::
+    \sum_{i \in \text{new}} x_i = \sum_{i \in \text{old}} x_i + \sum_{j\ \text{joiner}} x_{d(j)},
+    \qquad
+    \bar x_{\text{new}} = \bar x_{\text{old}} + \frac{1}{n+k} \sum_j \big(x_{d(j)} - \bar x_{\text{old}}\big),
+
+where ``d(j)`` is joiner ``j``'s donor: the mean moves towards the donors' replicas, by at most
+``k / (n + k)`` times the largest distance of a replica from the old mean, and no member's replica
+changes. From the first round on the new
+groups, mixing is the topology's over ``n + k`` ranks: doubly stochastic, so it keeps the new mean.
+Like after a lost peer, compression references restart with an exact round in each new group,
+gradient trackers restart from the next gradient, and rounds in flight are settled before the
+transfer (mixed by every member of their group or dropped by all).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+from loguru import logger
+from torch.distributed import PrefixStore  # type: ignore[attr-defined]
+from torch.utils.hooks import RemovableHandle
+
+from decent_optim_wrapper.engine.admission import (
+    Applicant,
+    ElasticJob,
+    JobInfo,
+    Verdict,
+    job_running,
+    publish_job,
+    run_prefix,
+)
+from decent_optim_wrapper.engine.errors import PeerFailureError
+from decent_optim_wrapper.engine.membership import Decision, Membership, PeerJoin, PeerLost, group_prefix
+from decent_optim_wrapper.engine.transfer import (
+    TransferCorruptedError,
+    pack,
+    receive_replica,
+    send_replica,
+    unpack,
+)
+
+__all__ = ["Growth", "JoinHook", "Stateful"]
+
+#: Called on every member after an admission, once the joiners hold their replicas.
+JoinHook = Callable[[PeerJoin], None]
+
+#: How many times a joiner applies again after an aborted join (a donor lost, a corrupted transfer).
+JOIN_ATTEMPTS = 3
+
+
+class Stateful(Protocol):
+    """What a joiner can receive from its donor: anything with ``state_dict``/``load_state_dict``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], /) -> Any: ...
+
+
+class Growth:
+    """A rank's side of joins: what it donates, what it received, the record of joins and their hooks."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._enabled = enabled
+        self._save: Callable[[], dict[str, Any]] | None = None
+        self._states: dict[str, Stateful] = {}
+        self._received: dict[str, Any] = {}
+        self._joins: list[PeerJoin] = []
+        self._hooks: OrderedDict[int, JoinHook] = OrderedDict()
+        self.joined: PeerJoin | None = None
+
+    @property
+    def joins(self) -> list[PeerJoin]:
+        """Every admission this rank took part in as a member, oldest first (a new list)."""
+        return list(self._joins)
+
+    def register_hook(self, hook: JoinHook) -> RemovableHandle:
+        """Call ``hook(join)`` on every member after an admission, once the joiners hold their replicas."""
+        self._check_enabled("register_join_hook()")
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def register_state(self, name: str, obj: Stateful) -> None:
+        """Send ``obj``'s state to joiners under ``name``; on a joiner, load what the donor sent now."""
+        self._check_enabled("register_join_state()")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}.")
+        for method in ("state_dict", "load_state_dict"):
+            if not callable(getattr(obj, method, None)):
+                raise TypeError(
+                    f"register_join_state({name!r}, ...) needs an object with state_dict() and "
+                    f"load_state_dict() (an LR scheduler, a sampler), got {type(obj).__name__}."
+                )
+        if name in self._states:
+            raise ValueError(f"a join state named {name!r} is registered already; pick another name.")
+        self._states[name] = obj
+        if name in self._received:
+            obj.load_state_dict(self._received.pop(name))
+
+    def _check_enabled(self, what: str) -> None:
+        if not self._enabled:
+            raise RuntimeError(
+                f'{what} needs on_peer_failure="continue": with "raise" (the default) the world never '
+                "changes, and no hook would ever run."
+            )
+
+    # -- members ----------------------------------------------------------------------------------
+    def donate(
+        self,
+        decision: Decision,
+        membership: Membership,
+        engine_state: Callable[[], dict[str, Any]],
+        timeout: timedelta,
+    ) -> None:
+        """Send this rank's replica to the joiners it donates to (nothing if it donates to none)."""
+        admission = decision.admission
+        members = decision.members
+        mine = [
+            members.index(j.member)
+            for j, d in zip(admission.joiners, admission.donors, strict=True)
+            if d == membership.member
+        ]
+        if not mine:
+            return
+        data, digest = pack(self._payload(engine_state()))
+        logger.debug("donating {} bytes to ranks {}", len(data), mine)
+        send_replica(data, digest, mine, _waiter("sending a replica to a joiner", timeout))
+
+    def admitted(
+        self,
+        decision: Decision,
+        membership: Membership,
+        previous_rank: int,
+        step: int,
+        engine_state: Callable[[], dict[str, Any]],
+        timeout: timedelta,
+    ) -> None:
+        """After an admission: donate where this rank was chosen, then record it and call the hooks
+        (also if the transfer failed: the admission happened, and the recovery that follows is
+        recorded as a lost peer)."""
+        try:
+            self.donate(decision, membership, engine_state, timeout)
+        finally:
+            self.record(join_record(decision, step, previous_rank, membership.member))
+
+    def record(self, join: PeerJoin) -> None:
+        """Log an admission and call the hooks (every member, after the transfers)."""
+        self._joins.append(join)
+        logger.info(
+            "admitted {} worker(s) at step {}: the world grows from {} to {} ranks (joiners {}, donors {})",
+            len(join.joined),
+            join.step,
+            join.previous_world_size,
+            join.world_size,
+            list(join.joined),
+            list(join.donors),
+        )
+        for hook in list(self._hooks.values()):
+            hook(join)
+
+    def _payload(self, engine_state: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "engine": engine_state,
+            "front_end": None if self._save is None else self._save(),
+            "user": {name: obj.state_dict() for name, obj in self._states.items()},
+        }
+
+    def open(
+        self,
+        job: ElasticJob,
+        membership: Membership | None,
+        signature: tuple[tuple[str, object], ...],
+        timeout: timedelta,
+        front_end: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
+        engine: tuple[Callable[[Membership], None], Callable[[dict[str, Any], int], None]],
+    ) -> None:
+        """Open the job to joiners; on a worker started to join, join now (the engine's
+        ``open_to_joiners``).
+
+        ``front_end`` is the front-end's (save, load) of its part of a replica; ``engine`` the
+        engine's (wire over an admitted joiner's world, load a replica's engine part at a resume step).
+        """
+        save, load = front_end
+        wire, load_replica = engine
+        self._save = save
+        if membership is None:  # on_peer_failure="raise": the world never changes
+            if job.joining:
+                raise ValueError(
+                    f"this worker was started to join the running job {job.job!r} (init_elastic found "
+                    'it running), but its front-end has on_peer_failure="raise"; pass '
+                    'on_peer_failure="continue", as the job\'s members do.'
+                )
+            return
+        if not job.joining:
+            membership.signature = signature
+            membership.watch.open = True
+            if membership.member == 0:
+                publish_job(job.store, job.job, JobInfo(membership.run, len(membership.members), signature))
+            return
+        job.joining = False  # one engine per process joins
+        membership.close()
+        joined, verdict, payload = self.join(job, signature, timeout, wire)
+        joined.signature = signature
+        try:
+            load_replica(payload["engine"], verdict.resume_step)
+            if payload["front_end"] is not None:
+                load(payload["front_end"])
+        except Exception:
+            joined.leave()  # the members go on without it at once
+            raise
+        joined.ready()
+        self.joined_at(verdict, joined.member, payload["engine"]["step"])
+
+    # -- a joiner ---------------------------------------------------------------------------------
+    def join(
+        self,
+        job: ElasticJob,
+        signature: tuple[tuple[str, object], ...],
+        timeout: timedelta,
+        wire: Callable[[Membership], None],
+    ) -> tuple[Membership, Verdict, dict[str, Any]]:
+        """Apply to the running job, form its new group, ``wire(membership)`` over it, receive a replica.
+
+        Returns the new membership, the verdict and the donor's payload (its ``"user"`` part is kept
+        here for :meth:`register_state`). Retries an aborted join (the donor lost, a corrupted
+        transfer) up to :data:`JOIN_ATTEMPTS` times; raises
+        :class:`~.admission.JoinRejectedError` if the job refuses this worker.
+        """
+        info = job_running(job.store, job.job)
+        if info is None:
+            raise PeerFailureError(
+                f"this worker was started to join the running job {job.job!r}, but the job has no live "
+                "member any more; start the job afresh."
+            )
+        for attempt in range(1, JOIN_ATTEMPTS + 1):
+            applicant = Applicant(job.store, info, signature, timeout.total_seconds())
+            verdict = applicant.apply()
+            membership = None
+            try:
+                membership = _enter(job, info, applicant, verdict, timeout)
+                wire(membership)
+                donor = verdict.members.index(verdict.donor)
+                data, digest = receive_replica(donor, _waiter("receiving a replica", timeout))
+                payload = unpack(data, digest)
+            except (PeerLost, TransferCorruptedError, RuntimeError, dist.DistError) as err:
+                # Leaving makes this rank a lost peer of the new world; the members go on without it.
+                applicant.withdraw()
+                if membership is not None:
+                    membership.leave()
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                if attempt == JOIN_ATTEMPTS:
+                    raise PeerFailureError(
+                        f"joining the running job failed {attempt} times; last: {err}"
+                    ) from err
+                logger.warning("joining the running job failed ({}); applying again", err)
+                continue
+            applicant.withdraw()  # the membership beats for this rank now
+            self._received = dict(payload.get("user") or {})
+            return membership, verdict, payload
+        raise AssertionError("unreachable")
+
+    def joined_at(self, verdict: Verdict, member: int, step: int) -> None:
+        """Record this joiner's own admission (its ``joined`` record)."""
+        pairs = tuple(zip(verdict.joiners, verdict.donors, strict=True))
+        self.joined = _join_record(verdict.members, pairs, step, -1, verdict.members.index(member))
+
+
+def join_record(decision: Decision, step: int, previous_rank: int, member: int) -> PeerJoin:
+    """The record every member keeps of ``decision``'s admission."""
+    pairs = tuple(
+        (j.member, d) for j, d in zip(decision.admission.joiners, decision.admission.donors, strict=True)
+    )
+    return _join_record(decision.members, pairs, step, previous_rank, decision.members.index(member))
+
+
+def _join_record(
+    members: Sequence[int], pairs: Sequence[tuple[int, int]], step: int, previous_rank: int, rank: int
+) -> PeerJoin:
+    return PeerJoin(
+        step=step,
+        joined=tuple(members.index(j) for j, _ in pairs),
+        donors=tuple(members.index(d) for _, d in pairs),
+        previous_world_size=len(members) - len(pairs),
+        world_size=len(members),
+        previous_rank=previous_rank,
+        rank=rank,
+    )
+
+
+def _enter(
+    job: ElasticJob, info: JobInfo, applicant: Applicant, verdict: Verdict, timeout: timedelta
+) -> Membership:
+    """Leave this worker's world of its own and form the new default group with the members."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    members = verdict.members
+    rank = members.index(applicant.member)
+    store = PrefixStore(group_prefix(run_prefix(info.run), verdict.generation), job.store)
+    # The members' groups time out after 3 * timeout (the engine's own wait decides a loss first).
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=len(members), timeout=3 * timeout)
+    membership = Membership(
+        job.store,
+        info.run,
+        applicant.member,
+        len(members),
+        timeout,
+        members=members,
+        generation=verdict.generation + 1,
+    )
+    membership.watch.handled = verdict.handled
+    membership.watch.open = True
+    return membership
+
+
+def _waiter(what: str, timeout: timedelta) -> Callable[[Sequence[dist.Work | None]], None]:
+    """Wait for point-to-point works, each within ``timeout`` (gloo reports their completion only to
+    ``wait``); a failure is a lost peer."""
+
+    def wait(works: Sequence[dist.Work | None]) -> None:
+        # Announcements are not followed here: a transfer in progress finishes (or fails) first.
+        for work in works:
+            try:
+                if work is not None:
+                    work.wait(timeout)
+            except (RuntimeError, dist.DistError) as err:
+                raise PeerLost(f"{what}: {err}") from err
+
+    return wait

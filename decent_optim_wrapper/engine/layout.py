@@ -1,0 +1,110 @@
+"""What one rank builds from the engine's options before its first collective: :func:`build_parts`.
+
+The topology, the flat buckets (with the sharded parameters' layout), low-communication gossip's
+state, the compression and the second-moment rule, and the :class:`~.options.LocalLayout` every rank
+must agree on. The engine builds these inside its cross-rank agreement, so that bad input on one
+rank is an error on every rank instead of a hang.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params
+from decent_optim_wrapper.engine.comm import group_layout
+from decent_optim_wrapper.engine.compression import CompressionSpec, GossipCompression, resolve_compression
+from decent_optim_wrapper.engine.local_steps import LocalSteps, OuterFactory, resolve_local_steps
+from decent_optim_wrapper.engine.options import (
+    LocalLayout,
+    TopologySpec,
+    check_on_peer_failure,
+    resolve_topology,
+)
+from decent_optim_wrapper.engine.second_moment import SecondMomentRule
+from decent_optim_wrapper.engine.shards import ShardLayout
+from decent_optim_wrapper.engine.world import GossipWorld
+from decent_optim_wrapper.topo import Topology
+
+__all__ = ["EngineParts", "NamedParams", "build_parts", "join_signature", "signatures"]
+
+#: ``(name, parameter)`` pairs, or a function returning them (run inside the agreement).
+NamedParams = Sequence[tuple[str, torch.Tensor]] | Callable[[], Sequence[tuple[str, torch.Tensor]]]
+
+
+@dataclass
+class EngineParts:
+    """One rank's engine before any communication."""
+
+    topology: Topology
+    buckets: list[Bucket]
+    shards: ShardLayout
+    local: LocalSteps | None
+    compression: GossipCompression | None
+    second_moment: SecondMomentRule
+    layout: LocalLayout
+
+
+def join_signature(layout: LocalLayout) -> tuple[tuple[str, object], ...]:
+    """What a worker joining a running job must share with its members, field by field (not the
+    topology's schedule or groups: those follow the world size)."""
+    return (
+        ("topology", layout.topology[0]),
+        ("buckets", layout.buckets),
+        ("compression", layout.compression),
+        ("gradient_tracking", layout.gradient_tracking),
+        ("low_communication", layout.local_steps),
+        ("second_moment", layout.second_moment),
+    )
+
+
+def build_parts(
+    named_params: NamedParams,
+    world: GossipWorld,
+    *,
+    topology: TopologySpec,
+    bucket_cap_bytes: int,
+    params_as_views: bool,
+    compression: CompressionSpec,
+    gradient_tracking: bool,
+    sync_every: int,
+    sync_delay: int | None,
+    outer_optimizer: OuterFactory | None,
+    on_peer_failure: str,
+    second_moment: str,
+) -> EngineParts:
+    """Check the options and build the parts (the engine's docstring describes each option)."""
+    check_on_peer_failure(on_peer_failure, topology, world.subgroup)
+    rule = SecondMomentRule(second_moment)
+    wire = resolve_compression(compression)
+    topo = resolve_topology(topology, world.world_size, world.local_world_size)
+    spec = resolve_local_steps(sync_every, sync_delay, outer_optimizer)
+    if spec is not None and gradient_tracking:
+        raise ValueError(
+            "gradient_tracking=True cannot be combined with low-communication gossip (sync_every="
+            f"{sync_every}, outer_optimizer={outer_optimizer!r}, sync_delay={sync_delay!r}): the "
+            "trackers are gossiped every step, which is what sync_every > 1 avoids. Use one or the other."
+        )
+    params, names = check_named_params(named_params() if callable(named_params) else named_params)
+    shards = ShardLayout(params, names, world)
+    buckets = build_buckets(params, names, bucket_cap_bytes, params_as_views)
+    local = None if spec is None else LocalSteps(buckets, spec)
+    layout = LocalLayout(
+        world.local_world_size,
+        (topo.name, topo.fingerprint()),
+        signatures(buckets),
+        wire,
+        gradient_tracking,
+        None if local is None else local.agreement(),
+        on_peer_failure,
+        second_moment,
+        group_layout(topo, world),
+    )
+    return EngineParts(topo, buckets, shards, local, wire, rule, layout)
+
+
+def signatures(buckets: Sequence[Bucket]) -> tuple[object, ...]:
+    """What must agree across ranks and checkpoints: each bucket's dtype, device type and shapes."""
+    return tuple(b.signature() for b in buckets)

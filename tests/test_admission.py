@@ -1,0 +1,129 @@
+"""The admission of joiners without workers: what the members decide from the store, what a joiner
+is told, and the launcher's checks (a store in this process, no process group)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch.distributed as dist
+
+from decent_optim_wrapper import init_elastic
+from decent_optim_wrapper.engine.admission import (
+    Admission,
+    JoinerWatch,
+    JoinRequest,
+    admit,
+    encode,
+    joiner_verdicts,
+    mismatch,
+    slot_key,
+)
+
+pytestmark = pytest.mark.pure
+
+PREFIX = "decent-optim-wrapper/test-run"
+SIGNATURE = (
+    ("topology", "ring"),
+    ("buckets", ((("float32", "cpu"), ((4, 3), (3,))),)),
+    ("compression", None),
+)
+
+
+def _apply(
+    store: dist.Store, number: int, member: int, signature=SIGNATURE, beating: bool = True
+) -> threading.Event:
+    """Write an application into its slot; with ``beating`` its heartbeat moves until the event is set."""
+    request = encode(JoinRequest(number, member, signature))
+    assert store.compare_set(slot_key(PREFIX, number), "", request) == request.encode()
+    stop = threading.Event()
+    key = f"{PREFIX}/beat/{member}"
+    store.add(key, 1)
+    if beating:
+        threading.Thread(target=_beat, args=(store, key, stop), daemon=True).start()
+    return stop
+
+
+def _beat(store: dist.Store, key: str, stop: threading.Event) -> None:
+    while not stop.wait(0.05):
+        store.add(key, 1)
+
+
+def test_a_mismatch_names_the_first_entry_that_differs():
+    other = (
+        ("topology", "ring"),
+        ("buckets", ((("float32", "cpu"), ((5, 3), (3,))),)),
+        ("compression", None),
+    )
+    reason = mismatch(SIGNATURE, other)
+    assert reason.startswith(
+        "its buckets[0][1][0] differs from the running job's ((5, 3) here, (4, 3) in the job)"
+    )
+    assert mismatch(SIGNATURE, SIGNATURE) == ""
+    assert "does not know" in mismatch(SIGNATURE, (*SIGNATURE, ("extra", 1)))
+    assert "its compression differs" in mismatch(SIGNATURE, (*SIGNATURE[:2], ("compression", "int8")))
+
+
+def test_members_admit_live_applicants_in_order_spreading_donors_and_refuse_the_others():
+    store = dist.HashStore()
+    stops = [
+        _apply(store, 1, 3),
+        _apply(store, 2, 4, signature=(*SIGNATURE[:2], ("compression", "int8"))),
+        _apply(store, 3, 5),
+        _apply(store, 4, 6, beating=False),  # applied, then died
+    ]
+    try:
+        admission = admit(store, PREFIX, 0, SIGNATURE, donors=[0, 2], blocked=False)
+    finally:
+        for stop in stops:
+            stop.set()
+    assert [j.member for j in admission.joiners] == [3, 5]
+    assert admission.donors == (0, 2)  # one joiner each: no donor carries every transfer
+    assert [n for n, _ in admission.rejected] == [2, 4]
+    assert "compression" in dict(admission.rejected)[2] and "heartbeat" in dict(admission.rejected)[4]
+    assert admission.handled == 4 and admission.deferred == 0
+    verdicts = joiner_verdicts(admission, generation=7, members=(0, 1, 2, 3, 5), resume=12)
+    assert verdicts[1].admitted and verdicts[1].donor == 0 and verdicts[3].donor == 2
+    assert (verdicts[1].generation, verdicts[1].resume_step, verdicts[1].joiners) == (7, 12, (3, 5))
+    assert not verdicts[2].admitted and not verdicts[4].admitted
+
+
+def test_applicants_wait_while_nobody_can_donate_or_a_collective_of_the_whole_world_runs():
+    store = dist.HashStore()
+    stop = _apply(store, 1, 3)
+    try:
+        for donors, blocked in (([], False), ([0], True)):
+            admission = admit(store, PREFIX, 0, SIGNATURE, donors=donors, blocked=blocked)
+            assert admission == Admission(handled=0, deferred=1)
+    finally:
+        stop.set()
+
+
+def test_the_watch_raises_its_flag_for_the_next_slot_and_holds_it_while_a_transfer_runs():
+    store = dist.HashStore()
+    watch = JoinerWatch()
+    watch.refresh(store, PREFIX)
+    assert not watch.due()
+    _apply(store, 1, 3, beating=False)
+    watch.refresh(store, PREFIX)
+    assert watch.due()
+    admitted = Admission(joiners=(JoinRequest(1, 3, SIGNATURE),), donors=(0,), handled=1)
+    _apply(store, 2, 4, beating=False)
+    watch.decided(store, PREFIX, admitted)
+    assert watch.waiting and not watch.due()  # joiner 3 does not hold its replica yet
+    store.set(f"{PREFIX}/joined/3", "1")
+    watch.refresh(store, PREFIX)
+    assert watch.due()
+
+
+def test_init_elastic_checks_its_arguments_before_any_rendezvous():
+    store = dist.HashStore()
+    with pytest.raises(ValueError, match=r"rank=3 must be < world_size=2: no job 'x' is running"):
+        init_elastic(store, 3, 2, job="x")
+    with pytest.raises(ValueError, match="world_size must be an int >= 1, got 0"):
+        init_elastic(store, 0, 0, job="x")
+    with pytest.raises(TypeError, match=r"store must be a torch\.distributed\.Store"):
+        init_elastic("localhost:29500", 0, 2, job="x")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="job must be a non-empty string"):
+        init_elastic(store, 0, 2, job="")
+    assert not dist.is_initialized()

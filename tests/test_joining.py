@@ -1,0 +1,404 @@
+"""Joining a running job: workers started later take a member's replica, nobody else restarts.
+
+Each run starts fresh gloo workers around a store hosted by the test process (as a launcher hosts
+it); workers enter through :func:`~decent_optim_wrapper.init_elastic`. A worker asks the parent for
+one more process (or the parent restarts a killed one); the new process runs the same function,
+finds the job running, and joins. Members sleep a little per step only until the join happened, so
+that the joiner (seconds to start) arrives mid-run; every worker stops at the same step count.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from failures import inject, request_worker, run_elastic
+from helpers import flat
+from torch import nn
+
+from decent_optim_wrapper import (
+    DecentOptimWrapper,
+    DecentralizedDataParallel,
+    JoinRejectedError,
+    init_elastic,
+)
+
+pytestmark = pytest.mark.dist
+
+TIMEOUT = timedelta(seconds=5)
+STEPS = 40
+GOSSIP_ONLY = 20
+
+
+def _model(width: int = 5) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3)).double()
+
+
+def _inputs(index: int, step: int) -> torch.Tensor:
+    return torch.randn(
+        16, 6, generator=torch.Generator().manual_seed(1000 * index + step), dtype=torch.float64
+    )
+
+
+def _optimizer_state(state: dict[str, Any]) -> list[torch.Tensor]:
+    """Every tensor of an optimizer state dict, in a fixed order."""
+    tensors = []
+    for key in sorted(state["state"]):
+        for name in sorted(state["state"][key]):
+            value = state["state"][key][name]
+            tensors.append(value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
+    return tensors
+
+
+def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    joining = init_elastic(store, index, world_size, job="test", timeout=timedelta(seconds=60))
+    _inject_faults(plan, store, joining)  # before the front-end: a joiner joins inside its constructor
+    model = _model(plan.get("joiner_width", 5) if joining else 5)
+    teacher = torch.randn(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    probe = torch.randn(64, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    loss_fn = nn.MSELoss()
+    common: dict[str, Any] = dict(timeout=TIMEOUT, on_peer_failure="continue", **plan.get("options", {}))
+    if plan["front"] == "module":
+        ddp = DecentralizedDataParallel(
+            model, lambda named: torch.optim.AdamW([p for _, p in named], lr=0.02), topology="ring", **common
+        )
+        front_end: Any = ddp
+
+        def step(x: torch.Tensor) -> None:
+            loss_fn(ddp(x), x @ teacher).backward()
+
+        def replica_state() -> list[torch.Tensor]:
+            return [t for o in ddp.optimizers for t in _optimizer_state(o.state_dict())]
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=0.02)
+        opt = DecentOptimWrapper(inner, topology="ring", **common)
+        front_end = opt
+
+        def step(x: torch.Tensor) -> None:
+            opt.zero_grad()
+            loss_fn(model(x), x @ teacher).backward()
+            opt.step()
+
+        def replica_state() -> list[torch.Tensor]:
+            return _optimizer_state(inner.state_dict())
+
+    scheduler = torch.optim.lr_scheduler.StepLR(
+        front_end.optimizers[0] if plan["front"] == "module" else front_end, step_size=7, gamma=0.9
+    )
+    front_end.register_join_state("scheduler", scheduler)
+    donated: list[dict[str, Any]] = []
+
+    def on_join(join: Any) -> None:  # on members: what a donor held when it donated
+        donated.append(
+            {"join": join, "params": flat(model), "state": replica_state(), "step": front_end.step_count}
+        )
+
+    front_end.register_join_hook(on_join)
+    received = None
+    if front_end.joined is not None:
+        received = {
+            "params": flat(model),
+            "state": replica_state(),
+            "step": front_end.step_count,
+            "last_epoch": scheduler.last_epoch,
+        }
+    start = front_end.step_count
+    losses = []
+    saved = None
+    for t in range(start, STEPS):
+        if t == plan.get("checkpoint_at"):
+            assert front_end.peer_joins or joining, "the join came too late for this test's checkpoint"
+            saved = (_state(front_end), scheduler.state_dict())
+        if not joining and t == plan.get("request_at") and index in plan.get("requesters", (0,)):
+            for k in range(plan.get("joiners", 1)):
+                request_worker(workdir, f"{index}-{k}")
+        if not joining and plan.get("kill") == (index, t):
+            inject("kill")
+        if (
+            len(front_end.peer_joins) < plan.get("joins", 1)
+            and not joining
+            and t >= plan.get("request_at", 0)
+        ):
+            time.sleep(0.5)  # until the joiners arrive: a process takes seconds to start
+        step(_inputs(index, t))
+        scheduler.step()
+        with torch.no_grad():
+            losses.append(loss_fn(model(probe), probe @ teacher).item())
+    trained = flat(model)
+    resumed = None
+    if saved is not None:  # resume from the checkpoint written after the join: the same bits again
+        _load(front_end, saved[0])
+        scheduler.load_state_dict(saved[1])
+        for t in range(plan["checkpoint_at"], STEPS):
+            step(_inputs(index, t))
+            scheduler.step()
+        resumed = flat(model)
+    # Gossip alone: zero gradients, no update (AdamW with lr 0); mixing keeps the sum of the replicas.
+    for group in (front_end.optimizers[0] if plan["front"] == "module" else front_end).param_groups:
+        group["lr"] = 0.0
+        group["weight_decay"] = 0.0
+    before_gossip = flat(model)
+    for _ in range(GOSSIP_ONLY):
+        if plan["front"] == "module":
+            (ddp(probe).sum() * 0).backward()
+        else:
+            opt.zero_grad()
+            model(probe).sum().mul(0).backward()
+            opt.step()
+    after_gossip = flat(model)
+    front_end.global_avg()
+    return {
+        "index": index,
+        "joining": joining,
+        "rank": front_end.rank,
+        "world_size": front_end.world_size,
+        "dist_world_size": dist.get_world_size(),
+        "joined": front_end.joined,
+        "joins": front_end.peer_joins,
+        "failures": front_end.peer_failures,
+        "received": received,
+        "donated": donated,
+        "losses": losses,
+        "trained": trained,
+        "resumed": resumed,
+        "before_gossip": before_gossip,
+        "after_gossip": after_gossip,
+        "averaged": flat(model),
+        "last_epoch": scheduler.last_epoch,
+    }
+
+
+def _state(front_end: Any) -> dict[str, Any]:
+    if isinstance(front_end, DecentralizedDataParallel):
+        return copy.deepcopy(front_end.training_state_dict())
+    return copy.deepcopy(front_end.state_dict())
+
+
+def _load(front_end: Any, state: dict[str, Any]) -> None:
+    if isinstance(front_end, DecentralizedDataParallel):
+        front_end.load_training_state_dict(state)
+    else:
+        front_end.load_state_dict(state)
+
+
+def _inject_faults(plan: dict[str, Any], store: dist.Store, joining: bool) -> None:
+    """Faults inside a join, once per run (the store counts): the donor or the joiner dies mid-transfer,
+    or the bytes arrive corrupted."""
+    from decent_optim_wrapper.engine import growth
+
+    fault = plan.get("fault")
+    if fault == "donor killed" and not joining:
+        send = growth.send_replica
+
+        def send_or_die(*args: Any) -> None:
+            if store.add("fault", 1) == 1:
+                inject("kill")
+            send(*args)
+
+        growth.send_replica = send_or_die
+    elif fault == "joiner killed" and joining and store.add("fault", 1) == 1:
+        growth.receive_replica = lambda *args: inject("kill")
+    elif fault == "corrupted" and joining:
+        unpack = growth.unpack
+
+        def corrupt_once(data: torch.Tensor, digest: bytes) -> dict[str, Any]:
+            if store.add("fault", 1) == 1:
+                data[len(data) // 2] ^= 1
+            return unpack(data, digest)
+
+        growth.unpack = corrupt_once
+
+
+def _by_rank(outcome) -> list[dict[str, Any]]:
+    assert not outcome.errors, outcome.errors
+    results = sorted(outcome.results.values(), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == list(range(len(results)))
+    return results
+
+
+def _check_transfers(results: list[dict[str, Any]]) -> None:
+    """Every joiner started as its donor's replica, bit for bit, at its donor's step."""
+    joiners = [r for r in results if r["joined"] is not None]
+    assert joiners
+    for joiner in joiners:
+        join = joiner["joined"]
+        donor_rank = join.donors[join.joined.index(join.rank)]
+        # The donor's record of the same admission (ranks of that admission's world); after an aborted
+        # transfer the admission that succeeded is the donor's last.
+        donor = [
+            d
+            for r in results
+            for d in r["donated"]
+            if d["join"].rank == donor_rank
+            and (d["join"].joined, d["join"].world_size, d["step"])
+            == (join.joined, join.world_size, join.step)
+        ][-1]
+        received = joiner["received"]
+        assert received["step"] == donor["step"] == join.step
+        assert torch.equal(received["params"], donor["params"])
+        assert len(received["state"]) == len(donor["state"]) > 0
+        for mine, theirs in zip(received["state"], donor["state"], strict=True):
+            assert torch.equal(mine, theirs)
+        assert received["last_epoch"] == donor["step"]  # the scheduler came along
+
+
+def _check_world(results: list[dict[str, Any]], world_size: int, mixing_only: bool = True) -> None:
+    for result in results:
+        assert result["world_size"] == result["dist_world_size"] == world_size
+    if mixing_only:  # (an outer optimizer's momentum keeps moving the anchors without gradients)
+        # Gossip alone keeps the sum of the replicas: float64 parameters, GOSSIP_ONLY rounds each
+        # rounding every element once per term (3 terms on a ring): well within 1e-12 of the largest.
+        before = torch.stack([r["before_gossip"] for r in results]).sum(0)
+        after = torch.stack([r["after_gossip"] for r in results]).sum(0)
+        torch.testing.assert_close(after, before, rtol=0, atol=1e-12 * float(before.abs().max()))
+        spread = torch.stack([r["before_gossip"] for r in results]).std(0).max()
+        contracted = torch.stack([r["after_gossip"] for r in results]).std(0).max()
+        assert contracted < 0.1 * spread
+    averaged = results[0]["averaged"]
+    for result in results[1:]:
+        assert torch.equal(result["averaged"], averaged)
+    torch.testing.assert_close(
+        averaged, torch.stack([r["after_gossip"] for r in results]).mean(0), rtol=0, atol=1e-14
+    )
+    for result in results:
+        losses = result["losses"]
+        assert losses[-1] < losses[0], losses
+        if result["resumed"] is not None:
+            assert torch.equal(result["resumed"], result["trained"])
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("front", ["optimizer", "module"])
+def test_a_worker_joins_a_running_job_beyond_its_starting_size(front):
+    outcome = run_elastic(_train, 3, ({"front": front, "request_at": 3, "checkpoint_at": 34},))
+    results = _by_rank(outcome)
+    assert len(results) == 4
+    assert all(r["resumed"] is not None for r in results)
+    _check_world(results, 4)
+    _check_transfers(results)
+    (joiner,) = [r for r in results if r["joining"]]
+    assert joiner["rank"] == 3 and joiner["joined"].previous_rank == -1
+    for member in results:
+        if not member["joining"]:
+            (join,) = member["joins"]
+            assert (join.previous_world_size, join.world_size, join.joined) == (3, 4, (3,))
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
+    outcome = run_elastic(
+        _train,
+        3,
+        ({"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": ()},),
+        restart_killed=1,
+    )
+    assert outcome.exitcodes[1] == -9
+    results = _by_rank(outcome)
+    assert len(results) == 3
+    _check_world(results, 3)
+    _check_transfers(results)
+    for member in results:
+        if not member["joining"]:
+            assert [f.world_size for f in member["failures"]] == [2]
+            assert [j.world_size for j in member["joins"]] == [3]
+
+
+@pytest.mark.timeout(150)
+def test_several_workers_join_at_once():
+    outcome = run_elastic(_train, 3, ({"front": "optimizer", "request_at": 3, "joiners": 2},))
+    results = _by_rank(outcome)
+    assert len(results) == 5
+    _check_world(results, 5)
+    _check_transfers(results)
+
+
+@pytest.mark.timeout(150)
+def test_a_worker_whose_model_differs_is_refused_and_the_members_go_on():
+    outcome = run_elastic(
+        _train, 3, ({"front": "optimizer", "request_at": 3, "joiner_width": 7, "give_up": True},)
+    )
+    (refused,) = outcome.errors.values()
+    assert "JoinRejectedError" in refused and "its buckets[0]" in refused, refused
+    results = sorted(outcome.results.values(), key=lambda r: r["rank"])
+    assert len(results) == 3
+    for result in results:
+        assert result["world_size"] == 3 and not result["joins"]
+    assert JoinRejectedError.__name__ in refused
+
+
+def _nesterov(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5, momentum=0.5, nesterov=True)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"compression": "int8"},
+        {"gradient_tracking": True},
+        {"sync_every": 3, "outer_optimizer": _nesterov},
+        {"second_moment": "local"},
+    ],
+    ids=["int8", "tracking", "low-communication", "local-second-moment"],
+)
+def test_a_join_composes_with_every_option(options):
+    outcome = run_elastic(_train, 3, ({"front": "optimizer", "request_at": 3, "options": options},))
+    results = _by_rank(outcome)
+    assert len(results) == 4
+    _check_world(results, 4, mixing_only="outer_optimizer" not in options)
+    _check_transfers(results)
+
+
+@pytest.mark.timeout(180)
+def test_a_donor_lost_during_its_transfer_the_joiner_applies_again():
+    outcome = run_elastic(
+        _train, 3, ({"front": "optimizer", "request_at": 3, "fault": "donor killed", "joins": 2},)
+    )
+    assert sorted(outcome.exitcodes.values()).count(-9) == 1
+    results = _by_rank(outcome)
+    assert len(results) == 3  # two members and the joiner
+    _check_world(results, 3)
+    _check_transfers(results)
+    for member in results:
+        if not member["joining"]:
+            assert [f.world_size for f in member["failures"]] == [3]  # the donor, lost from 4
+
+
+@pytest.mark.timeout(180)
+def test_a_joiner_lost_during_its_transfer_is_dropped_and_its_restart_joins():
+    plan = {"front": "optimizer", "request_at": 3, "fault": "joiner killed", "joins": 2}
+    outcome = run_elastic(_train, 3, (plan,), restart_killed=1)
+    assert outcome.exitcodes[3] == -9
+    results = _by_rank(outcome)
+    assert len(results) == 4
+    _check_world(results, 4)
+    _check_transfers(results)
+    for member in results:
+        if not member["joining"]:
+            assert [f.world_size for f in member["failures"]] == [3]  # the first joiner, lost from 4
+            assert [j.world_size for j in member["joins"]] == [4, 4]
+
+
+@pytest.mark.timeout(180)
+def test_a_corrupted_transfer_is_refused_by_its_checksum_and_retried():
+    outcome = run_elastic(
+        _train, 3, ({"front": "optimizer", "request_at": 3, "fault": "corrupted", "joins": 2},)
+    )
+    results = _by_rank(outcome)
+    assert len(results) == 4
+    _check_world(results, 4)
+    _check_transfers(results)
+    for member in results:
+        if not member["joining"]:
+            assert len(member["joins"]) == 2 and len(member["failures"]) == 1
