@@ -125,8 +125,9 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
                 request_worker(workdir, f"{index}-{k}")
         if not joining and plan.get("kill") == (index, t):
             inject("kill")
+        admitted = sum(len(join.joined) for join in front_end.peer_joins)
         if (
-            len(front_end.peer_joins) < plan.get("joins", 1)
+            admitted < plan.get("joins", plan.get("joiners", 1))
             and not joining
             and t >= plan.get("request_at", 0)
         ):

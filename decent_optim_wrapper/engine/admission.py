@@ -34,6 +34,7 @@ under ``decent-optim-wrapper/jobs/<job>``.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import pickle
 import threading
@@ -222,6 +223,33 @@ class JoinerWatch:
                 self.not_before = time.monotonic() + RETRY_AFTER_S
 
 
+#: The heartbeat threads of this process and their stop events: stopped and joined when the
+#: interpreter exits, before C++ tears the store client down under a thread still inside a call to
+#: it (the process would abort with "terminate called without an active exception").
+_HEARTBEATS: list[tuple[threading.Event, threading.Thread]] = []
+
+
+def start_heartbeat(
+    store: Store, key: str, prefix: str, stopped: threading.Event, watch: JoinerWatch | None = None
+) -> None:
+    """Run :func:`beat` on a daemon thread until ``stopped`` is set (at the latest at exit)."""
+    thread = threading.Thread(
+        target=beat, args=(store, key, prefix, stopped, watch), name="decent-heartbeat", daemon=True
+    )
+    if not _HEARTBEATS:
+        atexit.register(_stop_heartbeats)
+    _HEARTBEATS[:] = [(e, t) for e, t in _HEARTBEATS if t.is_alive()]
+    _HEARTBEATS.append((stopped, thread))
+    thread.start()
+
+
+def _stop_heartbeats() -> None:
+    for stopped, _ in _HEARTBEATS:
+        stopped.set()
+    for _, thread in _HEARTBEATS:
+        thread.join(timeout=2 * HEARTBEAT_S)
+
+
 def beat(
     store: Store, key: str, prefix: str, stopped: threading.Event, watch: JoinerWatch | None = None
 ) -> None:
@@ -372,9 +400,7 @@ class Applicant:
         store.add(f"{prefix}/joiners/count", 1)  # a hint for the next applicant's first try
         key = f"{prefix}/beat/{self.member}"
         store.add(key, 1)
-        threading.Thread(
-            target=beat, args=(store, key, prefix, self._stopped), name="decent-heartbeat", daemon=True
-        ).start()
+        start_heartbeat(store, key, prefix, self._stopped)
         verdict_key = f"{slot_key(prefix, number)}/verdict"
         alive = f"{prefix}/alive"
         last, moved_at = -1, time.monotonic()

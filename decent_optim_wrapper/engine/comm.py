@@ -6,6 +6,7 @@ Every function here that communicates is a collective: all ranks must call it, i
 
 from __future__ import annotations
 
+import atexit
 import pickle
 import threading
 from collections.abc import Callable, Sequence
@@ -186,6 +187,22 @@ class ProcessGroups:
         """
         handles = [*self._by_ranks.values(), self.world]
         self._by_ranks, self.world = {}, None
+        if not _RETIRED:  # the first retirement of this process: release them all at exit at the latest
+            atexit.register(_release_retired)
+        _RETIRED.append(handles)
         timer = threading.Timer(after.total_seconds(), handles.clear)
         timer.daemon = True
         timer.start()
+
+
+#: Groups let go of by :meth:`ProcessGroups.retire` and not yet released. Released at the latest when
+#: the interpreter exits, on the main thread: gloo groups left alive until C++ tears the process down
+#: still have their worker threads, and the process aborts ("terminate called without an active
+#: exception"). Releasing a group whose collective waits for a peer ends when the peer's side is
+#: released too (its connection closes) or at the group's timeout.
+_RETIRED: list[list[Any]] = []
+
+
+def _release_retired() -> None:
+    for handles in _RETIRED:
+        handles.clear()

@@ -23,6 +23,8 @@ transfer (mixed by every member of their group or dropped by all).
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -80,6 +82,9 @@ class Growth:
         self._joins: list[PeerJoin] = []
         self._hooks: OrderedDict[int, JoinHook] = OrderedDict()
         self.joined: PeerJoin | None = None
+        #: Where a joiner's join spent its seconds ("admission", "group", "transfer", "verify") and
+        #: the replica's size in "bytes"; empty on a worker that started the job.
+        self.join_seconds: dict[str, float] = {}
 
     @property
     def joins(self) -> list[PeerJoin]:
@@ -246,15 +251,20 @@ class Growth:
                 "member any more; start the job afresh."
             )
         for attempt in range(1, JOIN_ATTEMPTS + 1):
+            clock = [time.perf_counter()]
             applicant = Applicant(job.store, info, signature, timeout.total_seconds())
             verdict = applicant.apply()
+            clock.append(time.perf_counter())
             membership = None
             try:
                 membership = _enter(job, info, applicant, verdict, timeout)
                 wire(membership)
+                clock.append(time.perf_counter())
                 donor = verdict.members.index(verdict.donor)
                 data, digest = receive_replica(donor, _waiter("receiving a replica", timeout))
+                clock.append(time.perf_counter())
                 payload = unpack(data, digest)
+                clock.append(time.perf_counter())
             except (PeerLost, TransferCorruptedError, RuntimeError, dist.DistError) as err:
                 # Leaving makes this rank a lost peer of the new world; the members go on without it.
                 applicant.withdraw()
@@ -270,6 +280,9 @@ class Growth:
                 continue
             applicant.withdraw()  # the membership beats for this rank now
             self._received = dict(payload.get("user") or {})
+            phases = ("admission", "group", "transfer", "verify")
+            self.join_seconds = dict(zip(phases, (b - a for a, b in itertools.pairwise(clock)), strict=True))
+            self.join_seconds["bytes"] = float(len(data))
             return membership, verdict, payload
         raise AssertionError("unreachable")
 

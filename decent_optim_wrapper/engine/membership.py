@@ -53,12 +53,12 @@ from decent_optim_wrapper.engine.admission import (
     Admission,
     JoinerWatch,
     admit,
-    beat,
     decode,
     encode,
     joiner_verdicts,
     ready_key,
     run_prefix,
+    start_heartbeat,
     write_verdicts,
 )
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
@@ -268,12 +268,7 @@ class Membership:
         self._store.add(beat_key, 1)
         # The thread holds the store and the watch, not this object, so that it stops once the engine
         # is gone.
-        threading.Thread(
-            target=beat,
-            args=(store, beat_key, self._prefix, self._stopped, self.watch),
-            name="decent-heartbeat",
-            daemon=True,
-        ).start()
+        start_heartbeat(store, beat_key, self._prefix, self._stopped, self.watch)
 
     @property
     def run(self) -> str:

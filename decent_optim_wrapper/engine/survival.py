@@ -9,6 +9,7 @@ the :class:`~decent_optim_wrapper.PeerFailure`, logs the warning every survivor 
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -107,6 +108,8 @@ class Survival:
         self.membership = membership
         self._timeout = timeout
         self._failures: list[PeerFailure] = []
+        #: Seconds this rank spent in each recovery or admission (agreement, re-form, transfers).
+        self.pauses: list[float] = []
         self._hooks: OrderedDict[int, PeerFailureHook] = OrderedDict()
 
     @property
@@ -139,6 +142,7 @@ class Survival:
         None if nobody was lost (a false alarm: a collective outlasted the timeout; or an admission).
         Raises :class:`~.errors.PeerFailureError` if this rank cannot go on.
         """
+        started = time.perf_counter()
         membership = self.membership
         before = membership.members
         world_before, rank_before = len(before), rank
@@ -168,6 +172,7 @@ class Survival:
                 cause = err
         if decision.admission.joiners and admitted is not None:
             admitted(decision, rank_before)
+        self.pauses.append(time.perf_counter() - started)
         lost = tuple(before.index(m) for m in before if m not in decision.members)
         admission = decision.admission
         if not lost and (admission.joiners or admission.deferred or admission.rejected):

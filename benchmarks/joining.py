@@ -1,0 +1,363 @@
+"""What a live join costs: the members' pause per admission, a joiner's time to its first step, the
+transfer against the link, and the per-step cost of a job open to joiners.
+
+    uv run benchmarks/joining.py                                   # local CPU workers, about 4 min
+    uv run benchmarks/joining.py --ranks 4 8 --params 1e6 --json /tmp/joining.json
+    sudo uv run benchmarks/joining.py --links 100mbit 1gbit --sizes-mb 1 10 100   # emulated cluster
+
+Every job is a set of worker processes (this script with ``--worker``) around a store this script
+hosts. A worker trains an MLP of ``--params`` fp32 parameters with AdamW (``DecentOptimWrapper``,
+ring, ``on_peer_failure="continue"``), entering through ``init_elastic``; it writes the wall time at
+the end of every step. Parts:
+
+- *pause* (``--ranks``): ``n - 1`` members start the job; once rank 0 reaches ``--join-after``
+  steps this script starts one more worker with the same command, which joins. Per admission:
+  each member's time inside the admission (agreement, re-formed groups, the donor's transfer:
+  ``engine.survival.pauses``) and its step that took longest around the join beyond its median
+  step (what the member actually lost); the joiner's time from its process start to the end of its
+  first step, split into start-up (interpreter, torch, model), waiting for admission, forming the
+  group, receiving the replica, checking it, and the first step.
+- *overhead* (``--overhead-ranks``): the same job without joins, ``on_peer_failure="raise"``,
+  ``"continue"`` without ``init_elastic``, and ``"continue"`` open to joiners, interleaved
+  ``--rounds`` times: median step time of each over that of ``"raise"``.
+- *link* (``--links``, needs root): the emulated cluster of ``cluster.py`` (one namespace per node,
+  ``tc tbf`` on every link): 4 nodes, a joiner on a fifth, replicas of ``--sizes-mb`` megabytes;
+  the receive time against bytes / link rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+
+
+# -- the worker ----------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    started = float(os.environ.get("JOIN_T0", time.time()))
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from decent_optim_wrapper import DecentOptimWrapper, init_elastic
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    if args.mode == "elastic":
+        init_elastic(store, rank, world, job="bench")
+    else:
+        dist.init_process_group("gloo", store=dist.PrefixStore("start", store), rank=rank, world_size=world)
+    width = int((args.params / 1.0) ** 0.5)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(64, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8)
+    )
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the first optimizer imports torch._dynamo
+    before_front_end = time.time()
+    options: dict[str, Any] = {"timeout": timedelta(seconds=args.timeout)}
+    if args.mode != "raise":
+        options |= {"on_peer_failure": "continue", "store": store}
+    opt = DecentOptimWrapper(adamw, topology="ring", **options)
+    after_front_end = time.time()
+    ready = Path(args.out) / "ready"
+    times = []
+    for step in range(opt.step_count, args.steps):
+        begin = time.time()
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1000 * opt.rank + step))
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        time.sleep(args.step_time)  # the rest of a step's compute
+        times.append((begin, time.time()))
+        if opt.joined is None and opt.rank == 0 and step == args.join_after:
+            ready.write_text("1")
+        if args.expect_join and opt.joined is None and not opt.peer_joins and step >= args.join_after:
+            time.sleep(0.25)  # until the joiner arrives (seconds to start): outside the steps' times
+    survival = opt.engine.survival
+    result = {
+        "rank": opt.rank,
+        "world_size": opt.world_size,
+        "joined": opt.joined is not None,
+        "start": started,
+        "before_front_end": before_front_end,
+        "after_front_end": after_front_end,
+        "first_step": opt.step_count - len(times),
+        "times": times,
+        "join_seconds": opt.engine.growth.join_seconds,
+        "pauses": [] if survival is None else survival.pauses,
+        "admissions": len(opt.peer_joins),
+    }
+    (Path(args.out) / f"worker-{os.getpid()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# -- running jobs --------------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_job(
+    members: int, args: argparse.Namespace, mode: str, join: bool, launcher: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """``members`` workers (and one joiner once rank 0 is ready, with ``join``); their results."""
+    import torch.distributed as dist
+
+    out = Path(tempfile.mkdtemp(prefix="dow-joining-"))
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    command = [sys.executable, str(HERE), "--worker", "--mode", mode, "--out", str(out)]
+    command += [
+        "--params",
+        str(args.params),
+        "--steps",
+        str(args.steps),
+        "--join-after",
+        str(args.join_after),
+    ]
+    command += ["--timeout", str(args.timeout), "--step-time", str(args.step_time)]
+    command += ["--expect-join"] if join else []
+    procs = []
+
+    def start(rank: int, extra: dict[str, str]) -> None:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+        env |= {"WORLD_SIZE": str(members), "OMP_NUM_THREADS": "1", **extra}
+        log = open(out / f"log-{len(procs)}.txt", "w")  # noqa: SIM115 -- the child keeps it
+        procs.append(
+            subprocess.Popen([*(launcher or []), *command], env=env, stdout=log, stderr=subprocess.STDOUT)
+        )
+
+    try:
+        for rank in range(members):
+            start(rank, {})
+        deadline = time.monotonic() + args.deadline_s
+        if join:
+            while not (out / "ready").exists():
+                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                    raise RuntimeError(f"the members did not reach step {args.join_after}: logs in {out}")
+                time.sleep(0.05)
+            start(0, {"JOIN_T0": repr(time.time())})
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        del store
+    return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
+
+
+def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Members' pause and the joiner's time line for one job with one join."""
+    (joiner,) = [r for r in results if r["joined"]]
+    members = [r for r in results if not r["joined"]]
+    first_step_end = joiner["times"][0][1]
+    lost, usual_steps = [], []
+    for member in members:
+        durations = [end - begin for begin, end in member["times"]]
+        usual = statistics.median(durations)
+        usual_steps.append(usual)
+        # the member's steps that ran while the joiner started, joined and took its first step
+        around = [
+            end - begin
+            for begin, end in member["times"]
+            if end >= joiner["start"] and begin <= first_step_end
+        ]
+        lost.append(max([0.0, *(d - usual for d in around)]))
+    seconds = joiner["join_seconds"]
+    return {
+        "world_size": joiner["world_size"],
+        "pause_s": max(p for m in members for p in m["pauses"]),
+        "pause_median_s": statistics.median(p for m in members for p in m["pauses"]),
+        "step_lost_s": max(lost),
+        "member_step_s": statistics.median(usual_steps),
+        "joiner": {
+            "start_up_s": joiner["before_front_end"] - joiner["start"],
+            "admission_s": seconds["admission"],
+            "group_s": seconds["group"],
+            "transfer_s": seconds["transfer"],
+            "verify_s": seconds["verify"],
+            "first_step_s": first_step_end - joiner["after_front_end"],
+            # building the front-end around the join: the engine in a world of its own, finding the
+            # job again, loading the replica
+            "construct_s": joiner["after_front_end"]
+            - joiner["before_front_end"]
+            - sum(seconds[p] for p in ("admission", "group", "transfer", "verify")),
+            "total_s": first_step_end - joiner["start"],
+            "bytes": seconds["bytes"],
+        },
+    }
+
+
+def overhead(args: argparse.Namespace) -> dict[str, float]:
+    medians: dict[str, list[float]] = {"raise": [], "continue": [], "elastic": []}
+    for _ in range(args.rounds):
+        for mode in medians:
+            results = run_job(args.overhead_ranks, args, mode, join=False)
+            durations = [end - begin for r in results for begin, end in r["times"][5:]]
+            medians[mode].append(statistics.median(durations))
+    base = statistics.median(medians["raise"])
+    return {mode: statistics.median(values) / base for mode, values in medians.items()}
+
+
+def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Transfer time against the link on the emulated cluster (one worker per namespace)."""
+    from cluster import Cluster, rate_bits
+
+    rows = []
+    with Cluster(5) as cluster:
+        for link in args.links:
+            cluster.shape(link)
+            for megabytes in args.sizes_mb:
+                params = int(megabytes * 1e6 / 16)  # parameters, AdamW's two moments, the rule's signal
+                sized = argparse.Namespace(**{**vars(args), "params": params, "steps": args.join_after + 15})
+                results = run_cluster_job(cluster, sized)
+                figures = admission_figures(results)["joiner"]
+                ideal = figures["bytes"] * 8 / rate_bits(link)
+                rows.append({"link": link, "megabytes": figures["bytes"] / 1e6, **figures, "ideal_s": ideal})
+                print_link_row(rows[-1])
+    return rows
+
+
+def run_cluster_job(cluster: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Like :func:`run_job`, 4 members on nodes 0-3 and the joiner on node 4, the store on node 0."""
+    port = free_port()
+    host = cluster.address(0)
+    hosting = (
+        "import time, torch.distributed as d; "
+        "s = d.TCPStore('{}', {}, is_master=True, wait_for_workers=False); time.sleep(600)"
+    )
+    store = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", hosting.format(host, port)]
+    )
+    try:
+        time.sleep(1.0)
+        out = Path(tempfile.mkdtemp(prefix="dow-joining-"))
+        command = [sys.executable, str(HERE), "--worker", "--mode", "elastic", "--out", str(out)]
+        command += [
+            "--params",
+            str(args.params),
+            "--steps",
+            str(args.steps),
+            "--join-after",
+            str(args.join_after),
+        ]
+        command += ["--timeout", str(args.timeout), "--step-time", str(args.step_time), "--expect-join"]
+        procs = []
+
+        def start(node: int, rank: int, extra: dict[str, str]) -> None:
+            env = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
+            env |= {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster.ifname(node), **extra}
+            log = open(out / f"log-{node}.txt", "w")  # noqa: SIM115 -- the child keeps it
+            launch = ["ip", "netns", "exec", cluster.namespace(node)]
+            procs.append(subprocess.Popen([*launch, *command], env=env, stdout=log, stderr=subprocess.STDOUT))
+
+        for node in range(4):
+            start(node, node, {})
+        deadline = time.monotonic() + args.deadline_s
+        while not (out / "ready").exists():
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                raise RuntimeError(f"the members did not reach step {args.join_after}: logs in {out}")
+            time.sleep(0.05)
+        start(4, 0, {"JOIN_T0": repr(time.time())})
+        for proc in procs:
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if proc.returncode != 0:
+                raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
+        return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
+    finally:
+        store.kill()
+        store.wait()
+
+
+def print_link_row(row: dict[str, Any]) -> None:
+    ratio = row["transfer_s"] / row["ideal_s"]
+    print(
+        f"{row['link']:>9} {row['megabytes']:8.1f} MB  transfer {row['transfer_s']:7.2f} s  "
+        f"bytes/link {row['ideal_s']:7.2f} s  ratio {ratio:5.2f}",
+        flush=True,
+    )
+
+
+# -- main ----------------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--mode", default="elastic", choices=["raise", "continue", "elastic"], help=argparse.SUPPRESS
+    )
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--ranks", type=int, nargs="*", default=[4, 8, 16], help="world sizes after the join")
+    parser.add_argument("--params", type=float, default=1e6, help="parameters of the model (fp32)")
+    parser.add_argument("--steps", type=int, default=60, help="steps of each job")
+    parser.add_argument("--join-after", type=int, default=15, help="rank 0's step at which the joiner starts")
+    parser.add_argument("--timeout", type=float, default=30.0, help="the engine's timeout, seconds")
+    parser.add_argument("--step-time", type=float, default=0.05, help="seconds of emulated compute per step")
+    parser.add_argument("--expect-join", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--overhead-ranks", type=int, default=4, help="world size of the overhead part (0: skip)"
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the overhead part")
+    parser.add_argument("--links", nargs="*", default=[], help="tc rates for the link part (needs root)")
+    parser.add_argument(
+        "--sizes-mb", type=float, nargs="*", default=[1, 10, 100], help="replica sizes, link part"
+    )
+    parser.add_argument("--deadline-s", type=float, default=300.0, help="deadline of one job")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    args.params = int(args.params)
+    figures: dict[str, Any] = {"params": args.params, "cpus": os.cpu_count()}
+    if args.links:
+        figures["link"] = link_sweep(args)
+    figures["pause"] = []
+    for world in args.ranks:
+        entry = admission_figures(run_job(world - 1, args, "elastic", join=True))
+        figures["pause"].append(entry)
+        joiner = entry["joiner"]
+        print(
+            f"{world:>3} ranks: members' pause {entry['pause_s']:.2f} s "
+            f"(median {entry['pause_median_s']:.2f}), step lost {entry['step_lost_s']:.2f} s "
+            f"(step {entry['member_step_s'] * 1e3:.0f} ms); joiner {joiner['total_s']:.1f} s to its first "
+            f"step: start-up {joiner['start_up_s']:.1f}, admission {joiner['admission_s']:.2f}, group "
+            f"{joiner['group_s']:.2f}, transfer {joiner['transfer_s']:.2f} ({joiner['bytes'] / 1e6:.1f} MB), "
+            f"verify {joiner['verify_s']:.2f}, the rest of the front-end {joiner['construct_s']:.2f}, "
+            f"first step {joiner['first_step_s']:.2f}",
+            flush=True,
+        )
+    if args.overhead_ranks:
+        figures["overhead"] = overhead(args)
+        print(
+            "step time over on_peer_failure='raise', "
+            + ", ".join(f"{mode}: {ratio:.3f}x" for mode, ratio in figures["overhead"].items()),
+            flush=True,
+        )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
