@@ -16,6 +16,15 @@ Forking is what makes a run start in about a second: the parent has imported tor
 torch op or started a Python thread, so the children start from a clean state without importing
 torch again (``spawn`` costs seconds a process on 2 cores). The store's master, whose server has a
 thread of its own, is created after the fork and destroyed before the next one.
+
+With ``restart_after``, the job is elastic (workers enter through ``init_elastic``) and every worker
+that failed itself is brought back as a launcher brings back a node: after the delay
+``restart_after(record)`` (1 s for a worker that raised) the parent kills what is left of it (a
+stopped or hung process) and starts a new process, which finds the job running and joins it.
+Replacements are *spawned* (a fresh
+interpreter that imports torch: the start-up a real restart pays, and the parent's store has a
+thread by then), numbered after the first ``world_size``; :func:`process_started` tells a worker
+when its process was started.
 """
 
 from __future__ import annotations
@@ -39,10 +48,11 @@ from typing import Any
 import torch.distributed as dist
 from common import free_port
 
-__all__ = ["Outcome", "injected", "run_workers"]
+__all__ = ["Outcome", "injected", "note", "process_started", "run_workers"]
 
 _workdir: Path | None = None  # set in each worker
 _rank = -1
+_started = 0.0
 
 
 @dataclass
@@ -60,6 +70,11 @@ class Outcome:
     def log(self, rank: int) -> str:
         return (self.workdir / f"log-{rank}.txt").read_text()
 
+    def notes(self, rank: int) -> list[dict[str, Any]]:
+        """What the worker wrote with :func:`note`, in order."""
+        path = self.workdir / f"notes-{rank}.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
 
 def injected(record: dict[str, Any]) -> None:
     """Record, in this worker, that it fails itself now (``record`` plus the wall-clock ``time``).
@@ -73,9 +88,30 @@ def injected(record: dict[str, Any]) -> None:
     partial.replace(path)  # atomic: the parent never reads half a record
 
 
-def _main(rank: int, workdir: str, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
-    global _workdir, _rank
-    _workdir, _rank = Path(workdir), rank
+def note(record: dict[str, Any]) -> None:
+    """Append ``record`` to this worker's notes at once (they outlive a later kill)."""
+    assert _workdir is not None, "note() is for workers started by run_workers()"
+    with open(_workdir / f"notes-{_rank}.jsonl", "a") as notes:
+        notes.write(json.dumps(record) + "\n")
+
+
+def process_started() -> float:
+    """The wall-clock time at which the parent started this worker's process."""
+    return _started
+
+
+def _main(
+    rank: int,
+    workdir: str,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    elastic_job: str | None,
+    started: float,
+) -> None:
+    global _workdir, _rank, _started
+    _workdir, _rank, _started = Path(workdir), rank, started
     log = open(_workdir / f"log-{rank}.txt", "w")  # noqa: SIM115 - lives as long as the process
     os.dup2(log.fileno(), 1)  # the worker's prints, logs and stacks go to its own file
     os.dup2(log.fileno(), 2)
@@ -86,9 +122,14 @@ def _main(rank: int, workdir: str, world_size: int, port: int, fn: Callable[...,
         torch.set_num_threads(1)  # 8 workers on 2 cores: one thread each
         # The client retries until the parent's master (created after the fork) listens.
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group(
-            "gloo", store=dist.PrefixStore("start", store), rank=rank, world_size=world_size
-        )
+        if elastic_job is None:
+            dist.init_process_group(
+                "gloo", store=dist.PrefixStore("start", store), rank=rank, world_size=world_size
+            )
+        else:  # a replacement (rank >= world_size) finds the job running and joins it in fn
+            from decent_optim_wrapper import init_elastic
+
+            init_elastic(store, rank % world_size, world_size, job=elastic_job, timeout=timedelta(seconds=60))
         result = fn(rank, world_size, store, *args)
         (_workdir / f"result-{rank}.json").write_text(json.dumps(result))
     except BaseException:
@@ -100,9 +141,16 @@ def _main(rank: int, workdir: str, world_size: int, port: int, fn: Callable[...,
 
 
 def run_workers(
-    fn: Callable[..., Any], world_size: int, args: tuple[Any, ...] = (), deadline_s: float = 120.0
+    fn: Callable[..., Any],
+    world_size: int,
+    args: tuple[Any, ...] = (),
+    deadline_s: float = 120.0,
+    *,
+    restart_after: Callable[[dict[str, Any]], float] | None = None,
 ) -> Outcome:
-    """Run ``fn(rank, world_size, store, *args)`` on ``world_size`` forked workers (see module doc)."""
+    """Run ``fn(rank, world_size, store, *args)`` on ``world_size`` forked workers (see module doc);
+    with ``restart_after``, bring back every worker that failed itself, ``restart_after(record)``
+    seconds after it did."""
     if threading.active_count() != 1:
         raise RuntimeError(
             f"run_workers forks: the parent must have no Python thread but the main one, it has "
@@ -110,28 +158,53 @@ def run_workers(
         )
     workdir = Path(tempfile.mkdtemp(prefix="dow-survival-"))
     port = free_port()
-    ctx = mp.get_context("fork")
-    procs = [
-        ctx.Process(target=_main, args=(rank, str(workdir), world_size, port, fn, args), daemon=True)
-        for rank in range(world_size)
-    ]
-    start = time.monotonic()
-    for proc in procs:
+    elastic_job = None if restart_after is None else "soak"
+    procs: list[Any] = []
+
+    def start(context: str) -> None:
+        proc = mp.get_context(context).Process(
+            target=_main,
+            args=(len(procs), str(workdir), world_size, port, fn, args, elastic_job, time.time()),
+            daemon=True,
+        )
+        procs.append(proc)
         proc.start()
+
+    start_time = time.monotonic()
+    for _ in range(world_size):
+        start("fork")
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    deadline = start + deadline_s
+    deadline = start_time + deadline_s
+    restarts: dict[int, float] = {}  # a worker that failed itself -> when its replacement starts
 
     def failed_itself(rank: int) -> bool:
         return (workdir / f"injected-{rank}.json").exists()
 
     try:
         while True:
+            if restart_after is not None:
+                for rank in range(len(procs)):
+                    if rank in restarts:
+                        continue
+                    if failed_itself(rank):
+                        record = json.loads((workdir / f"injected-{rank}.json").read_text())
+                        restarts[rank] = time.monotonic() + restart_after(record)
+                    elif procs[rank].exitcode not in (None, 0):  # it raised: a launcher restarts it too
+                        restarts[rank] = time.monotonic() + 1.0
+                for rank, due in sorted(restarts.items()):
+                    if due <= time.monotonic():
+                        if procs[rank].is_alive():
+                            procs[rank].kill()  # a stopped or hung worker: the launcher ends it
+                        restarts[rank] = float("inf")
+                        start("spawn")
+            pending = [due for due in restarts.values() if due != float("inf")]
             running = [r for r, p in enumerate(procs) if p.is_alive() and not failed_itself(r)]
             remaining = deadline - time.monotonic()
-            if not running or remaining <= 0:
+            if (not running and not pending) or remaining <= 0:
                 break
-            multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=min(remaining, 0.5))
-        if running:
+            wait = min([remaining, 0.5, *(due - time.monotonic() for due in pending)])
+            multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=max(wait, 0.0))
+        if running or pending:
             alive = [r for r, p in enumerate(procs) if p.is_alive()]
             for r in alive:
                 os.kill(procs[r].pid, signal.SIGCONT)  # a stopped worker dumps its stacks too
@@ -151,7 +224,7 @@ def run_workers(
         for proc in procs:
             proc.join(timeout=10)
         del store
-    seconds = time.monotonic() - start
+    seconds = time.monotonic() - start_time
 
     def read(name: str, rank: int) -> Any:
         path = workdir / f"{name}-{rank}.{'txt' if name == 'error' else 'json'}"
@@ -160,7 +233,7 @@ def run_workers(
         return path.read_text() if name == "error" else json.loads(path.read_text())
 
     outcome = Outcome({r: p.exitcode for r, p in enumerate(procs)}, {}, {}, {}, seconds, workdir)
-    for rank in range(world_size):
+    for rank in range(len(procs)):
         for name, table in (
             ("result", outcome.results),
             ("error", outcome.errors),

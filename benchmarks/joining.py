@@ -4,13 +4,15 @@ transfer against the link, and the per-step cost of a job open to joiners.
     uv run benchmarks/joining.py                                   # local CPU workers, about 4 min
     uv run benchmarks/joining.py --ranks 4 8 --params 1e6 --json /tmp/joining.json
     sudo uv run benchmarks/joining.py --links 100mbit 1gbit --sizes-mb 1 10 100   # emulated cluster
+    sudo uv run benchmarks/joining.py --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause there
 
 Every job is a set of worker processes (this script with ``--worker``) around a store this script
 hosts. A worker trains an MLP of ``--params`` fp32 parameters with AdamW (``DecentOptimWrapper``,
 ring, ``on_peer_failure="continue"``), entering through ``init_elastic``; it writes the wall time at
 the end of every step. Parts:
 
-- *pause* (``--ranks``): ``n - 1`` members start the job; once rank 0 reaches ``--join-after``
+- *pause* (``--ranks``; on the emulated cluster with ``--cluster RATE``, a worker per node): ``n - 1``
+  members start the job; once rank 0 reaches ``--join-after``
   steps this script starts one more worker with the same command, which joins. Per admission:
   each member's time inside the admission (agreement, re-formed groups, the donor's transfer:
   ``engine.survival.pauses``) and its step that took longest around the join beyond its median
@@ -28,6 +30,7 @@ the end of every step. Parts:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -110,15 +114,61 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_job(
-    members: int, args: argparse.Namespace, mode: str, join: bool, launcher: list[str] | None = None
-) -> list[dict[str, Any]]:
-    """``members`` workers (and one joiner once rank 0 is ready, with ``join``); their results."""
-    import torch.distributed as dist
+class Placement:
+    """Where a job's processes run: on this machine's loopback, or each worker in a namespace of its
+    own on the emulated cluster (``cluster.py``; the store in node 0's, since the root namespace has
+    no address on the cluster's bridge)."""
 
+    def __init__(self, cluster: Any = None) -> None:
+        self.cluster = cluster
+
+    @contextlib.contextmanager
+    def store(self) -> Iterator[tuple[str, int]]:
+        """Host the job's store for the duration of the block: its address and port."""
+        import torch.distributed as dist
+
+        port = free_port()
+        if self.cluster is None:
+            store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+            try:
+                yield "127.0.0.1", port
+            finally:
+                del store
+            return
+        host = self.cluster.address(0)
+        hosting = (
+            f"import time, torch.distributed as d; "
+            f"s = d.TCPStore({host!r}, {port}, is_master=True, wait_for_workers=False); time.sleep(3600)"
+        )
+        process = subprocess.Popen([*self.launcher(0), sys.executable, "-c", hosting])
+        try:
+            time.sleep(1.5)  # the store listens before the first worker connects (its client retries anyway)
+            yield host, port
+        finally:
+            process.kill()
+            process.wait()
+
+    def launcher(self, node: int) -> list[str]:
+        return [] if self.cluster is None else ["ip", "netns", "exec", self.cluster.namespace(node)]
+
+    def env(self, node: int) -> dict[str, str]:
+        return {} if self.cluster is None else {"GLOO_SOCKET_IFNAME": self.cluster.ifname(node)}
+
+
+def run_job(
+    members: int,
+    args: argparse.Namespace,
+    mode: str,
+    join: bool,
+    placement: Placement | None = None,
+    launcher: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """``members`` workers (and one joiner once rank 0 is ready, with ``join``); their results.
+
+    On the emulated cluster worker ``i`` runs on node ``i``, the joiner on node ``members``.
+    """
+    placement = placement or Placement()
     out = Path(tempfile.mkdtemp(prefix="dow-joining-"))
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     command = [sys.executable, str(HERE), "--worker", "--mode", mode, "--out", str(out)]
     command += [
         "--params",
@@ -131,34 +181,34 @@ def run_job(
     command += ["--timeout", str(args.timeout), "--step-time", str(args.step_time)]
     command += ["--expect-join"] if join else []
     procs = []
+    with placement.store() as (host, port):
 
-    def start(rank: int, extra: dict[str, str]) -> None:
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-        env |= {"WORLD_SIZE": str(members), "OMP_NUM_THREADS": "1", **extra}
-        log = open(out / f"log-{len(procs)}.txt", "w")  # noqa: SIM115 -- the child keeps it
-        procs.append(
-            subprocess.Popen([*(launcher or []), *command], env=env, stdout=log, stderr=subprocess.STDOUT)
-        )
+        def start(rank: int, extra: dict[str, str]) -> None:
+            node = len(procs)
+            env = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank))
+            env |= {"WORLD_SIZE": str(members), "OMP_NUM_THREADS": "1", **placement.env(node), **extra}
+            log = open(out / f"log-{node}.txt", "w")  # noqa: SIM115 -- the child keeps it
+            launch = [*placement.launcher(node), *(launcher or [])]
+            procs.append(subprocess.Popen([*launch, *command], env=env, stdout=log, stderr=subprocess.STDOUT))
 
-    try:
-        for rank in range(members):
-            start(rank, {})
-        deadline = time.monotonic() + args.deadline_s
-        if join:
-            while not (out / "ready").exists():
-                if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                    raise RuntimeError(f"the members did not reach step {args.join_after}: logs in {out}")
-                time.sleep(0.05)
-            start(0, {"JOIN_T0": repr(time.time())})
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0:
-                raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-        del store
+        try:
+            for rank in range(members):
+                start(rank, {})
+            deadline = time.monotonic() + args.deadline_s
+            if join:
+                while not (out / "ready").exists():
+                    if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                        raise RuntimeError(f"the members did not reach step {args.join_after}: logs in {out}")
+                    time.sleep(0.05)
+                start(0, {"JOIN_T0": repr(time.time())})
+            for proc in procs:
+                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+                if proc.returncode != 0:
+                    raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
     return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
 
 
@@ -226,63 +276,12 @@ def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
             for megabytes in args.sizes_mb:
                 params = int(megabytes * 1e6 / 16)  # parameters, AdamW's two moments, the rule's signal
                 sized = argparse.Namespace(**{**vars(args), "params": params, "steps": args.join_after + 15})
-                results = run_cluster_job(cluster, sized)
+                results = run_job(4, sized, "elastic", join=True, placement=Placement(cluster))
                 figures = admission_figures(results)["joiner"]
                 ideal = figures["bytes"] * 8 / rate_bits(link)
                 rows.append({"link": link, "megabytes": figures["bytes"] / 1e6, **figures, "ideal_s": ideal})
                 print_link_row(rows[-1])
     return rows
-
-
-def run_cluster_job(cluster: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Like :func:`run_job`, 4 members on nodes 0-3 and the joiner on node 4, the store on node 0."""
-    port = free_port()
-    host = cluster.address(0)
-    hosting = (
-        "import time, torch.distributed as d; "
-        "s = d.TCPStore('{}', {}, is_master=True, wait_for_workers=False); time.sleep(600)"
-    )
-    store = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", hosting.format(host, port)]
-    )
-    try:
-        time.sleep(1.0)
-        out = Path(tempfile.mkdtemp(prefix="dow-joining-"))
-        command = [sys.executable, str(HERE), "--worker", "--mode", "elastic", "--out", str(out)]
-        command += [
-            "--params",
-            str(args.params),
-            "--steps",
-            str(args.steps),
-            "--join-after",
-            str(args.join_after),
-        ]
-        command += ["--timeout", str(args.timeout), "--step-time", str(args.step_time), "--expect-join"]
-        procs = []
-
-        def start(node: int, rank: int, extra: dict[str, str]) -> None:
-            env = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
-            env |= {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": cluster.ifname(node), **extra}
-            log = open(out / f"log-{node}.txt", "w")  # noqa: SIM115 -- the child keeps it
-            launch = ["ip", "netns", "exec", cluster.namespace(node)]
-            procs.append(subprocess.Popen([*launch, *command], env=env, stdout=log, stderr=subprocess.STDOUT))
-
-        for node in range(4):
-            start(node, node, {})
-        deadline = time.monotonic() + args.deadline_s
-        while not (out / "ready").exists():
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                raise RuntimeError(f"the members did not reach step {args.join_after}: logs in {out}")
-            time.sleep(0.05)
-        start(4, 0, {"JOIN_T0": repr(time.time())})
-        for proc in procs:
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if proc.returncode != 0:
-                raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
-        return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
-    finally:
-        store.kill()
-        store.wait()
 
 
 def print_link_row(row: dict[str, Any]) -> None:
@@ -319,9 +318,28 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--sizes-mb", type=float, nargs="*", default=[1, 10, 100], help="replica sizes, link part"
     )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        help="run the pause part on the emulated cluster, links of this tc rate (root)",
+    )
     parser.add_argument("--deadline-s", type=float, default=300.0, help="deadline of one job")
     parser.add_argument("--json", type=Path, help="write the figures here")
     return parser.parse_args()
+
+
+def print_pause_row(world: int, entry: dict[str, Any]) -> None:
+    joiner = entry["joiner"]
+    print(
+        f"{world:>3} ranks: members' pause {entry['pause_s']:.2f} s "
+        f"(median {entry['pause_median_s']:.2f}), step lost {entry['step_lost_s']:.2f} s "
+        f"(step {entry['member_step_s'] * 1e3:.0f} ms); joiner {joiner['total_s']:.1f} s to its first "
+        f"step: start-up {joiner['start_up_s']:.1f}, admission {joiner['admission_s']:.2f}, group "
+        f"{joiner['group_s']:.2f}, transfer {joiner['transfer_s']:.2f} ({joiner['bytes'] / 1e6:.1f} MB), "
+        f"verify {joiner['verify_s']:.2f}, the rest of the front-end {joiner['construct_s']:.2f}, "
+        f"first step {joiner['first_step_s']:.2f}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -334,20 +352,18 @@ def main() -> None:
     if args.links:
         figures["link"] = link_sweep(args)
     figures["pause"] = []
-    for world in args.ranks:
-        entry = admission_figures(run_job(world - 1, args, "elastic", join=True))
-        figures["pause"].append(entry)
-        joiner = entry["joiner"]
-        print(
-            f"{world:>3} ranks: members' pause {entry['pause_s']:.2f} s "
-            f"(median {entry['pause_median_s']:.2f}), step lost {entry['step_lost_s']:.2f} s "
-            f"(step {entry['member_step_s'] * 1e3:.0f} ms); joiner {joiner['total_s']:.1f} s to its first "
-            f"step: start-up {joiner['start_up_s']:.1f}, admission {joiner['admission_s']:.2f}, group "
-            f"{joiner['group_s']:.2f}, transfer {joiner['transfer_s']:.2f} ({joiner['bytes'] / 1e6:.1f} MB), "
-            f"verify {joiner['verify_s']:.2f}, the rest of the front-end {joiner['construct_s']:.2f}, "
-            f"first step {joiner['first_step_s']:.2f}",
-            flush=True,
-        )
+    with contextlib.ExitStack() as stack:
+        placement = Placement()
+        if args.cluster:
+            from cluster import Cluster
+
+            cluster = stack.enter_context(Cluster(max(args.ranks, default=0)))
+            cluster.shape(args.cluster)
+            placement = Placement(cluster)
+            figures["cluster_link"] = args.cluster
+        for world in args.ranks:
+            figures["pause"].append(admission_figures(run_job(world - 1, args, "elastic", True, placement)))
+            print_pause_row(world, figures["pause"][-1])
     if args.overhead_ranks:
         figures["overhead"] = overhead(args)
         print(

@@ -49,6 +49,7 @@ are printed and, with ``--json``, written (summary and every run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -56,6 +57,7 @@ import signal
 import statistics
 import threading
 import time
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -89,9 +91,9 @@ def _inputs(rank: int, step: int) -> torch.Tensor:
     return torch.randn(16, FEATURES, generator=torch.Generator().manual_seed(100_003 * rank + step))
 
 
-def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], config: dict) -> dict:
-    """Train ``config["steps"]`` steps, failing where ``plan`` says; return what the parent judges."""
-    steps, every = config["steps"], config["average_every"]
+def build_worker(store: dist.Store, config: dict) -> tuple[nn.Module, nn.Parameter, DecentOptimWrapper]:
+    """The soak's model, its witness (a parameter only gossip moves: a group with ``lr=0``) and the
+    wrapped SGD with momentum (ring, ``on_peer_failure="continue"``)."""
     torch.manual_seed(0)
     model = build_mlp(FEATURES, 32, 3, OUTPUTS)
     witness = nn.Parameter(torch.zeros(WITNESS))
@@ -105,6 +107,13 @@ def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], conf
         on_peer_failure="continue",
         store=store,
     )
+    return model, witness, opt
+
+
+def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], config: dict) -> dict:
+    """Train ``config["steps"]`` steps, failing where ``plan`` says; return what the parent judges."""
+    steps, every = config["steps"], config["average_every"]
+    model, witness, opt = build_worker(store, config)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     with torch.no_grad():  # after construction, which broadcast rank 0's values
         witness.copy_(witness_values(rank))
@@ -130,11 +139,54 @@ def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], conf
 
     opt.register_peer_failure_hook(on_failure)
 
-    phase = ["train"]  # where the main thread is: read by a kill timer to record where it landed
     faults = {f["step"]: f for f in plan if f["rank"] == rank}
+    failing, health = Injector(), Health(params)
+    for t in range(steps):
+        fault = faults.get(t)
+        x = _inputs(rank, t)
+        opt.zero_grad()
+        loss = loss_fn(model(x), x @ teacher)
+        loss.backward()
+        health.loss(loss)
+        failing.before_step(fault)
+        with failing.inside("step"):
+            opt.step()
+        scheduler.step()
+        failing.after_step(fault)
+        health.check()
+        if (t + 1) % every == 0:
+            failing.before_global_avg(fault)
+            with failing.inside("global_avg"):
+                opt.global_avg()
+            health.check()
+            opt.revert_global_avg()
 
-    def fail_now(fault: dict) -> None:
-        injected({**fault, "landed": phase[0]})
+    return {
+        "rank": rank,
+        "members": members,
+        "events": events,
+        "scheduler_steps": scheduler.last_epoch,
+        **final_checks(opt, params, health),
+        "final_loss": float(loss),
+    }
+
+
+class Injector:
+    """Fails this worker as a planned fault says, and records where the main thread was when it did."""
+
+    def __init__(self) -> None:
+        self.phase = "train"  # read by a kill timer: where the kill landed
+
+    @contextlib.contextmanager
+    def inside(self, phase: str) -> Iterator[None]:
+        self.phase = phase
+        try:
+            yield
+        finally:
+            self.phase = "train"
+
+    def now(self, fault: dict) -> None:
+        injected({**fault, "landed": self.phase})
         if fault["mode"] == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault["mode"] == "hang":
@@ -142,50 +194,51 @@ def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], conf
         else:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def fail_soon(fault: dict) -> None:
-        timer = threading.Timer(fault["delay_ms"] / 1000, fail_now, (fault,))
+    def soon(self, fault: dict) -> None:
+        timer = threading.Timer(fault["delay_ms"] / 1000, self.now, (fault,))
         timer.daemon = True
         timer.start()
 
-    nonfinite, excursion, rounds = 0, 0.0, 0
-
-    def check() -> None:
-        nonlocal nonfinite, excursion, rounds
-        rounds += 1
-        with torch.no_grad():
-            nonfinite += int(not all(bool(torch.isfinite(p).all()) for p in params))
-            excursion = max(excursion, float(1 - witness.min()), float(witness.max() - 2))
-
-    for t in range(steps):
-        fault = faults.get(t)
-        x = _inputs(rank, t)
-        opt.zero_grad()
-        loss = loss_fn(model(x), x @ teacher)
-        loss.backward()
-        nonfinite += int(not torch.isfinite(loss))
+    def before_step(self, fault: dict | None) -> None:
         if fault is not None and fault["mode"] in ("stop", "hang"):
-            fail_now(fault)
+            self.now(fault)
         if fault is not None and fault["mode"] == "kill-in-step":
-            fail_soon(fault)
-        phase[0] = "step"
-        opt.step()
-        phase[0] = "train"
-        scheduler.step()
-        if fault is not None and fault["mode"] == "kill-in-flight":
-            fail_now(fault)
-        check()
-        if (t + 1) % every == 0:
-            if fault is not None and fault["mode"] == "kill-in-global-avg":
-                fail_soon(fault)
-            phase[0] = "global_avg"
-            opt.global_avg()
-            phase[0] = "train"
-            check()
-            opt.revert_global_avg()
+            self.soon(fault)
 
-    # The survivors' final average, against their replicas gathered just before it. The gathers are
-    # the judge's, outside the optimizer and its failure handling: on a group of their own whose
-    # timeout allows for a slow machine (a rank finishing seconds after another is not a failure).
+    def after_step(self, fault: dict | None) -> None:
+        if fault is not None and fault["mode"] == "kill-in-flight":
+            self.now(fault)
+
+    def before_global_avg(self, fault: dict | None) -> None:
+        if fault is not None and fault["mode"] == "kill-in-global-avg":
+            self.soon(fault)
+
+
+class Health:
+    """Counts non-finite values and the witness's largest step outside [1, 2] (the last parameter)."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        self.params = params
+        self.nonfinite, self.excursion, self.rounds = 0, 0.0, 0
+
+    def loss(self, loss: torch.Tensor) -> None:
+        self.nonfinite += int(not torch.isfinite(loss))
+
+    def check(self) -> None:
+        self.rounds += 1
+        witness = self.params[-1]
+        with torch.no_grad():
+            self.nonfinite += int(not all(bool(torch.isfinite(p).all()) for p in self.params))
+            self.excursion = max(self.excursion, float(1 - witness.min()), float(witness.max() - 2))
+
+
+def final_checks(opt: DecentOptimWrapper, params: list[torch.Tensor], health: Health) -> dict[str, Any]:
+    """The survivors' final average, against their replicas gathered just before it.
+
+    The gathers are the judge's, outside the optimizer and its failure handling: on a group of their
+    own whose timeout allows for a slow machine (a rank finishing seconds after another is not a
+    failure).
+    """
     flat = lambda: torch.cat([p.detach().reshape(-1) for p in params])  # noqa: E731
     size = dist.get_world_size()
     judge_group = dist.new_group(timeout=timedelta(seconds=JUDGE_TIMEOUT_S))
@@ -193,27 +246,22 @@ def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], conf
     replicas = [torch.empty_like(replica) for _ in range(size)]
     dist.all_gather(replicas, replica, group=judge_group)
     opt.global_avg(may_revert=False)
-    check()
+    health.check()
     average = flat()
     averages = [torch.empty_like(average) for _ in range(opt.world_size)]
     dist.all_gather(averages, average, group=judge_group if opt.world_size == size else None)
     stacked = torch.stack(replicas).double()
     return {
-        "rank": rank,
         "final_rank": opt.rank,
         "world_size": opt.world_size,
         "dist_world_size": size,
-        "members": members,
-        "events": events,
         "step_count": opt.step_count,
-        "scheduler_steps": scheduler.last_epoch,
-        "nonfinite": nonfinite,
-        "witness_excursion": excursion,
-        "witness_rounds": rounds,
+        "nonfinite": health.nonfinite,
+        "witness_excursion": health.excursion,
+        "witness_rounds": health.rounds,
         "average_identical": all(torch.equal(a, averages[0]) for a in averages),
         "average_deviation": float((average.double() - stacked.mean(0)).abs().max()),
         "average_bound": size * 2**-24 * float(stacked.abs().max()),
-        "final_loss": float(loss),
     }
 
 

@@ -168,7 +168,8 @@ def init_elastic(
             "init_elastic() forms the default process group itself, but one exists already; call it "
             "instead of init_process_group()."
         )
-    joining = job_running(store, name) is not None
+    found = job_running(store, name)
+    joining = found is not None
     if not joining:
         for arg, value, least in (("world_size", world_size, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -187,7 +188,7 @@ def init_elastic(
         launch = (int(store.add(f"decent-optim-wrapper/jobs/{name}/starts", 1)) - 1) // world_size
         keys = PrefixStore(f"decent-optim-wrapper/jobs/{name}/start/{launch}", store)
         dist.init_process_group("gloo", store=keys, rank=rank, world_size=world_size, timeout=timeout)
-    enter_job(store, name, joining)
+    enter_job(store, name, found)
     return joining
 
 

@@ -92,44 +92,9 @@ def run_with_faults(
     Ranks in ``expect_hung`` are killed once every other process has exited; any other process still
     running at the deadline fails the call with the stacks of all running processes.
     """
-    workdir = tempfile.mkdtemp(prefix="dow-faults-")
-    port = _free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
-    procs = [
-        ctx.Process(target=_main, args=(rank, workdir, fn, (world_size, port, *args)), daemon=True)
-        for rank in range(world_size)
-    ]
-    for proc in procs:
-        proc.start()
-    deadline = time.monotonic() + deadline_s
-    try:
-        while True:
-            running = [r for r, p in enumerate(procs) if p.is_alive() and r not in expect_hung]
-            remaining = deadline - time.monotonic()
-            if not running or remaining <= 0:
-                break
-            multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=min(remaining, 1.0))
-        hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in expect_hung]
-        if hung:
-            stacks = dump_stacks(procs, workdir, hung)
-            raise TimeoutError(
-                f"{fn.__name__}: ranks {hung} did not finish within {deadline_s:.0f} s:\n{stacks}"
-            )
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(timeout=5)
-        del store
-    results, errors = {}, {}
-    for rank in range(world_size):
-        result, error = Path(workdir) / f"result-{rank}.pkl", Path(workdir) / f"error-{rank}.txt"
-        if result.exists():
-            results[rank] = pickle.loads(result.read_bytes())
-        if error.exists():
-            errors[rank] = error.read_text()
-    return Outcome({r: p.exitcode for r, p in enumerate(procs)}, results, errors)
+    return _supervise(
+        fn, world_size, lambda port, workdir: (world_size, port, *args), deadline_s, expect_hung
+    )
 
 
 def request_worker(workdir: str, tag: str) -> None:
@@ -150,19 +115,45 @@ def run_elastic(
     ``restart_killed`` times, one killed by a signal) makes the parent start another process running
     ``fn`` with the next index, as a launcher brings a node back: it finds the job running and joins.
     """
-    workdir = tempfile.mkdtemp(prefix="dow-elastic-")
+    handled: set[str] = set()
+    restarted: set[int] = set()
+
+    def grow(procs: list[Any], workdir: str, start: Callable[[], None]) -> None:
+        for request in sorted(Path(workdir).glob("spawn-*.req")):
+            if request.name not in handled:
+                handled.add(request.name)
+                start()
+        for index, proc in enumerate(list(procs)):
+            killed = proc.exitcode is not None and proc.exitcode < 0
+            if killed and index not in restarted and len(restarted) < restart_killed:
+                restarted.add(index)
+                start()
+
+    return _supervise(
+        fn, world_size, lambda port, workdir: (world_size, port, workdir, *args), deadline_s, (), grow
+    )
+
+
+def _supervise(
+    fn: Callable[..., Any],
+    world_size: int,
+    arguments: Callable[[int, str], tuple[Any, ...]],
+    deadline_s: float,
+    expect_hung: tuple[int, ...],
+    poll: Callable[[list[Any], str, Callable[[], None]], None] | None = None,
+) -> Outcome:
+    """Start ``world_size`` processes running ``fn(index, *arguments(port, workdir))`` around a store
+    hosted here; call ``poll(processes, workdir, start)`` between waits (it may start more); wait for
+    all but ``expect_hung`` to exit, up to ``deadline_s``; collect what they returned."""
+    workdir = tempfile.mkdtemp(prefix="dow-faults-")
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     ctx = mp.get_context("spawn")
     procs: list[Any] = []
-    handled: set[str] = set()
-    restarted: set[int] = set()
 
     def start() -> None:
         index = len(procs)
-        proc = ctx.Process(
-            target=_main, args=(index, workdir, fn, (world_size, port, workdir, *args)), daemon=True
-        )
+        proc = ctx.Process(target=_main, args=(index, workdir, fn, arguments(port, workdir)), daemon=True)
         proc.start()
         procs.append(proc)
 
@@ -171,25 +162,18 @@ def run_elastic(
     deadline = time.monotonic() + deadline_s
     try:
         while True:
-            for request in sorted(Path(workdir).glob("spawn-*.req")):
-                if request.name not in handled:
-                    handled.add(request.name)
-                    start()
-            for index, proc in enumerate(list(procs)):
-                killed = proc.exitcode is not None and proc.exitcode < 0
-                if killed and index not in restarted and len(restarted) < restart_killed:
-                    restarted.add(index)
-                    start()
-            running = [p for p in procs if p.is_alive()]
+            if poll is not None:
+                poll(procs, workdir, start)
+            running = [r for r, p in enumerate(procs) if p.is_alive() and r not in expect_hung]
             remaining = deadline - time.monotonic()
             if not running or remaining <= 0:
                 break
-            multiprocessing.connection.wait([p.sentinel for p in running], timeout=min(remaining, 0.2))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            multiprocessing.connection.wait([procs[r].sentinel for r in running], timeout=min(remaining, 0.2))
+        hung = [r for r, p in enumerate(procs) if p.is_alive() and r not in expect_hung]
         if hung:
             stacks = dump_stacks(procs, workdir, hung)
             raise TimeoutError(
-                f"{fn.__name__}: workers {hung} did not finish within {deadline_s:.0f} s:\n{stacks}"
+                f"{fn.__name__}: ranks {hung} did not finish within {deadline_s:.0f} s:\n{stacks}"
             )
     finally:
         for proc in procs:

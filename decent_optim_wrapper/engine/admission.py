@@ -123,21 +123,26 @@ class Admission:
 
 @dataclass
 class ElasticJob:
-    """This process's elastic job: the store it meets the others in, the job's name, and whether it
-    started as a joiner (set by :func:`enter_job`, read by the engine)."""
+    """This process's elastic job: the store it meets the others in, the job's name, and the running
+    job it found at start if it is a joiner (set by :func:`enter_job`, read by the engine)."""
 
     store: Store
     job: str
-    joining: bool
+    found: JobInfo | None  # None: this process started the job
+
+    @property
+    def joining(self) -> bool:
+        return self.found is not None
 
 
 _context: ElasticJob | None = None
 
 
-def enter_job(store: Store, job: str, joining: bool) -> None:
-    """Record this process's elastic job (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
+def enter_job(store: Store, job: str, found: JobInfo | None) -> None:
+    """Record this process's elastic job and the running job it found, if any
+    (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
     global _context
-    _context = ElasticJob(store, job, joining)
+    _context = ElasticJob(store, job, found)
 
 
 def current_job() -> ElasticJob | None:

@@ -40,7 +40,6 @@ from decent_optim_wrapper.engine.admission import (
     ElasticJob,
     JobInfo,
     Verdict,
-    job_running,
     publish_job,
     run_prefix,
 )
@@ -209,15 +208,15 @@ class Growth:
                     'on_peer_failure="continue", as the job\'s members do.'
                 )
             return
-        if not job.joining:
+        if job.found is None:  # this process started the job: open it to joiners
             membership.signature = signature
             membership.watch.open = True
             if membership.member == 0:
                 publish_job(job.store, job.job, JobInfo(membership.run, len(membership.members), signature))
             return
-        job.joining = False  # one engine per process joins
+        found, job.found = job.found, None  # one engine per process joins
         membership.close()
-        joined, verdict, payload = self.join(job, signature, timeout, wire)
+        joined, verdict, payload = self.join(job, found, signature, timeout, wire)
         joined.signature = signature
         try:
             load_replica(payload["engine"], verdict.resume_step)
@@ -233,23 +232,21 @@ class Growth:
     def join(
         self,
         job: ElasticJob,
+        info: JobInfo,
         signature: tuple[tuple[str, object], ...],
         timeout: timedelta,
         wire: Callable[[Membership], None],
     ) -> tuple[Membership, Verdict, dict[str, Any]]:
-        """Apply to the running job, form its new group, ``wire(membership)`` over it, receive a replica.
+        """Apply to the running job ``info`` (found by ``init_elastic``), form its new group,
+        ``wire(membership)`` over it, receive a replica.
 
         Returns the new membership, the verdict and the donor's payload (its ``"user"`` part is kept
         here for :meth:`register_state`). Retries an aborted join (the donor lost, a corrupted
         transfer) up to :data:`JOIN_ATTEMPTS` times; raises
         :class:`~.admission.JoinRejectedError` if the job refuses this worker.
         """
-        info = job_running(job.store, job.job)
-        if info is None:
-            raise PeerFailureError(
-                f"this worker was started to join the running job {job.job!r}, but the job has no live "
-                "member any more; start the job afresh."
-            )
+        # init_elastic saw the members alive moments ago; if they are gone since, the applicant sees
+        # their heartbeat stand still and says so.
         for attempt in range(1, JOIN_ATTEMPTS + 1):
             clock = [time.perf_counter()]
             applicant = Applicant(job.store, info, signature, timeout.total_seconds())
