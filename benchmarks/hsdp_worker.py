@@ -8,7 +8,7 @@ Two modes:
   Configurations: ``whole`` (``DecentOptimWrapper`` without a mesh: every rank a whole replica),
   ``gossip-hsdp`` (FSDP2 over the ``"shard"`` mesh dimension, gossip along ``"replicate"``) and
   ``torch-hsdp`` (FSDP2 over the 2-D mesh); ``@bf16`` after a gossip one compresses its gossip.
-* otherwise the rank of an emulated cluster that ``cluster.py`` starts (``cluster.run_workers``):
+* otherwise the rank of an emulated cluster that ``emulated_cluster.run_workers`` starts:
   ``cluster_worker.py``'s rounds, timing and output, with its model building replaced by the HSDP
   methods below. The world is ``--world-size / --local-world-size`` nodes (replicas) of
   ``--local-world-size`` ranks (shards), so a shard group is a node and a replicate group holds one

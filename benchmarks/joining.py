@@ -20,7 +20,7 @@ the end of every step. Parts:
 - *overhead* (``--overhead-ranks``): the same job without joins, ``on_peer_failure="raise"``,
   ``"continue"`` without ``init_elastic``, and ``"continue"`` open to joiners, interleaved
   ``--rounds`` times: median step time of each over that of ``"raise"``.
-- *link* (``--links``, needs root): the emulated cluster of ``cluster.py`` (one namespace per node,
+- *link* (``--links``, needs root): the emulated cluster (``emulated_cluster.py``: one namespace per node,
   ``tc tbf`` on every link): 4 nodes, a joiner on a fifth, replicas of ``--sizes-mb`` megabytes;
   the receive time against bytes / link rate.
 """
@@ -217,7 +217,7 @@ def overhead(args: argparse.Namespace) -> dict[str, float]:
 
 def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Transfer time against the link on the emulated cluster (one worker per namespace)."""
-    from cluster import Cluster, rate_bits
+    from emulated_cluster import Cluster, rate_bits
 
     rows = []
     with Cluster(5) as cluster:

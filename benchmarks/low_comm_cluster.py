@@ -2,7 +2,7 @@
 
     sudo uv run --group bench benchmarks/low_comm_cluster.py [--json PATH]     # ~9 min on the 2-core VM
 
-Two nodes (network namespaces on a bridge, ``cluster.py``'s ``Cluster``), one worker each. The link
+Two nodes (network namespaces on a bridge, ``emulated_cluster.py``'s ``Cluster``), one worker each. The link
 is shaped so that one uncompressed model exchange takes ``--exchange-steps`` (8) times one step's
 compute, measured first in this process (an MLP 512-1024-1024-10, 1.59M fp32 parameters, batch
 512, AdamW, one thread): per-step methods cannot hide such an exchange, and ``sync_every=8`` is
@@ -43,8 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cluster import Cluster, measure_link, ready_to_emulate, stop, summarize
 from common import build_mlp
+from emulated_cluster import Cluster, measure_link, ready_to_emulate, stop, summarize
 from torch import nn
 
 WORKER = Path(__file__).with_name("low_comm_cluster_worker.py")

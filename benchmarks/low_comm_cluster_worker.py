@@ -3,7 +3,8 @@
 Started inside a node's network namespace (``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``
 set). In each of ``--rounds`` rounds it trains a fresh MLP with every method in turn (``--warmup``
 untimed steps, then ``--iters`` timed ones) and rewrites ``--out`` (JSON, the layout
-``cluster.py``'s driver reads) after every round. Methods, all with AdamW on the same model and batch:
+``emulated_cluster.py``'s driver reads) after every round. Methods, all with AdamW on the same model and
+batch:
 
 * ``nocomm``, ``ddp``, ``ddp-bf16`` and per-step gossip (``ring``): as in ``cluster_worker.py``;
 * ``avg~hH``: torch's own periodic model averaging, ``PostLocalSGDOptimizer`` with a

@@ -1,7 +1,7 @@
 """How iteration time grows with the number of nodes: DDP vs gossip on 2 to 16 emulated nodes.
 
-Runs ``cluster.py``'s emulated cluster (one network namespace per node, every link shaped with ``tc
-tbf`` both ways) with ``--nodes`` nodes and, by default, forward and backward replaced by waits of
+Runs the emulated cluster of ``emulated_cluster.py`` (one network namespace per node, every link shaped with
+``tc tbf`` both ways) with ``--nodes`` nodes and, by default, forward and backward replaced by waits of
 the same length (``emulated.EmulatedMLP``; the parameters, their bytes, the collectives and the
 optimizer step stay real), so that 16 ranks fit on 2 cores. Each method runs under each compute-time
 scenario (``decent_optim_wrapper.plan.ComputeTimes``): ``none`` (constant), ``lognormal`` (transient
@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import Cluster, measure_link, rate_bits, ready_to_emulate, run_workers
 from cluster_worker import BASELINES, parse_gossip_method
+from emulated_cluster import Cluster, measure_link, rate_bits, ready_to_emulate, run_workers
 
 from decent_optim_wrapper.plan import JITTERS
 
@@ -79,7 +79,7 @@ def round_trip_ms(cluster: Cluster, port: int) -> float:
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The flags of ``cluster_worker.py`` that ``cluster.worker_command`` does not pass itself."""
+    """The flags of ``cluster_worker.py`` that ``emulated_cluster.worker_command`` does not pass itself."""
     flags = ["--inputs", args.inputs, "--width", args.width, "--depth", args.depth, "--compute", args.compute]
     flags += ["--compute-ms", args.compute_ms, "--forward-fraction", args.forward_fraction]
     flags += ["--sigma", args.sigma, "--slow-factor", args.slow_factor, "--seed", args.seed]
