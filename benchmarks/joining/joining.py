@@ -1,9 +1,9 @@
 """What a live join costs: the members' pause per admission, a joiner's time to its first step, the
 transfer against the link, and the per-step cost of a job open to joiners.
 
-    uv run benchmarks/joining.py                                   # local CPU workers, about 4 min
-    uv run benchmarks/joining.py --ranks 4 8 --params 1e6 --json /tmp/joining.json
-    sudo uv run benchmarks/joining.py --links 100mbit 1gbit --sizes-mb 1 10 100   # emulated cluster
+    uv run benchmarks/joining/joining.py                                   # local CPU workers, about 4 min
+    uv run benchmarks/joining/joining.py --ranks 4 8 --params 1e6 --json /tmp/joining.json
+    sudo uv run benchmarks/joining/joining.py --links 100mbit 1gbit --sizes-mb 1 10 100   # emulated cluster
 
 Every job is a set of worker processes (this script with ``--worker``) around a store this script
 hosts. A worker trains an MLP of ``--params`` fp32 parameters with AdamW (``DecentOptimWrapper``,
@@ -217,7 +217,7 @@ def overhead(args: argparse.Namespace) -> dict[str, float]:
 
 def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Transfer time against the link on the emulated cluster (one worker per namespace)."""
-    from emulated_cluster import Cluster, rate_bits
+    from benchmarks.harness.emulated_cluster import Cluster, rate_bits
 
     rows = []
     with Cluster(5) as cluster:

@@ -27,9 +27,9 @@ processes' own cores a fixed few milliseconds per exchange (copies into and out 
 threads), which a real NIC and spare cores would absorb. That cost is fixed per exchange, so the
 longer the iteration, the less of it shows; the ``unlimited`` (unshaped) run measures it.
 
-Needs root (``sudo uv run benchmarks/cluster.py``); without it, it says so and exits 0. Every run
-has a deadline (a run that hits it keeps the rounds every rank finished), and namespaces are removed
-on exit, error or Ctrl-C. The default run, ten methods at two bandwidths, takes about 6-7 minutes.
+Needs root (``sudo uv run benchmarks/cluster_speed/cluster.py``); without it, it says so and exits 0.
+Every run has a deadline (a run that hits it keeps the rounds every rank finished), and namespaces are
+removed on exit, error or Ctrl-C. The default run, ten methods at two bandwidths, takes about 6-7 minutes.
 """
 
 from __future__ import annotations
@@ -42,8 +42,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster_worker import BASELINES, parse_gossip_method
-from emulated_cluster import Cluster, measure_link, rate_bits, ready_to_emulate, run_workers
+from benchmarks.harness.cluster_worker import BASELINES, parse_gossip_method
+from benchmarks.harness.emulated_cluster import (
+    Cluster,
+    measure_link,
+    rate_bits,
+    ready_to_emulate,
+    run_workers,
+)
 
 MAX_PROCESSES = 4
 DEFAULT_METHODS = (

@@ -10,8 +10,8 @@ duration measured, and predicted by :class:`decent_optim_wrapper.plan.SharingMod
 doubling time and head start of a grid, and the pair that fits best (the one ``scaling_report.py``
 uses to replay the runs with two ranks per node).
 
-``sudo uv run benchmarks/link_sharing.py --json benchmarks/results/scaling/link-sharing.json`` (about
-two minutes); ``uv run benchmarks/link_sharing.py --fit benchmarks/results/scaling/link-sharing.json``
+``sudo uv run benchmarks/scaling/link_sharing.py --json benchmarks/results/scaling/link-sharing.json`` (about
+two minutes); ``uv run benchmarks/scaling/link_sharing.py --fit benchmarks/results/scaling/link-sharing.json``
 fits a stored run again (no root).
 """
 
@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from emulated_cluster import Cluster, ready_to_emulate
-
+from benchmarks.harness.emulated_cluster import Cluster, ready_to_emulate
 from decent_optim_wrapper.plan import Link, Network, SharingModel, transfer_seconds
 from decent_optim_wrapper.topo.group import Group
 

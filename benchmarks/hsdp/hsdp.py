@@ -28,7 +28,7 @@ the link between nodes is the bottleneck. Two parts, in one run:
    both ways, ``--shards`` ranks per node talking to each other over the node's own address (loopback,
    unshaped). Global ranks ``shards * n ...`` live on node ``n``; the mesh is (nodes, shards), so the
    shard groups are the nodes and each replicate group has one rank per node. Forward and backward
-   are sleeps (``emulated.EmulatedMLP``: real parameters, bytes, collectives and optimizer steps), so
+   are sleeps (``emulated_compute.EmulatedMLP``: real parameters, bytes, collectives and optimizer steps), so
    that 8 processes fit on 2 cores. Methods: ``fsdp`` (sharded inside the node, replicas never talk:
    the floor), ``torch-hsdp``, and gossip HSDP ``topology[@compression]``. Per method: median step
    time, torch's HSDP's over it, a rank's CPU per step, and the bytes per step each rank sends over
@@ -51,8 +51,8 @@ all-reduce during backward, as FSDP2 all-reduces each layer's shard), ``fsdp`` a
 step; FSDP2's intra-node work is not in it, so a second column adds the measured ``fsdp`` step's
 excess over the compute as per-step overhead.
 
-    uv run benchmarks/hsdp.py                       # both parts (the cluster one needs root)
-    uv run benchmarks/hsdp.py --part memory --json memory.json
+    uv run benchmarks/hsdp/hsdp.py                       # both parts (the cluster one needs root)
+    uv run benchmarks/hsdp/hsdp.py --part memory --json memory.json
 
 The default run takes about 7 minutes on a 2-core VM (memory ~2.5, cluster ~4.5); every run of
 workers has a deadline, and the namespaces are removed on exit, error or Ctrl-C
@@ -73,11 +73,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster_worker import COMPRESSIONS, parse_gossip_method
-from common import free_port
-from emulated import ROWS
-from emulated_cluster import Cluster, measure_link, rate_bits, ready_to_emulate, run_workers, stop
-
+from benchmarks.harness.cluster_worker import COMPRESSIONS, parse_gossip_method
+from benchmarks.harness.common import free_port
+from benchmarks.harness.emulated_cluster import (
+    Cluster,
+    measure_link,
+    rate_bits,
+    ready_to_emulate,
+    run_workers,
+    stop,
+)
+from benchmarks.harness.emulated_compute import ROWS
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 
 WORKER = Path(__file__).with_name("hsdp_worker.py")
