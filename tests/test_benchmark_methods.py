@@ -1,14 +1,13 @@
 """The benchmarks' method names, data splits and verdicts, without a process group.
 
-What is checked: the grammar of ``benchmarks/methods.py`` (names read, round-tripped, rejected by
-name), the splits of ``benchmarks/synthetic_task.py``, how ``benchmarks/convergence.py`` names the
-runs a method is compared with, reads its command line and judges its targets, and that the main job
+What is checked: the grammar of ``benchmarks/harness/methods.py`` (names read, round-tripped, rejected by
+name), the splits of ``benchmarks/harness/synthetic_task.py``, how ``benchmarks/convergence/convergence.py``
+names the runs a method is compared with, reads its command line and judges its targets, and that the main job
 (examples/quickstart.py) trains the benchmarks' task with the methods their names say.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,14 +15,10 @@ import pytest
 import torch
 from helpers import load_script
 
-ROOT = Path(__file__).resolve().parents[1]
-# The benchmark scripts import their siblings by plain name, with benchmarks/ on sys.path (as
-# `uv run benchmarks/convergence.py` runs them); nothing else on sys.path has these names.
-sys.path.append(str(ROOT / "benchmarks"))
+from benchmarks.convergence import convergence
+from benchmarks.harness import methods, synthetic_task
 
-import convergence  # noqa: E402
-import methods  # noqa: E402
-import synthetic_task  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.pure
 

@@ -1,7 +1,7 @@
 """The main job and the convergence benchmark end to end on a few steps, and the runner behind the latter.
 
-examples/quickstart.py and benchmarks/convergence.py run as a user runs them (a subprocess that
-starts its own gloo workers, with a hard deadline); the benchmarks' runner (benchmarks/runner.py)
+examples/quickstart.py and benchmarks/convergence/convergence.py run as a user runs them (a subprocess that
+starts its own gloo workers, with a hard deadline); the benchmarks' runner (benchmarks/harness/runner.py)
 trains on the shared pool. The grammar, the splits and the verdicts are checked without workers in
 test_benchmark_methods.py.
 """
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,13 +18,10 @@ import helpers
 import pytest
 import torch.distributed as dist
 
-ROOT = Path(__file__).resolve().parents[1]
-# The benchmark scripts import their siblings by plain name, with benchmarks/ on sys.path (as
-# `uv run benchmarks/convergence.py` runs them); the pool's workers import this module, so they get it too.
-sys.path.append(str(ROOT / "benchmarks"))
+from benchmarks.convergence import convergence
+from benchmarks.harness import runner
 
-import convergence  # noqa: E402
-import runner  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.examples
 
@@ -137,7 +133,7 @@ def test_convergence_benchmark_adds_the_references_and_judges_them(tmp_path):
     results_file = tmp_path / "convergence.json"
     short = ["--workers", "2", "--steps", "4", "--batch-size", "16", "--splits", "dirichlet"]
     output = run_script(
-        "benchmarks/convergence.py", *short, "--methods", "ring-gt", "--json", str(results_file)
+        "benchmarks/convergence/convergence.py", *short, "--methods", "ring-gt", "--json", str(results_file)
     )
     results = json.loads(results_file.read_text())
     # ring-gt is compared with DDP and with ring (untracked): both are trained after it

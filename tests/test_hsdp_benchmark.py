@@ -1,25 +1,17 @@
 """The HSDP benchmark's pieces that need no process group: arguments, tables, the planner's prediction.
 
-``benchmarks/hsdp.py`` must reject methods and configurations it cannot run before it starts any
+``benchmarks/hsdp/hsdp.py`` must reject methods and configurations it cannot run before it starts any
 process, turn the workers' results into per-rank bytes and ratios correctly (a node's link counter is
 read by each of its ranks), and ask the planner for the shard at the per-rank share of the node's
-link; ``benchmarks/hsdp_worker.py`` must count a storage once however many views point into it.
+link; ``benchmarks/hsdp/hsdp_worker.py`` must count a storage once however many views point into it.
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-# The benchmark scripts import their siblings by plain name, with benchmarks/ on sys.path.
-sys.path.append(str(ROOT / "benchmarks"))
-
-import hsdp  # noqa: E402
-import hsdp_worker  # noqa: E402
+from benchmarks.hsdp import hsdp, hsdp_worker
 
 pytestmark = pytest.mark.pure
 

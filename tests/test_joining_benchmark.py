@@ -1,4 +1,4 @@
-"""``benchmarks/joining.py`` runs end to end at a tiny size (local workers), and its figures add up."""
+"""``benchmarks/joining/joining.py`` runs end to end at a tiny size (local workers); its figures add up."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ pytestmark = pytest.mark.examples
 @pytest.mark.timeout(300)
 def test_joining_benchmark_measures_the_pause_the_joiner_and_the_per_step_cost(tmp_path):
     out = tmp_path / "joining.json"
-    argv = ["benchmarks/joining.py", "--ranks", "3", "--params", "1e4", "--steps", "40", "--join-after", "5"]
+    script = "benchmarks/joining/joining.py"
+    argv = [script, "--ranks", "3", "--params", "1e4", "--steps", "40", "--join-after", "5"]
     printed = helpers.run_script(
         *argv, "--overhead-ranks", "2", "--rounds", "1", "--json", str(out), deadline_s=280
     )

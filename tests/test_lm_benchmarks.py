@@ -1,8 +1,8 @@
 """The language-model benchmarks run end to end at a tiny size, and read what they report correctly.
 
-``benchmarks/lm_convergence.py`` (gossip with AdamW against DDP on local gloo workers) and
-``benchmarks/adam_rules.py`` (second-moment rules in one process) quote the figures of the Adam page;
-here they run a few steps each, so that a change to the library or to the task cannot leave them
+``benchmarks/language_model/lm_convergence.py`` (gossip with AdamW against DDP on local gloo workers) and
+``benchmarks/language_model/adam_rules.py`` (second-moment rules in one process) quote the figures of the Adam
+page; here they run a few steps each, so that a change to the library or to the task cannot leave them
 broken, and their method grammar and verdicts are checked without a process group.
 """
 
@@ -18,11 +18,10 @@ from types import SimpleNamespace
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "benchmarks"))
+from benchmarks.harness import methods
+from benchmarks.language_model import adam_rules, lm_convergence
 
-import lm_convergence  # noqa: E402
-import methods  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.pure
@@ -75,7 +74,7 @@ def test_lm_convergence_runs_on_two_workers(tmp_path):
     flags = ["--workers", "2", "--steps", "6", "--eval-every", "3", "--width", "16", "--depth", "1"]
     flags += ["--methods", "ring+adamw", "ring+adamw-local", "--json", str(out)]
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "lm_convergence.py"), *flags],
+        [sys.executable, str(ROOT / "benchmarks" / "language_model" / "lm_convergence.py"), *flags],
         capture_output=True,
         text=True,
         timeout=280,
@@ -97,7 +96,7 @@ def test_adam_rules_runs_every_rule(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "adam_rules.py"),
+            str(ROOT / "benchmarks" / "language_model" / "adam_rules.py"),
             "--workers",
             "2",
             "--steps",
@@ -113,7 +112,7 @@ def test_adam_rules_runs_every_rule(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     results = json.loads(out.read_text())
     assert next(r["rule"] for r in results) == "ddp"
-    assert {r["rule"] for r in results} == set(__import__("adam_rules").RULES)
+    assert {r["rule"] for r in results} == set(adam_rules.RULES)
 
 
 @pytest.mark.examples
@@ -121,7 +120,7 @@ def test_adam_rules_runs_every_rule(tmp_path):
 def test_adam_rules_blocking_complete_gossip_is_the_exact_average():
     # Mixed at once with the complete graph's matrix, every replica is the average: the blocking
     # simulation must land where exact averaging does (fp32: only the order of the average's sum).
-    simulate = __import__("adam_rules").simulate
+    simulate = adam_rules.simulate
     options = {"rule": "momentum-abs", "n": 3, "steps": 4, "batch": 2, "lr": 3e-3, "split": "iid"}
     exact = simulate(gossip=None, **options)
     blocking = simulate(gossip="complete", blocking=True, **options)
@@ -149,7 +148,7 @@ def test_time_to_loss_multiplies_steps_by_the_planners_step_time(tmp_path):
     first, second = tmp_path / "lm.json", tmp_path / "lm-blocking.json"
     first.write_text(json.dumps([asdict(r) for r in results[:3]]))
     second.write_text(json.dumps([asdict(r) for r in (results[0], results[3])]))
-    script = str(ROOT / "benchmarks" / "lm_time_to_loss.py")
+    script = str(ROOT / "benchmarks" / "language_model" / "lm_time_to_loss.py")
     run = subprocess.run(
         [sys.executable, script, str(first), str(second), "--compute-ms", "10"],
         capture_output=True,
@@ -203,7 +202,13 @@ def test_seed_table_divides_by_each_runs_own_ddp_then_summarises(tmp_path):
         paths.append(tmp_path / f"{name}.json")
         paths[-1].write_text(json.dumps([asdict(r) for r in results]))
     run = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "lm_seeds.py"), *map(str, paths), "--target", "1.05"],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "language_model" / "lm_seeds.py"),
+            *map(str, paths),
+            "--target",
+            "1.05",
+        ],
         capture_output=True,
         text=True,
         timeout=120,

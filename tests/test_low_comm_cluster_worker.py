@@ -1,9 +1,9 @@
-"""``benchmarks/low_comm_cluster_worker.py`` without a cluster: two ranks on loopback, every kind of method.
+"""``benchmarks/low_communication/low_comm_cluster_worker.py`` without a cluster, every kind of method.
 
-The emulated slow link (``benchmarks/low_comm_cluster.py``) needs root; its worker does not. Two ranks on
-127.0.0.1 train a tiny MLP with the no-communication baseline, DDP, torch's periodic model averaging,
-and low-communication gossip, plus torchft's DiLoCo where the ``bench`` group is installed; the output
-must hold every method's timed steps and the bytes each sends per step.
+The emulated slow link (``benchmarks/low_communication/low_comm_cluster.py``) needs root; its worker does not.
+Two ranks on 127.0.0.1 train a tiny MLP with the no-communication baseline, DDP, torch's periodic model
+averaging, and low-communication gossip, plus torchft's DiLoCo where the ``bench`` group is installed; the
+output must hold every method's timed steps and the bytes each sends per step.
 """
 
 from __future__ import annotations
@@ -11,14 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 from helpers import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.append(str(ROOT / "benchmarks"))  # the scripts import their siblings by plain name
 
 pytestmark = pytest.mark.examples
 
@@ -30,7 +28,7 @@ if importlib.util.find_spec("torchft") is not None:  # `uv run --group bench pyt
 
 @pytest.mark.timeout(150)
 def test_worker_runs_every_kind_of_method_on_loopback(tmp_path):
-    from common import free_port
+    from benchmarks.harness.common import free_port
 
     env = {
         **os.environ,
@@ -42,7 +40,9 @@ def test_worker_runs_every_kind_of_method_on_loopback(tmp_path):
     }
     flags = ["--world-size", "2", "--rounds", "1", "--iters", str(ITERS), "--warmup", "2"]
     flags += ["--inputs", "16", "--width", "16", "--batch", "8", "--methods", *METHODS]
-    paths = run_ranks(ROOT / "benchmarks" / "low_comm_cluster_worker.py", 2, flags, tmp_path, env)
+    paths = run_ranks(
+        ROOT / "benchmarks" / "low_communication" / "low_comm_cluster_worker.py", 2, flags, tmp_path, env
+    )
     for path in paths:
         result = json.loads(path.read_text())
         assert sorted(result["times"]) == sorted(METHODS)

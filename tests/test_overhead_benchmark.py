@@ -1,4 +1,4 @@
-"""``benchmarks/overhead.py`` runs end to end at a tiny size.
+"""``benchmarks/costs/overhead.py`` runs end to end at a tiny size.
 
 The benchmark builds the engine's gossip from its public parts (process groups, layouts), so a
 change to those parts breaks it; this runs every part once, small, so the break shows here.
@@ -19,7 +19,7 @@ def test_overhead_benchmark_runs_every_part(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "overhead.py"),
+            str(ROOT / "benchmarks" / "costs" / "overhead.py"),
             *("--width", "64", "--depth", "2", "--reps", "1", "--train-iters", "2"),
             *("--worlds", "1", "2", "--compressions", "bf16", "--json", str(out)),
         ],

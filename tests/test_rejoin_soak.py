@@ -1,4 +1,4 @@
-"""The kill and restart soak (benchmarks/rejoin_soak.py) end to end on a short run.
+"""The kill and restart soak (benchmarks/survival/rejoin_soak.py) end to end on a short run.
 
 4 workers, three failures drawn by seed 3 (see the assertions for the modes), each victim restarted
 as a fresh process that joins the running job. The script runs as a user runs it, with a hard
@@ -23,7 +23,13 @@ def test_killed_workers_come_back_and_the_world_is_whole_again_without_corruptio
     path = tmp_path / "rejoin.json"
     argv = ["--workers", "4", "--floor", "2", "--cycles", "3", "--seed", "3", "--spacing", "20"]
     output = helpers.run_script(
-        "benchmarks/rejoin_soak.py", *argv, "--json", str(path), "--deadline-s", "200", deadline_s=DEADLINE_S
+        "benchmarks/survival/rejoin_soak.py",
+        *argv,
+        "--json",
+        str(path),
+        "--deadline-s",
+        "200",
+        deadline_s=DEADLINE_S,
     )
     summary = json.loads(path.read_text())["summary"]
     assert summary["failures_fired"] == summary["injected"] == 3, output

@@ -1,9 +1,9 @@
 """The scaling benchmark's pieces that need no cluster: the worker, the emulated model, the simulator's check.
 
-``benchmarks/cluster_worker.py`` must run every method under every scenario (two ranks on loopback,
-the ``examples`` tier); ``benchmarks/emulated.py`` must keep the real model's parameters (so DDP and
-the engine bucket and send the same bytes) and sleep the compute it is given;
-``benchmarks/scaling_report.py`` must reproduce the committed runs of the emulated cluster within the
+``benchmarks/harness/cluster_worker.py`` must run every method under every scenario (two ranks on loopback,
+the ``examples`` tier); ``benchmarks/harness/emulated_compute.py`` must keep the real model's parameters (so
+DDP and the engine bucket and send the same bytes) and sleep the compute it is given;
+``benchmarks/scaling/scaling_report.py`` must reproduce the committed runs of the emulated cluster within the
 errors docs/scaling.md states.
 """
 
@@ -11,22 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_ranks
+
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.emulated_compute import ROWS, EmulatedMLP
+from benchmarks.scaling import scaling_report
 
 ROOT = Path(__file__).resolve().parents[1]
-# The benchmark scripts import their siblings by plain name, with benchmarks/ on sys.path (as
-# `uv run benchmarks/scaling.py` runs them); nothing else on sys.path has these names.
-sys.path.append(str(ROOT / "benchmarks"))
-
-import scaling_report  # noqa: E402
-from common import build_mlp  # noqa: E402
-from emulated import ROWS, EmulatedMLP  # noqa: E402
-from helpers import run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.pure
 
@@ -49,14 +45,14 @@ def test_emulated_mlp_has_the_real_parameters_and_sleeps_its_compute():
 RECORDS = scaling_report.load(scaling_report.RESULTS, "emulated")
 
 
-@pytest.mark.skipif(not RECORDS, reason="no committed runs of benchmarks/scaling.py")
+@pytest.mark.skipif(not RECORDS, reason="no committed runs of benchmarks/scaling/scaling.py")
 def test_simulator_reproduces_every_committed_run_with_one_rank_per_node_within_15_percent():
     rows = scaling_report.validate([r for r in RECORDS if r["args"]["workers_per_node"] == 1])
     worst = max(rows, key=lambda row: abs(row["error"]))
     assert abs(worst["error"]) <= 0.15, worst
 
 
-@pytest.mark.skipif(not RECORDS, reason="no committed runs of benchmarks/scaling.py")
+@pytest.mark.skipif(not RECORDS, reason="no committed runs of benchmarks/scaling/scaling.py")
 def test_simulator_reproduces_every_committed_run_with_two_ranks_per_node_within_15_percent():
     rows = scaling_report.validate([r for r in RECORDS if r["args"]["workers_per_node"] == 2])
     worst = max(rows, key=lambda row: abs(row["error"]))
@@ -66,7 +62,7 @@ def test_simulator_reproduces_every_committed_run_with_two_ranks_per_node_within
 @pytest.mark.examples
 def test_worker_runs_every_method_and_scenario_on_loopback(tmp_path):
     """Two ranks of ``cluster_worker.py`` on 127.0.0.1 (no namespaces, no root): the keys and counts."""
-    from common import free_port
+    from benchmarks.harness.common import free_port
 
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     flags = ["--world-size", "2", "--rounds", "1", "--iters", "2", "--warmup", "1", "--inputs", "16"]
@@ -82,7 +78,9 @@ def test_worker_runs_every_method_and_scenario_on_loopback(tmp_path):
         "lognormal",
     ]
     flags += ["--methods", "nocomm", "ddp", "ring@bf16"]
-    paths = run_ranks(ROOT / "benchmarks" / "cluster_worker.py", 2, flags, tmp_path, env, deadline_s=90)
+    paths = run_ranks(
+        ROOT / "benchmarks" / "harness" / "cluster_worker.py", 2, flags, tmp_path, env, deadline_s=90
+    )
     result = json.loads(paths[0].read_text())
     keys = [f"{s}/{m}" for s in ("none", "lognormal") for m in ("nocomm", "ddp", "ring@bf16")]
     assert sorted(result["times"]) == sorted(keys)

@@ -1,4 +1,4 @@
-"""``benchmarks/second_moment_cost.py`` runs end to end at a tiny size, and measures what it says."""
+"""``benchmarks/costs/second_moment_cost.py`` runs end to end at a tiny size, and measures what it says."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def test_second_moment_cost_benchmark_runs_every_part(tmp_path):
     run = subprocess.run(
         [
             sys.executable,
-            str(ROOT / "benchmarks" / "second_moment_cost.py"),
+            str(ROOT / "benchmarks" / "costs" / "second_moment_cost.py"),
             *("--width", "256", "--depth", "2", "--iters", "2", "--warmup", "1", "--memory-steps", "2"),
             *("--json", str(out)),
         ],

@@ -1,7 +1,7 @@
 """Kill and restart soak: workers die over and over and come back by joining the running job.
 
-    uv run benchmarks/rejoin_soak.py                          # 8 workers, 48 cycles, about 10 min on 2 cores
-    uv run benchmarks/rejoin_soak.py --workers 5 --floor 3 --cycles 4 --json /tmp/rejoin.json   # short
+    uv run benchmarks/survival/rejoin_soak.py             # 8 workers, 48 cycles, about 10 min on 2 cores
+    uv run benchmarks/survival/rejoin_soak.py --workers 5 --floor 3 --cycles 4 --json /tmp/rejoin.json
 
 The soak of ``soak.py`` (same model, SGD with momentum and a cosine schedule, ring,
 ``on_peer_failure="continue"``, ``global_avg()``/``revert_global_avg()`` every ``--average-every``
@@ -49,8 +49,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fault_runs import Outcome, note, process_started, run_workers
-from soak import (
+from torch import nn
+
+from benchmarks.harness.fault_runs import Outcome, note, process_started, run_workers
+from benchmarks.survival.soak import (
     FEATURES,
     MODES,
     OUTPUTS,
@@ -64,9 +66,7 @@ from soak import (
     percentile,
     witness_values,
 )
-from soak import _inputs as inputs
-from torch import nn
-
+from benchmarks.survival.soak import _inputs as inputs
 from decent_optim_wrapper import PeerJoin
 from decent_optim_wrapper.engine.membership import PeerFailure
 

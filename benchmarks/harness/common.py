@@ -1,4 +1,4 @@
-"""Pieces the benchmark scripts share (each script runs with this folder on sys.path)."""
+"""Small pieces the benchmark scripts share: an MLP, a free port, results gathered from spawned ranks."""
 
 from __future__ import annotations
 

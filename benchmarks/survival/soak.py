@@ -1,7 +1,7 @@
 """Fault-injection soak: workers die or hang while training with ``on_peer_failure="continue"``.
 
-    uv run benchmarks/soak.py                          # 8 workers, floor 4, about 10 min on 2 cores
-    uv run benchmarks/soak.py --workers 5 --floor 3 --runs 1 --json /tmp/soak.json    # one short run
+    uv run benchmarks/survival/soak.py                          # 8 workers, floor 4, about 10 min on 2 cores
+    uv run benchmarks/survival/soak.py --workers 5 --floor 3 --runs 1 --json /tmp/soak.json    # one short run
 
 Each run forks ``--workers`` gloo workers around a store hosted by this process (``fault_runs.py``).
 Every worker trains a small MLP with ``DecentOptimWrapper`` (ring topology, SGD with momentum and a
@@ -64,10 +64,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import build_mlp
-from fault_runs import Outcome, injected, run_workers
 from torch import nn
 
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.fault_runs import Outcome, injected, run_workers
 from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine.membership import PeerFailure
 

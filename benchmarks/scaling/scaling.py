@@ -1,8 +1,8 @@
 """How iteration time grows with the number of nodes: DDP vs gossip on 2 to 16 emulated nodes.
 
-Runs ``cluster.py``'s emulated cluster (one network namespace per node, every link shaped with ``tc
-tbf`` both ways) with ``--nodes`` nodes and, by default, forward and backward replaced by waits of
-the same length (``emulated.EmulatedMLP``; the parameters, their bytes, the collectives and the
+Runs the emulated cluster of ``emulated_cluster.py`` (one network namespace per node, every link shaped with
+``tc tbf`` both ways) with ``--nodes`` nodes and, by default, forward and backward replaced by waits of
+the same length (``emulated_compute.EmulatedMLP``; the parameters, their bytes, the collectives and the
 optimizer step stay real), so that 16 ranks fit on 2 cores. Each method runs under each compute-time
 scenario (``decent_optim_wrapper.plan.ComputeTimes``): ``none`` (constant), ``lognormal`` (transient
 jitter with a heavy tail, same mean) and ``straggler`` (rank 0 persistently ``--slow-factor`` times
@@ -14,7 +14,7 @@ network's kernel work and anything else running).
 measured forward and backward times). One invocation is one cluster size; ``scaling_report.py``
 gathers the JSON files, compares them with the simulator and draws the figure.
 
-Needs root (``sudo uv run benchmarks/scaling.py --nodes 4``); without it, it says so and exits 0.
+Needs root (``sudo uv run benchmarks/scaling/scaling.py --nodes 4``); without it, it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -29,9 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import Cluster, measure_link, rate_bits, ready_to_emulate, run_workers
-from cluster_worker import BASELINES, parse_gossip_method
-
+from benchmarks.harness.cluster_worker import BASELINES, parse_gossip_method
+from benchmarks.harness.emulated_cluster import (
+    Cluster,
+    measure_link,
+    rate_bits,
+    ready_to_emulate,
+    run_workers,
+)
 from decent_optim_wrapper.plan import JITTERS
 
 METHODS = ("nocomm", "ddp", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16")
@@ -79,7 +84,7 @@ def round_trip_ms(cluster: Cluster, port: int) -> float:
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
-    """The flags of ``cluster_worker.py`` that ``cluster.worker_command`` does not pass itself."""
+    """The flags of ``cluster_worker.py`` that ``emulated_cluster.worker_command`` does not pass itself."""
     flags = ["--inputs", args.inputs, "--width", args.width, "--depth", args.depth, "--compute", args.compute]
     flags += ["--compute-ms", args.compute_ms, "--forward-fraction", args.forward_fraction]
     flags += ["--sigma", args.sigma, "--slow-factor", args.slow_factor, "--seed", args.seed]

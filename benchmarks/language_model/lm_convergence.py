@@ -1,8 +1,9 @@
 """Language-model convergence: validation loss of gossip with AdamW against DDP.
 
-    uv run benchmarks/lm_convergence.py                     # 4 local gloo workers, ~9 min on 2 cores
-    uv run benchmarks/lm_convergence.py --methods ring~h8n+adamw --splits files
-    uv run benchmarks/lm_convergence.py --workers 8 --methods ring+adamw ring+adamw-local --eval-every 25
+    uv run benchmarks/language_model/lm_convergence.py       # 4 local gloo workers, ~9 min on 2 cores
+    uv run benchmarks/language_model/lm_convergence.py --methods ring~h8n+adamw --splits files
+    uv run benchmarks/language_model/lm_convergence.py --workers 8 --methods ring+adamw ring+adamw-local \\
+        --eval-every 25
 
 Trains the byte-level causal transformer of ``lm_task.py`` on the Python standard library's source
 (no download) with every method (names as in ``methods.py``; each needs an Adam optimizer after its
@@ -30,8 +31,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port
-from lm_task import (
+from torch import nn
+
+from benchmarks.harness.common import free_port
+from benchmarks.harness.lm_task import (
     CONTEXT,
     LM_SPLITS,
     VOCAB,
@@ -41,9 +44,8 @@ from lm_task import (
     validation_loss,
     windows,
 )
-from methods import optimizer_factory, parse_method
-from runner import build_training, model_bytes
-from torch import nn
+from benchmarks.harness.methods import optimizer_factory, parse_method
+from benchmarks.harness.runner import build_training, model_bytes
 
 METHODS = [
     "ddp+adamw",

@@ -46,7 +46,8 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from common import free_port
+
+from benchmarks.harness.common import free_port
 
 __all__ = ["Outcome", "injected", "note", "process_started", "run_workers"]
 

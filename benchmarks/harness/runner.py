@@ -3,10 +3,8 @@
 Every rank of a gloo process group calls :func:`run`; each method (a name in the grammar of
 ``methods.py``) trains from the same initial model with the same seeds and hyper-parameters on the
 rank's part of a split of the training set (``synthetic_task.py``), and rank 0 gets one
-:class:`Result` per method. ``benchmarks/convergence.py`` starts the ranks and judges the results.
-
-The benchmark scripts run with this folder on ``sys.path`` (``uv run benchmarks/convergence.py``
-puts it there), so its modules import each other by their plain names.
+:class:`Result` per method. ``benchmarks/convergence/convergence.py`` starts the ranks and judges the
+results.
 """
 
 from __future__ import annotations
@@ -17,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from methods import Method, optimizer_factory, parse_method
-from synthetic_task import describe_split, make_data, make_model, split_data, split_label
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.harness.methods import Method, optimizer_factory, parse_method
+from benchmarks.harness.synthetic_task import describe_split, make_data, make_model, split_data, split_label
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 
 

@@ -1,6 +1,6 @@
 """How two all-reduces that overlap share an emulated node link, and the simulator's model of it.
 
-Two nodes of ``cluster.py``'s emulated cluster (links shaped with ``tc tbf`` both ways), two ranks
+Two nodes of the emulated cluster (``emulated_cluster.py``: links shaped with ``tc tbf`` both ways), two ranks
 each: ranks 0 and 1 on node 0, ranks 2 and 3 on node 1. Group A = (0, 3) and group B = (1, 2) each
 all-reduce one model (the scaling benchmark's 0.54 MB MLP) through gloo, so both cross node 0's
 outgoing and node 1's incoming link, as the two ranks of a node do with two ranks per node. B starts
@@ -10,8 +10,8 @@ duration measured, and predicted by :class:`decent_optim_wrapper.plan.SharingMod
 doubling time and head start of a grid, and the pair that fits best (the one ``scaling_report.py``
 uses to replay the runs with two ranks per node).
 
-``sudo uv run benchmarks/link_sharing.py --json benchmarks/results/scaling/link-sharing.json`` (about
-two minutes); ``uv run benchmarks/link_sharing.py --fit benchmarks/results/scaling/link-sharing.json``
+``sudo uv run benchmarks/scaling/link_sharing.py --json benchmarks/results/scaling/link-sharing.json`` (about
+two minutes); ``uv run benchmarks/scaling/link_sharing.py --fit benchmarks/results/scaling/link-sharing.json``
 fits a stored run again (no root).
 """
 
@@ -29,8 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import Cluster, ready_to_emulate
-
+from benchmarks.harness.emulated_cluster import Cluster, ready_to_emulate
 from decent_optim_wrapper.plan import Link, Network, SharingModel, transfer_seconds
 from decent_optim_wrapper.topo.group import Group
 

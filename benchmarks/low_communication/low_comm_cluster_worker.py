@@ -1,9 +1,10 @@
-"""One rank of ``benchmarks/low_comm_cluster.py``: time each method's training steps on a slow link.
+"""One rank of ``benchmarks/low_communication/low_comm_cluster.py``: time each method's steps on a slow link.
 
 Started inside a node's network namespace (``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``
 set). In each of ``--rounds`` rounds it trains a fresh MLP with every method in turn (``--warmup``
 untimed steps, then ``--iters`` timed ones) and rewrites ``--out`` (JSON, the layout
-``cluster.py``'s driver reads) after every round. Methods, all with AdamW on the same model and batch:
+``emulated_cluster.py``'s driver reads) after every round. Methods, all with AdamW on the same model and
+batch:
 
 * ``nocomm``, ``ddp``, ``ddp-bf16`` and per-step gossip (``ring``): as in ``cluster_worker.py``;
 * ``avg~hH``: torch's own periodic model averaging, ``PostLocalSGDOptimizer`` with a
@@ -27,13 +28,19 @@ import time
 
 import torch
 import torch.distributed as dist
-from cluster_worker import BASELINES, COLLECTIVE_TIMEOUT, bytes_sent_per_step, make_training, write_atomically
-from common import build_mlp
-from methods import parse_method
 from torch import nn
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 from torch.distributed.optim import PostLocalSGDOptimizer
 
+from benchmarks.harness.cluster_worker import (
+    BASELINES,
+    COLLECTIVE_TIMEOUT,
+    bytes_sent_per_step,
+    make_training,
+    write_atomically,
+)
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.methods import parse_method
 from decent_optim_wrapper import DecentOptimWrapper
 
 AVERAGER = re.compile(r"avg~h(?P<period>[1-9][0-9]*)")

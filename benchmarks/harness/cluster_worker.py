@@ -1,9 +1,9 @@
-"""One rank of ``benchmarks/cluster.py``: train an MLP with each communication method, time each step.
+"""One rank of the emulated cluster: train an MLP with each communication method, time each step.
 
-Started by ``cluster.py`` inside a node's network namespace with ``MASTER_ADDR``, ``MASTER_PORT`` and
-``GLOO_SOCKET_IFNAME`` set. In each of ``--rounds`` rounds it trains a fresh model with every method
-in turn (warm-up, then ``--iters`` timed steps), and after every round writes its per-iteration times
-so far to ``--out`` as JSON. Methods:
+Started by ``emulated_cluster.run_workers`` (for ``cluster_speed/cluster.py`` and ``scaling/scaling.py``)
+inside a node's network namespace with ``MASTER_ADDR``, ``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set. In
+each of ``--rounds`` rounds it trains a fresh model with every method in turn (warm-up, then ``--iters`` timed
+steps), and after every round writes its per-iteration times so far to ``--out`` as JSON. Methods:
 
 * ``nocomm``: trains alone (the process group serves only the barriers around the timed window);
 * ``ddp``: ``torch.nn.parallel.DistributedDataParallel`` (gradients all-reduced in backward);
@@ -21,11 +21,11 @@ All methods use AdamW on the same model and batch; only the communication differ
 bytes sent per step and rank are written beside its times: 0 for ``nocomm``, a ring all-reduce's
 ``2 (n - 1) / n`` gradients for the DDP methods, and the engine's own count for gossip.
 
-With ``--compute emulated`` forward and backward are waits (``emulated.EmulatedMLP``): ``--compute-ms``
-per step on average, drawn per rank and step by ``decent_optim_wrapper.plan.ComputeTimes`` for each
-of ``--scenarios`` (``none``: constant; ``lognormal``: heavy-tailed with the same mean; ``straggler``:
-rank 0 is ``--slow-factor`` times slower). Every method then runs once per scenario, and its results
-are keyed ``scenario/method``. Beside the times each rank writes the CPU seconds its process used in
+With ``--compute emulated`` forward and backward are waits (``emulated_compute.EmulatedMLP``):
+``--compute-ms`` per step on average, drawn per rank and step by ``decent_optim_wrapper.plan.ComputeTimes``
+for each of ``--scenarios`` (``none``: constant; ``lognormal``: heavy-tailed with the same mean;
+``straggler``: rank 0 is ``--slow-factor`` times slower). Every method then runs once per scenario, and its
+results are keyed ``scenario/method``. Beside the times each rank writes the CPU seconds its process used in
 each timed window, and rank 0 the whole machine's busy CPU seconds in it (``/proc/stat``), so that
 the cost of the emulation itself can be judged.
 """
@@ -42,11 +42,11 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from common import build_mlp
-from emulated import ROWS, EmulatedMLP
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compress_hook
 
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.emulated_compute import ROWS, EmulatedMLP
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.plan import JITTERS, ComputeTimes
 

@@ -1,7 +1,7 @@
 """Convergence after a lost worker: 8 workers, one killed at mid-training, against 7 from the start.
 
-    uv run benchmarks/survival.py                       # 3 seeds, about 4 min on 2 cores
-    uv run benchmarks/survival.py --seeds 0 --steps 100 # a quick look
+    uv run benchmarks/survival/survival.py                       # 3 seeds, about 4 min on 2 cores
+    uv run benchmarks/survival/survival.py --seeds 0 --steps 100 # a quick look
 
 The main job's task (``synthetic_task.py``, the same as examples/quickstart.py's: the MLP, SGD with
 lr 0.05 and momentum 0.9 under a cosine schedule, batch 32 per worker, 600 steps, the iid split)
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from fault_runs import injected, run_workers
-from synthetic_task import make_data, make_model, split_data
 from torch import nn
 
+from benchmarks.harness.fault_runs import injected, run_workers
+from benchmarks.harness.synthetic_task import make_data, make_model, split_data
 from decent_optim_wrapper import DecentOptimWrapper
 
 TARGET_POINTS = 0.5

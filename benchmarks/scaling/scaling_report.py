@@ -13,7 +13,7 @@ Reads every ``emulated-*.json`` (and ``real-*.json``) that ``scaling.py`` wrote 
 4. predicts 64, 256 and 1024 nodes for a 125M- and a 1B-parameter model on a datacentre and an
    internet link (``--predict``), and 32 nodes beside the published decent-dp ratio.
 
-``uv run benchmarks/scaling_report.py`` (no root, no cluster; seconds to a minute).
+``uv run benchmarks/scaling/scaling_report.py`` (no root, no cluster; seconds to a minute).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ from decent_optim_wrapper.plan import (
 )
 from decent_optim_wrapper.topo import TopologyFactory
 
-RESULTS = Path(__file__).with_name("results") / "scaling"
-FIGURE = Path(__file__).resolve().parents[1] / "docs" / "figures" / "scaling.png"
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "scaling"
+FIGURE = Path(__file__).resolve().parents[2] / "docs" / "figures" / "scaling.png"
 #: Ranks of one node talk through the kernel's loopback: a fast link next to the shaped ones.
 LOOPBACK = Link(10e9, 20e-6)
 #: How two exchanges that overlap share a shaped link of the emulated cluster: the best fit of

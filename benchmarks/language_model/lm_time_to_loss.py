@@ -1,6 +1,6 @@
 """Time to reach DDP's loss on the language model: measured steps times predicted step time.
 
-    uv run benchmarks/lm_time_to_loss.py benchmarks/results/adam/lm-iid-{2,4,8,16}.json
+    uv run benchmarks/language_model/lm_time_to_loss.py benchmarks/results/adam/lm-iid-{2,4,8,16}.json
 
 Reads ``lm_convergence.py`` results run with ``--eval-every`` (files with the same DDP result, as
 ``--reuse`` copies it, are one run and merged), takes for
@@ -24,9 +24,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from lm_convergence import steps_to_reach
-from methods import parse_method
-
+from benchmarks.harness.methods import parse_method
+from benchmarks.language_model.lm_convergence import steps_to_reach
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 
 

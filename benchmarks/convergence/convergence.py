@@ -1,8 +1,8 @@
 """Convergence: does decentralized training reach the accuracy of all-reduce, on iid and on skewed data?
 
-    uv run benchmarks/convergence.py             # 8 local gloo workers, both splits, ~20 min on 2 cores
-    uv run benchmarks/convergence.py --splits iid --methods ring ring@bf16     # adds ddp itself
-    uv run benchmarks/convergence.py --splits dirichlet --methods ring-gt   # adds ring and ddp
+    uv run benchmarks/convergence/convergence.py      # 8 local gloo workers, both splits, ~20 min on 2 cores
+    uv run benchmarks/convergence/convergence.py --splits iid --methods ring ring@bf16     # adds ddp itself
+    uv run benchmarks/convergence/convergence.py --splits dirichlet --methods ring-gt   # adds ring and ddp
 
 Trains the main job's task (``synthetic_task.py``: 10 overlapping Gaussian clusters, an MLP; the
 same as examples/quickstart.py's) with ``runner.py``, methods named as in ``methods.py``, with the
@@ -60,10 +60,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from common import free_port
-from methods import Method, parse_method
-from runner import Result, run
-from synthetic_task import SPLITS, split_label
+
+from benchmarks.harness.common import free_port
+from benchmarks.harness.methods import Method, parse_method
+from benchmarks.harness.runner import Result, run
+from benchmarks.harness.synthetic_task import SPLITS, split_label
 
 METHODS = [
     "ring",

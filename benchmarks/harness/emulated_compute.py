@@ -13,8 +13,9 @@ from __future__ import annotations
 import time
 
 import torch
-from common import build_mlp
 from torch import nn
+
+from benchmarks.harness.common import build_mlp
 
 #: Rows of the batch the parameters actually see: enough for non-zero gradients, no noticeable CPU.
 ROWS = 8

@@ -1,6 +1,7 @@
 """Ratios to DDP over several runs (seeds) of ``lm_convergence.py``: each run, their mean and worst.
 
-    uv run benchmarks/lm_seeds.py benchmarks/results/adam/lm-iid-4-h8-seed*-h200cpu.json --target 1.05
+    uv run benchmarks/language_model/lm_seeds.py benchmarks/results/adam/lm-iid-4-h8-seed*-h200cpu.json \\
+        --target 1.05
 
 One run's validation losses are only comparable with that run's DDP: a seed changes the model's
 initialization and every rank's batch order, and on this task it moves DDP's own loss by 1-2%. So
@@ -16,8 +17,8 @@ import argparse
 import statistics
 from pathlib import Path
 
-from lm_time_to_loss import merged_runs
-from methods import LOCAL_MOMENT_SUFFIX
+from benchmarks.harness.methods import LOCAL_MOMENT_SUFFIX
+from benchmarks.language_model.lm_time_to_loss import merged_runs
 
 
 def ratios_by_method(paths: list[Path]) -> tuple[int, dict[str, list[float]]]:

@@ -1,8 +1,8 @@
 """Low-communication gossip on an emulated slow link: a step time against DDP and periodic averaging.
 
-    sudo uv run --group bench benchmarks/low_comm_cluster.py [--json PATH]     # ~9 min on the 2-core VM
+    sudo uv run --group bench benchmarks/low_communication/low_comm_cluster.py [--json PATH]  # 9 min, 2 cores
 
-Two nodes (network namespaces on a bridge, ``cluster.py``'s ``Cluster``), one worker each. The link
+Two nodes (network namespaces on a bridge, ``emulated_cluster.py``'s ``Cluster``), one worker each. The link
 is shaped so that one uncompressed model exchange takes ``--exchange-steps`` (8) times one step's
 compute, measured first in this process (an MLP 512-1024-1024-10, 1.59M fp32 parameters, batch
 512, AdamW, one thread): per-step methods cannot hide such an exchange, and ``sync_every=8`` is
@@ -43,9 +43,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from cluster import Cluster, measure_link, ready_to_emulate, stop, summarize
-from common import build_mlp
 from torch import nn
+
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.emulated_cluster import Cluster, measure_link, ready_to_emulate, stop, summarize
 
 WORKER = Path(__file__).with_name("low_comm_cluster_worker.py")
 METHODS = [

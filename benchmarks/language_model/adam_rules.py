@@ -1,9 +1,9 @@
 """Second-moment rules for Adam under averaging, compared in one process (no process group).
 
-    uv run benchmarks/adam_rules.py --workers 4                  # ~6 min on one core
-    uv run benchmarks/adam_rules.py --workers 8 --rules ddp local momentum
-    uv run benchmarks/adam_rules.py --workers 4 --gossip ring    # the library's ring instead of exact
-    uv run benchmarks/adam_rules.py --workers 8 --gossip ring --blocking --rules momentum-abs
+    uv run benchmarks/language_model/adam_rules.py --workers 4                # ~6 min on one core
+    uv run benchmarks/language_model/adam_rules.py --workers 8 --rules ddp local momentum
+    uv run benchmarks/language_model/adam_rules.py --workers 4 --gossip ring  # the library's ring, not exact
+    uv run benchmarks/language_model/adam_rules.py --workers 8 --gossip ring --blocking --rules momentum-abs
 
 Simulates ``--workers`` replicas of the language model of ``lm_task.py`` in one process, each with its
 own AdamW (written out here, not torch's) and its own data (as ``lm_convergence.py`` samples it), for
@@ -36,9 +36,9 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
 from torch.func import functional_call
 
+from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
 from decent_optim_wrapper import TopologyFactory
 
 RULES = (

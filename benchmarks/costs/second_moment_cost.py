@@ -17,7 +17,7 @@ printed as ratios of numbers taken in the same run:
     (temporaries included), not the allocator's cache. Target: ``average`` at most one state
     tensor (the model's size) over ``local``.
 
-Run: ``uv run benchmarks/second_moment_cost.py`` (about two minutes on 2 cores); ``--json PATH``
+Run: ``uv run benchmarks/costs/second_moment_cost.py`` (about two minutes on 2 cores); ``--json PATH``
 saves the results.
 """
 
@@ -35,9 +35,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import build_mlp, collect_from_ranks
 from torch import nn
 
+from benchmarks.harness.common import build_mlp, collect_from_ranks
 from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine.second_moment import SecondMomentRule
 

@@ -1,4 +1,4 @@
-"""One rank of ``benchmarks/hsdp.py``: decentralized HSDP against torch's HSDP, memory or step time.
+"""One rank of ``benchmarks/hsdp/hsdp.py``: decentralized HSDP against torch's HSDP, memory or step time.
 
 Two modes:
 
@@ -8,7 +8,7 @@ Two modes:
   Configurations: ``whole`` (``DecentOptimWrapper`` without a mesh: every rank a whole replica),
   ``gossip-hsdp`` (FSDP2 over the ``"shard"`` mesh dimension, gossip along ``"replicate"``) and
   ``torch-hsdp`` (FSDP2 over the 2-D mesh); ``@bf16`` after a gossip one compresses its gossip.
-* otherwise the rank of an emulated cluster that ``cluster.py`` starts (``cluster.run_workers``):
+* otherwise the rank of an emulated cluster that ``emulated_cluster.run_workers`` starts:
   ``cluster_worker.py``'s rounds, timing and output, with its model building replaced by the HSDP
   methods below. The world is ``--world-size / --local-world-size`` nodes (replicas) of
   ``--local-world-size`` ranks (shards), so a shard group is a node and a replicate group holds one
@@ -30,15 +30,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import cluster_worker
 import torch
 import torch.distributed as dist
-from cluster_worker import COLLECTIVE_TIMEOUT, COMPRESSIONS, parse_gossip_method
-from common import build_mlp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
+from benchmarks.harness import cluster_worker
+from benchmarks.harness.cluster_worker import COLLECTIVE_TIMEOUT, COMPRESSIONS, parse_gossip_method
+from benchmarks.harness.common import build_mlp
 from decent_optim_wrapper import DecentOptimWrapper
 
 MEMORY_KINDS = ("whole", "gossip-hsdp", "torch-hsdp")

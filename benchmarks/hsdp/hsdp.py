@@ -24,11 +24,11 @@ the link between nodes is the bottleneck. Two parts, in one run:
    to give it back when freed; with its adaptive default the memory FSDP2 frees stays in the heap and
    every configuration's RSS grows step after step, to ~2x its tensors.
 2. Emulated cluster (needs root; without it, it says so and exits 0): ``--nodes`` network namespaces
-   on a bridge (``cluster.Cluster``), every node's link shaped with ``tc tbf`` to ``--bandwidth`` both
-   ways, ``--shards`` ranks per node talking to each other over the node's own address (loopback,
+   on a bridge (``emulated_cluster.Cluster``), every node's link shaped with ``tc tbf`` to ``--bandwidth``
+   both ways, ``--shards`` ranks per node talking to each other over the node's own address (loopback,
    unshaped). Global ranks ``shards * n ...`` live on node ``n``; the mesh is (nodes, shards), so the
    shard groups are the nodes and each replicate group has one rank per node. Forward and backward
-   are sleeps (``emulated.EmulatedMLP``: real parameters, bytes, collectives and optimizer steps), so
+   are sleeps (``emulated_compute.EmulatedMLP``: real parameters, bytes, collectives and optimizer steps), so
    that 8 processes fit on 2 cores. Methods: ``fsdp`` (sharded inside the node, replicas never talk:
    the floor), ``torch-hsdp``, and gossip HSDP ``topology[@compression]``. Per method: median step
    time, torch's HSDP's over it, a rank's CPU per step, and the bytes per step each rank sends over
@@ -51,11 +51,12 @@ all-reduce during backward, as FSDP2 all-reduces each layer's shard), ``fsdp`` a
 step; FSDP2's intra-node work is not in it, so a second column adds the measured ``fsdp`` step's
 excess over the compute as per-step overhead.
 
-    uv run benchmarks/hsdp.py                       # both parts (the cluster one needs root)
-    uv run benchmarks/hsdp.py --part memory --json memory.json
+    uv run benchmarks/hsdp/hsdp.py                       # both parts (the cluster one needs root)
+    uv run benchmarks/hsdp/hsdp.py --part memory --json memory.json
 
 The default run takes about 7 minutes on a 2-core VM (memory ~2.5, cluster ~4.5); every run of
-workers has a deadline, and the namespaces are removed on exit, error or Ctrl-C (``cluster.Cluster``).
+workers has a deadline, and the namespaces are removed on exit, error or Ctrl-C
+(``emulated_cluster.Cluster``).
 """
 
 from __future__ import annotations
@@ -72,11 +73,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cluster import Cluster, measure_link, rate_bits, ready_to_emulate, run_workers, stop
-from cluster_worker import COMPRESSIONS, parse_gossip_method
-from common import free_port
-from emulated import ROWS
-
+from benchmarks.harness.cluster_worker import COMPRESSIONS, parse_gossip_method
+from benchmarks.harness.common import free_port
+from benchmarks.harness.emulated_cluster import (
+    Cluster,
+    measure_link,
+    rate_bits,
+    ready_to_emulate,
+    run_workers,
+    stop,
+)
+from benchmarks.harness.emulated_compute import ROWS
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 
 WORKER = Path(__file__).with_name("hsdp_worker.py")
@@ -202,7 +209,7 @@ def memory_part(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def worker_namespace(args: argparse.Namespace) -> argparse.Namespace:
-    """The fields ``cluster.run_workers`` reads: nodes, ranks per node (the shards), rounds, methods."""
+    """What ``emulated_cluster.run_workers`` reads: nodes, ranks per node (the shards), rounds, methods."""
     return argparse.Namespace(
         nodes=args.nodes,
         workers_per_node=args.shards,
@@ -215,7 +222,7 @@ def worker_namespace(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def worker_flags(args: argparse.Namespace) -> list[str]:
-    """``cluster_worker``'s flags that ``cluster.worker_command`` does not pass: the emulated model."""
+    """``cluster_worker``'s flags that ``emulated_cluster.worker_command`` leaves out: the emulated model."""
     flags = ["--inputs", args.inputs, "--width", args.width, "--depth", args.depth, "--compute", "emulated"]
     flags += ["--compute-ms", args.compute_ms, "--forward-fraction", args.forward_fraction]
     return [str(f) for f in flags]

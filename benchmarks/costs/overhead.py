@@ -45,7 +45,7 @@ Each process uses ``--threads`` torch threads (default 1). On a small shared VM 
 memory pass waits for its slowest thread at every kernel, so with more threads than idle cores the
 numbers measure the scheduler; the copy it is compared with always uses the same threads.
 
-Run: ``uv run benchmarks/overhead.py`` (about a minute on 2 cores); ``--json PATH`` saves results.
+Run: ``uv run benchmarks/costs/overhead.py`` (about a minute on 2 cores); ``--json PATH`` saves results.
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import build_mlp, collect_from_ranks
 from torch import nn
 
+from benchmarks.harness.common import build_mlp, collect_from_ranks
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.engine.comm import ProcessGroups, group_layout
 from decent_optim_wrapper.engine.compression import CompressionPlan, resolve_compression

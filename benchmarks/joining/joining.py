@@ -1,10 +1,10 @@
 """What a live join costs: the members' pause per admission, a joiner's time to its first step, the
 transfer against the link, and the per-step cost of a job open to joiners.
 
-    uv run benchmarks/joining.py                                   # local CPU workers, about 4 min
-    uv run benchmarks/joining.py --ranks 4 8 --params 1e6 --json /tmp/joining.json
-    sudo uv run benchmarks/joining.py --links 100mbit 1gbit --sizes-mb 1 10 100   # emulated cluster
-    sudo uv run benchmarks/joining.py --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause there
+    uv run benchmarks/joining/joining.py                           # local CPU workers, about 4 min
+    uv run benchmarks/joining/joining.py --ranks 4 8 --params 1e6 --json /tmp/joining.json
+    sudo uv run benchmarks/joining/joining.py --links 100mbit 1gbit --sizes-mb 1 10 100   # emulated cluster
+    sudo uv run benchmarks/joining/joining.py --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause there
 
 Every job is a set of worker processes (this script with ``--worker``) around a store this script
 hosts. A worker trains an MLP of ``--params`` fp32 parameters with AdamW (``DecentOptimWrapper``,
@@ -22,7 +22,7 @@ the end of every step. Parts:
 - *overhead* (``--overhead-ranks``): the same job without joins, ``on_peer_failure="raise"``,
   ``"continue"`` without ``init_elastic``, and ``"continue"`` open to joiners, interleaved
   ``--rounds`` times: median step time of each over that of ``"raise"``.
-- *link* (``--links``, needs root): the emulated cluster of ``cluster.py`` (one namespace per node,
+- *link* (``--links``, needs root): the emulated cluster (``emulated_cluster.py``: one namespace per node,
   ``tc tbf`` on every link): 4 nodes, a joiner on a fifth, replicas of ``--sizes-mb`` megabytes;
   the receive time against bytes / link rate.
 """
@@ -116,8 +116,8 @@ def free_port() -> int:
 
 class Placement:
     """Where a job's processes run: on this machine's loopback, or each worker in a namespace of its
-    own on the emulated cluster (``cluster.py``; the store in node 0's, since the root namespace has
-    no address on the cluster's bridge)."""
+    own on the emulated cluster (``harness/emulated_cluster.py``; the store in node 0's, since the
+    root namespace has no address on the cluster's bridge)."""
 
     def __init__(self, cluster: Any = None) -> None:
         self.cluster = cluster
@@ -267,7 +267,7 @@ def overhead(args: argparse.Namespace) -> dict[str, float]:
 
 def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Transfer time against the link on the emulated cluster (one worker per namespace)."""
-    from cluster import Cluster, rate_bits
+    from benchmarks.harness.emulated_cluster import Cluster, rate_bits
 
     rows = []
     with Cluster(5) as cluster:
@@ -355,7 +355,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         placement = Placement()
         if args.cluster:
-            from cluster import Cluster
+            from benchmarks.harness.emulated_cluster import Cluster
 
             cluster = stack.enter_context(Cluster(max(args.ranks, default=0)))
             cluster.shape(args.cluster)

@@ -1,0 +1,325 @@
+"""An emulated cluster on one machine: network namespaces on a bridge, links shaped with ``tc tbf``.
+
+:class:`Cluster` builds ``nodes`` Linux network namespaces (``dow-n0``, ``dow-n1``, ...), each with one
+veth link to a bridge that lives in a namespace of its own (``dow-br``), addresses ``10.213.7.0/24``,
+and removes them on exit, error or Ctrl-C; :meth:`Cluster.shape` sets every link to one rate in both
+directions and :func:`measure_link` checks it with one TCP stream. :func:`run_workers` starts one
+process per rank inside its node's namespace (``cluster_worker.py``, or a script that takes its
+flags), waits for them within a deadline and :func:`summarize` pools their step times. Building it
+needs root: :func:`ready_to_emulate` says whether this process can.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PREFIX = "dow-"
+BRIDGE_NS = f"{PREFIX}br"
+SUBNET = "10.213.7"
+WORKER = Path(__file__).with_name("cluster_worker.py")
+
+
+def sh(*cmd: str, timeout: float = 20.0) -> str:
+    """Run a command (``ip``/``tc``), raise with its stderr if it fails."""
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
+    return done.stdout
+
+
+def remove_namespaces() -> None:
+    """Delete every namespace this script creates (their veths and qdiscs go with them)."""
+    names = [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
+    for name in names:
+        if name == BRIDGE_NS or (name.startswith(f"{PREFIX}n") and name[len(PREFIX) + 1 :].isdigit()):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
+
+
+class Cluster:
+    """``nodes`` namespaces on one bridge; a context manager that always removes them."""
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+
+    @staticmethod
+    def namespace(node: int) -> str:
+        return f"{PREFIX}n{node}"
+
+    @staticmethod
+    def ifname(node: int) -> str:
+        return f"dow{node}"
+
+    @staticmethod
+    def address(node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
+    def __enter__(self) -> Cluster:
+        remove_namespaces()  # leftovers of a run that was killed with SIGKILL
+        try:
+            sh("ip", "netns", "add", BRIDGE_NS)
+            sh("ip", "-n", BRIDGE_NS, "link", "add", "dowbr", "type", "bridge")
+            sh("ip", "-n", BRIDGE_NS, "link", "set", "dowbr", "up")
+            for node in range(self.nodes):
+                self._add_node(node)
+        except BaseException:
+            remove_namespaces()
+            raise
+        return self
+
+    def _add_node(self, node: int) -> None:
+        ns, dev, peer = self.namespace(node), self.ifname(node), f"dow{node}br"
+        sh("ip", "netns", "add", ns)
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        sh("ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", peer, "netns", BRIDGE_NS)
+        sh("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
+        sh("ip", "-n", ns, "link", "set", dev, "up")
+        sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "dowbr")
+        sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "up")
+
+    def __exit__(self, *exc: object) -> None:
+        remove_namespaces()
+
+    def shape(self, rate: str | None) -> None:
+        """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping."""
+        for node in range(self.nodes):
+            for ns, dev in ((self.namespace(node), self.ifname(node)), (BRIDGE_NS, f"dow{node}br")):
+                subprocess.run(
+                    ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
+                    capture_output=True,
+                    timeout=20,
+                )
+                if rate is not None:
+                    burst = max(64 * 1024, rate_bits(rate) // 8 // 250)  # 4 ms at the rate, >= a GSO packet
+                    sh(
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "tc",
+                        "qdisc",
+                        "add",
+                        "dev",
+                        dev,
+                        "root",
+                        "tbf",
+                        "rate",
+                        rate,
+                        "burst",
+                        str(burst),
+                        "latency",
+                        "100ms",
+                    )
+
+
+def rate_bits(rate: str) -> int:
+    """``"200mbit"`` -> 200_000_000."""
+    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
+    for unit, scale in units.items():
+        if rate.lower().endswith(unit):
+            return int(float(rate[: -len(unit)]) * scale)
+    raise ValueError(f"rate {rate!r}: use tc units such as 200mbit or 1gbit")
+
+
+LINK_RECEIVER = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2]))); server.settimeout(20)
+conn, _ = server.accept(); total = 0; start = None
+while chunk := conn.recv(1 << 20):
+    start = start or time.perf_counter(); total += len(chunk)
+print(total * 8 / (time.perf_counter() - start) / 1e6)
+"""
+LINK_SENDER = """
+import socket, sys, time
+for _ in range(100):
+    try: conn = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
+    except OSError: time.sleep(0.05)
+conn.sendall(bytes(int(sys.argv[3]))); conn.close()
+"""
+
+
+def measure_link(cluster: Cluster, megabytes: int, port: int) -> float:
+    """Mbit/s of one TCP stream from node 1 to node 0 (checks that the shaping works)."""
+    addr = cluster.address(0)
+    receiver = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", LINK_RECEIVER, addr, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        sh(
+            "ip",
+            "netns",
+            "exec",
+            cluster.namespace(1),
+            sys.executable,
+            "-c",
+            LINK_SENDER,
+            addr,
+            str(port),
+            str(megabytes * 10**6),
+            timeout=60,
+        )
+        out, _ = receiver.communicate(timeout=30)
+        return float(out)
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+
+
+def worker_command(
+    cluster: Cluster,
+    rank: int,
+    outdir: Path,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+    worker: Path = WORKER,
+) -> list[str]:
+    """``ip netns exec <node> python <worker> ...`` for ``rank``, ``extra`` flags appended.
+
+    ``worker``: a script that takes ``cluster_worker.py``'s flags (default: ``cluster_worker.py``).
+    """
+    options = {
+        "--rank": rank,
+        "--world-size": args.nodes * args.workers_per_node,
+        "--local-world-size": args.workers_per_node,
+        "--rounds": args.rounds,
+        "--batch": args.batch,
+        "--iters": args.iters,
+        "--warmup": args.warmup,
+        "--out": outdir / f"rank{rank}.json",
+    }
+    node = cluster.namespace(rank // args.workers_per_node)
+    flags = [str(item) for pair in options.items() for item in pair]
+    command = ["ip", "netns", "exec", node, sys.executable, str(worker), *flags]
+    return [*command, "--methods", *args.methods, *extra]
+
+
+def start_workers(
+    cluster: Cluster,
+    port: int,
+    outdir: Path,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+    worker: Path = WORKER,
+) -> list:
+    """One process per rank, each in its node's namespace, in its own session (killed as a group)."""
+    procs = []
+    for rank in range(args.nodes * args.workers_per_node):
+        env = dict(
+            os.environ,
+            MASTER_ADDR=cluster.address(0),
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=cluster.ifname(rank // args.workers_per_node),
+            OMP_NUM_THREADS="1",
+        )
+        with open(outdir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
+            cmd = worker_command(cluster, rank, outdir, args, extra, worker)
+            procs.append(
+                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            )
+    return procs
+
+
+def stop(procs: list) -> None:
+    """Kill the worker sessions this script started (by process group id)."""
+    for proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def run_workers(
+    cluster: Cluster,
+    port: int,
+    seconds: float,
+    args: argparse.Namespace,
+    extra: Sequence[str] = (),
+    keys: Sequence[str] | None = None,
+    worker: Path = WORKER,
+) -> dict | None:
+    """All methods, ``--rounds`` times, on every rank; per-method times of all ranks, or None on failure.
+
+    ``extra``: more worker flags; ``keys``: the worker's result keys (default: the methods; with
+    ``--scenarios``, ``scenario/method``); ``worker``: the script each rank runs. At the deadline the
+    workers are killed and the rounds that every rank finished are kept.
+    """
+    outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
+    procs = start_workers(cluster, port, outdir, args, extra, worker)
+    try:
+        deadline = time.monotonic() + seconds
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+        timed_out = time.monotonic() >= deadline and any(p.poll() is None for p in procs)
+        failed = [r for r, p in enumerate(procs) if p.poll() not in (0, None)]
+        stop(procs)
+        written = [outdir / f"rank{r}.json" for r in range(len(procs))]
+        if failed or not all(path.exists() for path in written):
+            status = f"timed out after {seconds:.0f} s before a round ended" if timed_out else "failed"
+            rank = failed[0] if failed else 0
+            tail = (outdir / f"rank{rank}.log").read_text()[-800:]
+            print(f"  rank(s) {failed or 'all'} {status}; rank {rank} log tail:\n{tail}", flush=True)
+            return None
+        ranks = [json.loads(path.read_text()) for path in written]
+    finally:
+        stop(procs)
+        shutil.rmtree(outdir, ignore_errors=True)
+    rounds = min(len(r["round_medians"]) for r in ranks)
+    if rounds < args.rounds:
+        print(
+            f"  timed out after {seconds:.0f} s: keeping the {rounds} of {args.rounds} rounds that every "
+            "rank finished"
+        )
+    return {key: summarize(key, ranks, rounds, args.iters) for key in keys or args.methods}
+
+
+def summarize(method: str, ranks: list[dict[str, Any]], rounds: int, iters: int) -> dict[str, Any]:
+    """Over all ranks' first ``rounds`` rounds of ``method``: median and mean step, each round's median.
+
+    Also each rank's bytes sent per step (None where the library does not count them), each rank's
+    mean step, and what the workers measured besides (``measured``: CPU seconds per rank and round,
+    rank 0's machine-wide busy seconds per round, per-step compute times with real compute).
+    """
+    pooled = [t for r in ranks for t in r["times"][method][: rounds * iters]]
+    measured: dict[str, list[Any]] = {}
+    for r in ranks:
+        for name, values in r.get("measured", {}).get(method, {}).items():
+            measured.setdefault(name, []).append(values[:rounds])
+    return {
+        "rank_means_s": [statistics.fmean(r["times"][method][: rounds * iters]) for r in ranks],
+        "measured": measured,
+        "params": ranks[0]["params"],
+        "median_s": statistics.median(pooled),
+        "mean_s": statistics.fmean(pooled),
+        "round_medians_s": [
+            statistics.median(r["round_medians"][i][method] for r in ranks) for i in range(rounds)
+        ],
+        "bytes_sent_per_step": [r["bytes_sent_per_step"][method] for r in ranks],
+    }
+
+
+def ready_to_emulate() -> bool:
+    """Whether this process can build the emulated cluster; says why not when it cannot.
+
+    When it can, SIGTERM becomes an exit, so the namespaces are removed (``finally`` / ``__exit__``).
+    """
+    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
+        print("skipped: needs root for network namespaces (and iproute2's ip and tc)")
+        return False
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    return True
