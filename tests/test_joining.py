@@ -209,7 +209,7 @@ def _inject_faults(plan: dict[str, Any], store: dist.Store, joining: bool) -> No
 
         growth.send_replica = send_or_die
     elif fault == "joiner killed" and joining and store.add("fault", 1) == 1:
-        growth.receive_replica = lambda *args: inject("kill")
+        growth.receive_payload = lambda *args: inject("kill")  # the donor is sending
     elif fault == "corrupted" and joining:
         unpack = growth.unpack
 

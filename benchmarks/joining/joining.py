@@ -18,13 +18,14 @@ the end of every step. Parts:
   ``engine.survival.pauses``) and its step that took longest around the join beyond its median
   step (what the member actually lost); the joiner's time from its process start to the end of its
   first step, split into start-up (interpreter, torch, model), waiting for admission, forming the
-  group, receiving the replica, checking it, and the first step.
+  group, waiting for the donor to pack its replica, receiving it, checking it, and the first step.
 - *overhead* (``--overhead-ranks``): the same job without joins, ``on_peer_failure="raise"``,
   ``"continue"`` without ``init_elastic``, and ``"continue"`` open to joiners, interleaved
   ``--rounds`` times: median step time of each over that of ``"raise"``.
 - *link* (``--links``, needs root): the emulated cluster (``emulated_cluster.py``: one namespace per node,
   ``tc tbf`` on every link): 4 nodes, a joiner on a fifth, replicas of ``--sizes-mb`` megabytes;
-  the receive time against bytes / link rate.
+  the time the payload took on the wire (from the donor's header to the last byte) against bytes /
+  link rate.
 """
 
 from __future__ import annotations
@@ -77,7 +78,17 @@ def worker(args: argparse.Namespace) -> None:
     after_front_end = time.time()
     ready = Path(args.out) / "ready"
     times = []
-    for step in range(opt.step_count, args.steps):
+    step = opt.step_count
+
+    def last_step() -> float:
+        """--steps; with --expect-join, also 10 steps past the admission, and no end before it (a
+        joiner takes seconds to start, more on a loaded machine: the job must still be there)."""
+        if not args.expect_join:
+            return args.steps
+        admission = opt.joined or (opt.peer_joins[0] if opt.peer_joins else None)
+        return float("inf") if admission is None else max(args.steps, admission.step + 10)
+
+    while step < last_step():
         begin = time.time()
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1000 * opt.rank + step))
         opt.zero_grad()
@@ -89,6 +100,7 @@ def worker(args: argparse.Namespace) -> None:
             ready.write_text("1")
         if args.expect_join and opt.joined is None and not opt.peer_joins and step >= args.join_after:
             time.sleep(0.25)  # until the joiner arrives (seconds to start): outside the steps' times
+        step += 1
     survival = opt.engine.survival
     result = {
         "rank": opt.rank,
@@ -240,14 +252,15 @@ def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
             "start_up_s": joiner["before_front_end"] - joiner["start"],
             "admission_s": seconds["admission"],
             "group_s": seconds["group"],
-            "transfer_s": seconds["transfer"],
+            "donor_s": seconds["donor"],  # the donor forming its side and packing its replica
+            "transfer_s": seconds["transfer"],  # the payload on the wire
             "verify_s": seconds["verify"],
             "first_step_s": first_step_end - joiner["after_front_end"],
             # building the front-end around the join: the engine in a world of its own, finding the
             # job again, loading the replica
             "construct_s": joiner["after_front_end"]
             - joiner["before_front_end"]
-            - sum(seconds[p] for p in ("admission", "group", "transfer", "verify")),
+            - sum(seconds[p] for p in ("admission", "group", "donor", "transfer", "verify")),
             "total_s": first_step_end - joiner["start"],
             "bytes": seconds["bytes"],
         },
@@ -287,7 +300,8 @@ def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
 def print_link_row(row: dict[str, Any]) -> None:
     ratio = row["transfer_s"] / row["ideal_s"]
     print(
-        f"{row['link']:>9} {row['megabytes']:8.1f} MB  transfer {row['transfer_s']:7.2f} s  "
+        f"{row['link']:>9} {row['megabytes']:8.1f} MB  donor packing {row['donor_s']:5.2f} s  "
+        f"transfer {row['transfer_s']:7.2f} s  "
         f"bytes/link {row['ideal_s']:7.2f} s  ratio {ratio:5.2f}",
         flush=True,
     )
@@ -335,7 +349,8 @@ def print_pause_row(world: int, entry: dict[str, Any]) -> None:
         f"(median {entry['pause_median_s']:.2f}), step lost {entry['step_lost_s']:.2f} s "
         f"(step {entry['member_step_s'] * 1e3:.0f} ms); joiner {joiner['total_s']:.1f} s to its first "
         f"step: start-up {joiner['start_up_s']:.1f}, admission {joiner['admission_s']:.2f}, group "
-        f"{joiner['group_s']:.2f}, transfer {joiner['transfer_s']:.2f} ({joiner['bytes'] / 1e6:.1f} MB), "
+        f"{joiner['group_s']:.2f}, donor packing {joiner['donor_s']:.2f}, "
+        f"transfer {joiner['transfer_s']:.2f} ({joiner['bytes'] / 1e6:.1f} MB), "
         f"verify {joiner['verify_s']:.2f}, the rest of the front-end {joiner['construct_s']:.2f}, "
         f"first step {joiner['first_step_s']:.2f}",
         flush=True,

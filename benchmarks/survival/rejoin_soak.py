@@ -377,7 +377,7 @@ def judge(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
             else None,
             **{
                 part: statistics.median([j["seconds"][part] for j in joined]) if joined else None
-                for part in ("admission", "group", "transfer", "verify")
+                for part in ("admission", "group", "donor", "transfer", "verify")
             },
             "first step": statistics.median([j["first_step_end"] - j["after_front_end"] for j in joined])
             if joined

@@ -48,7 +48,8 @@ from decent_optim_wrapper.engine.membership import Decision, Membership, PeerJoi
 from decent_optim_wrapper.engine.transfer import (
     TransferCorruptedError,
     pack,
-    receive_replica,
+    receive_header,
+    receive_payload,
     send_replica,
     unpack,
 )
@@ -81,8 +82,9 @@ class Growth:
         self._joins: list[PeerJoin] = []
         self._hooks: OrderedDict[int, JoinHook] = OrderedDict()
         self.joined: PeerJoin | None = None
-        #: Where a joiner's join spent its seconds ("admission", "group", "transfer", "verify") and
-        #: the replica's size in "bytes"; empty on a worker that started the job.
+        #: Where a joiner's join spent its seconds ("admission", "group", "donor" while the donor packs
+        #: its replica, "transfer" for the payload on the wire, "verify") and the replica's size in
+        #: "bytes"; empty on a worker that started the job.
         self.join_seconds: dict[str, float] = {}
 
     @property
@@ -258,7 +260,10 @@ class Growth:
                 wire(membership)
                 clock.append(time.perf_counter())
                 donor = verdict.members.index(verdict.donor)
-                data, digest = receive_replica(donor, _waiter("receiving a replica", timeout))
+                wait = _waiter("receiving a replica", timeout)
+                length, digest = receive_header(donor, wait)  # the donor has packed its replica
+                clock.append(time.perf_counter())
+                data = receive_payload(donor, length, wait)
                 clock.append(time.perf_counter())
                 payload = unpack(data, digest)
                 clock.append(time.perf_counter())
@@ -277,7 +282,7 @@ class Growth:
                 continue
             applicant.withdraw()  # the membership beats for this rank now
             self._received = dict(payload.get("user") or {})
-            phases = ("admission", "group", "transfer", "verify")
+            phases = ("admission", "group", "donor", "transfer", "verify")
             self.join_seconds = dict(zip(phases, (b - a for a, b in itertools.pairwise(clock)), strict=True))
             self.join_seconds["bytes"] = float(len(data))
             return membership, verdict, payload

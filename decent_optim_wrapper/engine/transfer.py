@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import DecentError
 
-__all__ = ["TransferCorruptedError", "pack", "receive_replica", "send_replica", "unpack"]
+__all__ = ["TransferCorruptedError", "pack", "receive_header", "receive_payload", "send_replica", "unpack"]
 
 #: Header: the payload's length (8 bytes, little-endian) and its SHA-256 digest (32 bytes).
 _HEADER_BYTES = 40
@@ -76,13 +76,17 @@ def send_replica(data: torch.Tensor, digest: bytes, joiners: Sequence[int], wait
         wait([dist.isend(chunk, dst=joiner) for joiner in joiners])
 
 
-def receive_replica(donor: int, wait: Wait) -> tuple[torch.Tensor, bytes]:
-    """Receive a packed payload from rank ``donor``: the bytes and the digest its donor computed."""
+def receive_header(donor: int, wait: Wait) -> tuple[int, bytes]:
+    """Wait for rank ``donor``'s header (it comes once the donor has packed its replica): the
+    payload's length and the digest its donor computed."""
     header = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
     wait([dist.irecv(header, src=donor)])
-    length = int.from_bytes(bytes(header[:8].tolist()), "little")
-    digest = bytes(header[8:].tolist())
+    return int.from_bytes(bytes(header[:8].tolist()), "little"), bytes(header[8:].tolist())
+
+
+def receive_payload(donor: int, length: int, wait: Wait) -> torch.Tensor:
+    """Receive the ``length`` bytes of payload that follow rank ``donor``'s header."""
     data = torch.empty(length, dtype=torch.uint8)
     for start in range(0, length, CHUNK_BYTES):
         wait([dist.irecv(data[start : start + CHUNK_BYTES], src=donor)])
-    return data, digest
+    return data

@@ -1,0 +1,269 @@
+"""Losing workers and getting them back: live join against a run without failures and a restart.
+
+    sudo uv run benchmarks/joining/grow_back.py                      # 8 nodes of the emulated cluster, ~5 min
+    uv run benchmarks/joining/grow_back.py --local --workers 4 --steps 80 --lose-at 30   # loopback, no root
+
+The same training runs three ways (AdamW on an MLP of ``--params`` fp32 parameters, ring,
+``--step-time`` of emulated compute per step, each rank its own seeded batches; worker ``i`` on
+node ``i`` of ``cluster.py``'s emulated cluster, links shaped to ``--link``, the store on node 0):
+
+- *steady*: ``--workers`` workers, no failure, ``--steps`` steps.
+- *grow back*: the same, open to joiners (``init_elastic``, ``on_peer_failure="continue"``); after
+  step ``--lose-at`` the last two ranks kill themselves (SIGKILL with their round in flight); the
+  launcher restarts each on its node at once with the same command; the members go on without
+  them, and the new processes join from a member's replica.
+- *restart*: ``on_peer_failure="raise"``; every rank writes a checkpoint
+  (``DecentOptimWrapper.state_dict()``) every ``--checkpoint-every`` steps; the same two ranks die
+  at the same step; the survivors fail, and the launcher, as torchrun's elastic agent does, stops
+  every worker and starts them all again from the last checkpoint all ranks wrote.
+
+Reported per run: the time from launch to the end of step ``--steps`` on the last rank, the steps
+computed again (restart), and the final loss (the global average's loss on a fixed probe set). The
+restart resumes bit for bit, so its loss equals the steady run's; grow back's differs by what the
+two joiners' copies of their donors change in the mean (docs/joining.md, "The mean").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from benchmarks.joining.joining import Placement
+
+HERE = Path(__file__).resolve()
+SCENARIOS = ("steady", "grow-back", "restart")
+LOST = 2  # ranks lost at --lose-at
+
+
+# -- the worker ----------------------------------------------------------------------------------------
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    from decent_optim_wrapper import DecentOptimWrapper, init_elastic
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    elastic = args.scenario == "grow-back"
+    if elastic:
+        init_elastic(store, rank, world, job="grow-back")
+    else:  # each start of the job forms its group under a prefix of its own
+        prefixed = dist.PrefixStore(f"start-{args.attempt}", store)
+        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
+    width = int(args.params**0.5)
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(32, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 4)
+    )
+    teacher = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    options: dict[str, Any] = {"timeout": timedelta(seconds=args.timeout)}
+    if elastic:
+        options |= {"on_peer_failure": "continue", "store": store}
+    opt = DecentOptimWrapper(torch.optim.AdamW(model.parameters(), lr=args.lr), topology="ring", **options)
+    out = Path(args.out)
+    if args.resume_step:
+        opt.load_state_dict(torch.load(out / f"ckpt-{rank}-{args.resume_step}.pt", weights_only=False))
+    loss_fn = nn.MSELoss()
+    waited = 0.0
+    for t in range(opt.step_count, args.steps):
+        x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1000 * opt.rank + t))
+        opt.zero_grad()
+        loss_fn(model(x), torch.tanh(x @ teacher)).backward()
+        opt.step()
+        time.sleep(args.step_time)  # the rest of a step's compute
+        dying = args.scenario != "steady" and args.attempt == 0 and opt.joined is None
+        if dying and t == args.lose_at and opt.rank >= world - LOST:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if elastic and opt.world_size < world and t >= args.steps - 10:
+            # Do not finish before the lost workers are back (a restart takes seconds): slow the
+            # last steps down until they are admitted. Counted, and printed with the figures.
+            time.sleep(0.25)
+            waited += 0.25
+        if args.scenario == "restart" and (t + 1) % args.checkpoint_every == 0:
+            path = out / f"ckpt-{rank}-{t + 1}.pt"
+            torch.save(opt.state_dict(), path.with_suffix(".part"))
+            path.with_suffix(".part").replace(path)  # complete or absent
+    end = time.time()
+    opt.global_avg(may_revert=False)
+    probe = torch.randn(1024, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        final_loss = loss_fn(model(probe), torch.tanh(probe @ teacher)).item()
+    result = {
+        "rank": opt.rank,
+        "end": end,
+        "final_loss": final_loss,
+        "joined": opt.joined is not None,
+        "world_size": opt.world_size,
+        "waited_s": waited,
+    }
+    (out / f"result-{args.attempt}-{os.getpid()}.json").write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+# -- the launcher --------------------------------------------------------------------------------------
+def run(scenario: str, args: argparse.Namespace, placement: Placement) -> dict[str, Any]:
+    """One run of ``scenario``, as a launcher runs it; its time to the last step and final loss."""
+    out = Path(tempfile.mkdtemp(prefix=f"dow-grow-back-{scenario}-"))
+    command = [sys.executable, str(HERE), "--worker", "--scenario", scenario, "--out", str(out)]
+    for name in ("params", "steps", "lose_at", "checkpoint_every", "step_time", "timeout", "lr"):
+        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    procs: dict[int, subprocess.Popen] = {}  # node -> its current process
+    restarts, recomputed, starts = 0, 0, 0
+    with placement.store() as (host, port):
+
+        def start(node: int, attempt: int = 0, resume_step: int = 0) -> None:
+            nonlocal starts
+            starts += 1
+            env = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(node))
+            env |= {"WORLD_SIZE": str(args.workers), "OMP_NUM_THREADS": "1", **placement.env(node)}
+            log = open(out / f"log-{node}-{attempt}-{starts}.txt", "w")  # noqa: SIM115 -- the child's
+            extra = ["--attempt", str(attempt), "--resume-step", str(resume_step)]
+            procs[node] = subprocess.Popen(
+                [*placement.launcher(node), *command, *extra], env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+        began = time.time()
+        for node in range(args.workers):
+            start(node)
+        attempt, deadline = 0, time.monotonic() + args.deadline_s
+        try:
+            while any(p.poll() is None for p in procs.values()):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{scenario}: the run passed {args.deadline_s} s: logs in {out}")
+                failed = [n for n, p in procs.items() if p.poll() not in (None, 0)]
+                if failed and scenario == "grow-back":
+                    for node in failed:  # bring the node back: the new process joins the running job
+                        restarts += 1
+                        start(node)
+                elif failed and scenario == "restart" and attempt == 0:
+                    for (
+                        proc
+                    ) in procs.values():  # as torchrun's agent: stop everyone, restart from a checkpoint
+                        if proc.poll() is None:
+                            proc.kill()
+                        proc.wait()
+                    resume_step = max(
+                        (
+                            s
+                            for s in range(0, args.steps + 1, args.checkpoint_every)
+                            if s and complete(out, s, args)
+                        ),
+                        default=0,
+                    )
+                    recomputed = args.lose_at + 1 - resume_step
+                    attempt, restarts = 1, args.workers
+                    for node in range(args.workers):
+                        start(node, attempt, resume_step)
+                elif failed:
+                    raise RuntimeError(f"{scenario}: a worker failed (nodes {failed}): logs in {out}")
+                time.sleep(0.05)
+            if any(p.returncode != 0 for p in procs.values()):
+                raise RuntimeError(f"{scenario}: a worker failed at the end: logs in {out}")
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+    results = [json.loads(p.read_text()) for p in out.glob(f"result-{attempt}-*.json")]
+    if len(results) != args.workers:
+        raise RuntimeError(f"{scenario}: {len(results)} of {args.workers} workers finished: logs in {out}")
+    return {
+        "scenario": scenario,
+        "seconds": max(r["end"] for r in results) - began,
+        "final_loss": results[0]["final_loss"],
+        "losses_identical": len({r["final_loss"] for r in results}) == 1,
+        "processes_restarted": restarts,
+        "steps_recomputed": recomputed,
+        "joiners": sum(r["joined"] for r in results),
+        "final_world_size": min(r["world_size"] for r in results),
+        "waited_for_joiners_s": max(r["waited_s"] for r in results),
+    }
+
+
+def complete(out: Path, step: int, args: argparse.Namespace) -> bool:
+    """Whether every rank wrote its checkpoint of ``step``."""
+    return all((out / f"ckpt-{rank}-{step}.pt").exists() for rank in range(args.workers))
+
+
+# -- main ----------------------------------------------------------------------------------------------
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--scenario", choices=SCENARIOS, default="steady", help=argparse.SUPPRESS)
+    parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--resume-step", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--params", type=int, default=250_000, help="parameters of the model (fp32)")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lose-at", type=int, default=140, help="the step after which two ranks die")
+    parser.add_argument(
+        "--checkpoint-every", type=int, default=50, help="steps between checkpoints (restart)"
+    )
+    parser.add_argument("--step-time", type=float, default=0.05, help="seconds of emulated compute per step")
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--timeout", type=float, default=10.0, help="the engine's timeout, seconds")
+    parser.add_argument("--link", default="1gbit", help="tc rate of every link of the emulated cluster")
+    parser.add_argument("--local", action="store_true", help="run on loopback instead (no root)")
+    parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--deadline-s", type=float, default=600.0, help="deadline of one run")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    if not args.worker and not 0 <= args.lose_at < args.steps - 1:
+        parser.error(
+            f"--lose-at must be a step before the last, got {args.lose_at} with --steps {args.steps}"
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        worker(args)
+        return
+    rows = []
+    if args.local:
+        for scenario in args.scenarios:
+            rows.append(run(scenario, args, Placement()))
+            print_row(rows[-1], rows[0])
+    else:
+        from benchmarks.harness.emulated_cluster import Cluster, ready_to_emulate
+
+        if not ready_to_emulate():
+            return
+        with Cluster(args.workers) as cluster:
+            cluster.shape(args.link)
+            for scenario in args.scenarios:
+                rows.append(run(scenario, args, Placement(cluster)))
+                print_row(rows[-1], rows[0])
+    if args.json:
+        setup = {k: getattr(args, k) for k in ("workers", "params", "steps", "lose_at", "checkpoint_every")}
+        figures = {**setup, "link": None if args.local else args.link, "cpus": os.cpu_count(), "runs": rows}
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+def print_row(row: dict[str, Any], first: dict[str, Any]) -> None:
+    time_ratio, loss_ratio = row["seconds"] / first["seconds"], row["final_loss"] / first["final_loss"]
+    print(
+        f"{row['scenario']:>9}: {row['seconds']:6.1f} s to the last step ({time_ratio:.2f}x of "
+        f"{first['scenario']}), final loss {row['final_loss']:.6f} ({loss_ratio:.4f}x), "
+        f"processes restarted {row['processes_restarted']}, steps computed again {row['steps_recomputed']}, "
+        f"joiners {row['joiners']}, waited for them {row['waited_for_joiners_s']:.2f} s",
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    main()
