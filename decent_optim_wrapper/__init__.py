@@ -32,7 +32,7 @@ from decent_optim_wrapper.engine import (
     PeerFailureError,
     PeerJoin,
 )
-from decent_optim_wrapper.launch import init_elastic, initialize_dist
+from decent_optim_wrapper.launch import init_elastic, initialize_dist, node_mesh
 from decent_optim_wrapper.metrics import consensus_distance
 from decent_optim_wrapper.optim import (
     LR_SCHEDULER_FN_TYPE,
@@ -93,6 +93,7 @@ __all__ = [
     "consensus_distance",
     "init_elastic",
     "initialize_dist",
+    "node_mesh",
     "lr_scheduler_fn_cosine_with_warmup",
     "optim_fn_accum_adam",
     "optim_fn_accum_adamw",

@@ -10,7 +10,10 @@ laptop.
 :func:`init_elastic` (or ``initialize_dist(elastic=True)``) starts a job that workers may join while
 it runs: the workers that start together form the default group as usual; a worker started later
 with the same command finds the job running in the store, and its front-end (built with
-``on_peer_failure="continue"``) joins it (:mod:`~decent_optim_wrapper.engine.admission`).
+``on_peer_failure="continue"``) joins it (:mod:`~decent_optim_wrapper.engine.admission`). With
+``shards=k`` each node's ``k`` processes form the default group and shard a replica over it
+(:func:`node_mesh`), and the engine gossips along the job's replicas over groups of its own
+(:mod:`~decent_optim_wrapper.engine.replicas`).
 """
 
 from __future__ import annotations
@@ -23,10 +26,12 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from decent_optim_wrapper.engine.admission import enter_job, job_running
+from decent_optim_wrapper.engine.admission import current_job, enter_job, job_running
+from decent_optim_wrapper.engine.replicas import ReplicaWorld
 
-__all__ = ["init_elastic", "initialize_dist"]
+__all__ = ["init_elastic", "initialize_dist", "node_mesh"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,7 @@ def init_elastic(
     *,
     job: str | None = None,
     timeout: timedelta = timedelta(minutes=10),
+    shards: int | None = None,
 ) -> bool:
     """Start a worker of a job that grows and shrinks: form the default group, or prepare to join.
 
@@ -150,6 +156,12 @@ def init_elastic(
         rank, world_size: this worker's place among the workers that start the job.
         job: the job's name in the store; default ``$TORCHELASTIC_RUN_ID``, else ``"default"``.
         timeout: the default group's timeout.
+        shards: decentralized HSDP: processes per node, each replica sharded over one node's
+            (ranks ``node * shards`` to ``node * shards + shards - 1``). The default group is then
+            the node (build the mesh to shard over with :func:`node_mesh`), and the front-end gossips
+            each shard along the replicas (rank ``s`` of every node) without ``device_mesh``.
+            Such a job does not survive a lost peer nor admit joiners yet
+            (``on_peer_failure="raise"``).
 
     Returns:
         True if this worker joins a running job, False if it starts the job.
@@ -170,6 +182,14 @@ def init_elastic(
         )
     found = job_running(store, name)
     joining = found is not None
+    if shards is not None:
+        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
+            raise ValueError(f"shards must be an int >= 1 (processes per node), got {shards!r}.")
+        if joining:
+            raise ValueError(
+                f"job {name!r} is running, and a job started with shards= does not admit joiners yet; "
+                "start the job afresh (all its workers), resuming from a checkpoint."
+            )
     if not joining:
         for arg, value, least in (("world_size", world_size, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -179,6 +199,12 @@ def init_elastic(
                 f"rank={rank} must be < world_size={world_size}: no job {name!r} is running in the store, so "
                 "this worker is one of the world_size workers that start it (ranks 0 to world_size-1)."
             )
+        if shards is not None and world_size % shards:
+            raise ValueError(
+                f"world_size={world_size} must be a multiple of shards={shards}: the job is made of "
+                "nodes of shards processes each."
+            )
+    replicas = None
     if joining:
         # A world of its own until the members admit it: the model and front-end build locally.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
@@ -187,9 +213,31 @@ def init_elastic(
         # start's (a job run again on a store that stays up), whose addresses are stale.
         launch = (int(store.add(f"decent-optim-wrapper/jobs/{name}/starts", 1)) - 1) // world_size
         keys = PrefixStore(f"decent-optim-wrapper/jobs/{name}/start/{launch}", store)
-        dist.init_process_group("gloo", store=keys, rank=rank, world_size=world_size, timeout=timeout)
-    enter_job(store, name, found)
+        if shards is None:
+            dist.init_process_group("gloo", store=keys, rank=rank, world_size=world_size, timeout=timeout)
+        else:  # the node is the default group; the shard worlds are the engine's (engine/replicas.py)
+            node, shard = divmod(rank, shards)
+            node_keys = PrefixStore(f"node/{node}", keys)
+            dist.init_process_group("gloo", store=node_keys, rank=shard, world_size=shards, timeout=timeout)
+            shard_keys = PrefixStore(f"shard/{shard}", keys)
+            replicas = ReplicaWorld.form(shard_keys, shards, shard, node, world_size // shards, timeout)
+    enter_job(store, name, found, replicas)
     return joining
+
+
+def node_mesh(device_type: str = "cpu") -> DeviceMesh:
+    """The 1-D device mesh over this node's processes (dimension ``"shard"``), to shard a replica over
+    in a job started with ``init_elastic(..., shards=k)``: ``fully_shard(module, mesh=node_mesh())``.
+
+    .. warning:: A collective of the node: its ``k`` processes must call it.
+    """
+    job = current_job()
+    if job is None or job.replicas is None:
+        raise RuntimeError(
+            "node_mesh() needs a job started with init_elastic(..., shards=k), whose default process group "
+            "is the node; otherwise build the mesh with torch.distributed.device_mesh.init_device_mesh."
+        )
+    return init_device_mesh(device_type, (job.replicas.shards,), mesh_dim_names=("shard",))
 
 
 def initialize_dist(*, elastic: bool = False) -> tuple[int, int]:

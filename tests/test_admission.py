@@ -8,15 +8,18 @@ import threading
 import pytest
 import torch.distributed as dist
 
-from decent_optim_wrapper import init_elastic
+from decent_optim_wrapper import init_elastic, node_mesh
 from decent_optim_wrapper.engine.admission import (
     Admission,
+    JobInfo,
     JoinerWatch,
     JoinRequest,
     admit,
     encode,
     joiner_verdicts,
     mismatch,
+    publish_job,
+    run_prefix,
     slot_key,
 )
 
@@ -126,4 +129,32 @@ def test_init_elastic_checks_its_arguments_before_any_rendezvous():
         init_elastic("localhost:29500", 0, 2, job="x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="job must be a non-empty string"):
         init_elastic(store, 0, 2, job="")
+    with pytest.raises(ValueError, match=r"shards must be an int >= 1 \(processes per node\), got 0"):
+        init_elastic(store, 0, 4, job="x", shards=0)
+    with pytest.raises(ValueError, match="world_size=6 must be a multiple of shards=4"):
+        init_elastic(store, 0, 6, job="x", shards=4)
+    with pytest.raises(RuntimeError, match=r"node_mesh\(\) needs a job started with init_elastic"):
+        node_mesh()
+    assert not dist.is_initialized()
+
+
+def test_a_worker_started_with_shards_does_not_join_a_running_job():
+    store = dist.HashStore()
+    publish_job(store, "x", JobInfo("run-x", 4))
+    stop = threading.Event()
+
+    def members_beat() -> None:  # the members' shared heartbeat, as a live job's
+        while not stop.wait(0.05):
+            store.add(f"{run_prefix('run-x')}/alive", 1)
+
+    beat = threading.Thread(target=members_beat, daemon=True)
+    beat.start()
+    try:
+        with pytest.raises(
+            ValueError, match="job 'x' is running, and a job started with shards= does not admit"
+        ):
+            init_elastic(store, 0, 4, job="x", shards=2)
+    finally:
+        stop.set()
+        beat.join()
     assert not dist.is_initialized()

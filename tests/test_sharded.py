@@ -71,19 +71,26 @@ def _full(model: nn.Module) -> list[torch.Tensor]:
 
 def _sharded_run(replicas: int, shards: int, optim: str, variant: str, topology: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
-    rank = dist.get_rank()
+    gossip_along = {"device_mesh": mesh["replicate"]}
+    result = _shard_and_train(mesh["shard"], dist.get_rank(), optim, variant, topology, gossip_along)
+    return {"replica": mesh["replicate"].get_local_rank(), **result}
+
+
+def _shard_and_train(
+    shard_mesh: Any, rank: int, optim: str, variant: str, topology: str, gossip_along: dict[str, Any]
+) -> dict[str, Any]:
+    """FSDP2 over ``shard_mesh``, the wrapper (``gossip_along`` its keywords naming where it gossips),
+    ``STEPS`` steps on rank ``rank``'s batches of the job: what the checks compare."""
+    from torch.distributed.fsdp import fully_shard
+
     model = _model()
     for layer in (model[0], model[2]):
-        fully_shard(layer, mesh=mesh["shard"])
-    fully_shard(model, mesh=mesh["shard"])
+        fully_shard(layer, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
     optimizer = DecentOptimWrapper(
-        _optimizer(optim, model.parameters()),
-        topology=topology,
-        device_mesh=mesh["replicate"],
-        **_options(variant),
+        _optimizer(optim, model.parameters()), topology=topology, **gossip_along, **_options(variant)
     )
     _train(model, optimizer, lambda step: _batch(step, rank))
     before = [t.clone() for t in _full(model)]
@@ -94,7 +101,6 @@ def _sharded_run(replicas: int, shards: int, optim: str, variant: str, topology:
     optimizer.revert_global_avg()
     reverted = [p.to_local().clone() for p in model.parameters()]
     return {
-        "replica": mesh["replicate"].get_local_rank(),
         "gossip_rank": optimizer.rank,
         "world_size": optimizer.world_size,
         "local_world_size": optimizer.local_world_size,
@@ -160,6 +166,51 @@ def test_two_replicas_of_two_shards_equal_two_whole_replicas(pool, optim, varian
         assert sent > 0
         if variant == "plain":
             assert sent < rounds * 8 * result["shard_numel"] * 1.5  # a shard, not the whole model
+
+
+def _elastic_shards_run(
+    rank: int, port: int, workdir: str, nodes: int, shards: int, optim: str, variant: str
+) -> None:
+    """A job of nodes x shards started with init_elastic(shards=): the default group is the node,
+    FSDP2 shards over node_mesh(), and the wrapper finds the replicas by itself."""
+    from decent_optim_wrapper import init_elastic, node_mesh
+
+    store = dist.TCPStore("127.0.0.1", port, is_master=False)
+    assert init_elastic(store, rank, nodes * shards, job="hsdp", shards=shards) is False
+    assert (dist.get_world_size(), dist.get_rank()) == (shards, rank % shards)  # the node
+    result = _shard_and_train(node_mesh("cpu"), rank, optim, variant, "ring", {})
+    errors = {}
+    model = _model()
+    for name, options in (
+        ("device_mesh", {"device_mesh": node_mesh("cpu")}),
+        ("continue", {"on_peer_failure": "continue"}),
+    ):
+        try:
+            DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), **options)
+        except ValueError as err:
+            errors[name] = str(err)
+    torch.save({"replica": rank // shards, **result, "errors": errors}, f"{workdir}/elastic-{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("nodes", "shards", "optim", "variant"),
+    [(2, 2, "adamw", "plain"), (2, 2, "adamw", "local-steps"), (4, 1, "sgd", "tracking")],
+)
+def test_a_job_of_nodes_started_with_shards_equals_whole_replicas(
+    pool, tmp_path, nodes, shards, optim, variant
+):
+    # 4 nodes of 1: a ring of pairs, each rank forming its groups from the store in the shared order.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    args = (store.port, str(tmp_path), nodes, shards, optim, variant)
+    spawn(_elastic_shards_run, args, nprocs=nodes * shards, timeout=120)
+    sharded = [torch.load(tmp_path / f"elastic-{r}.pt", weights_only=False) for r in range(nodes * shards)]
+    reference = pool(nodes).run(_reference_run, shards, optim, variant, "ring")
+    _check_equal(sharded, reference, shards=shards)
+    for result in sharded:
+        assert result["local_world_size"] == 1
+        assert "gossips along the job's replicas by itself" in result["errors"]["device_mesh"]
+        assert "not available yet" in result["errors"]["continue"]
 
 
 def _eight_rank_runs(rank: int, workdir: str) -> None:

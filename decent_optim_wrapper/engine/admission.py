@@ -46,6 +46,7 @@ from typing import Any
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
+from decent_optim_wrapper.engine.replicas import ReplicaWorld
 
 __all__ = [
     "Applicant",
@@ -129,6 +130,8 @@ class ElasticJob:
     store: Store
     job: str
     found: JobInfo | None  # None: this process started the job
+    #: In a decentralized-HSDP job (``init_elastic(..., shards=k)``): this rank's shard world.
+    replicas: ReplicaWorld | None = None
 
     @property
     def joining(self) -> bool:
@@ -138,11 +141,11 @@ class ElasticJob:
 _context: ElasticJob | None = None
 
 
-def enter_job(store: Store, job: str, found: JobInfo | None) -> None:
-    """Record this process's elastic job and the running job it found, if any
-    (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
+def enter_job(store: Store, job: str, found: JobInfo | None, replicas: ReplicaWorld | None = None) -> None:
+    """Record this process's elastic job, the running job it found, if any, and its shard world in
+    a decentralized-HSDP job (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
     global _context
-    _context = ElasticJob(store, job, found)
+    _context = ElasticJob(store, job, found, replicas)
 
 
 def current_job() -> ElasticJob | None:

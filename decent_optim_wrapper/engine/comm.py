@@ -2,6 +2,8 @@
 the dtype collectives sum in, and how to wait for a collective without a host sync on accelerators.
 
 Every function here that communicates is a collective: all ranks must call it, in the same order.
+"All ranks" are those of the job's group (:func:`job_group`): the default process group, or in a
+decentralized-HSDP elastic job this rank's shard world (:mod:`~.replicas`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
+from decent_optim_wrapper.engine.admission import current_job
 from decent_optim_wrapper.engine.world import GossipWorld
 from decent_optim_wrapper.topo import Topology
 
@@ -27,6 +30,7 @@ __all__ = [
     "all_gather_pickled",
     "check_identical",
     "group_layout",
+    "job_group",
     "reduction_dtype",
     "wait_all",
 ]
@@ -71,6 +75,13 @@ def wait_all(
             raise failure(None)
 
 
+def job_group() -> dist.ProcessGroup | None:
+    """The group the engine agrees over: None (the default group), or in a job started with
+    ``init_elastic(..., shards=k)`` this rank's shard world, the default group being its node."""
+    job = current_job()
+    return None if job is None or job.replicas is None else job.replicas.group
+
+
 def agree(what: str, build_report: Callable[[], T]) -> list[T]:
     """Run ``build_report`` on every rank and gather all reports, failing together.
 
@@ -97,25 +108,26 @@ def agree(what: str, build_report: Callable[[], T]) -> list[T]:
 
 
 def all_gather_pickled(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, over the default process group.
+    """Every rank's ``obj`` (picklable), in rank order, over the job's group (:func:`job_group`).
 
     ``torch.distributed.all_gather_object`` needs NumPy, which this library does not depend on, so
     the bytes travel as uint8 tensors: first the lengths, then the payloads padded to the longest.
 
     .. warning:: This is a collective: all ranks must call it.
     """
+    group = job_group()
     device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
+    if group is None and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
-    world = dist.get_world_size()
+    world = dist.get_world_size() if group is None else group.size()
     lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device))
+    dist.all_gather(lengths, torch.tensor([payload.numel()], dtype=torch.int64, device=device), group=group)
     longest = max(int(n.item()) for n in lengths)
     padded = torch.zeros(longest, dtype=torch.uint8, device=device)
     padded[: payload.numel()] = payload
     chunks = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    dist.all_gather(chunks, padded)
+    dist.all_gather(chunks, padded, group=group)
     # Reports are a few kB (shapes and schedules), so a Python list round trip is cheap enough.
     return [
         pickle.loads(bytes(chunk[: int(n.item())].cpu().tolist()))
@@ -152,6 +164,9 @@ class ProcessGroups:
     :func:`group_layout` gives them), and keeps its own world's. Groups are looked up by the ranks of
     the gossip world (the topology's).
 
+    In a decentralized-HSDP elastic job (``world.replicas``) the groups are built from the store
+    instead (:mod:`~.replicas`), by their members only, and only this rank's gossip world's.
+
     .. warning:: Construction is a collective: all ranks must build it with the same ``layouts``.
     """
 
@@ -162,6 +177,9 @@ class ProcessGroups:
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         self.world: dist.ProcessGroup | None = None
         position = {g: r for r, g in enumerate(world.ranks)}
+        if world.replicas is not None:
+            self._form_from_store(world, layouts, position, timeout)
+            return
         for members, groups in layouts:
             mine = members == world.ranks
             # new_group returns GroupMember.NON_GROUP_MEMBER only to ranks outside the group.
@@ -174,6 +192,25 @@ class ProcessGroups:
                     # Groups have 2+ ranks, so one spanning the world exists only when self.world does.
                     self._by_ranks[tuple(position[g] for g in ranks)] = cast(dist.ProcessGroup, handle)
         logger.debug("created {} gossip process groups: {}", len(self._by_ranks), list(self._by_ranks))
+
+    def _form_from_store(
+        self,
+        world: GossipWorld,
+        layouts: Sequence[GroupLayout],
+        position: dict[int, int],
+        timeout: timedelta | None,
+    ) -> None:
+        """This gossip world's groups, formed by their members in ascending order of ranks."""
+        replicas = world.replicas
+        assert replicas is not None
+        (groups,) = [groups for members, groups in layouts if members == world.ranks]
+        me = world.ranks[world.rank]
+        needed = sorted({world.ranks, *groups} if world.world_size > 1 else set(groups))
+        formed = {ranks: replicas.new_group(ranks, timeout) for ranks in needed if me in ranks}
+        self.world = formed.get(world.ranks)
+        for ranks in groups:
+            if me in ranks:
+                self._by_ranks[tuple(position[g] for g in ranks)] = formed[ranks]
 
     def __getitem__(self, ranks: tuple[int, ...]) -> dist.ProcessGroup:
         return self._by_ranks[ranks]

@@ -221,7 +221,7 @@ class Gossip:
         assert gathered is not None  # staged
         slot, size = group.ranks.index(self._rank), gathered.numel() // group.size
         own = gathered[slot * size : (slot + 1) * size]
-        if group.size == 2 and dist.get_backend(handle) == "gloo":
+        if group.size == 2 and handle.name() == "gloo":
             # gloo sends an all-gather's two directions one after the other but pipelines an
             # all-reduce (3.2 MB at 200 Mbit/s: 197 ms vs 132 ms), so a pair gathers with a
             # bitwise-XOR all-reduce of the other slot, seeded with its own payload: it ends as

@@ -76,7 +76,7 @@ def build_parts(
     second_moment: str,
 ) -> EngineParts:
     """Check the options and build the parts (the engine's docstring describes each option)."""
-    check_on_peer_failure(on_peer_failure, topology, world.subgroup)
+    check_on_peer_failure(on_peer_failure, topology, world.subgroup, world.replicas is not None)
     rule = SecondMomentRule(second_moment)
     wire = resolve_compression(compression)
     topo = resolve_topology(topology, world.world_size, world.local_world_size)

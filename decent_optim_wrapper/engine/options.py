@@ -160,7 +160,9 @@ def check_timeout(timeout: object) -> None:
 PEER_FAILURE_MODES = ("raise", "continue")
 
 
-def check_on_peer_failure(mode: object, topology: object, subgroup: bool = False) -> None:
+def check_on_peer_failure(
+    mode: object, topology: object, subgroup: bool = False, replicas: bool = False
+) -> None:
     """Check ``on_peer_failure``; "continue" needs gloo, the whole job as the gossip world (the
     survivors re-form the default group), and a topology that can be rebuilt at any size."""
     if mode not in PEER_FAILURE_MODES:
@@ -170,6 +172,12 @@ def check_on_peer_failure(mode: object, topology: object, subgroup: bool = False
         )
     if mode == "raise":
         return
+    if replicas:
+        raise ValueError(
+            'on_peer_failure="continue" is not available yet in a job started with init_elastic(..., '
+            "shards=): its nodes do not survive a lost peer nor admit joiners in this version; use "
+            'on_peer_failure="raise" and resume from checkpoints (docs: big-models).'
+        )
     if subgroup:
         raise ValueError(
             'on_peer_failure="continue" re-forms the job\'s default process group over the survivors, '

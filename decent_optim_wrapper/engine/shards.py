@@ -116,6 +116,8 @@ class ShardLayout:
 
 def _check_apart(mesh: DeviceMesh, name: str, world: GossipWorld) -> None:
     """Raise if the mesh of sharded parameter ``name`` contains another member of the gossip world."""
+    if world.replicas is not None:
+        return  # the default group is the node: no mesh reaches another replica
     mesh_ranks = {int(r) for r in mesh.mesh.flatten().tolist()}
     shared = sorted(mesh_ranks & set(world.ranks))
     if shared == [world.ranks[world.rank]]:

@@ -6,6 +6,9 @@ only with the members of that group: under decentralized HSDP, the ranks that ho
 model on the other nodes. The topology is built for the group's size, and its rank ``i`` is the group's
 ``i``-th member. :class:`GossipWorld` holds that translation; every other part of the engine speaks in
 ranks of the gossip world.
+
+In a job started with ``init_elastic(..., shards=k)`` the gossip world is this rank's shard world
+(:mod:`~.replicas`): rank ``s`` of every node, numbered by node, whatever the default group (the node).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from loguru import logger
 from torch.distributed.device_mesh import DeviceMesh
+
+from decent_optim_wrapper.engine.admission import current_job
+from decent_optim_wrapper.engine.replicas import ReplicaWorld
 
 __all__ = ["GossipWorld", "members_per_node", "resolve_gossip_world"]
 
@@ -29,12 +35,14 @@ class GossipWorld:
         rank: this process's rank inside the gossip world.
         local_world_size: members per node, along the gossip world.
         subgroup: whether the world is a ``device_mesh``/``process_group`` (False: the whole job).
+        replicas: in a decentralized-HSDP elastic job, the shard world (ranks are its nodes).
     """
 
     ranks: tuple[int, ...]
     rank: int
     local_world_size: int
     subgroup: bool = False
+    replicas: ReplicaWorld | None = None
 
     @property
     def world_size(self) -> int:
@@ -63,11 +71,21 @@ def resolve_gossip_world(
             "torch.distributed is not initialized. Call torch.distributed.init_process_group() first "
             "(launch with torchrun, or set MASTER_ADDR, MASTER_PORT, RANK and WORLD_SIZE)."
         )
-    members = _members(device_mesh, process_group)
-    subgroup = members is not None
-    if members is None:
-        members = tuple(range(dist.get_world_size()))
-    me = members.index(dist.get_rank())
+    job = current_job()
+    replicas = None if job is None else job.replicas
+    if replicas is not None:
+        if device_mesh is not None or process_group is not None:
+            raise ValueError(
+                f"this job was started with init_elastic(..., shards={replicas.shards}): the wrapper gossips "
+                "along the job's replicas by itself (rank s of every node); leave device_mesh and "
+                "process_group out, and shard the model over node_mesh()."
+            )
+        members, me, subgroup = tuple(range(replicas.nodes)), replicas.node, True
+    else:
+        group_members = _members(device_mesh, process_group)
+        subgroup = group_members is not None
+        members = group_members if group_members is not None else tuple(range(dist.get_world_size()))
+        me = members.index(dist.get_rank())
     for name, given, actual in (("rank", rank, me), ("world_size", world_size, len(members))):
         if given is None:
             continue
@@ -75,12 +93,18 @@ def resolve_gossip_world(
             raise TypeError(f"{name} must be an int or None, got {given!r}.")
         if given != actual:
             where = "the gossip group (device_mesh/process_group)" if subgroup else "torch.distributed"
+            where = "the job's replicas (init_elastic(..., shards=))" if replicas else where
             raise ValueError(
                 f"{name}={given} disagrees with {where}, which gives {name}={actual}. "
                 f"Pass {name}={actual} or leave it out."
             )
-    per_node = _local_world_size(local_world_size, members, subgroup)
-    return GossipWorld(members, me, per_node, subgroup)
+    if replicas is not None and local_world_size not in (None, 1):
+        raise ValueError(
+            f"local_world_size={local_world_size!r}: in a job started with init_elastic(..., shards=) each "
+            "node holds one member of every shard world, so local_world_size is 1; leave it out."
+        )
+    per_node = 1 if replicas is not None else _local_world_size(local_world_size, members, subgroup)
+    return GossipWorld(members, me, per_node, subgroup, replicas)
 
 
 def _members(device_mesh: object, process_group: object) -> tuple[int, ...] | None:
