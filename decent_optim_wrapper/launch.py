@@ -220,7 +220,10 @@ def init_elastic(
             node_keys = PrefixStore(f"node/{node}", keys)
             dist.init_process_group("gloo", store=node_keys, rank=shard, world_size=shards, timeout=timeout)
             shard_keys = PrefixStore(f"shard/{shard}", keys)
-            replicas = ReplicaWorld.form(shard_keys, shards, shard, node, world_size // shards, timeout)
+            token = f"jobs-{name}-{launch}"  # the start's: every rank of every shard world shares it
+            replicas = ReplicaWorld.form(
+                shard_keys, shards, shard, node, world_size // shards, timeout, token
+            )
     enter_job(store, name, found, replicas)
     return joining
 

@@ -21,7 +21,15 @@ from helpers import flat, tiny_model
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.membership import ChannelReport, Decision, Membership, PeerLost, Report
+from decent_optim_wrapper.engine.membership import (
+    ChannelReport,
+    Decision,
+    Membership,
+    PeerLost,
+    Report,
+    nodes_of,
+    whole_nodes,
+)
 from decent_optim_wrapper.engine.survival import Survival
 
 pytestmark = pytest.mark.dist
@@ -252,6 +260,37 @@ def test_new_rounds_start_where_the_furthest_survivor_is():
     assert Decision(0, (Report(0, 0, 5, ()), Report(3, 1, 7, ()))).resume_step == 7
 
 
+@pytest.mark.pure
+def test_in_a_job_of_nodes_only_whole_nodes_go_on_and_each_shard_world_settles_its_own_rounds():
+    # 3 nodes x 2 shards: members are ranks at launch (node * 2 + shard); Report.rank is the node.
+    def report(member, node, channels=()):
+        return Report(member, node, 5, channels, "updating", member % 2)
+
+    reports = [report(0, 0), report(1, 0), report(3, 1), report(2, 1), report(5, 2)]  # 4 is lost
+    kept = whole_nodes(reports, shards=2)
+    assert [r.member for r in kept] == [0, 1, 2, 3]  # node 2 lost a rank: it goes whole
+    decision = Decision(0, kept, shards=2)
+    assert decision.nodes() == [0, 1] and nodes_of([0, 1, 2, 3, 4, 5], 2) == [0, 1, 2]
+    # A round of shard world 1 between nodes 0 and 1: node 1's shard-1 report speaks for it.
+    mine = _channel(4, (0, 1), launched=4)
+    theirs_shard_1 = _channel(4, (0, 1), launched=4)
+    theirs_shard_0 = _channel(3, (1, 2), launched=3)
+    decision = Decision(
+        0,
+        (
+            report(0, 0),
+            report(1, 0, (mine,)),
+            report(2, 1, (theirs_shard_0,)),
+            report(3, 1, (theirs_shard_1,)),
+        ),
+        shards=2,
+    )
+    assert decision.finishes(mine, shard=1)
+    assert not decision.finishes(mine, shard=0)  # shard 0's report of node 1 is behind
+    singles = [Report(2, 1, 5, ()), Report(0, 0, 5, ())]  # whole replicas: every reporter goes on
+    assert [r.member for r in whole_nodes(singles, shards=1)] == [0, 2]
+
+
 # -- detection on a loaded machine, on its own ------------------------------------------------------
 
 
@@ -316,7 +355,7 @@ def test_a_completed_collective_still_follows_a_peer_into_recovery():
 @pytest.mark.pure
 def test_a_recovery_that_keeps_every_member_loses_nobody_and_runs_no_hook():
     class Rejoined:  # every member reports: the timeout was a false alarm
-        members, member = [0, 1, 2], 1
+        members, member, shards, shard = [0, 1, 2], 1, 1, 0
 
         def agree(self, report, cause):
             return Decision(0, tuple(Report(m, m, 4, ()) for m in self.members))

@@ -12,6 +12,7 @@ grown over a few steps of the update (AdamW divides by ``sqrt(v)``), far below t
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import pytest
@@ -183,7 +184,7 @@ def _elastic_shards_run(
     model = _model()
     for name, options in (
         ("device_mesh", {"device_mesh": node_mesh("cpu")}),
-        ("continue", {"on_peer_failure": "continue"}),
+        ("local_world_size", {"local_world_size": 2}),
     ):
         try:
             DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), **options)
@@ -210,7 +211,83 @@ def test_a_job_of_nodes_started_with_shards_equals_whole_replicas(
     for result in sharded:
         assert result["local_world_size"] == 1
         assert "gossips along the job's replicas by itself" in result["errors"]["device_mesh"]
-        assert "not available yet" in result["errors"]["continue"]
+        assert "local_world_size is 1" in result["errors"]["local_world_size"]
+
+
+def _lose_a_node(
+    rank: int, world_size: int, port: int, kill_at: int, victims: tuple[int, ...], how: str
+) -> dict[str, Any]:
+    """A job of 3 nodes x 2 shards with on_peer_failure="continue"; ``victims`` (ranks of node 2)
+    fail ``how`` at step ``kill_at``."""
+    from datetime import timedelta
+
+    from failures import inject
+    from torch.distributed.fsdp import fully_shard
+
+    from decent_optim_wrapper import init_elastic, node_mesh
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    init_elastic(store, rank, world_size, job="nodes", shards=2, timeout=timedelta(seconds=60))
+    mesh = node_mesh("cpu")
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = DecentOptimWrapper(
+        _optimizer("adamw", model.parameters()),
+        topology="ring",
+        on_peer_failure="continue",
+        timeout=timedelta(seconds=10),
+    )
+    for step in range(2 * kill_at):
+        if rank in victims and step == kill_at:
+            inject(how)
+        x, y = _batch(step, rank)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    full = _full(model)  # FSDP2's groups in the node are untouched by the recovery
+    optimizer.global_avg()
+    return {
+        "node": rank // 2,
+        "rank": optimizer.rank,
+        "world_size": optimizer.world_size,
+        "failures": [(f.lost, f.previous_world_size, f.world_size) for f in optimizer.peer_failures],
+        "steps": optimizer.step_count,
+        "finite": all(bool(torch.isfinite(t).all()) for t in full),
+        "averaged": _full(model),
+    }
+
+
+@pytest.mark.parametrize(
+    ("victims", "how"),
+    [((4,), "kill"), ((4, 5), "kill"), ((4,), "hang")],
+    ids=["a rank killed", "the whole node killed", "a rank hung"],
+)
+@pytest.mark.timeout(240)
+def test_a_job_of_nodes_goes_on_without_a_node_that_lost_a_rank(victims, how):
+    from failures import run_with_faults
+
+    hung = victims if how == "hang" else ()
+    outcome = run_with_faults(_lose_a_node, 6, (6, victims, how), deadline_s=180, expect_hung=hung)
+    if how == "kill":
+        assert all(outcome.exitcodes[r] == -9 for r in victims), outcome
+    # A node-mate of a victim does not go on alone: its node is gone with the victim.
+    assert all(outcome.exitcodes[r] != 0 for r in (4, 5)), outcome
+    for rank in set((4, 5)) - set(victims):  # in FSDP2's all-gather, or at the engine's node check
+        assert re.search(
+            "PeerFailureError|Connection reset|Connection closed|Timed out", outcome.errors[rank]
+        )
+    assert sorted(outcome.results) == [0, 1, 2, 3], outcome
+    for rank, result in outcome.results.items():
+        assert result["world_size"] == 2 and result["rank"] == rank // 2, result
+        assert result["failures"] == [((2,), 3, 2)], result  # node 2 of 3 lost, once, on every rank
+        assert result["steps"] == 12 and result["finite"], result
+    # Each shard world averaged exactly: both nodes hold the same whole model, bit for bit.
+    first = outcome.results[0]["averaged"]
+    for result in outcome.results.values():
+        assert all(torch.equal(a, b) for a, b in zip(first, result["averaged"], strict=True))
 
 
 def _eight_rank_runs(rank: int, workdir: str) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import pickle
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -31,6 +32,7 @@ __all__ = [
     "check_identical",
     "group_layout",
     "job_group",
+    "run_token",
     "reduction_dtype",
     "wait_all",
 ]
@@ -80,6 +82,19 @@ def job_group() -> dist.ProcessGroup | None:
     ``init_elastic(..., shards=k)`` this rank's shard world, the default group being its node."""
     job = current_job()
     return None if job is None or job.replicas is None else job.replicas.group
+
+
+def run_token() -> str:
+    """A token every rank of the job shares, unique to this run (it names the run's keys in the
+    store): drawn by rank 0, or in a job of nodes the job's start.
+
+    .. warning:: This is a collective: all ranks must call it.
+    """
+    job = current_job()
+    if job is not None and job.replicas is not None:
+        return job.replicas.token
+    token: str = all_gather_pickled(secrets.token_hex(8))[0]
+    return token
 
 
 def agree(what: str, build_report: Callable[[], T]) -> list[T]:

@@ -10,7 +10,6 @@ data flow.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -37,7 +36,7 @@ from decent_optim_wrapper.engine.checkpoint import (
     snapshot_from_state,
     snapshot_state,
 )
-from decent_optim_wrapper.engine.comm import ProcessGroups, agree, all_gather_pickled, group_layout
+from decent_optim_wrapper.engine.comm import ProcessGroups, agree, group_layout, run_token
 from decent_optim_wrapper.engine.compression import CompressionPlan, CompressionSpec, GossipCompression
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.growth import Growth
@@ -215,10 +214,10 @@ class GossipEngine:
         self._growth = Growth(enabled=on_peer_failure == "continue")
         if on_peer_failure == "continue":
             # A token every rank shares names this run's keys in the store (reruns never collide).
-            run = all_gather_pickled(secrets.token_hex(8))[0]
+            run = run_token()
             job = current_job()
             store = store if store is not None or job is None else job.store
-            membership = Membership(connect_store(store, timeout), run, world.rank, world.world_size, timeout)
+            membership = Membership.of_world(connect_store(store, timeout), run, world, timeout)
             membership.hold_joins = lambda: self._averaging.busy  # no joiner inside global_avg
             self._survival = Survival(membership, timeout)
         self._updated = False  # whether the current step has run a local update (it cannot donate then)
@@ -660,7 +659,7 @@ class GossipEngine:
         """Run ``action``; on a lost peer (``"continue"``) recover, and run it again if ``retry``."""
         while True:
             try:
-                return action()
+                return action() if self._survival is None else self._survival.attempt(action)
             except PeerLost as lost:
                 if self._survival is None:
                     raise

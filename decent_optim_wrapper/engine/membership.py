@@ -53,6 +53,7 @@ from decent_optim_wrapper.engine.admission import (
     Admission,
     JoinerWatch,
     admit,
+    current_job,
     decode,
     encode,
     joiner_verdicts,
@@ -62,6 +63,8 @@ from decent_optim_wrapper.engine.admission import (
     write_verdicts,
 )
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
+from decent_optim_wrapper.engine.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.world import GossipWorld
 
 __all__ = [
     "ChannelReport",
@@ -157,6 +160,7 @@ class Report:
     position: int  # the first step at which it can launch on the new groups
     channels: tuple[ChannelReport, ...]
     phase: Phase = "updating"
+    shard: int = 0  # in a job of nodes (``shards=k``): this rank's index in its node; ``rank`` is the node's
 
 
 @dataclass(frozen=True)
@@ -166,6 +170,7 @@ class Decision:
     generation: int
     reports: tuple[Report, ...]
     admission: Admission = field(default_factory=Admission)
+    shards: int = 1  # ranks per node in a job of nodes: members then come in whole nodes, node by node
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -183,7 +188,11 @@ class Decision:
         every survivor launches a round of the same step in the same new group."""
         return max(r.position for r in self.reports)
 
-    def finishes(self, channel: ChannelReport) -> bool:
+    def nodes(self) -> list[int]:
+        """The new world's nodes in rank order, by their launch index (its members without ``shards``)."""
+        return nodes_of(self.members, self.shards)
+
+    def finishes(self, channel: ChannelReport, shard: int = 0) -> bool:
         """Whether the round ``channel`` has in flight is mixed (else dropped), the same on every member.
 
         A round whose group is all survivors is mixed if every member launched it and none dropped
@@ -191,11 +200,12 @@ class Decision:
         only where it has already completed: a pair's survivor received the lost peer's values
         before it died. In groups of three or more, a peer dying inside the all-reduce can leave
         the round completed on some members and not others; that is the one case where members
-        differ.
+        differ. In a job of nodes a round belongs to one shard world (``shard``): its group's ranks
+        are nodes, and only the reports of that shard speak for them.
         """
         if channel.pending is None or channel.group is None:
             return False
-        alive = {r.rank: r for r in self.reports}
+        alive = {r.rank: r for r in self.reports if r.shard == shard}
         if not set(channel.group) <= set(alive):
             return channel.state == "done"
         for rank in channel.group:
@@ -208,6 +218,21 @@ class Decision:
             if peer.discarded is not None and peer.discarded >= channel.pending:
                 return False
         return True
+
+
+def nodes_of(members: Sequence[int], shards: int) -> list[int]:
+    """The nodes of ``members`` (ranks at launch, node by node), in order: ``member // shards``."""
+    return list(dict.fromkeys(m // shards for m in members))
+
+
+def whole_nodes(reports: Sequence[Report], shards: int) -> tuple[Report, ...]:
+    """``reports`` of the nodes all of whose ``shards`` ranks reported, node by node in rank order
+    (the others' nodes are lost: a replica goes on whole or not at all)."""
+    ordered = sorted(reports, key=lambda r: (r.rank, r.shard))
+    count: dict[int, int] = {}
+    for report in ordered:
+        count[report.member // shards] = count.get(report.member // shards, 0) + 1
+    return tuple(r for r in ordered if count[r.member // shards] == shards)
 
 
 def connect_store(store: Store | None, timeout: timedelta) -> Store:
@@ -237,6 +262,9 @@ class Membership:
         rank: this rank at launch.
         world_size: ranks at launch.
         timeout: how long a collective, or a report, may take before its peer counts as lost.
+        replicas: in a job of nodes (``init_elastic(..., shards=k)``), this rank's shard world: the
+            members are then every rank of the job, kept or lost a node at a time, and a re-form
+            builds the shard world's group anew instead of the default group (:mod:`~.replicas`).
     """
 
     def __init__(
@@ -249,7 +277,10 @@ class Membership:
         *,
         members: Sequence[int] | None = None,
         generation: int = 0,
+        replicas: ReplicaWorld | None = None,
     ) -> None:
+        self._replicas = replicas
+        self.shards = 1 if replicas is None else replicas.shards
         self._store = store
         self._prefix = run_prefix(run)
         self._run = run
@@ -270,10 +301,25 @@ class Membership:
         # is gone.
         start_heartbeat(store, beat_key, self._prefix, self._stopped, self.watch)
 
+    @classmethod
+    def of_world(cls, store: Store, run: str, world: GossipWorld, timeout: timedelta) -> Membership:
+        """The membership of the job ``world`` belongs to: its ranks, or in a job of nodes every rank
+        of every node (rank ``node * shards + shard`` at launch)."""
+        replicas = world.replicas
+        if replicas is None:
+            return cls(store, run, world.rank, world.world_size, timeout)
+        me, size = replicas.node * replicas.shards + replicas.shard, replicas.nodes * replicas.shards
+        return cls(store, run, me, size, timeout, replicas=replicas)
+
     @property
     def run(self) -> str:
         """The token naming this run's keys in the store."""
         return self._run
+
+    @property
+    def shard(self) -> int:
+        """This rank's index in its node (0 outside a job of nodes)."""
+        return 0 if self._replicas is None else self._replicas.shard
 
     @property
     def store(self) -> Store:
@@ -405,13 +451,21 @@ class Membership:
                 elif now - last[1] > STALE_AFTER_S:
                     dead.add(member)
             if len(reported) + len(dead) == len(self._members) or clock.expired():
-                ordered = tuple(sorted(reported.values(), key=lambda r: r.rank))
-                proposal = encode(Decision(self._generation, ordered, self._admission(ordered)))
+                ordered = whole_nodes(list(reported.values()), self.shards)
+                admission = self._admission(ordered)
+                proposal = encode(Decision(self._generation, ordered, admission, self.shards))
                 store.compare_set(decision_key, "", proposal)
                 break
             time.sleep(_POLL_S)
         decision: Decision = decode(store.get(decision_key))
         self._record_verdicts(decision)
+        if report.member not in decision.members and self.shards > 1:
+            raise PeerFailureError(
+                f"rank {report.shard} of node {report.rank}: this node is not among the nodes that go on "
+                f"after recovery {self._generation} (nodes {decision.nodes()} at launch): one of its ranks "
+                "was lost or reported too late, and a node goes on whole or not at all. This replica is no "
+                "longer part of the job; restart the node's processes from a checkpoint."
+            )
         if report.member not in decision.members:
             raise PeerFailureError(
                 f"rank {report.rank} (rank {report.member} at launch) reported too late to recovery "
@@ -453,18 +507,26 @@ class Membership:
         self._store.set(ready_key(self._prefix, self._me), "1")
 
     def reform(self, decision: Decision, backend: str, timeout: timedelta) -> None:
-        """Replace the default process group by one over ``decision``'s survivors (ranks renumbered).
+        """Replace the default process group by one over ``decision``'s survivors (ranks renumbered);
+        in a job of nodes, replace this rank's shard world instead (the default group is the node).
 
         Raises ``RuntimeError`` if a survivor does not join; the caller recovers again from there.
         """
         rank, size = decision.members.index(self._me), len(decision.members)
-        if dist.is_initialized():
+        if dist.is_initialized() and self._replicas is None:
             dist.destroy_process_group()
         self._generation = decision.generation + 1
         self._members = list(decision.members)
         store = PrefixStore(group_prefix(self._prefix, decision.generation), self._store)
         try:
-            dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+            if self._replicas is None:
+                dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+            else:  # the same shard of every surviving node, numbered by node
+                node = decision.nodes().index(self._me // self.shards)
+                self._replicas = self._replicas.reformed(store, node, size // self.shards)
+                job = current_job()
+                if job is not None:
+                    job.replicas = self._replicas
         finally:
             self._recovering = False
 

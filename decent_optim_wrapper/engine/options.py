@@ -164,7 +164,8 @@ def check_on_peer_failure(
     mode: object, topology: object, subgroup: bool = False, replicas: bool = False
 ) -> None:
     """Check ``on_peer_failure``; "continue" needs gloo, the whole job as the gossip world (the
-    survivors re-form the default group), and a topology that can be rebuilt at any size."""
+    survivors re-form the default group) or a job of nodes (``replicas``: they re-form their shard
+    worlds), and a topology that can be rebuilt at any size."""
     if mode not in PEER_FAILURE_MODES:
         raise ValueError(
             f'on_peer_failure must be "raise" (stop with an error, the default) or "continue" (go on with '
@@ -172,13 +173,7 @@ def check_on_peer_failure(
         )
     if mode == "raise":
         return
-    if replicas:
-        raise ValueError(
-            'on_peer_failure="continue" is not available yet in a job started with init_elastic(..., '
-            "shards=): its nodes do not survive a lost peer nor admit joiners in this version; use "
-            'on_peer_failure="raise" and resume from checkpoints (docs: big-models).'
-        )
-    if subgroup:
+    if subgroup and not replicas:  # a job of nodes re-forms its shard worlds, never the default group
         raise ValueError(
             'on_peer_failure="continue" re-forms the job\'s default process group over the survivors, '
             "which a device_mesh or process_group (and the sharding beside it) cannot follow; use "

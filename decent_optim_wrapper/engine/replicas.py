@@ -51,6 +51,7 @@ class ReplicaWorld:
         node: this node's rank among the job's nodes (this rank's rank in its shard world).
         nodes: how many nodes (replicas) the job has.
         timeout: the groups' timeout.
+        token: names the job's start in the store, the same on every rank of every shard world.
         group: a group spanning the shard world, for the engine's agreements (not gossip).
     """
 
@@ -60,15 +61,22 @@ class ReplicaWorld:
     node: int
     nodes: int
     timeout: timedelta
+    token: str
     group: dist.ProcessGroup
 
     @classmethod
     def form(
-        cls, store: Store, shards: int, shard: int, node: int, nodes: int, timeout: timedelta
+        cls, store: Store, shards: int, shard: int, node: int, nodes: int, timeout: timedelta, token: str
     ) -> ReplicaWorld:
         """Form the shard world's spanning group; a collective of its ``nodes`` members."""
         group = form_group(store, "world", node, nodes, timeout)
-        return cls(store, shards, shard, node, nodes, timeout, group)
+        return cls(store, shards, shard, node, nodes, timeout, token, group)
+
+    def reformed(self, store: Store, node: int, nodes: int) -> ReplicaWorld:
+        """This shard world after a change of the job: ``nodes`` nodes, this one ``node``-th, its
+        groups under ``store`` (the generation's keys); a collective of its new members."""
+        keys = PrefixStore(f"shard/{self.shard}", store)
+        return ReplicaWorld.form(keys, self.shards, self.shard, node, nodes, self.timeout, self.token)
 
     def new_group(self, ranks: tuple[int, ...], timeout: timedelta | None = None) -> dist.ProcessGroup:
         """A group over shard-world ``ranks`` (ascending, this node among them); a collective of them.

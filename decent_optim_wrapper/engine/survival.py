@@ -13,11 +13,14 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TypeVar, cast
 
+import torch
 import torch.distributed as dist
 from loguru import logger
 from torch.utils.hooks import RemovableHandle
 
+from decent_optim_wrapper.engine.admission import current_job
 from decent_optim_wrapper.engine.buckets import Bucket, current
 from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.gossip import Gossip
@@ -27,12 +30,16 @@ from decent_optim_wrapper.engine.membership import (
     Decision,
     Membership,
     PeerFailure,
+    PeerLost,
     Phase,
     Report,
+    nodes_of,
 )
 from decent_optim_wrapper.engine.options import TopologySpec, resolve_topology
 from decent_optim_wrapper.engine.world import GossipWorld
 from decent_optim_wrapper.topo import Topology
+
+_T = TypeVar("_T")
 
 __all__ = ["PeerFailureHook", "Survival", "settle_rounds", "surviving_local_world_size", "survivors_topology"]
 
@@ -63,7 +70,7 @@ def settle_rounds(
     ``member`` is this rank's identity in the membership (its reports list its rounds in flight).
     """
     mine = decision.reports[decision.members.index(member)]
-    finish = {(c.kind, c.bucket): decision.finishes(c) for c in mine.channels}
+    finish = {(c.kind, c.bucket): decision.finishes(c, mine.shard) for c in mine.channels}
     for bucket, owner in enumerate(buckets):
         with current([owner], write=True):
             gossip.resolve(bucket, finish.get(("params", bucket), False), mixing_factor)
@@ -78,10 +85,16 @@ def survivors_topology(
 
     ``before`` lists the members before the change; ``name`` is the topology's, for the error raised
     when it does not exist at the new world size. With joiners (or on a joiner: ``decision`` None)
-    every rank counts as a node of its own.
+    every rank counts as a node of its own. In a job of nodes the world is this rank's shard world
+    over the surviving nodes (re-formed by the membership), one member per node.
     """
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    if decision is None or decision.admission.joiners:
+    job = current_job()
+    replicas = None if job is None else job.replicas
+    if replicas is not None:
+        rank, world_size = replicas.node, replicas.nodes
+    else:
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+    if decision is None or decision.admission.joiners or replicas is not None:
         per_node = 1
     else:
         kept = {before.index(m) for m in decision.members}
@@ -93,7 +106,7 @@ def survivors_topology(
             f"rank {rank}: the topology {name!r} cannot be rebuilt for the {world_size} survivors ({err}); "
             "use a topology that exists at every world size."
         ) from err
-    return topology, GossipWorld(tuple(range(world_size)), rank, per_node)
+    return topology, GossipWorld(tuple(range(world_size)), rank, per_node, replicas is not None, replicas)
 
 
 class Survival:
@@ -108,6 +121,7 @@ class Survival:
         self.membership = membership
         self._timeout = timeout
         self._failures: list[PeerFailure] = []
+        self._node_checks = 0  # flags exchanged with the node's other ranks (a job of nodes)
         #: Seconds this rank spent in each recovery or admission (agreement, re-form, transfers).
         self.pauses: list[float] = []
         self._hooks: OrderedDict[int, PeerFailureHook] = OrderedDict()
@@ -115,6 +129,55 @@ class Survival:
     @property
     def failures(self) -> list[PeerFailure]:
         return list(self._failures)
+
+    def attempt(self, action: Callable[[], _T]) -> _T:
+        """``action()``, raising :class:`~.membership.PeerLost` if it met a lost peer; in a job of
+        nodes also if another rank of this node did.
+
+        The ranks of a node wait for each other inside FSDP2's collectives, so they must go into a
+        recovery together: a rank whose node-mate recovers while it runs on into the next forward
+        would wait there for it, and never report. So after each action the node's ranks exchange
+        a flag over the node (the default group), with how many such exchanges each has made, so
+        that a node-mate's loss is everyone's at the same point of the step, and ranks that got out
+        of step (bucket layouts that differ between the shards) are an error, not a hang. A
+        node-mate that does not answer within ``timeout`` is lost with its node
+        (:class:`~.errors.PeerFailureError` here: a node goes on whole or not at all).
+        """
+        if self.membership.shards == 1:
+            return action()
+        lost: PeerLost | None = None
+        result: _T | None = None
+        try:
+            result = action()
+        except PeerLost as err:
+            lost = err
+        self._node_checks += 1
+        mine = torch.tensor([int(lost is not None), self._node_checks], dtype=torch.int64)
+        gathered = torch.empty(2 * self.membership.shards, dtype=torch.int64)
+        cause: BaseException | None = None
+        try:
+            work = dist.all_gather_into_tensor(gathered, mine, async_op=True)
+            done = work is None or work.wait(self._timeout)
+        except (RuntimeError, dist.DistError) as err:
+            done, cause = False, err
+        if not done:
+            raise PeerFailureError(
+                f"rank {self.membership.shard} of its node: another rank of this node did not answer "
+                f"within {self._timeout} ({cause}); a node goes on whole or not at all, so this one stops. "
+                "Restart the node's processes from a checkpoint."
+            ) from cause
+        flags, counts = gathered[0::2].tolist(), gathered[1::2].tolist()
+        if len(set(counts)) > 1:
+            raise PeerFailureError(
+                f"the ranks of this node are out of step (gossip waits so far: {counts}): their shards "
+                "were cut into different numbers of buckets. Pass a bucket_cap_mb that holds each "
+                "rank's shards in the same number of buckets (e.g. a larger one)."
+            )
+        if lost is not None:
+            raise lost
+        if any(flags):
+            raise PeerLost("another rank of this node met a lost peer")
+        return cast(_T, result)
 
     def register_hook(self, hook: PeerFailureHook) -> RemovableHandle:
         handle = RemovableHandle(self._hooks)
@@ -145,16 +208,18 @@ class Survival:
         started = time.perf_counter()
         membership = self.membership
         before = membership.members
-        world_before, rank_before = len(before), rank
+        # Ranks, losses and world sizes count nodes in a job of nodes (each node is a replica).
+        nodes_before = nodes_of(before, membership.shards)
+        world_before, rank_before = len(nodes_before), rank
         settled = False
         unformed: set[tuple[int, ...]] = set()
         while True:
-            report = Report(membership.member, rank, position, tuple(reports()), phase)
+            report = Report(membership.member, rank, position, tuple(reports()), phase, membership.shard)
             decision = membership.agree(report, cause)
             if not settled:
                 settle(decision)
                 settled = True
-            rank = decision.members.index(membership.member)
+            rank = decision.nodes().index(membership.member // membership.shards)
             try:
                 membership.reform(decision, "gloo", self._timeout)
                 rewire(decision, before)
@@ -173,7 +238,8 @@ class Survival:
         if decision.admission.joiners and admitted is not None:
             admitted(decision, rank_before)
         self.pauses.append(time.perf_counter() - started)
-        lost = tuple(before.index(m) for m in before if m not in decision.members)
+        nodes_after = decision.nodes()
+        lost = tuple(nodes_before.index(n) for n in nodes_before if n not in nodes_after)
         admission = decision.admission
         if not lost and (admission.joiners or admission.deferred or admission.rejected):
             return None  # an admission (or joiners deferred or refused): nobody is lost
@@ -190,9 +256,9 @@ class Survival:
         failure = PeerFailure(
             step=step,
             lost=lost,
-            survivors=tuple(before.index(m) for m in decision.members if m in before),
+            survivors=tuple(nodes_before.index(n) for n in nodes_after if n in nodes_before),
             previous_world_size=world_before,
-            world_size=len(decision.members),
+            world_size=len(nodes_after),
             previous_rank=rank_before,
             rank=rank,
         )
