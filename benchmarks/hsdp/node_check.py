@@ -1,0 +1,150 @@
+"""What a job of nodes pays to survive a lost node: the node check, per step.
+
+    uv run benchmarks/hsdp/node_check.py                 # 2 nodes x 2 shards on loopback, about 2 min
+    uv run benchmarks/hsdp/node_check.py --buckets 8 --json /tmp/node-check.json
+
+In a job of nodes (``init_elastic(..., shards=k)``) with ``on_peer_failure="continue"`` the ranks of a
+node exchange a flag and a count over the node (an all-gather of 16 bytes per rank on the default
+group, the node) after every gossip wait of the wrapper, so that they go into a recovery together
+(docs/big-models.md, "A job of nodes"): once per bucket and step. This script measures it two ways,
+on local CPU processes (gloo), one thread each:
+
+- *per step*: the same training, an MLP sharded with FSDP2 over ``node_mesh()`` (AdamW, ring over the
+  nodes, ``--buckets`` buckets of gossip, ``--step-time`` of emulated compute per step) with
+  ``on_peer_failure="raise"`` and with ``"continue"``, interleaved ``--rounds`` times: the median step
+  time of each, and ``"continue"`` over ``"raise"``. That ratio also holds what surviving costs
+  without the node check (the heartbeat thread, the store polls of the waits).
+- *one check*: on the same processes, the median time of the check's all-gather over the node
+  (``--checks`` times), and that times the checks a step makes, over the step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.common import build_mlp, collect_from_ranks
+
+
+def worker(rank: int, port: int, results: Any, args: argparse.Namespace, mode: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from decent_optim_wrapper import DecentOptimWrapper, init_elastic, node_mesh
+
+    torch.set_num_threads(1)
+    world = args.nodes * args.shards
+    # Rank 0 hosts the store: nobody fails here, so it may live in a worker.
+    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+    init_elastic(store, rank, world, job="node-check", shards=args.shards, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    model = build_mlp(64, args.width, args.depth, 8)
+    mesh = node_mesh("cpu")
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    shard_bytes = sum(p.to_local().numel() * 4 for p in model.parameters())
+    optimizer = DecentOptimWrapper(
+        torch.optim.AdamW(model.parameters(), lr=1e-3),
+        topology="ring",
+        on_peer_failure=mode,
+        bucket_cap_mb=shard_bytes / args.buckets / 2**20 * 1.01,
+        timeout=timedelta(seconds=60),
+    )
+    times = []
+    for step in range(args.steps):
+        begin = time.perf_counter()
+        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
+        optimizer.zero_grad()
+        model(x).square().mean().backward()
+        optimizer.step()
+        time.sleep(args.step_time)  # the rest of a step's compute
+        times.append(time.perf_counter() - begin)
+    checks = []
+    for _ in range(args.checks):  # the node check's collective, on its own
+        flag = torch.zeros(2, dtype=torch.int64)
+        gathered = torch.empty(2 * args.shards, dtype=torch.int64)
+        begin = time.perf_counter()
+        dist.all_gather_into_tensor(gathered, flag, async_op=True).wait(timedelta(seconds=60))
+        checks.append(time.perf_counter() - begin)
+    results.put(
+        (
+            rank,
+            {
+                "step_s": statistics.median(times[args.warmup :]),
+                "buckets": len(optimizer.engine.buckets),
+                "check_s": statistics.median(checks),
+            },
+        )
+    )
+    dist.destroy_process_group()
+
+
+def run_job(args: argparse.Namespace, mode: str) -> dict[str, float]:
+    world = args.nodes * args.shards
+    by_rank = collect_from_ranks(
+        world, worker, lambda rank, port, results: (rank, port, results, args, mode), 300, f"job {mode}"
+    )
+    return {
+        "step_s": statistics.median(r["step_s"] for r in by_rank.values()),
+        "check_s": statistics.median(r["check_s"] for r in by_rank.values()),
+        "buckets": min(r["buckets"] for r in by_rank.values()),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--shards", type=int, default=2, help="ranks per node")
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--buckets", type=int, default=4, help="buckets of gossip per rank")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
+    parser.add_argument("--step-time", type=float, default=0.02, help="seconds of emulated compute per step")
+    parser.add_argument("--checks", type=int, default=200, help="node checks timed on their own")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the two jobs")
+    parser.add_argument("--json", type=Path, help="write the figures here")
+    args = parser.parse_args()
+    if args.warmup >= args.steps:
+        parser.error(f"--warmup must be below --steps, got {args.warmup} with --steps {args.steps}")
+    runs: dict[str, list[dict[str, float]]] = {"raise": [], "continue": []}
+    for _ in range(args.rounds):
+        for mode in runs:
+            runs[mode].append(run_job(args, mode))
+    step = {mode: statistics.median(r["step_s"] for r in rs) for mode, rs in runs.items()}
+    check_s = statistics.median(r["check_s"] for r in runs["continue"])
+    buckets = runs["continue"][0]["buckets"]
+    figures = {
+        "nodes": args.nodes,
+        "shards": args.shards,
+        "buckets": buckets,
+        "cpus": os.cpu_count(),
+        "step_s": step,
+        "continue_over_raise": step["continue"] / step["raise"],
+        "check_s": check_s,
+        "checks_over_step": buckets * check_s / step["continue"],
+    }
+    print(
+        f"{args.nodes} nodes x {args.shards} shards, {buckets} buckets: step "
+        f"{step['raise'] * 1e3:.1f} ms with 'raise', {step['continue'] * 1e3:.1f} ms with 'continue' "
+        f"({figures['continue_over_raise']:.3f}x); one node check {check_s * 1e6:.0f} us, {buckets} per "
+        f"step = {figures['checks_over_step']:.2%} of a step",
+        flush=True,
+    )
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+
+
+if __name__ == "__main__":
+    main()
