@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from decent_optim_wrapper.engine.admission import current_job, enter_job, job_running
+from decent_optim_wrapper.engine.admission import JoinRejectedError, current_job, enter_job, job_running
 from decent_optim_wrapper.engine.replicas import ReplicaWorld
 
 __all__ = ["init_elastic", "initialize_dist", "node_mesh"]
@@ -148,7 +148,7 @@ def init_elastic(
     process starts in a world of its own and returns True: build the model and the front-end
     (``on_peer_failure="continue"``) as every worker does, and the front-end's constructor joins the
     job, taking a member's replica; its ``rank``, ``world_size`` and ``step_count`` then say where
-    it stands (``rank`` and ``world_size`` given here are ignored).
+    it stands (``world_size`` given here is ignored, and ``rank`` too unless ``shards`` is given).
 
     Args:
         store: a store hosted outside the workers (a launcher's ``TCPStore``), reachable by all,
@@ -159,9 +159,10 @@ def init_elastic(
         shards: decentralized HSDP: processes per node, each replica sharded over one node's
             (ranks ``node * shards`` to ``node * shards + shards - 1``). The default group is then
             the node (build the mesh to shard over with :func:`node_mesh`), and the front-end gossips
-            each shard along the replicas (rank ``s`` of every node) without ``device_mesh``.
-            Such a job does not survive a lost peer nor admit joiners yet
-            (``on_peer_failure="raise"``).
+            each shard along the replicas (rank ``s`` of every node) without ``device_mesh``. A node
+            joins such a job whole: its ``shards`` processes start with this ``shards`` and ranks
+            ``node * shards + s`` (any ``node``, the same for all of them, e.g. torchrun's ``RANK`` on
+            the node brought back); its rank ``s`` takes shard ``s`` from a donor node's rank ``s``.
 
     Returns:
         True if this worker joins a running job, False if it starts the job.
@@ -180,16 +181,18 @@ def init_elastic(
             "init_elastic() forms the default process group itself, but one exists already; call it "
             "instead of init_process_group()."
         )
+    if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1):
+        raise ValueError(f"shards must be an int >= 1 (processes per node), got {shards!r}.")
     found = job_running(store, name)
     joining = found is not None
-    if shards is not None:
-        if isinstance(shards, bool) or not isinstance(shards, int) or shards < 1:
-            raise ValueError(f"shards must be an int >= 1 (processes per node), got {shards!r}.")
-        if joining:
-            raise ValueError(
-                f"job {name!r} is running, and a job started with shards= does not admit joiners yet; "
-                "start the job afresh (all its workers), resuming from a checkpoint."
-            )
+    if found is not None and found.shards != (shards or 1):
+        raise JoinRejectedError(
+            f"job {name!r} is running with {found.shards} process(es) per replica, but this worker was "
+            f"started with shards={shards}; start it as the job's workers were "
+            f"(shards={found.shards if found.shards > 1 else None})."
+        )
+    if joining and shards is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ValueError(f"rank must be an int >= 0 (node * shards + this process's index), got {rank!r}.")
     if not joining:
         for arg, value, least in (("world_size", world_size, 1), ("rank", rank, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -204,8 +207,20 @@ def init_elastic(
                 f"world_size={world_size} must be a multiple of shards={shards}: the job is made of "
                 "nodes of shards processes each."
             )
-    replicas = None
-    if joining:
+    replicas, node_key = None, None
+    if joining and shards is not None:
+        # A node joining a job of nodes: its processes (rank // shards names the node) form the node,
+        # and a shard world of one node until the members admit it, under keys of this start of the node.
+        node, shard = divmod(rank, shards)
+        attempt = int(store.add(f"decent-optim-wrapper/jobs/{name}/joining/{node}/shard/{shard}", 1)) - 1
+        node_key = f"decent-optim-wrapper/jobs/{name}/joining/{node}/{attempt}"
+        keys = PrefixStore(node_key, store)
+        dist.init_process_group(
+            "gloo", store=PrefixStore("node", keys), rank=shard, world_size=shards, timeout=timeout
+        )
+        token = f"jobs-{name}-joining-{node}-{attempt}"  # the job's own once admitted
+        replicas = ReplicaWorld.form(PrefixStore("alone", keys), shards, shard, 0, 1, timeout, token)
+    elif joining:
         # A world of its own until the members admit it: the model and front-end build locally.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
     else:
@@ -224,7 +239,7 @@ def init_elastic(
             replicas = ReplicaWorld.form(
                 shard_keys, shards, shard, node, world_size // shards, timeout, token
             )
-    enter_job(store, name, found, replicas)
+    enter_job(store, name, found, replicas, node_key)
     return joining
 
 

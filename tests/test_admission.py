@@ -4,24 +4,30 @@ is told, and the launcher's checks (a store in this process, no process group)."
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any
 
 import pytest
 import torch.distributed as dist
 
-from decent_optim_wrapper import init_elastic, node_mesh
+from decent_optim_wrapper import JoinRejectedError, init_elastic, node_mesh
 from decent_optim_wrapper.engine.admission import (
     Admission,
+    Applicant,
     JobInfo,
     JoinerWatch,
     JoinRequest,
     admit,
+    decode,
     encode,
     joiner_verdicts,
     mismatch,
     publish_job,
     run_prefix,
     slot_key,
+    write_verdicts,
 )
+from decent_optim_wrapper.engine.membership import Decision, Report
 
 pytestmark = pytest.mark.pure
 
@@ -34,11 +40,22 @@ SIGNATURE = (
 
 
 def _apply(
-    store: dist.Store, number: int, member: int, signature=SIGNATURE, beating: bool = True
+    store: dist.Store, number: int, member: int, signature=SIGNATURE, beating: bool = True, shards: int = 1
 ) -> threading.Event:
-    """Write an application into its slot; with ``beating`` its heartbeat moves until the event is set."""
-    request = encode(JoinRequest(number, member, signature))
+    """Write an application into its slot (a node's, for ``shards`` ranks); with ``beating`` its (rank 0's)
+    heartbeat moves until the event is set."""
+    request = encode(JoinRequest(number, member, signature, shards))
     assert store.compare_set(slot_key(PREFIX, number), "", request) == request.encode()
+    stop = threading.Event()
+    key = f"{PREFIX}/beat/{member}"
+    store.add(key, 1)
+    if beating:
+        threading.Thread(target=_beat, args=(store, key, stop), daemon=True).start()
+    return stop
+
+
+def _beat_only(store: dist.Store, member: int, beating: bool = True) -> threading.Event:
+    """The heartbeat of a node's other rank (its rank 0 applies for it)."""
     stop = threading.Event()
     key = f"{PREFIX}/beat/{member}"
     store.add(key, 1)
@@ -119,6 +136,60 @@ def test_the_watch_raises_its_flag_for_the_next_slot_and_holds_it_while_a_transf
     assert watch.due()
 
 
+def test_a_node_applies_once_for_its_ranks_and_is_refused_whole_if_one_of_them_is_silent():
+    store = dist.HashStore()
+    # Node 4 (members 8 and 9) beats on both ranks; node 5 (10 and 11) lost its rank 1 before the decision.
+    live = [_apply(store, 1, 8, shards=2), _beat_only(store, 9)]
+    half = [_apply(store, 2, 10, shards=2), _beat_only(store, 11, beating=False)]
+    try:
+        admission = admit(store, PREFIX, 0, SIGNATURE, donors=[0, 2], blocked=False)
+    finally:
+        for stop in live + half:
+            stop.set()
+    assert [j.members for j in admission.joiners] == [(8, 9)]
+    assert admission.donors == (0,)  # node 0's first rank: every rank of node 0 donates its shard
+    assert [n for n, _ in admission.rejected] == [2] and "heartbeat" in admission.rejected[0][1]
+    # The new world lists every rank of the joining node, after the members' (node 4 is rank 2).
+    reports = tuple(Report(m, m // 2, 5, (), "idle", m % 2) for m in (0, 1, 2, 3))
+    decision = Decision(3, reports, admission, shards=2)
+    assert decision.members == (0, 1, 2, 3, 8, 9) and decision.nodes() == [0, 1, 4]
+    verdicts = joiner_verdicts(admission, 3, decision.members, decision.resume_step)
+    assert verdicts[1].members == decision.members and verdicts[1].donor == 0
+
+
+def test_the_ranks_of_a_joining_node_follow_the_slot_their_rank_0_claims_and_share_its_verdict():
+    store = dist.HashStore()
+    info = JobInfo("test-run", 4, SIGNATURE, shards=2)
+    prefix = run_prefix("test-run")
+    alive = threading.Event()
+    threading.Thread(target=_beat, args=(store, f"{prefix}/alive", alive), daemon=True).start()
+    verdicts: dict[int, Any] = {}
+
+    def apply(shard: int) -> None:
+        node = ("node-key/attempt/1/slot", shard == 0)
+        applicant = Applicant(store, info, SIGNATURE, 30.0, member=8 + shard, shards=2, node=node)
+        verdicts[shard] = applicant.apply()
+        applicant.withdraw()
+
+    threads = [threading.Thread(target=apply, args=(shard,)) for shard in (1, 0)]  # rank 1 first
+    for thread in threads:
+        thread.start()
+    try:
+        while not store.check([f"{slot_key(prefix, 1)}"]):
+            time.sleep(0.01)
+        request = decode(store.get(slot_key(prefix, 1)))
+        assert (request.member, request.members, request.shards) == (8, (8, 9), 2)
+        admission = admit(store, prefix, 0, SIGNATURE, donors=[2], blocked=False)  # both ranks beat
+        assert [j.members for j in admission.joiners] == [(8, 9)]
+        members = (0, 1, 2, 3, 8, 9)
+        write_verdicts(store, prefix, joiner_verdicts(admission, 0, members, 5))
+        for thread in threads:
+            thread.join(timeout=10)
+    finally:
+        alive.set()
+    assert verdicts[0] == verdicts[1] and verdicts[0].admitted and verdicts[0].donor == 2
+
+
 def test_init_elastic_checks_its_arguments_before_any_rendezvous():
     store = dist.HashStore()
     with pytest.raises(ValueError, match=r"rank=3 must be < world_size=2: no job 'x' is running"):
@@ -138,9 +209,17 @@ def test_init_elastic_checks_its_arguments_before_any_rendezvous():
     assert not dist.is_initialized()
 
 
-def test_a_worker_started_with_shards_does_not_join_a_running_job():
+@pytest.mark.parametrize(
+    ("job_shards", "worker_shards", "message"),
+    [
+        (1, 2, "running with 1 process\\(es\\) per replica, but this worker was started with shards=2"),
+        (2, None, "running with 2 process\\(es\\) per replica, but this worker was started with shards=None"),
+        (2, 4, "start it as the job's workers were \\(shards=2\\)"),
+    ],
+)
+def test_a_worker_whose_shards_differ_from_the_running_job_is_refused(job_shards, worker_shards, message):
     store = dist.HashStore()
-    publish_job(store, "x", JobInfo("run-x", 4))
+    publish_job(store, "x", JobInfo("run-x", 4, shards=job_shards))
     stop = threading.Event()
 
     def members_beat() -> None:  # the members' shared heartbeat, as a live job's
@@ -150,10 +229,8 @@ def test_a_worker_started_with_shards_does_not_join_a_running_job():
     beat = threading.Thread(target=members_beat, daemon=True)
     beat.start()
     try:
-        with pytest.raises(
-            ValueError, match="job 'x' is running, and a job started with shards= does not admit"
-        ):
-            init_elastic(store, 0, 4, job="x", shards=2)
+        with pytest.raises(JoinRejectedError, match=message):
+            init_elastic(store, 0, 4, job="x", shards=worker_shards)
     finally:
         stop.set()
         beat.join()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from workers import spawn
 
-from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 
 D_IN, HIDDEN, D_OUT, BATCH, STEPS = 6, 10, 3, 4, 5
 ATOL = 1e-9  # float64; see the module docstring
@@ -288,6 +288,192 @@ def test_a_job_of_nodes_goes_on_without_a_node_that_lost_a_rank(victims, how):
     first = outcome.results[0]["averaged"]
     for result in outcome.results.values():
         assert all(torch.equal(a, b) for a, b in zip(first, result["averaged"], strict=True))
+
+
+JOIN_STEPS = 40
+
+
+def _local_state(model: nn.Module, inner: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """This rank's slice of its replica: its parameter shards and their optimizer state (Adam's step and
+    moments), in a fixed order."""
+
+    def local(t: Any) -> torch.Tensor:
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.detach().clone() if isinstance(t, torch.Tensor) else torch.tensor(t)
+
+    tensors = [local(p) for p in model.parameters()]
+    for p in model.parameters():
+        tensors += [local(v) for _, v in sorted(inner.state[p].items())]
+    return tensors
+
+
+def _node_joins(index: int, world_size: int, port: int, workdir: str, plan: dict[str, Any]) -> dict[str, Any]:
+    """A job of nodes x 2 shards, open to joiners; worker 0 asks for a node of two more processes
+    (``plan["request"]``), or ``plan["kill"]`` names a node whose ranks die (and come back)."""
+    import time
+    from datetime import timedelta
+    from pathlib import Path
+
+    from failures import inject, request_worker
+    from torch.distributed.fsdp import fully_shard
+
+    from decent_optim_wrapper import JoinRejectedError, init_elastic, node_mesh
+
+    torch.set_num_threads(1)
+    shards = plan.get("shards", 2)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    joining = init_elastic(store, index, world_size, job="grow", shards=shards, timeout=timedelta(seconds=60))
+    torch.manual_seed(0)
+    hidden = plan.get("joiner_hidden", HIDDEN) if joining else HIDDEN
+    model = nn.Sequential(nn.Linear(D_IN, hidden), nn.Tanh(), nn.Linear(hidden, D_OUT)).double()
+    common: dict[str, Any] = dict(topology="ring", on_peer_failure="continue", timeout=timedelta(seconds=10))
+    try:
+        if plan.get("front") == "module":  # whole replicas: nodes of one process
+            ddp = DecentralizedDataParallel(
+                model, lambda named: _optimizer("adamw", [p for _, p in named]), **common
+            )
+            front_end: Any = ddp
+
+            def state() -> list[torch.Tensor]:
+                return [
+                    t for o in ddp.optimizers for p in o.param_groups[0]["params"] for t in _state_of(o, p)
+                ]
+
+            def step(x: torch.Tensor, y: torch.Tensor) -> None:
+                nn.functional.mse_loss(ddp(x), y).backward()
+        else:
+            mesh = node_mesh("cpu")
+            for layer in (model[0], model[2]):
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            inner = _optimizer("adamw", model.parameters())
+            front_end = optimizer = DecentOptimWrapper(inner, **common)
+
+            def state() -> list[torch.Tensor]:
+                return _local_state(model, inner)
+
+            def step(x: torch.Tensor, y: torch.Tensor) -> None:
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+    except JoinRejectedError as err:
+        Path(workdir, f"refused-{index}").write_text(str(err))
+        return {"refused": str(err)}
+    donated: list[dict[str, Any]] = []
+
+    def on_join(join: Any) -> None:  # on members: what each rank of the donor node held when it donated
+        record = (join.joined, join.donors, join.previous_world_size, join.world_size)
+        donated.append({"join": record, "rank": join.rank, "state": state(), "step": front_end.step_count})
+
+    front_end.register_join_hook(on_join)
+    received = None
+    if front_end.joined is not None:
+        received = {"state": state(), "step": front_end.step_count}
+    for t in range(front_end.step_count, JOIN_STEPS):
+        if index == 0 and t == 2 and plan.get("request"):
+            for tag in range(shards):
+                request_worker(workdir, str(tag))
+        if index in plan.get("kill", ()) and t == 4:
+            inject("kill")
+        refused = len(list(Path(workdir).glob("refused-*"))) == shards
+        if not (front_end.peer_joins or front_end.joined or refused):
+            time.sleep(0.5)  # until the node joins (seconds to start), so that it arrives mid-run
+        step(*_batch(t, index))
+    front_end.global_avg()
+    return {
+        "shard": dist.get_rank(),  # the node is the default group
+        "rank": front_end.rank,
+        "world_size": front_end.world_size,
+        "joined": front_end.joined,
+        "joins": [(j.joined, j.donors, j.previous_world_size, j.world_size) for j in front_end.peer_joins],
+        "failures": [(f.lost, f.previous_world_size, f.world_size) for f in front_end.peer_failures],
+        "donated": donated,
+        "received": received,
+        "steps": front_end.step_count,
+        "averaged": _full(model),
+    }
+
+
+def _state_of(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> list[torch.Tensor]:
+    return [
+        v.clone() if isinstance(v, torch.Tensor) else torch.tensor(v)
+        for _, v in sorted(optimizer.state[param].items())
+    ]
+
+
+def _check_node_joined(results: dict[int, dict[str, Any]], joiners: tuple[int, ...], world_size: int) -> None:
+    """Every process ends in a world of ``world_size`` nodes; each rank of the joining node received
+    exactly what the same rank of its donor node held; global averages agree bit for bit."""
+    assert all(r["world_size"] == world_size and r["steps"] == JOIN_STEPS for r in results.values()), results
+    joiner = results[joiners[0]]["joined"]
+    assert joiner is not None and joiner.joined == (world_size - 1,) and joiner.world_size == world_size
+    (donor,) = joiner.donors
+    for index in joiners:
+        got = results[index]["received"]
+        shard = results[index]["shard"]
+        # The donor node's rank with the same shard index, as it was when it donated.
+        (gave,) = [
+            d
+            for r in results.values()
+            if r["shard"] == shard and r["joined"] is None
+            for d in r["donated"]
+            if d["rank"] == donor and d["join"][0] == joiner.joined
+        ]
+        assert got["step"] == gave["step"] > 0
+        assert len(got["state"]) == len(gave["state"])
+        assert all(torch.equal(a, b) for a, b in zip(got["state"], gave["state"], strict=True))
+    first = results[joiners[0]]["averaged"]
+    for result in results.values():
+        assert all(torch.equal(a, b) for a, b in zip(first, result["averaged"], strict=True))
+
+
+@pytest.mark.timeout(240)
+def test_a_node_joins_a_running_job_of_nodes_each_rank_taking_its_shard_from_a_donor_node():
+    from failures import run_elastic
+
+    outcome = run_elastic(_node_joins, 4, ({"request": True},), deadline_s=200)
+    assert sorted(outcome.results) == [0, 1, 2, 3, 4, 5], outcome
+    for index in range(4):
+        assert outcome.results[index]["joins"] == [((2,), outcome.results[4]["joined"].donors, 2, 3)]
+    _check_node_joined(outcome.results, (4, 5), world_size=3)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_of_one_joins_a_job_of_nodes_under_the_module_front_end():
+    from failures import run_elastic
+
+    outcome = run_elastic(
+        _node_joins, 2, ({"request": True, "shards": 1, "front": "module"},), deadline_s=200
+    )
+    assert sorted(outcome.results) == [0, 1, 2], outcome
+    _check_node_joined(outcome.results, (2,), world_size=3)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_lost_whole_comes_back_and_the_job_returns_to_its_size():
+    from failures import run_elastic
+
+    # Node 2's ranks are killed at step 4; the launcher restarts both (processes 6 and 7: node 3).
+    outcome = run_elastic(_node_joins, 6, ({"kill": (4, 5)},), deadline_s=200, restart_killed=2)
+    assert sorted(outcome.results) == [0, 1, 2, 3, 6, 7], outcome
+    for index in range(4):
+        assert outcome.results[index]["failures"] == [((2,), 3, 2)]
+        assert len(outcome.results[index]["joins"]) == 1
+    _check_node_joined(outcome.results, (6, 7), world_size=3)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_whose_model_differs_is_refused_and_the_members_go_on():
+    from failures import run_elastic
+
+    outcome = run_elastic(_node_joins, 4, ({"request": True, "joiner_hidden": 12},), deadline_s=200)
+    assert sorted(outcome.results) == [0, 1, 2, 3, 4, 5], outcome
+    for index in (4, 5):  # both ranks refuse themselves against the shapes the job published
+        assert re.search(
+            r"the running job refuses this worker: its shard \d.*differs", outcome.results[index]["refused"]
+        )
+    for index in range(4):
+        assert outcome.results[index]["world_size"] == 2 and not outcome.results[index]["joins"]
 
 
 def _eight_rank_runs(rank: int, workdir: str) -> None:

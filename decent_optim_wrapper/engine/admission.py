@@ -28,6 +28,13 @@ live, the worker builds its model and front-end in a world of its own, and the e
    whoever writes); an admitted joiner forms the new default group with the members under the
    decision's generation and receives its donor's state (:mod:`~.transfer`).
 
+In a job of nodes (``init_elastic(..., shards=k)``) a replica is a node of ``k`` ranks and joins whole:
+one request stands for the node's ``k`` identities (``node * k + s``, :attr:`JoinRequest.members`),
+claimed by its rank 0 while every rank beats; it is admitted only if all of them beat, from a donor
+node idle on every rank, and rank ``s`` receives shard ``s`` over shard world ``s``
+(:mod:`~.growth`). A node looks for applicants every few steps rather than at every boundary, so that
+its ranks decide together (:meth:`~.survival.Survival.joins_checked_at`).
+
 Keys live beside the membership's, under ``decent-optim-wrapper/<run>``; the job's name maps to its run
 under ``decent-optim-wrapper/jobs/<job>``.
 """
@@ -85,6 +92,7 @@ class JobInfo:
     run: str
     launch_world_size: int
     signature: tuple[tuple[str, object], ...] = ()  # what an applicant must match (checked before applying)
+    shards: int = 1  # processes per replica (a job of nodes, ``init_elastic(..., shards=k)``)
 
 
 @dataclass(frozen=True)
@@ -92,8 +100,14 @@ class JoinRequest:
     """An applicant, as the members read it from the store."""
 
     number: int  # its place in the order of applications, from 1
-    member: int  # its identity in the membership, stable across generations
+    member: int  # its identity in the membership, stable across generations (a node's: its first rank's)
     signature: tuple[tuple[str, object], ...]  # (field, value) pairs that must equal the members'
+    shards: int = 1  # in a job of nodes, one request stands for a whole node of ``shards`` ranks
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The identities this request brings in: one rank, or every rank of a node."""
+        return tuple(range(self.member, self.member + self.shards))
 
 
 @dataclass(frozen=True)
@@ -132,6 +146,8 @@ class ElasticJob:
     found: JobInfo | None  # None: this process started the job
     #: In a decentralized-HSDP job (``init_elastic(..., shards=k)``): this rank's shard world.
     replicas: ReplicaWorld | None = None
+    #: On a node started to join a job of nodes: the store prefix its ranks coordinate under.
+    node_key: str | None = None
 
     @property
     def joining(self) -> bool:
@@ -141,11 +157,18 @@ class ElasticJob:
 _context: ElasticJob | None = None
 
 
-def enter_job(store: Store, job: str, found: JobInfo | None, replicas: ReplicaWorld | None = None) -> None:
-    """Record this process's elastic job, the running job it found, if any, and its shard world in
-    a decentralized-HSDP job (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
+def enter_job(
+    store: Store,
+    job: str,
+    found: JobInfo | None,
+    replicas: ReplicaWorld | None = None,
+    node_key: str | None = None,
+) -> None:
+    """Record this process's elastic job, the running job it found, if any, its shard world in a
+    decentralized-HSDP job, and where a joining node's ranks coordinate
+    (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
     global _context
-    _context = ElasticJob(store, job, found, replicas)
+    _context = ElasticJob(store, job, found, replicas, node_key)
 
 
 def current_job() -> ElasticJob | None:
@@ -225,7 +248,7 @@ class JoinerWatch:
         """After a decision: applications up to ``admission.handled`` have their verdicts."""
         with self._lock:
             self.handled = admission.handled
-            self.transfers = tuple(ready_key(prefix, j.member) for j in admission.joiners)
+            self.transfers = tuple(ready_key(prefix, m) for j in admission.joiners for m in j.members)
             self.waiting = store.check([slot_key(prefix, self.handled + 1)])
             if admission.deferred:
                 self.not_before = time.monotonic() + RETRY_AFTER_S
@@ -350,17 +373,19 @@ def _brief(value: object) -> str:
 def _alive(
     store: Store, prefix: str, requests: list[JoinRequest]
 ) -> tuple[list[JoinRequest], list[JoinRequest]]:
-    """Split ``requests`` into applicants whose heartbeat moves (within two beats) and the rest."""
+    """Split ``requests`` into applicants whose heartbeats move (within two beats; a node's: all of its
+    ranks') and the rest."""
     if not requests:
         return [], []
-    keys = {r.number: f"{prefix}/beat/{r.member}" for r in requests}
+    keys = {(r.number, m): f"{prefix}/beat/{m}" for r in requests for m in r.members}
     first = {n: int(store.add(k, 0)) for n, k in keys.items()}
-    moved: set[int] = set()
+    moved: set[tuple[int, int]] = set()
     deadline = time.monotonic() + 3 * HEARTBEAT_S
-    while len(moved) < len(requests) and time.monotonic() < deadline:
+    while len(moved) < len(keys) and time.monotonic() < deadline:
         time.sleep(_POLL_S)
         moved |= {n for n, k in keys.items() if n not in moved and int(store.add(k, 0)) != first[n]}
-    return [r for r in requests if r.number in moved], [r for r in requests if r.number not in moved]
+    live = [r for r in requests if all((r.number, m) in moved for m in r.members)]
+    return live, [r for r in requests if r not in live]
 
 
 def write_verdicts(store: Store, prefix: str, verdicts: dict[int, Verdict]) -> None:
@@ -372,15 +397,31 @@ def write_verdicts(store: Store, prefix: str, verdicts: dict[int, Verdict]) -> N
 class Applicant:
     """A worker applying to join a running job: its request, its heartbeat, its wait for a verdict.
 
+    A node joining a job of nodes applies once for its ``shards`` ranks: each rank beats under its
+    own identity (``member``, given), the node's rank 0 (``node=(key, True)``) claims the slot and
+    writes its number under ``key``, and the node's other ranks (``node=(key, False)``) read it there
+    and wait for the same verdict.
+
     Args:
         store: the job's store.
         info: the running job (:func:`job_running`).
         signature: what the members compare with theirs (model layout and options).
         timeout: how long to wait for a verdict before giving up.
+        member: this rank's identity, for a node's ranks (else drawn from the slot's number).
+        shards: ranks the request stands for (a node's).
+        node: where a node's rank 0 shares its slot's number, and whether this rank is rank 0.
     """
 
     def __init__(
-        self, store: Store, info: JobInfo, signature: tuple[tuple[str, object], ...], timeout: float
+        self,
+        store: Store,
+        info: JobInfo,
+        signature: tuple[tuple[str, object], ...],
+        timeout: float,
+        *,
+        member: int | None = None,
+        shards: int = 1,
+        node: tuple[str, bool] | None = None,
     ) -> None:
         self._store = store
         self._prefix = run_prefix(info.run)
@@ -388,7 +429,9 @@ class Applicant:
         self._signature = signature
         self._timeout = timeout
         self._stopped = threading.Event()
-        self.member = -1
+        self._shards = shards
+        self._node = node
+        self.member = -1 if member is None else member
 
     def apply(self) -> Verdict:
         """Apply and wait for the verdict; raises if refused, if the job is gone, or after a deadline."""
@@ -396,36 +439,78 @@ class Applicant:
         reason = mismatch(self._info.signature, self._signature)
         if self._info.signature and reason:  # refused here: the members never hear of it
             raise JoinRejectedError(f"the running job refuses this worker: {reason}.")
-        # Claim the first free slot, request included, with one compare_set: an applicant that dies
-        # at any point leaves either no slot or a whole request (whose heartbeat then never moves).
+        # Members admit at their next step boundary, after recovering from a lost peer if one is
+        # being recovered (up to ``timeout`` to notice it, a few seconds to agree).
+        deadline = time.monotonic() + 2 * self._timeout + 2 * STALE_AFTER_S
+        if self.member >= 0:  # a node's rank: beat before the slot is claimed, so all of them count alive
+            self._beat()
+        if self._node is None or self._node[1]:
+            number = self._claim()
+            if self._node is not None:
+                store.set(self._node[0], str(number))
+        else:
+            lead = self.member - self.member % self._shards
+            self._await(self._node[0], deadline, lead)
+            number = int(store.get(self._node[0]))
+        verdict_key = f"{slot_key(prefix, number)}/verdict"
+        self._await(verdict_key, deadline)
+        verdict: Verdict = decode(store.get(verdict_key))
+        if not verdict.admitted:
+            self.withdraw()
+            raise JoinRejectedError(f"the running job refused this worker: {verdict.reason}.")
+        return verdict
+
+    def _claim(self) -> int:
+        """Claim the first free slot, request included, with one ``compare_set``: an applicant that dies
+        at any point leaves either no slot or a whole request (whose heartbeat then never moves)."""
+        store, prefix = self._store, self._prefix
         number = int(store.add(f"{prefix}/joiners/count", 0)) + 1
+        given = self.member >= 0
         while True:
-            self.member = self._info.launch_world_size + number - 1
-            request = encode(JoinRequest(number, self.member, self._signature))
+            member = self.member if given else self._info.launch_world_size + number - 1
+            request = encode(
+                JoinRequest(number, member - member % self._shards, self._signature, self._shards)
+            )
             if store.compare_set(slot_key(prefix, number), "", request) == request.encode():
                 break
             number += 1
         store.add(f"{prefix}/joiners/count", 1)  # a hint for the next applicant's first try
-        key = f"{prefix}/beat/{self.member}"
-        store.add(key, 1)
-        start_heartbeat(store, key, prefix, self._stopped)
-        verdict_key = f"{slot_key(prefix, number)}/verdict"
-        alive = f"{prefix}/alive"
-        last, moved_at = -1, time.monotonic()
-        # Members admit at their next step boundary, after recovering from a lost peer if one is
-        # being recovered (up to ``timeout`` to notice it, a few seconds to agree).
-        deadline = time.monotonic() + 2 * self._timeout + 2 * STALE_AFTER_S
-        while not store.check([verdict_key]):
+        if not given:
+            self.member = member
+            self._beat()
+        return number
+
+    def _beat(self) -> None:
+        key = f"{self._prefix}/beat/{self.member}"
+        self._store.add(key, 1)
+        start_heartbeat(self._store, key, self._prefix, self._stopped)
+
+    def _await(self, key: str, deadline: float, lead: int | None = None) -> None:
+        """Wait until ``key`` is in the store while the job's members (and the node's rank ``lead``,
+        whose slot this rank follows) are alive; raise past ``deadline``."""
+        store = self._store
+        watched = {"alive": f"{self._prefix}/alive"}
+        if lead is not None:
+            watched["lead"] = f"{self._prefix}/beat/{lead}"
+        last = {name: (-1, time.monotonic()) for name in watched}
+        while not store.check([key]):
             now = time.monotonic()
-            count = int(store.add(alive, 0))
-            if count != last:
-                last, moved_at = count, now
-            elif now - moved_at > STALE_AFTER_S:
-                self.withdraw()
-                raise PeerFailureError(
-                    f"the job {prefix!r} this worker applied to has no live member (no heartbeat for "
-                    f"{STALE_AFTER_S:.0f} s); start the job afresh (it is over, or its store is stale)."
-                )
+            for name, counter in watched.items():
+                count = int(store.add(counter, 0))
+                if count != last[name][0]:
+                    last[name] = (count, now)
+                elif now - last[name][1] > STALE_AFTER_S:
+                    self.withdraw()
+                    if name == "lead":
+                        raise PeerFailureError(
+                            "rank 0 of this node stopped while the node applied to the running job; a "
+                            "node joins whole, so this rank stops too. Start the node's processes again."
+                        )
+                    raise PeerFailureError(
+                        f"the job {self._prefix!r} this worker applied to has no live member (no "
+                        f"heartbeat for {STALE_AFTER_S:.0f} s); start the job afresh (it is over, or its "
+                        "store is stale)."
+                    )
             if now > deadline:
                 self.withdraw()
                 raise PeerFailureError(
@@ -435,11 +520,6 @@ class Applicant:
                     "or check that the members train with on_peer_failure='continue'."
                 )
             time.sleep(_POLL_S)
-        verdict: Verdict = decode(store.get(verdict_key))
-        if not verdict.admitted:
-            self.withdraw()
-            raise JoinRejectedError(f"the running job refused this worker: {verdict.reason}.")
-        return verdict
 
     def withdraw(self) -> None:
         """Stop the heartbeat: the members take this applicant for gone (after an aborted join)."""

@@ -52,7 +52,6 @@ from decent_optim_wrapper.engine.membership import (
     ChannelReport,
     Decision,
     Membership,
-    MembershipChange,
     PeerLost,
     Phase,
     connect_store,
@@ -419,10 +418,9 @@ class GossipEngine:
         with low-communication gossip the first step sets the anchors to the parameters."""
         self.check_buckets()
         self._averaging.snapshot = None
-        if self._survival is not None and self._survival.membership.watch.due():
+        if self._survival is not None and self._survival.joins_checked_at(self._step):
             # Workers apply to join: admit them at this step boundary (the others follow from their waits).
-            self._survival.membership.announce()
-            self._survive(lambda: self._recover(MembershipChange("workers apply to join")))
+            self._survive(self._survival.raise_if_joins_due, retry=False)
         self._in_step = True
         if self._local is not None and self._step == 0:
             self._local.reset_anchors()

@@ -19,10 +19,15 @@ groups, mixing is the topology's over ``n + k`` ranks: doubly stochastic, so it 
 Like after a lost peer, compression references restart with an exact round in each new group,
 gradient trackers restart from the next gradient, and rounds in flight are settled before the
 transfer (mixed by every member of their group or dropped by all).
+
+In a job of nodes the same holds shard world by shard world: a joining node's rank ``s`` is rank
+``s`` of its donor node, bit for bit, and its node's ranks start together or leave together
+(:func:`node_agrees`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections import OrderedDict
@@ -30,6 +35,7 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 from loguru import logger
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
@@ -44,7 +50,14 @@ from decent_optim_wrapper.engine.admission import (
     run_prefix,
 )
 from decent_optim_wrapper.engine.errors import PeerFailureError
-from decent_optim_wrapper.engine.membership import Decision, Membership, PeerJoin, PeerLost, group_prefix
+from decent_optim_wrapper.engine.membership import (
+    Decision,
+    Membership,
+    PeerJoin,
+    PeerLost,
+    group_prefix,
+    nodes_of,
+)
 from decent_optim_wrapper.engine.transfer import (
     TransferCorruptedError,
     pack,
@@ -132,18 +145,21 @@ class Growth:
         timeout: timedelta,
     ) -> None:
         """Send this rank's replica to the joiners it donates to (nothing if it donates to none)."""
-        admission = decision.admission
-        members = decision.members
+        admission, shards = decision.admission, membership.shards
+        # In a job of nodes each rank of the donor node sends its shard to the same rank of the joining
+        # node, over their shard world (whose ranks are nodes).
+        nodes = decision.nodes()
         mine = [
-            members.index(j.member)
+            nodes.index(j.member // shards)
             for j, d in zip(admission.joiners, admission.donors, strict=True)
-            if d == membership.member
+            if d // shards == membership.member // shards
         ]
         if not mine:
             return
         data, digest = pack(self._payload(engine_state()))
         logger.debug("donating {} bytes to ranks {}", len(data), mine)
-        send_replica(data, digest, mine, _waiter("sending a replica to a joiner", timeout))
+        group = None if membership.replicas is None else membership.replicas.group
+        send_replica(data, digest, mine, _waiter("sending a replica to a joiner", timeout), group)
 
     def admitted(
         self,
@@ -202,6 +218,7 @@ class Growth:
         save, load = front_end
         wire, load_replica = engine
         self._save = save
+        shards = 1 if job.replicas is None else job.replicas.shards
         if membership is None:  # on_peer_failure="raise": the world never changes
             if job.joining:
                 raise ValueError(
@@ -210,25 +227,35 @@ class Growth:
                     'on_peer_failure="continue", as the job\'s members do.'
                 )
             return
+        signature = node_signature(signature, shards)
         if job.found is None:  # this process started the job: open it to joiners
             membership.signature = signature
             membership.watch.open = True
             if membership.member == 0:
-                publish_job(job.store, job.job, JobInfo(membership.run, len(membership.members), signature))
+                info = JobInfo(membership.run, len(membership.members), signature, shards)
+                publish_job(job.store, job.job, info)
             return
         found, job.found = job.found, None  # one engine per process joins
         membership.close()
         joined, verdict, payload = self.join(job, found, signature, timeout, wire)
         joined.signature = signature
+        error: Exception | None = None
         try:
             load_replica(payload["engine"], verdict.resume_step)
             if payload["front_end"] is not None:
                 load(payload["front_end"])
-        except Exception:
-            joined.leave()  # the members go on without it at once
-            raise
+        except Exception as err:
+            error = err
+        if not node_agrees(error is None, shards, timeout):
+            joined.leave()  # the members go on without it (without its node) at once
+            if error is not None:
+                raise error
+            raise PeerFailureError(
+                "another rank of this node could not load its shard of the replica it received; a node "
+                "joins whole, so this rank leaves the job too. Start the node's processes again."
+            )
         joined.ready()
-        self.joined_at(verdict, joined.member, payload["engine"]["step"])
+        self.joined_at(verdict, joined.member, payload["engine"]["step"], shards)
 
     # -- a joiner ---------------------------------------------------------------------------------
     def join(
@@ -249,84 +276,156 @@ class Growth:
         """
         # init_elastic saw the members alive moments ago; if they are gone since, the applicant sees
         # their heartbeat stand still and says so.
+        shards = 1 if job.replicas is None else job.replicas.shards
         for attempt in range(1, JOIN_ATTEMPTS + 1):
             clock = [time.perf_counter()]
-            applicant = Applicant(job.store, info, signature, timeout.total_seconds())
+            applicant = _applicant(job, info, signature, timeout, attempt)
             verdict = applicant.apply()
             clock.append(time.perf_counter())
             membership = None
+            failure: BaseException | None = None
             try:
                 membership = _enter(job, info, applicant, verdict, timeout)
                 wire(membership)
                 clock.append(time.perf_counter())
-                donor = verdict.members.index(verdict.donor)
+                group = None if membership.replicas is None else membership.replicas.group
+                donor = nodes_of(verdict.members, shards).index(verdict.donor // shards)
                 wait = _waiter("receiving a replica", timeout)
-                length, digest = receive_header(donor, wait)  # the donor has packed its replica
+                length, digest = receive_header(donor, wait, group)  # the donor has packed its replica
                 clock.append(time.perf_counter())
-                data = receive_payload(donor, length, wait)
+                data = receive_payload(donor, length, wait, group)
                 clock.append(time.perf_counter())
                 payload = unpack(data, digest)
                 clock.append(time.perf_counter())
             except (PeerLost, TransferCorruptedError, RuntimeError, dist.DistError) as err:
+                failure = err
+            # A node joins whole: each of its ranks tries again, or none does.
+            if not node_agrees(failure is None, shards, timeout) and failure is None:
+                failure = PeerLost("another rank of this node did not receive its shard of the replica")
+            if failure is not None:
                 # Leaving makes this rank a lost peer of the new world; the members go on without it.
                 applicant.withdraw()
                 if membership is not None:
                     membership.leave()
-                if dist.is_initialized():
+                if dist.is_initialized() and shards == 1:  # a node's own group stays: it is the node
                     dist.destroy_process_group()
                 if attempt == JOIN_ATTEMPTS:
                     raise PeerFailureError(
-                        f"joining the running job failed {attempt} times; last: {err}"
-                    ) from err
-                logger.warning("joining the running job failed ({}); applying again", err)
+                        f"joining the running job failed {attempt} times; last: {failure}"
+                    ) from failure
+                logger.warning("joining the running job failed ({}); applying again", failure)
                 continue
             applicant.withdraw()  # the membership beats for this rank now
             self._received = dict(payload.get("user") or {})
             phases = ("admission", "group", "donor", "transfer", "verify")
             self.join_seconds = dict(zip(phases, (b - a for a, b in itertools.pairwise(clock)), strict=True))
             self.join_seconds["bytes"] = float(len(data))
+            assert membership is not None
             return membership, verdict, payload
         raise AssertionError("unreachable")
 
-    def joined_at(self, verdict: Verdict, member: int, step: int) -> None:
+    def joined_at(self, verdict: Verdict, member: int, step: int, shards: int = 1) -> None:
         """Record this joiner's own admission (its ``joined`` record)."""
         pairs = tuple(zip(verdict.joiners, verdict.donors, strict=True))
-        self.joined = _join_record(verdict.members, pairs, step, -1, verdict.members.index(member))
+        self.joined = _join_record(verdict.members, pairs, step, -1, member, shards)
 
 
 def join_record(decision: Decision, step: int, previous_rank: int, member: int) -> PeerJoin:
-    """The record every member keeps of ``decision``'s admission."""
+    """The record every member keeps of ``decision``'s admission (ranks count nodes in a job of nodes)."""
     pairs = tuple(
         (j.member, d) for j, d in zip(decision.admission.joiners, decision.admission.donors, strict=True)
     )
-    return _join_record(decision.members, pairs, step, previous_rank, decision.members.index(member))
+    return _join_record(decision.members, pairs, step, previous_rank, member, decision.shards)
 
 
 def _join_record(
-    members: Sequence[int], pairs: Sequence[tuple[int, int]], step: int, previous_rank: int, rank: int
+    members: Sequence[int],
+    pairs: Sequence[tuple[int, int]],
+    step: int,
+    previous_rank: int,
+    member: int,
+    shards: int,
 ) -> PeerJoin:
+    nodes = nodes_of(members, shards)
     return PeerJoin(
         step=step,
-        joined=tuple(members.index(j) for j, _ in pairs),
-        donors=tuple(members.index(d) for _, d in pairs),
-        previous_world_size=len(members) - len(pairs),
-        world_size=len(members),
+        joined=tuple(nodes.index(j // shards) for j, _ in pairs),
+        donors=tuple(nodes.index(d // shards) for _, d in pairs),
+        previous_world_size=len(nodes) - len(pairs),
+        world_size=len(nodes),
         previous_rank=previous_rank,
-        rank=rank,
+        rank=nodes.index(member // shards),
     )
+
+
+def node_signature(signature: tuple[tuple[str, object], ...], shards: int) -> tuple[tuple[str, object], ...]:
+    """What a replica must match: this rank's ``signature``, or in a job of nodes every shard's, gathered
+    over the node (its ranks hold different slices of the model). A collective of the node."""
+    if shards == 1:
+        return signature
+    gathered: list[Any] = [None] * shards
+    dist.all_gather_object(gathered, signature)
+    return tuple((f"shard {s}", mine) for s, mine in enumerate(gathered))
+
+
+def node_agrees(ok: bool, shards: int, timeout: timedelta) -> bool:
+    """Whether ``ok`` holds on every rank of this node (a collective of the node; just ``ok`` outside a
+    job of nodes). A node-mate that is gone or silent for ``timeout`` counts as not ok."""
+    if shards == 1:
+        return ok
+    flags = torch.empty(shards, dtype=torch.int64)
+    try:
+        work = dist.all_gather_into_tensor(flags, torch.tensor([int(ok)], dtype=torch.int64), async_op=True)
+        if work is not None and not work.wait(timeout):
+            return False
+    except (RuntimeError, dist.DistError):
+        return False
+    return bool(flags.all())
+
+
+def _applicant(
+    job: ElasticJob,
+    info: JobInfo,
+    signature: tuple[tuple[str, object], ...],
+    timeout: timedelta,
+    attempt: int,
+) -> Applicant:
+    """This worker's application; a node's ranks apply as one, under a node identity its rank 0 draws
+    (a collective of the node: the identities of a node are consecutive, ``node * shards + s``)."""
+    seconds = timeout.total_seconds()
+    replicas = job.replicas
+    if replicas is None:
+        return Applicant(job.store, info, signature, seconds)
+    shards, shard = replicas.shards, replicas.shard
+    drawn = torch.zeros(1, dtype=torch.int64)
+    if shard == 0:  # each attempt is a new node: a replica that left is never mistaken for a live one
+        count = int(job.store.add(f"{run_prefix(info.run)}/joining-nodes", 1))
+        drawn[0] = info.launch_world_size // shards + count - 1
+    dist.broadcast(drawn, group_src=0)
+    member = int(drawn[0]) * shards + shard
+    node = (f"{job.node_key}/attempt/{attempt}/slot", shard == 0)
+    return Applicant(job.store, info, signature, seconds, member=member, shards=shards, node=node)
 
 
 def _enter(
     job: ElasticJob, info: JobInfo, applicant: Applicant, verdict: Verdict, timeout: timedelta
 ) -> Membership:
-    """Leave this worker's world of its own and form the new default group with the members."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Leave this worker's world of its own and form the new default group with the members; in a job
+    of nodes, form this rank's shard world with them instead (the default group is the node)."""
     members = verdict.members
-    rank = members.index(applicant.member)
     store = PrefixStore(group_prefix(run_prefix(info.run), verdict.generation), job.store)
-    # The members' groups time out after 3 * timeout (the engine's own wait decides a loss first).
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=len(members), timeout=3 * timeout)
+    replicas = job.replicas
+    if replicas is None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        rank = members.index(applicant.member)
+        # The members' groups time out after 3 * timeout (the engine's own wait decides a loss first).
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=len(members), timeout=3 * timeout)
+    else:
+        nodes = nodes_of(members, replicas.shards)
+        node = nodes.index(applicant.member // replicas.shards)
+        replicas = dataclasses.replace(replicas.reformed(store, node, len(nodes)), token=info.run)
+        job.replicas = replicas
     membership = Membership(
         job.store,
         info.run,
@@ -335,6 +434,7 @@ def _enter(
         timeout,
         members=members,
         generation=verdict.generation + 1,
+        replicas=replicas,
     )
     membership.watch.handled = verdict.handled
     membership.watch.open = True

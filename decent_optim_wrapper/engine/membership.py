@@ -175,7 +175,8 @@ class Decision:
     @property
     def members(self) -> tuple[int, ...]:
         """The new world's members in rank order, those that reported first and admitted joiners last."""
-        return tuple(r.member for r in self.reports) + tuple(j.member for j in self.admission.joiners)
+        joiners = tuple(m for j in self.admission.joiners for m in j.members)  # a node's ranks, in order
+        return tuple(r.member for r in self.reports) + joiners
 
     @property
     def ranks(self) -> tuple[int, ...]:
@@ -324,6 +325,11 @@ class Membership:
     @property
     def store(self) -> Store:
         return self._store
+
+    @property
+    def replicas(self) -> ReplicaWorld | None:
+        """In a job of nodes: this rank's shard world, as re-formed by the latest change."""
+        return self._replicas
 
     @property
     def member(self) -> int:
@@ -478,7 +484,11 @@ class Membership:
         """The joiners part of this rank's proposal (:func:`~.admission.admit`)."""
         if self.signature is None:
             return Admission(handled=self.watch.handled)
-        donors = [r.member for r in reports if r.phase == "idle"]
+        # A donor node is idle on every rank: each of them sends its own shard of the replica.
+        busy = {r.member // self.shards for r in reports if r.phase != "idle"}
+        donors = [
+            r.member for r in reports if r.member % self.shards == 0 and r.member // self.shards not in busy
+        ]
         blocked = any(r.phase == "collective" for r in reports)
         return admit(self._store, self._prefix, self.watch.handled, self.signature, donors, blocked)
 

@@ -29,6 +29,7 @@ from decent_optim_wrapper.engine.membership import (
     ChannelReport,
     Decision,
     Membership,
+    MembershipChange,
     PeerFailure,
     PeerLost,
     Phase,
@@ -45,6 +46,10 @@ __all__ = ["PeerFailureHook", "Survival", "settle_rounds", "surviving_local_worl
 
 #: Called on every survivor after a lost peer, with what happened.
 PeerFailureHook = Callable[[PeerFailure], None]
+
+#: In a job of nodes, the step boundaries at which a node looks for applicants (every this many steps):
+#: its ranks must decide together, which costs an exchange over the node (see :meth:`Survival.attempt`).
+NODE_JOIN_CHECK_EVERY = 8
 
 
 def surviving_local_world_size(kept: set[int], world_size: int, local_world_size: int) -> int:
@@ -130,6 +135,22 @@ class Survival:
     def failures(self) -> list[PeerFailure]:
         return list(self._failures)
 
+    def joins_checked_at(self, step: int) -> bool:
+        """Whether the step boundary of ``step`` looks for applicants (:meth:`raise_if_joins_due`): when
+        one waits (attributes only), or in a job of nodes every :data:`NODE_JOIN_CHECK_EVERY` steps,
+        where the ranks of a node must all look, so that they go into the admission together."""
+        if self.membership.shards == 1:
+            return self.membership.watch.due()
+        return step % NODE_JOIN_CHECK_EVERY == 0
+
+    def raise_if_joins_due(self) -> None:
+        """Announce the applicants waiting for a decision, if any, and raise
+        :class:`~.membership.MembershipChange` (run it under :meth:`attempt`, so that a node's ranks
+        follow each other)."""
+        if self.membership.watch.due():
+            self.membership.announce()
+            raise MembershipChange("workers apply to join")
+
     def attempt(self, action: Callable[[], _T]) -> _T:
         """``action()``, raising :class:`~.membership.PeerLost` if it met a lost peer; in a job of
         nodes also if another rank of this node did.
@@ -152,7 +173,9 @@ class Survival:
         except PeerLost as err:
             lost = err
         self._node_checks += 1
-        mine = torch.tensor([int(lost is not None), self._node_checks], dtype=torch.int64)
+        # 0: nothing met; 1: a lost peer; 2: applicants only (not followed inside global_avg).
+        flag = 0 if lost is None else 2 if isinstance(lost, MembershipChange) else 1
+        mine = torch.tensor([flag, self._node_checks], dtype=torch.int64)
         gathered = torch.empty(2 * self.membership.shards, dtype=torch.int64)
         cause: BaseException | None = None
         try:
@@ -175,8 +198,10 @@ class Survival:
             )
         if lost is not None:
             raise lost
-        if any(flags):
+        if 1 in flags:
             raise PeerLost("another rank of this node met a lost peer")
+        if 2 in flags:
+            raise MembershipChange("workers apply to join (seen by another rank of this node)")
         return cast(_T, result)
 
     def register_hook(self, hook: PeerFailureHook) -> RemovableHandle:

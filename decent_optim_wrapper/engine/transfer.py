@@ -10,7 +10,8 @@ header. The joiner recomputes the digest of what arrived; a mismatch raises
 :class:`TransferCorruptedError` (the joiner then applies again). What the joiner loads is therefore
 the donor's state bit for bit.
 
-Transfers use the new default group's point-to-point operations (gloo ``send``/``recv``) in chunks of
+Transfers use the new default group's point-to-point operations (gloo ``send``/``recv``; in a job of
+nodes, those of the shard world's group, rank ``s`` of the donor node sending shard ``s``) in chunks of
 :data:`CHUNK_BYTES`, each waited on with the engine's ``timeout`` (gloo's point-to-point works report
 completion only to ``wait``), so a donor or joiner that dies during the transfer is a lost peer like
 any other, however large the replica.
@@ -65,28 +66,36 @@ def unpack(data: torch.Tensor, digest: bytes) -> dict[str, Any]:
     return loaded
 
 
-def send_replica(data: torch.Tensor, digest: bytes, joiners: Sequence[int], wait: Wait) -> None:
-    """Send a packed payload to each rank of ``joiners`` (ranks of the default group)."""
+def send_replica(
+    data: torch.Tensor,
+    digest: bytes,
+    joiners: Sequence[int],
+    wait: Wait,
+    group: dist.ProcessGroup | None = None,
+) -> None:
+    """Send a packed payload to each rank of ``joiners`` (ranks of ``group``, default: the default group)."""
     header = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
     header[:8] = torch.tensor(list(len(data).to_bytes(8, "little")), dtype=torch.uint8)
     header[8:] = torch.tensor(list(digest), dtype=torch.uint8)
-    wait([dist.isend(header, dst=joiner) for joiner in joiners])
+    wait([dist.isend(header, group=group, group_dst=joiner) for joiner in joiners])
     for start in range(0, len(data), CHUNK_BYTES):
         chunk = data[start : start + CHUNK_BYTES]
-        wait([dist.isend(chunk, dst=joiner) for joiner in joiners])
+        wait([dist.isend(chunk, group=group, group_dst=joiner) for joiner in joiners])
 
 
-def receive_header(donor: int, wait: Wait) -> tuple[int, bytes]:
+def receive_header(donor: int, wait: Wait, group: dist.ProcessGroup | None = None) -> tuple[int, bytes]:
     """Wait for rank ``donor``'s header (it comes once the donor has packed its replica): the
     payload's length and the digest its donor computed."""
     header = torch.empty(_HEADER_BYTES, dtype=torch.uint8)
-    wait([dist.irecv(header, src=donor)])
+    wait([dist.irecv(header, group=group, group_src=donor)])
     return int.from_bytes(bytes(header[:8].tolist()), "little"), bytes(header[8:].tolist())
 
 
-def receive_payload(donor: int, length: int, wait: Wait) -> torch.Tensor:
+def receive_payload(
+    donor: int, length: int, wait: Wait, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Receive the ``length`` bytes of payload that follow rank ``donor``'s header."""
     data = torch.empty(length, dtype=torch.uint8)
     for start in range(0, length, CHUNK_BYTES):
-        wait([dist.irecv(data[start : start + CHUNK_BYTES], src=donor)])
+        wait([dist.irecv(data[start : start + CHUNK_BYTES], group=group, group_src=donor)])
     return data
