@@ -106,7 +106,7 @@ class JoinRequest:
 
     @property
     def members(self) -> tuple[int, ...]:
-        """The identities this request brings in: one rank, or every rank of a node."""
+        """The identities this request brings in (one rank, or every rank of a node)."""
         return tuple(range(self.member, self.member + self.shards))
 
 
@@ -146,7 +146,7 @@ class ElasticJob:
     found: JobInfo | None  # None: this process started the job
     #: In a decentralized-HSDP job (``init_elastic(..., shards=k)``): this rank's shard world.
     replicas: ReplicaWorld | None = None
-    #: On a node started to join a job of nodes: the store prefix its ranks coordinate under.
+    #: The store prefix a joining node's ranks coordinate under (on a node started to join a job of nodes).
     node_key: str | None = None
 
     @property

@@ -328,7 +328,7 @@ class Membership:
 
     @property
     def replicas(self) -> ReplicaWorld | None:
-        """In a job of nodes: this rank's shard world, as re-formed by the latest change."""
+        """This rank's shard world in a job of nodes, as re-formed by the latest change."""
         return self._replicas
 
     @property
