@@ -46,16 +46,11 @@ def _apply(
     heartbeat moves until the event is set."""
     request = encode(JoinRequest(number, member, signature, shards))
     assert store.compare_set(slot_key(PREFIX, number), "", request) == request.encode()
-    stop = threading.Event()
-    key = f"{PREFIX}/beat/{member}"
-    store.add(key, 1)
-    if beating:
-        threading.Thread(target=_beat, args=(store, key, stop), daemon=True).start()
-    return stop
+    return _heartbeat(store, member, beating)
 
 
-def _beat_only(store: dist.Store, member: int, beating: bool = True) -> threading.Event:
-    """The heartbeat of a node's other rank (its rank 0 applies for it)."""
+def _heartbeat(store: dist.Store, member: int, beating: bool = True) -> threading.Event:
+    """``member``'s heartbeat (an applicant's, or a node's other rank's: its rank 0 applies for it)."""
     stop = threading.Event()
     key = f"{PREFIX}/beat/{member}"
     store.add(key, 1)
@@ -139,8 +134,8 @@ def test_the_watch_raises_its_flag_for_the_next_slot_and_holds_it_while_a_transf
 def test_a_node_applies_once_for_its_ranks_and_is_refused_whole_if_one_of_them_is_silent():
     store = dist.HashStore()
     # Node 4 (members 8 and 9) beats on both ranks; node 5 (10 and 11) lost its rank 1 before the decision.
-    live = [_apply(store, 1, 8, shards=2), _beat_only(store, 9)]
-    half = [_apply(store, 2, 10, shards=2), _beat_only(store, 11, beating=False)]
+    live = [_apply(store, 1, 8, shards=2), _heartbeat(store, 9)]
+    half = [_apply(store, 2, 10, shards=2), _heartbeat(store, 11, beating=False)]
     try:
         admission = admit(store, PREFIX, 0, SIGNATURE, donors=[0, 2], blocked=False)
     finally:
