@@ -332,31 +332,6 @@ def test_a_collective_that_never_completes_is_a_lost_peer_after_the_timeout():
 
 
 @pytest.mark.pure
-def test_a_wait_wakes_when_its_collective_completes_instead_of_polling_it():
-    class FutureWork(_Work):  # completes 0.3 s after the wait starts, through its future as gloo's
-        def __init__(self) -> None:
-            super().__init__(polls=10**9)
-            self.future: torch.futures.Future[None] = torch.futures.Future()
-            self.checked = 0
-
-        def is_completed(self) -> bool:
-            self.checked += 1
-            return self.future.done()
-
-        def get_future(self) -> torch.futures.Future[None]:
-            return self.future
-
-    membership, _ = _membership(5.0)
-    work = FutureWork()
-    threading.Timer(0.3, work.future.set_result, (None,)).start()
-    membership.wait([work], torch.device("cpu"), None, _failure)
-    # Woken by the future (and every 50 ms to check the store): a handful of looks, where polling
-    # with sleeps of at most 2 ms would have looked at least 150 times.
-    assert work.future.done() and work.checked <= 10
-    membership.close()
-
-
-@pytest.mark.pure
 def test_time_a_rank_spends_descheduled_does_not_count_against_its_peers():
     # 1 s without polling (> the 0.3 s timeout), then the collective is found complete: the rank
     # was starved, its peer was not silent. Counting that second would drop a live peer.

@@ -290,7 +290,9 @@ def test_a_job_of_nodes_goes_on_without_a_node_that_lost_a_rank(victims, how):
         assert all(torch.equal(a, b) for a, b in zip(first, result["averaged"], strict=True))
 
 
-JOIN_STEPS = 40
+#: Members sleep 0.5 s a step until the node joins: 80 steps leave it more than 35 s to start and apply
+#: (two processes starting torch on a loaded machine), and a node looks for applicants every 8 steps.
+JOIN_STEPS = 80
 
 
 def _local_state(model: nn.Module, inner: torch.optim.Optimizer) -> list[torch.Tensor]:

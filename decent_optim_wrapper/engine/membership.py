@@ -371,8 +371,8 @@ class Membership:
         next_check = time.monotonic() + _POLL_S
         announced = RuntimeError("another rank reported a lost peer")
         for work in works:
-            done, pause = _completion(work), 1e-4
-            while not work.is_completed() and not (done is not None and done.is_set()):
+            pause = 1e-4
+            while not work.is_completed():
                 now = clock.tick()
                 if clock.expired():
                     raise PeerLost(str(failure(None)))
@@ -382,11 +382,8 @@ class Membership:
                         raise PeerLost(str(failure(announced)))
                     if self.joins_announced():
                         raise MembershipChange("workers apply to join (announced by another member)")
-                if done is not None:
-                    done.wait(_POLL_S)  # wakes as the work completes, or for the next check
-                else:
-                    time.sleep(pause)
-                    pause = min(2 * pause, 2e-3)
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-3)
             try:
                 work.wait()
             except RuntimeError as err:
@@ -547,21 +544,6 @@ class Membership:
         """The new group did not form: a failure of the new generation, announced like any other."""
         logger.warning("rank {} (at launch): the survivors' new group did not form: {}", self._me, cause)
         self._recovering = True
-
-
-def _completion(work: dist.Work) -> threading.Event | None:
-    """An event set when ``work`` completes or fails (from its future's callback), so that a wait wakes
-    at once instead of at its next poll; None if the work has no future (it is polled then)."""
-    get_future = getattr(work, "get_future", None)
-    try:
-        future = None if get_future is None else get_future()
-    except RuntimeError:  # a backend's work without futures
-        future = None
-    if future is None:
-        return None
-    done = threading.Event()
-    future.add_done_callback(lambda _: done.set())
-    return done
 
 
 class _AwakeClock:
