@@ -17,13 +17,21 @@ from helpers import bare_and_wrapped, batch, flat, gather, set_distinct, tiny_mo
 from resume import Resumable, assert_resume_is_bitwise
 from simulation import Simulation, sgd_replicas
 from torch import nn
+from wire_reference import reference_quantize, round_seed
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, GossipEngine, TopologyFactory
 
 
 # -- an independent simulation of the rule, all replicas in one process --------------------------------
-def _quantize(values: torch.Tensor, wire: str) -> torch.Tensor:
-    """Q: what a member's difference becomes on the wire, decoded (written from the rule, not the codec)."""
+def _quantize(values: torch.Tensor, wire: str, step: int) -> torch.Tensor:
+    """Q: what a member's difference becomes on the wire, decoded (written from the rule, not the codec).
+
+    The sparse and low-bit formats come from ``wire_reference`` (one bucket: its round's seed is
+    the step's with bucket 0).
+    """
+    if ":" in wire or wire in ("int4", "int2"):
+        selection, density, values_format = wire.split(":") if ":" in wire else ("all", "1", wire)
+        return reference_quantize(values, selection, float(density), values_format, seed=round_seed(step, 0))
     if wire == "bf16":
         return values.to(torch.bfloat16).to(values.dtype)
     assert wire == "int8"
@@ -69,7 +77,7 @@ class _CompressedGossip(Simulation):
                     self.sent[i] = self.vector(i)
                     self.first.add(group.ranks)
                 else:
-                    self.sent[i] = _quantize(self.vector(i) - self.references[group.ranks], self.wire)
+                    self.sent[i] = _quantize(self.vector(i) - self.references[group.ranks], self.wire, step)
 
 
 def _compressed_training(topology: str, wire: str, steps: int) -> torch.Tensor:
@@ -82,8 +90,12 @@ def _compressed_training(topology: str, wire: str, steps: int) -> torch.Tensor:
     return flat(model)
 
 
+#: Sparse and low-bit formats the multi-process tests use (the tiny model is one chunk of 83 elements).
+SPARSE = ["topk:0.05:int4", "randk:0.1:int2"]
+
+
 @pytest.mark.parametrize(("world_size", "topology"), [(2, "ring"), (4, "ring"), (3, "complete")])
-@pytest.mark.parametrize("wire", ["bf16", "int8"])
+@pytest.mark.parametrize("wire", ["bf16", "int8", "int2", *SPARSE])
 def test_compressed_training_equals_the_independent_simulation(pool, world_size, topology, wire):
     steps = 8
     got = pool(world_size).run(_compressed_training, topology, wire, steps)
@@ -118,7 +130,7 @@ def _mean_around_mixes(topology: str, wire: str, steps: int) -> list[tuple[torch
 
 
 @pytest.mark.parametrize(("world_size", "topology"), [(4, "ring"), (3, "complete")])
-@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8", "int4", *SPARSE])
 def test_mixing_moves_the_mean_only_by_rounding(pool, world_size, topology, wire):
     pairs = pool(world_size).run(_mean_around_mixes, topology, wire, 10)[0]
     u = torch.finfo(torch.float32).eps / 2
@@ -134,7 +146,7 @@ def test_mixing_moves_the_mean_only_by_rounding(pool, world_size, topology, wire
             assert (after - before).abs().max() > 1e3 * drift.max()
 
 
-def _consensus_after_training(topology: str, wire: str) -> list[float]:
+def _consensus_after_training(topology: str, wire: str, rounds: int = 40) -> list[float]:
     rank = dist.get_rank()
     model = tiny_model()
     opt = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1), topology=topology, compression=wire)
@@ -142,7 +154,7 @@ def _consensus_after_training(topology: str, wire: str) -> list[float]:
     for group in opt.param_groups:
         group["lr"] = 0.0
     distances = []
-    for _ in range(40):
+    for _ in range(rounds):
         opt.step()
         distances.append(opt.consensus_distance())
     return distances
@@ -157,6 +169,16 @@ def test_replicas_reach_consensus_below_the_wire_precision(pool, wire):
     assert distances[-1] < 1e-6 * max(distances[0], 1.0)
 
 
+@pytest.mark.parametrize("wire", ["int2", *SPARSE])
+def test_sparse_replicas_reach_consensus_too(pool, wire):
+    # Every round sends some of what is left (top-k each chunk's largest, random-k a tenth of the
+    # positions, int2 a third of the scale): error feedback still takes the replicas to consensus,
+    # in more rounds.
+    distances = pool(4).run(_consensus_after_training, "ring", wire, 1000)[0]
+    assert distances[0] > 1e-4
+    assert distances[-1] < 1e-6 * max(distances[0], 1.0)
+
+
 def _sums_and_references(topology: str, wire: str) -> list[dict[tuple[int, ...], torch.Tensor]]:
     rank = dist.get_rank()
     model = tiny_model()
@@ -166,8 +188,9 @@ def _sums_and_references(topology: str, wire: str) -> list[dict[tuple[int, ...],
     return {tuple(e["ranks"]): e["tensors"][0] for e in state["references"]}
 
 
-def test_every_member_of_a_group_holds_the_same_reference(pool):
-    per_rank = pool(4).run(_sums_and_references, "ring", "bf16")
+@pytest.mark.parametrize("wire", ["bf16", *SPARSE])
+def test_every_member_of_a_group_holds_the_same_reference(pool, wire):
+    per_rank = pool(4).run(_sums_and_references, "ring", wire)
     groups = {ranks for refs in per_rank for ranks in refs}
     assert groups == {(0, 1), (2, 3), (0, 3), (1, 2)}
     for ranks in groups:
@@ -198,7 +221,7 @@ def _global_avg_and_revert(wire: str, average: bool) -> tuple[torch.Tensor, torc
     return flat(model), averaged
 
 
-@pytest.mark.parametrize("wire", ["bf16", "int8"])
+@pytest.mark.parametrize("wire", ["bf16", "int8", "randk:0.1:int2"])
 def test_global_avg_is_exact_and_revert_continues_bit_for_bit(pool, wire):
     plain = pool(4).run(_global_avg_and_revert, wire, False)
     reverted = pool(4).run(_global_avg_and_revert, wire, True)
@@ -241,7 +264,7 @@ class _WrapperRun(Resumable):
         return flat(run[0])
 
 
-@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8"])
+@pytest.mark.parametrize("wire", ["bf16", "fp16", "int8", *SPARSE])
 def test_wrapper_resumes_bit_for_bit_with_compression(pool, resume_pool, tmp_path, wire):
     assert_resume_is_bitwise(pool, resume_pool, 4, _WrapperRun(wire), tmp_path, total=11, save_at=6)
 
@@ -283,8 +306,10 @@ class _ModuleRun(Resumable):
         return flat(run)
 
 
-def test_module_front_end_resumes_bit_for_bit_with_compression(pool, resume_pool, tmp_path):
-    assert_resume_is_bitwise(pool, resume_pool, 4, _ModuleRun("bf16"), tmp_path, total=11, save_at=6)
+@pytest.mark.parametrize("wire", ["bf16", "randk:0.1:int2"])
+def test_module_front_end_resumes_bit_for_bit_with_compression(pool, resume_pool, tmp_path, wire):
+    # Several buckets: random-k draws each bucket's positions from its own seed.
+    assert_resume_is_bitwise(pool, resume_pool, 4, _ModuleRun(wire), tmp_path, total=11, save_at=6)
 
 
 # -- the rest of the contract -------------------------------------------------------------------------
@@ -300,6 +325,11 @@ def test_bytes_per_step(pool):
     assert plain == 4 * numel  # a pair's all-reduce: one fp32 copy sent per member
     assert pool(4).run(_bytes_per_step, "ring", "bf16")[0][0] == 2 * numel
     assert pool(4).run(_bytes_per_step, "ring", "int8")[0][0] == math.ceil(numel / 256) * (256 + 4)
+    # top-k 5% of 256 (13 kept) in int4: per chunk a bf16 scale, 13 one-byte positions, 13 x 4 bits;
+    # the positions' odd count is padded to an even offset, the whole to a multiple of 4
+    chunks = math.ceil(numel / 256)
+    body = 2 * chunks + 13 * chunks + (13 * chunks) % 2 + math.ceil(13 * chunks * 4 / 8)
+    assert pool(4).run(_bytes_per_step, "ring", "topk:0.05:int4")[0][0] == body + (-body) % 4
     # complete at 4: gathering 16 bits three times (6 bytes/element) is no cheaper than the fp32
     # all-reduce (2 * 3/4 * 4 = 6 bytes/element), so the plan leaves it uncompressed
     complete = pool(4).run(_bytes_per_step, "complete", "bf16")[0][0]
@@ -357,7 +387,7 @@ def _partial_revert(wire: str) -> tuple[dict[tuple[int, ...], torch.Tensor], tor
     return {tuple(e["ranks"]): e["tensors"][0] for e in state["references"]}, flat(model)
 
 
-@pytest.mark.parametrize("wire", ["bf16", "int8"])
+@pytest.mark.parametrize("wire", ["bf16", "int8", "topk:0.05:int4"])
 def test_a_revert_on_some_ranks_only_keeps_the_references_identical(pool, wire):
     results = pool(2).run(_partial_revert, wire)
     (refs0, model0), (refs1, model1) = results

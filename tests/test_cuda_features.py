@@ -26,7 +26,20 @@ def _values() -> torch.Tensor:
     return (torch.randn(1000, generator=g, dtype=torch.float64) * magnitudes).float()
 
 
-@pytest.mark.parametrize("name", ["exact", "bf16", "fp16", "int8"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "exact",
+        "bf16",
+        "fp16",
+        "int8",
+        "int4",
+        "int2",
+        "topk:0.01:int2",
+        "topk:0.03:int4:4096",
+        "randk:0.03:int2",
+    ],
+)
 def test_codecs_on_cuda_equal_cpu_bit_for_bit(name):
     coder, values = codec(name), _values()
     payloads, decoded = [], []
@@ -34,9 +47,9 @@ def test_codecs_on_cuda_equal_cpu_bit_for_bit(name):
         payload = torch.empty(
             coder.payload_bytes(values.numel(), values.dtype), dtype=torch.uint8, device=device
         )
-        coder.encode(values.to(device).clone(), payload)
+        coder.encode(values.to(device).clone(), payload, 42)
         payloads.append(payload.cpu())
-        decoded.append(coder.decode(payload, values.numel(), values.dtype).cpu())
+        decoded.append(coder.decode(payload, values.numel(), values.dtype, 42).cpu())
     assert torch.equal(payloads[0], payloads[1]) and torch.equal(decoded[0], decoded[1])
 
 
@@ -73,7 +86,13 @@ def _worker(rank: int, wire: str, directory: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("wire", ["bf16", "int8"])
+#: Two wire steps of a difference below 0.5 (see the test): bf16 2^-8 * 0.5, int8 0.5 / 127, int4
+#: 0.5 / 7, int2 (ternary) 0.5 itself; an ulp may also swap which of two near-equal differences top-k
+#: sends, which moves each of them by at most itself (below 0.5).
+_WIRE_STEP = {"bf16": 0.005, "int8": 0.005, "topk:0.1:int4": 0.5, "randk:0.1:int2": 0.5}
+
+
+@pytest.mark.parametrize("wire", list(_WIRE_STEP))
 def test_compressed_gossip_on_cuda_tensors_matches_cpu(tmp_path, wire):
     spawn(_worker, (wire, str(tmp_path)), nprocs=2)  # killed, with its stacks, if it hangs
     results = torch.load(tmp_path / "rank0.pt", weights_only=True)
@@ -81,11 +100,14 @@ def test_compressed_gossip_on_cuda_tensors_matches_cpu(tmp_path, wire):
         # The GPU may fuse a multiply and an add that the CPU rounds twice (fp32 ulps), and an ulp
         # can move a difference across a wire rounding boundary: that element then differs by one
         # wire step of a difference. Differences stay below 0.5 here (local changes of 0.03 N(0, 1),
-        # replicas that agree to within them after the exact first round), so a step is at most
-        # 2^-8 * 0.5 (bf16) or 0.5 / 127 (int8): 0.01 allows two. A wrong slot, reference or sign
-        # would be off by the differences themselves.
-        error = (on_gpu - on_cpu).abs().max().item()
-        assert error <= 0.01, f"step {step}: the GPU's replicas differ from the CPU's by {error:.3g}"
+        # replicas that agree to within them after the exact first round). Such elements are rare:
+        # the mean error stays below 1e-3, where a wrong slot, reference or sign would put every
+        # element off by the differences themselves (about 0.03 and more).
+        error = (on_gpu - on_cpu).abs()
+        assert error.max().item() <= 2 * _WIRE_STEP[wire], (
+            f"step {step}: the GPU's replicas differ by {error.max():.3g}"
+        )
+        assert error.mean().item() <= 1e-3, f"step {step}: mean difference {error.mean():.3g}"
 
 
 def _tracked_training(rank: int, device: str) -> torch.Tensor:

@@ -347,11 +347,12 @@ def _nesterov(params: Any) -> torch.optim.Optimizer:
     "options",
     [
         {"compression": "int8"},
+        {"compression": "topk:0.1:int4", "sync_every": 2},
         {"gradient_tracking": True},
         {"sync_every": 3, "outer_optimizer": _nesterov},
         {"second_moment": "local"},
     ],
-    ids=["int8", "tracking", "low-communication", "local-second-moment"],
+    ids=["int8", "sparse-low-communication", "tracking", "low-communication", "local-second-moment"],
 )
 def test_a_join_composes_with_every_option(options):
     outcome = run_elastic(_train, 3, ({"front": "optimizer", "request_at": 3, "options": options},))

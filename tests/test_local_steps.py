@@ -507,7 +507,14 @@ class _LocalRun(Resumable):
 
 
 @pytest.mark.parametrize(
-    "case", [_LocalRun("optimizer"), _LocalRun("module"), _LocalRun("optimizer", "bf16")], ids=str
+    "case",
+    [
+        _LocalRun("optimizer"),
+        _LocalRun("module"),
+        _LocalRun("optimizer", "bf16"),
+        _LocalRun("module", "randk:0.1:int4"),
+    ],
+    ids=str,
 )
 def test_resume_mid_period_with_a_round_in_flight_is_bitwise(pool, resume_pool, tmp_path, case):
     # saved after 5 steps: the round launched after step 3 is folded in after step 6
@@ -528,7 +535,7 @@ def _compressed_mean(compression: str) -> tuple[float, float, float]:
     return (end.mean(0) - start).abs().max().item(), end.abs().max().item(), opt.engine.bytes_sent_per_step()
 
 
-@pytest.mark.parametrize("compression", ["bf16", "int8"])
+@pytest.mark.parametrize("compression", ["bf16", "int8", "topk:0.03:int2", "randk:0.1:int4"])
 def test_compressed_anchor_rounds_keep_the_mean(pool, compression):
     moved, scale, sent = pool(4).run(_compressed_mean, compression)[0]
     # The compressed-gossip guarantee, restated for anchors: the mean moves only by the rounding of

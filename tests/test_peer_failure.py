@@ -200,10 +200,11 @@ def test_survivors_of_a_lost_peer_finish_the_run(case):
     [
         ("module", {}),
         ("optimizer", {"compression": "bf16"}),
+        ("optimizer", {"compression": "topk:0.1:int2"}),
         ("optimizer", {"gradient_tracking": True}),
         ("module", {"sync_every": 3, "outer_optimizer": None}),
     ],
-    ids=["module", "bf16", "tracking", "local-steps"],
+    ids=["module", "bf16", "sparse", "tracking", "local-steps"],
 )
 def test_every_feature_survives_a_lost_peer(front, options):
     fault = FAULTS["killed mid-training"]

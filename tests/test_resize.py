@@ -388,6 +388,7 @@ def test_resume_n_to_m_starts_from_the_rule(pool, tmp_path, front_end):
 
 OPTION_CASES = [
     _Case("optimizer", compression="bf16"),
+    _Case("module", compression="randk:0.1:int4", local_steps=True),
     _Case("module", gradient_tracking=True),
     _Case("optimizer", compression="bf16", gradient_tracking=True),
     _Case("module", compression="bf16", gradient_tracking=True),

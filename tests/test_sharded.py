@@ -48,6 +48,7 @@ def _options(variant: str) -> dict[str, Any]:
     return {
         "plain": {},
         "bf16": {"compression": "bf16"},
+        "sparse": {"compression": "topk:0.2:int4"},
         "tracking": {"gradient_tracking": True},
         "local-steps": {"sync_every": 2},
     }[variant]
@@ -167,6 +168,24 @@ def test_two_replicas_of_two_shards_equal_two_whole_replicas(pool, optim, varian
         assert sent > 0
         if variant == "plain":
             assert sent < rounds * 8 * result["shard_numel"] * 1.5  # a shard, not the whole model
+
+
+def test_sparse_gossip_runs_shard_by_shard(pool):
+    # Top-k chooses per chunk of a shard's bucket, so a sharded run is not the whole replicas' run
+    # (the chunks differ); what holds: each rank gossips its shard's payload, the replicas keep
+    # their own values (distinct after training), the global average is exact and revert bitwise.
+    from decent_optim_wrapper.engine.compression import codec
+
+    sharded = pool(4).run(_sharded_run, 2, 2, "adamw", "sparse", "ring")
+    for rank, result in enumerate(sharded):
+        assert result["reverted_bitwise"], f"rank {rank}"
+        # ring of 2 replicas: one pair, one payload of the shard's bucket per step
+        assert result["bytes"] == codec("topk:0.2:int4").payload_bytes(result["shard_numel"], torch.float64)
+    replicas = [sharded[0], sharded[2]]  # shard 0 and 1 hold the same full parameters (all-gathered)
+    for got, *held in zip(sharded[0]["averaged"], *(r["params"] for r in replicas), strict=True):
+        mean = (held[0] + held[1]) / 2
+        torch.testing.assert_close(got, mean, rtol=0, atol=1e-15)
+    assert any(not torch.equal(a, b) for a, b in zip(*(r["params"] for r in replicas), strict=True))
 
 
 def _elastic_shards_run(

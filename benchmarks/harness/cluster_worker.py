@@ -47,6 +47,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import bf16_compr
 
 from benchmarks.harness.common import build_mlp
 from benchmarks.harness.emulated_compute import ROWS, EmulatedMLP
+from benchmarks.harness.methods import check_compression
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.plan import JITTERS, ComputeTimes
 
@@ -56,7 +57,6 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 BASELINES = ("nocomm", "ddp", "ddp-bf16")
 MODULE_SUFFIX = "-module"
-COMPRESSIONS = ("bf16", "fp16", "int8")
 
 
 def parse_gossip_method(method: str) -> tuple[str, bool, str | None]:
@@ -65,11 +65,8 @@ def parse_gossip_method(method: str) -> tuple[str, bool, str | None]:
     The topology name itself is checked by the library when the front-end is built.
     """
     base, at, compression = method.partition("@")
-    if at and compression not in COMPRESSIONS:
-        raise ValueError(
-            f"method {method!r}: compression {compression!r} is not one of {', '.join(COMPRESSIONS)}; "
-            "write e.g. ring@bf16"
-        )
+    if at:
+        check_compression(method, compression)
     topology = base.removesuffix(MODULE_SUFFIX)
     if not topology or topology in BASELINES:
         raise ValueError(

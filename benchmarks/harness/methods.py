@@ -14,8 +14,9 @@ A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, 
   ``~h8n0.5m0.5``: outer lr 0.5 and Nesterov momentum 0.5, ``m0.0`` plain SGD),
   ``~h8nd0`` with ``sync_delay=0``
   (blocking; without ``d`` the default, a whole round); ``complete~h8nd0`` is DiLoCo;
-- ``@bf16``, ``@fp16``, ``@int8``: gossip compressed models (``compression=`` of both front-ends);
-  DDP takes none;
+- ``@bf16``, ``@fp16``, ``@int8``, ``@int4``, ``@int2`` or a sparse format such as
+  ``@topk:0.01:int2`` (any name ``compression=`` accepts): gossip compressed models (``compression=``
+  of both front-ends); DDP takes none;
 - ``+adamw``, ``+accum-adamw`` (AccumAdamW, accum_iter 4): train with the Adam learning rate;
   without one (or with ``+sgd``) it is SGD with momentum. ``-local`` after the optimizer
   (``+adamw-local``): Adam's second moment from each rank's own gradients (``second_moment="local"``,
@@ -36,10 +37,11 @@ from typing import Any
 import torch
 
 from decent_optim_wrapper import AccumAdamW, TopologyFactory
+from decent_optim_wrapper.engine.compression import resolve_compression
 
 MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
 TRACKING_SUFFIX = "-gt"  # after -module, if any: gradient tracking
-COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression"; none when none is named
+COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression" (or a sparse name); none when none is named
 OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
 LOCAL_MOMENT_SUFFIX = "-local"  # after the optimizer: second_moment="local"
 LOCAL = re.compile(  # after "~"
@@ -47,6 +49,17 @@ LOCAL = re.compile(  # after "~"
     r"(?:d(?P<delay>[0-9]+))?"
 )
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
+
+
+def check_compression(method: str, compression: str) -> None:
+    """Raise ``ValueError`` naming ``method`` unless ``compression`` is a name ``compression=`` accepts."""
+    try:
+        resolve_compression(compression)
+    except ValueError:
+        raise ValueError(
+            f"method {method!r}: unknown compression {compression!r} after '@'; choose one of "
+            f"{', '.join(COMPRESSIONS)}, a sparse format such as 'topk:0.01:int2' (or leave out '@' for none)"
+        ) from None
 
 
 def nesterov_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -181,11 +194,8 @@ def parse_method(method: str) -> Method:
             f"full-precision gradients. Drop '@{compression}', or compress a gossip topology, "
             f"e.g. 'ring@{compression}'."
         )
-    if at and compression not in COMPRESSIONS:
-        raise ValueError(
-            f"method {method!r}: unknown compression {compression!r} after '@'; choose one of "
-            f"{', '.join(COMPRESSIONS)} (or leave out '@' for none)"
-        )
+    if at:
+        check_compression(method, compression)
     stem = base.removesuffix(TRACKING_SUFFIX)
     if stem == "ddp" and stem != base:
         raise ValueError(

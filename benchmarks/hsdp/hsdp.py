@@ -73,7 +73,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.cluster_worker import COMPRESSIONS, parse_gossip_method
+from benchmarks.harness.cluster_worker import parse_gossip_method
 from benchmarks.harness.common import free_port
 from benchmarks.harness.emulated_cluster import (
     Cluster,
@@ -84,6 +84,7 @@ from benchmarks.harness.emulated_cluster import (
     stop,
 )
 from benchmarks.harness.emulated_compute import ROWS
+from benchmarks.harness.methods import COMPRESSIONS
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 
 WORKER = Path(__file__).with_name("hsdp_worker.py")

@@ -37,8 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from benchmarks.harness import cluster_worker
-from benchmarks.harness.cluster_worker import COLLECTIVE_TIMEOUT, COMPRESSIONS, parse_gossip_method
+from benchmarks.harness.cluster_worker import COLLECTIVE_TIMEOUT, parse_gossip_method
 from benchmarks.harness.common import build_mlp
+from benchmarks.harness.methods import COMPRESSIONS
 from decent_optim_wrapper import DecentOptimWrapper
 
 MEMORY_KINDS = ("whole", "gossip-hsdp", "torch-hsdp")

@@ -1,44 +1,52 @@
 r"""Compressed gossip: what travels on the wire, and which groups may compress.
 
 A round sends each member's difference to a reference its group shares, ``q_i = Q(x_i - r_G)``, in a
-16-bit or 8-bit wire format; every member mixes ``x_i <- x_i + a c (sum_j q_j - k q_i)`` and moves the
-reference by ``sum_j q_j / k``, so the quantization error stays in the replica (error feedback) and
-the mean of the replicas moves only by rounding in the parameters' dtype. This module holds the
-option (:class:`GossipCompression`), the codecs, and the plan of which groups compress. The
-algorithm, its guarantees, costs and figures: the compressed gossip page of the docs.
+compressed wire format; every member mixes ``x_i <- x_i + a c (sum_j q_j - k q_i)`` and moves the
+reference by ``sum_j q_j / k``. What ``Q`` leaves out stays in the replica's difference to the
+reference and is sent in a later round (error feedback), and the mean of the replicas moves only by
+rounding in the parameters' dtype. The formats: 16-bit floats, blockwise int8
+(:mod:`~decent_optim_wrapper.engine.codecs`), and the sparse and low-bit ones, top-k or random-k per
+chunk with values in 2 to 16 bits (:mod:`~decent_optim_wrapper.engine.chunk_codec`). This module
+holds the option (:class:`GossipCompression`), the formats' names, and the plan of which groups
+compress. The algorithm, its guarantees, costs and figures: the compressed gossip page of the docs.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 
 import torch
 
+from decent_optim_wrapper.engine.chunk_codec import SELECTIONS, ChunkCodec
+from decent_optim_wrapper.engine.codecs import DENSE_CODECS, INT8_BLOCK, Codec
 from decent_optim_wrapper.topo import Group, Topology
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
 __all__ = [
+    "INT8_BLOCK",
+    "SELECTIONS",
     "WIRE_FORMATS",
     "Codec",
     "CompressionPlan",
     "CompressionSpec",
     "GossipCompression",
     "codec",
+    "is_codec_name",
+    "parse_compression",
     "resolve_compression",
+    "round_seed",
 ]
 
-#: The wire formats a compressed round may use, by name.
-WIRE_FORMATS = ("bf16", "fp16", "int8")
+#: The value formats a compressed round may use, by name (alone: every element is sent).
+WIRE_FORMATS = ("bf16", "fp16", "int8", "int4", "int2")
 
 #: The bucket dtypes that compress.
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float64)
 
-#: Elements sharing one int8 scale, small enough to follow the local magnitude, large enough that
-#: the fp32 scale costs 1.6% of the payload.
-INT8_BLOCK = 256
+#: The largest chunk: a position in it fits in two bytes.
+MAX_CHUNK = 65536
 
 
 @dataclass(frozen=True)
@@ -46,15 +54,31 @@ class GossipCompression:
     """Opt-in compressed gossip (the compressed gossip page of the docs explains the algorithm).
 
     Args:
-        wire: ``"bf16"``, ``"fp16"`` (16 bits per element; fp16 is 8x more precise than bf16 but
-            saturates at 65504, beyond which the excess simply waits for the next round), or
-            ``"int8"`` (8 bits per element plus one fp32 scale per 256 elements).
+        wire: how each sent value travels: ``"bf16"``, ``"fp16"`` (16 bits; fp16 is 8x more precise
+            than bf16 but saturates at 65504, beyond which the excess waits for the next round),
+            ``"int8"``, ``"int4"`` or ``"int2"`` (absmax integers with one scale per chunk: int8 one
+            fp32 scale per 256 elements when dense, the others one bf16 scale per chunk; int2 is
+            ternary).
         max_references: the most groups a rank keeps a reference for, i.e. the most extra copies of
             its gossiped parameters that compression may hold.
+        density: the fraction of every chunk sent, ``0 < density <= 1``: each chunk of ``chunk``
+            elements sends ``max(1, round(density * chunk))`` of them (1.0: every element).
+        selection: which elements a sparse round sends: ``"topk"`` (the largest differences in
+            magnitude; their positions travel, one byte each for ``chunk <= 256``, else two) or
+            ``"randk"`` (positions drawn from a seed the group shares: no positions travel).
+        chunk: elements per chunk, ``2 <= chunk <= 65536`` (top-k and random-k choose per chunk;
+            the low-bit formats keep one scale per chunk).
+
+    The name of a sparse format, as :func:`resolve_compression` and the planner accept it, is
+    ``"SELECTION:DENSITY:WIRE"`` (``":CHUNK"`` appended when it is not 256), e.g.
+    ``"topk:0.01:int2"``.
     """
 
     wire: str = "bf16"
     max_references: int = 4
+    density: float = 1.0
+    selection: str = "topk"
+    chunk: int = 256
 
     def __post_init__(self) -> None:
         if self.wire not in WIRE_FORMATS:
@@ -68,10 +92,73 @@ class GossipCompression:
                 f"max_references must be an int >= 1 (extra parameter copies compression may hold), got "
                 f"{limit!r}."
             )
+        chunk = self.chunk
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= MAX_CHUNK:
+            raise ValueError(
+                f"chunk must be an int in [2, {MAX_CHUNK}] (elements per chunk; a position must fit in two "
+                f"bytes), got {chunk!r}; e.g. chunk=256."
+            )
+        density = self.density
+        if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:
+            raise ValueError(
+                f"density must be a number in (0, 1] (the fraction of each chunk sent), got {density!r}; "
+                "e.g. density=0.01 sends 1%."
+            )
+        if self.selection not in SELECTIONS:
+            raise ValueError(
+                f"selection must be one of {', '.join(map(repr, SELECTIONS))}, got {self.selection!r}."
+            )
+        if density < 1 and self.kept == chunk:
+            raise ValueError(
+                f"density={density!r} keeps all {chunk} elements of a chunk; pass density=1.0 for a dense "
+                "format, or a smaller density."
+            )
+
+    @property
+    def sparse(self) -> bool:
+        """Whether a round sends only some elements of each chunk."""
+        return self.density < 1
+
+    @property
+    def kept(self) -> int:
+        """Elements sent per chunk."""
+        return max(1, round(self.density * self.chunk)) if self.sparse else self.chunk
+
+    @property
+    def name(self) -> str:
+        """The wire format's name (recorded with a checkpoint's pending rounds)."""
+        if not self.sparse:
+            return self.wire
+        name = f"{self.selection}:{float(self.density)!r}:{self.wire}"
+        return name if self.chunk == 256 else f"{name}:{self.chunk}"
 
 
-#: What a ``compression`` argument may be: None (off), a wire format name, or a GossipCompression.
+#: What a ``compression`` argument may be: None (off), a format's name, or a GossipCompression.
 CompressionSpec = str | GossipCompression | None
+
+
+def parse_compression(name: str, max_references: int = 4) -> GossipCompression:
+    """The :class:`GossipCompression` a format's name stands for (``"int8"``, ``"topk:0.01:int2"``).
+
+    A density may also be written in percent (``"topk:1%:int2"``).
+    """
+    if name in WIRE_FORMATS:
+        return GossipCompression(name, max_references)
+    parts = name.split(":")
+    if len(parts) in (3, 4) and parts[0] in SELECTIONS:
+        text = parts[1]
+        try:
+            density = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+            chunk = int(parts[3]) if len(parts) == 4 else 256
+        except ValueError:
+            pass
+        else:
+            return GossipCompression(parts[2], max_references, density, parts[0], chunk)
+    raise ValueError(
+        f"compression={name!r} is not a wire format; pass one of {', '.join(map(repr, WIRE_FORMATS))}, a "
+        "sparse format 'SELECTION:DENSITY:WIRE[:CHUNK]' (e.g. 'topk:0.01:int2', 'randk:3%:int4'), a "
+        "GossipCompression, or None (off)."
+    )
 
 
 def resolve_compression(spec: object) -> GossipCompression | None:
@@ -79,162 +166,41 @@ def resolve_compression(spec: object) -> GossipCompression | None:
     if spec is None or isinstance(spec, GossipCompression):
         return spec
     if isinstance(spec, str):
-        if spec not in WIRE_FORMATS:
-            raise ValueError(
-                f"compression={spec!r} is not a wire format; pass one of "
-                f"{', '.join(map(repr, WIRE_FORMATS))}, a GossipCompression, or None (off)."
-            )
-        return GossipCompression(spec)
+        return parse_compression(spec)
     raise TypeError(
-        f"compression must be None, one of {', '.join(map(repr, WIRE_FORMATS))} or a GossipCompression, got "
-        f"{type(spec).__name__} {spec!r}."
+        f"compression must be None, one of {', '.join(map(repr, WIRE_FORMATS))}, a sparse format name such "
+        f"as 'topk:0.01:int2', or a GossipCompression, got {type(spec).__name__} {spec!r}."
     )
 
 
-# -- codecs -------------------------------------------------------------------------------------------
-class Codec:
-    """Encodes a flat floating tensor into bytes and back; decoding is deterministic.
-
-    ``name`` is recorded with a round in a checkpoint; ``"exact"`` carries the values bit for bit.
-    """
-
-    name: str
-
-    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        raise NotImplementedError
-
-    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        """Write ``values`` (flat, floating) into ``payload`` (flat uint8 of ``payload_bytes``).
-
-        ``values`` is scratch: an encoder may overwrite it (fp16 clamps it in place).
-        """
-        raise NotImplementedError
-
-    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """The values ``payload`` stands for, as a new tensor of ``dtype``."""
-        raise NotImplementedError
-
-    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        """:meth:`decode` into ``out`` (flat), bit for bit the same values."""
-        out.copy_(self.decode(payload, out.numel(), out.dtype))
+def is_codec_name(name: object) -> bool:
+    """Whether ``name`` names a codec (a checkpoint's pending round records one)."""
+    if not isinstance(name, str):
+        return False
+    try:
+        codec(name)
+    except ValueError:
+        return False
+    return True
 
 
-class _ExactCodec(Codec):
-    """The values' own bytes (a group's first round)."""
-
-    name = "exact"
-
-    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        return numel * dtype.itemsize
-
-    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        payload.view(values.dtype).copy_(values)
-
-    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return payload.view(dtype).clone()
-
-    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(payload.view(out.dtype))
+def round_seed(step: int, bucket: int) -> int:
+    """The seed of bucket ``bucket``'s round at ``step``: every member of the group derives the same,
+    and so does a resumed run decoding a checkpoint's pending round."""
+    return (step * 65537 + bucket) % (1 << 63)
 
 
-class _Float16Codec(Codec):
-    """Round to nearest in a 16-bit float (fp16 saturates: the excess stays in the replica)."""
-
-    def __init__(self, name: str, dtype: torch.dtype) -> None:
-        self.name, self._dtype = name, dtype
-        self._limit = torch.finfo(dtype).max
-
-    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        return 2 * numel
-
-    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        wire = payload.view(self._dtype)
-        if self._dtype == torch.float16:
-            # Clamped, not overflowed to inf: what is not sent stays in x - r for the next round.
-            torch.clamp(values, -self._limit, self._limit, out=values)
-        wire.copy_(values)
-
-    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        return payload.view(self._dtype).to(dtype)
-
-    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(payload.view(self._dtype))  # widening is exact: no allocation, one pass
-
-
-class _Int8Codec(Codec):
-    """Blockwise absmax int8: per block of 256, ``q = round(v / s)`` with ``s = max|v| / 127``.
-
-    Layout: ``ceil(n / 256) * 256`` int8 values (the last block zero-padded), then one fp32 scale
-    per block.
-    """
-
-    name = "int8"
-
-    def payload_bytes(self, numel: int, dtype: torch.dtype) -> int:
-        blocks = math.ceil(numel / INT8_BLOCK)
-        return blocks * INT8_BLOCK + 4 * blocks
-
-    def encode(self, values: torch.Tensor, payload: torch.Tensor) -> None:
-        numel = values.numel()
-        blocks, full = math.ceil(numel / INT8_BLOCK), numel // INT8_BLOCK
-        codes = payload[: blocks * INT8_BLOCK].view(torch.int8)
-        scales = payload[blocks * INT8_BLOCK :].view(torch.float32)
-        if values.dtype == torch.float32:
-            # fp32 scratch: quantize the whole blocks in place, no bucket-sized temporaries
-            _quantize_(values[: full * INT8_BLOCK].view(full, INT8_BLOCK), codes, scales, full)
-            if full == blocks:
-                return
-        start = full * INT8_BLOCK if values.dtype == torch.float32 else 0
-        tail = torch.zeros(
-            blocks - start // INT8_BLOCK, INT8_BLOCK, dtype=torch.float32, device=values.device
-        )
-        tail.view(-1)[: numel - start] = values[start:]
-        first = start // INT8_BLOCK
-        _quantize_(tail, codes[start:], scales[first:], blocks - first)
-
-    def decode(self, payload: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        blocks = math.ceil(numel / INT8_BLOCK)
-        quantized = payload[: blocks * INT8_BLOCK].view(torch.int8).view(blocks, INT8_BLOCK)
-        scales = payload[blocks * INT8_BLOCK :].view(torch.float32).view(blocks, 1)
-        return (quantized.to(torch.float32) * scales).view(-1)[:numel].to(dtype)
-
-    def decode_into(self, payload: torch.Tensor, out: torch.Tensor) -> None:
-        if out.dtype != torch.float32:
-            super().decode_into(payload, out)
-            return
-        numel = out.numel()
-        blocks, full = math.ceil(numel / INT8_BLOCK), numel // INT8_BLOCK
-        codes = payload[: blocks * INT8_BLOCK].view(torch.int8)
-        scales = payload[blocks * INT8_BLOCK :].view(torch.float32)
-        whole = out[: full * INT8_BLOCK].view(full, INT8_BLOCK)
-        whole.copy_(codes[: full * INT8_BLOCK].view(full, INT8_BLOCK)).mul_(scales[:full, None])
-        if full < blocks:  # the same fp32 product as decode(), for the partial last block
-            out[full * INT8_BLOCK :].copy_(codes[full * INT8_BLOCK : numel]).mul_(scales[full])
-
-
-def _quantize_(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, blocks: int) -> None:
-    """Quantize ``blocks`` rows of ``values`` (fp32, overwritten) into ``codes`` and ``scales``."""
-    if blocks == 0:
-        return
-    rows = values.view(blocks, INT8_BLOCK)
-    block_scales = torch.linalg.vector_norm(rows, ord=math.inf, dim=1, keepdim=True).div_(127.0)
-    # An all-zero block has scale 0; dividing by 1 instead sends its zeros.
-    safe = torch.where(block_scales > 0, block_scales, torch.ones_like(block_scales))
-    codes[: blocks * INT8_BLOCK].view(blocks, INT8_BLOCK).copy_(rows.div_(safe).round_().clamp_(-127, 127))
-    scales[:blocks].copy_(block_scales.view(-1))
-
-
-_CODECS: dict[str, Codec] = {
-    "exact": _ExactCodec(),
-    "bf16": _Float16Codec("bf16", torch.bfloat16),
-    "fp16": _Float16Codec("fp16", torch.float16),
-    "int8": _Int8Codec(),
-}
-
-
+@cache
 def codec(name: str) -> Codec:
-    """The codec called ``name`` (a wire format, or ``"exact"``)."""
-    return _CODECS[name]
+    """The codec called ``name``: ``"exact"``, or the :attr:`~GossipCompression.name` of a format.
+
+    Raises ``ValueError`` for a name that is neither.
+    """
+    if name in DENSE_CODECS:
+        return DENSE_CODECS[name]
+    option = parse_compression(name)
+    selection = option.selection if option.sparse else "all"
+    return ChunkCodec(name, option.wire, selection, option.kept, option.chunk)
 
 
 # -- which groups compress -------------------------------------------------------------------------------
@@ -249,7 +215,7 @@ class CompressionPlan:
     def __init__(self, topology: Topology, compression: GossipCompression) -> None:
         self.compression = compression
         self._topology = topology
-        self._codec = codec(compression.wire)
+        self._codec = codec(compression.name)
         self._allowed: Callable[[torch.dtype], frozenset[tuple[int, ...]]] = cache(self._allowed_groups)
 
     @property

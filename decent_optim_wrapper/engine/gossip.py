@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.buckets import check_saved_tensors, misfit
 from decent_optim_wrapper.engine.comm import ProcessGroups, reduction_dtype, wait_all
-from decent_optim_wrapper.engine.compression import WIRE_FORMATS, CompressionPlan, codec
+from decent_optim_wrapper.engine.compression import CompressionPlan, codec, is_codec_name, round_seed
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.engine.membership import ChannelReport, PeerLost, RoundState
 from decent_optim_wrapper.topo import Group, Topology
@@ -54,6 +54,7 @@ class _Channel:
     """One bucket's gossip: the tensor it averages and everything its rounds need."""
 
     tensor: torch.Tensor  # read at launch, written at mix
+    index: int  # the bucket's number (with the round's step, it seeds random-k's positions)
     buffer: torch.Tensor | None = None  # staged values, then the group sum (allocated at first use)
     round: _Round | None = None  # launched (or restored) and not mixed yet
     gathered: torch.Tensor | None = None  # compressed rounds: every member's payload, rank order
@@ -100,7 +101,7 @@ class Gossip:
         plan: CompressionPlan | None = None,
         waiter: Waiter | None = None,
     ) -> None:
-        self._channels = [_Channel(t) for t in tensors]
+        self._channels = [_Channel(t, b) for b, t in enumerate(tensors)]
         self._waiter: Waiter = wait_all if waiter is None else waiter
         self._topology = topology
         self._rank = rank
@@ -118,7 +119,8 @@ class Gossip:
 
     def add_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Gossip these tensors too, as new buckets at the end (nothing is in flight for them)."""
-        self._channels.extend(_Channel(t) for t in tensors)
+        first = len(self._channels)
+        self._channels.extend(_Channel(t, first + b) for b, t in enumerate(tensors))
 
     def bytes_sent_per_step(self) -> float:
         """Bytes this rank sends per step for these buckets, averaged over one period of the schedule.
@@ -160,7 +162,7 @@ class Gossip:
             return group, None
         tensor, buffer = channel.tensor, channel.sum_buffer()
         if self._plan is not None and self._plan.compresses(group, tensor.dtype):
-            return group, self._stage_gathered(channel, group)
+            return group, self._stage_gathered(channel, group, step)
         # Division by k is correctly rounded (exact for k a power of two); x * fl(1/k) would round
         # twice. Low-precision tensors are widened into their fp32 buffer here.
         if group.self_weight is None:
@@ -169,7 +171,7 @@ class Gossip:
             torch.mul(tensor, group.peer_weight, out=buffer)
         return group, None
 
-    def _stage_gathered(self, channel: _Channel, group: Group) -> str:
+    def _stage_gathered(self, channel: _Channel, group: Group, step: int) -> str:
         """Encode this member's part of a compressed round into its slot of the gathered payload."""
         assert self._plan is not None
         tensor = channel.tensor
@@ -187,7 +189,7 @@ class Gossip:
         else:
             scratch = channel.sum_buffer()  # free until the round arrives
             torch.sub(tensor, reference, out=scratch)  # small: what changed since the group last met
-            coder.encode(scratch, own)
+            coder.encode(scratch, own, round_seed(step, channel.index))
         return name
 
     def launch(self, bucket: int, step: int) -> None:
@@ -289,7 +291,8 @@ class Gossip:
         group = round_.group
         total, scratch = self._gathered_sum(channel, round_)
         slots = _slots(channel, round_)
-        codec(round_.codec).decode_into(slots[group.ranks.index(self._rank)], scratch)
+        seed = round_seed(round_.step, channel.index)
+        codec(round_.codec).decode_into(slots[group.ranks.index(self._rank)], scratch, seed)
         # x <- x + a c (s - k q_i): one pass for s - k q_i, one for the update
         channel.tensor.add_(
             torch.add(total, scratch, alpha=-group.size, out=scratch), alpha=factor * group.peer_weight
@@ -310,10 +313,10 @@ class Gossip:
         if channel.decoded is None:
             channel.decoded = torch.empty_like(total)
         scratch = channel.decoded
-        coder.decode_into(slots[0], total)
+        seed = round_seed(round_.step, channel.index)
+        coder.decode_into(slots[0], total, seed)
         for j in range(1, round_.group.size):
-            coder.decode_into(slots[j], scratch)
-            total.add_(scratch)
+            coder.add_into(slots[j], total, scratch, seed)
         return total, scratch
 
     def settle_references(self) -> None:
@@ -467,7 +470,7 @@ class Gossip:
         for bucket, (payload, name) in enumerate(zip(gathered, codecs, strict=True)):
             if payload is None and name is None:
                 continue
-            if name not in ("exact", *WIRE_FORMATS) or payload is None or step is None:
+            if not is_codec_name(name) or payload is None or step is None:
                 raise ValueError(
                     f"gossip state of bucket {bucket} has codec {name!r}, payload "
                     f"{'missing' if payload is None else 'present'} and step {step!r}: a pending compressed "
