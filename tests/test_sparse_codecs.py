@@ -215,7 +215,7 @@ def test_error_feedback_eventually_sends_everything_with_top_k():
     assert norms[-1] < 1e-2 * norms[0]
 
 
-# -- bytes ----------------------------------------------------------------------------------------------------
+# -- bytes -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("name", "per_chunk"),
     [
