@@ -385,6 +385,34 @@ def test_bytes_subcommand_keeps_the_byte_report(capsys):
     assert "with bf16 compression: 2.0000 (uncompressed 4.0000; x0.500)" in capsys.readouterr().out
 
 
+def test_bytes_subcommand_counts_sparse_payloads(capsys):
+    # ring of 8: one pair per step, one payload each. top-k 1% int2, per chunk of 256: a 2-byte scale,
+    # 3 one-byte positions and 3 2-bit values, (2 + 3 + 0.75) / 256 = 0.0225 bytes per element
+    # (the payload's padding to 4 bytes is negligible at 2^20 elements); random-k sends no positions.
+    assert main(["bytes", "ring", "-n", "8", "-c", "topk:0.01:int2", "randk:1%:int2"]) == 0
+    out = capsys.readouterr().out
+    assert "with topk:0.01:int2 compression: 0.0225 (" in out
+    assert "with randk:0.01:int2 compression: 0.0107 (" in out
+
+
+def test_plan_simulates_the_named_formats(capsys):
+    argv = ["--model-bytes", "40M", "--compute-ms", "100", "--bandwidth", "100mbit", "--nodes", "4"]
+    assert main([*argv, "--topologies", "ring", "--compression", "int8", "topk:0.01:int2"]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
+    assert list(rows)[3:] == ["ring", "ring@int8", "ring@topk:0.01:int2"]
+    # 10^7 elements: 39063 chunks of 2 + 3 + 0.75 bytes, 224612 bytes a member sends per step
+    assert rows["ring@topk:0.01:int2"][2] == "0.22"
+
+
+@pytest.mark.parametrize(
+    "argv", [["bytes", "ring", "-n", "8", "-c", "topk:2:int2"], ["bytes", "ring", "-n", "8", "-c", "int3"]]
+)
+def test_bad_formats_exit_2_naming_them(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and repr(argv[-1]) in capsys.readouterr().err
+
+
 # -- blocking rounds (sync_every=1, sync_delay=0) ---------------------------------------------------
 
 

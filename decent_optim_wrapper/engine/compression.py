@@ -153,7 +153,10 @@ def parse_compression(name: str, max_references: int = 4) -> GossipCompression:
         except ValueError:
             pass
         else:
-            return GossipCompression(parts[2], max_references, density, parts[0], chunk)
+            try:
+                return GossipCompression(parts[2], max_references, density, parts[0], chunk)
+            except ValueError as error:
+                raise ValueError(f"compression={name!r}: {error}") from None
     raise ValueError(
         f"compression={name!r} is not a wire format; pass one of {', '.join(map(repr, WIRE_FORMATS))}, a "
         "sparse format 'SELECTION:DENSITY:WIRE[:CHUNK]' (e.g. 'topk:0.01:int2', 'randk:3%:int4'), a "

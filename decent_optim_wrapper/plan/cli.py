@@ -1,9 +1,10 @@
 """``python -m decent_optim_wrapper.plan``: predicted step times before renting a cluster.
 
 ``python -m decent_optim_wrapper.plan --model-bytes 500M --compute-ms 100 --bandwidth 25gbit
---latency 10us --nodes 64`` simulates DDP and every topology's gossip (uncompressed, bf16 and int8)
-on that cluster and prints each one's mean step time, its ratio to training without communication,
-and the bytes a rank sends per step. ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
+--latency 10us --nodes 64`` simulates DDP and every topology's gossip (uncompressed, and compressed
+in the formats ``--compression`` names: bf16 and int8 by default) on that cluster and prints each
+one's mean step time, its ratio to training without communication, and the bytes a rank sends per
+step. ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
 topology's bytes per parameter (:mod:`.traffic`). The assumptions are those of :mod:`.costs` and
 :mod:`.simulator`.
 """
@@ -14,6 +15,7 @@ import argparse
 import re
 from collections.abc import Sequence
 
+from decent_optim_wrapper.engine.compression import parse_compression
 from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
 from decent_optim_wrapper.plan.costs import Link, Network
 from decent_optim_wrapper.plan.predict import predict
@@ -81,6 +83,14 @@ def _parser() -> argparse.ArgumentParser:
         "--tree-latency", action="store_true", help="all-reduces pay log2(k) latencies (NCCL)"
     )
     parser.add_argument("--steps", type=int, default=40, help="simulated steps (the first 10 are warm-up)")
+    parser.add_argument(
+        "--compression",
+        nargs="+",
+        default=["bf16", "int8"],
+        metavar="FORMAT",
+        help="wire formats to simulate besides uncompressed: bf16, fp16, int8, int4, int2 or a sparse "
+        "format such as topk:0.01:int2 (default: bf16 int8)",
+    )
     return parser
 
 
@@ -98,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
         intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
         compute = ComputeTimes(args.compute_ms / 1e3, args.jitter, args.sigma, slow_factor=args.slow_factor)
+        for name in args.compression:
+            parse_compression(name)
     except ValueError as err:
         parser.error(str(err))
     if args.nodes < 1 or args.workers_per_node < 1 or args.steps <= 10 or model_bytes < 4:
@@ -113,6 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             network,
             args.nodes,
             args.topologies,
+            compressions=args.compression,
             steps=args.steps,
             overhead_s=args.overhead_ms / 1e3,
             forward_fraction=args.forward_fraction,

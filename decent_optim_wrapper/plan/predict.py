@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from decent_optim_wrapper.engine.compression import GossipCompression
+from decent_optim_wrapper.engine.compression import parse_compression
 from decent_optim_wrapper.plan.compute import ComputeTimes
 from decent_optim_wrapper.plan.costs import Network, ddp_buckets
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
@@ -46,7 +46,8 @@ def predict(
         network: links and ranks per node.
         nodes: number of nodes (``nodes * network.local_world_size`` ranks).
         topologies: registered topology names (default: all that build at this size).
-        compressions: wire formats to try on every topology besides uncompressed.
+        compressions: wire formats to try on every topology besides uncompressed (any name
+            ``compression=`` accepts: ``"int8"``, ``"topk:0.01:int2"``).
         steps, warmup: simulated steps; the mean over the last ``steps - warmup`` is reported.
         overhead_s: CPU seconds per step besides compute (optimizer step, staging and mixing).
         forward_fraction: share of the compute in forward (DDP starts all-reducing in backward).
@@ -63,7 +64,7 @@ def predict(
         results.append(Prediction(name, _mean(scheme, compute, steps, warmup), sent))
     for topology in _topologies(topologies, ranks, network.local_world_size):
         for wire_format in (None, *compressions):
-            compression = None if wire_format is None else GossipCompression(wire_format)
+            compression = None if wire_format is None else parse_compression(wire_format)
             sent = bytes_per_parameter(topology, compression) * numel
             name = topology.name + (f"@{wire_format}" if wire_format else "")
             for blocks in (False, True) if blocking else (False,):

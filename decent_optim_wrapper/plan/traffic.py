@@ -16,7 +16,12 @@ from collections.abc import Sequence
 
 import torch
 
-from decent_optim_wrapper.engine.compression import WIRE_FORMATS, CompressionPlan, GossipCompression
+from decent_optim_wrapper.engine.compression import (
+    WIRE_FORMATS,
+    CompressionPlan,
+    GossipCompression,
+    parse_compression,
+)
 from decent_optim_wrapper.topo import Topology
 from decent_optim_wrapper.topo.cli import add_topology_arguments, topology_from_arguments
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
@@ -50,9 +55,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--compression",
         "-c",
-        choices=WIRE_FORMATS,
+        nargs="+",
         default=None,
-        help="only this wire format (default: every one)",
+        metavar="FORMAT",
+        help="only these wire formats: bf16, fp16, int8, int4, int2, or sparse ones such as topk:0.01:int2 "
+        "(default: every dense one)",
     )
     parser.add_argument(
         "--max-references",
@@ -69,14 +76,18 @@ def bytes_main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.max_references < 1:
         parser.error(f"--max-references must be >= 1, got {args.max_references}")
+    try:
+        options = [parse_compression(name, args.max_references) for name in args.compression or WIRE_FORMATS]
+    except ValueError as err:
+        parser.error(str(err))
     topology = topology_from_arguments(parser, args)
     plain = bytes_per_parameter(topology)
     print(f"{topology.name}: world_size={topology.world_size}, local_world_size={topology.local_world_size}")
     print(f"bytes per fp32 parameter per rank/step uncompressed: {plain:.4f}")
-    for wire in (args.compression,) if args.compression else WIRE_FORMATS:
-        compressed = bytes_per_parameter(topology, GossipCompression(wire, args.max_references))
+    for option in options:
+        compressed = bytes_per_parameter(topology, option)
         print(
-            f"bytes per fp32 parameter per rank/step with {wire} compression: {compressed:.4f} "
+            f"bytes per fp32 parameter per rank/step with {option.name} compression: {compressed:.4f} "
             f"(uncompressed {plain:.4f}; x{compressed / plain if plain else 1.0:.3f})"
         )
     return 0
