@@ -260,6 +260,11 @@ def test_convergence_compares_each_method_with_its_twins():
         "ring@bf16",
         "ring",
     ]
+    assert convergence.with_references(["ring~h8n0.1@topk:0.01:int2"]) == [
+        "ring~h8n0.1@topk:0.01:int2",
+        "ddp",
+        "ring~h8n0.1",
+    ]
     # the defaults already hold every reference they are compared with
     defaults = convergence.METHODS
     assert convergence.with_references(defaults) == defaults
@@ -282,6 +287,10 @@ def test_convergence_compares_each_method_with_its_twins():
         ("iid", "ring-gt", 0.0, None, 0.05, "met"),
         ("iid", "ring-gt", 0.0, None, -0.15, "MISSED (vs untracked)"),
         ("iid", "ring-gt@bf16", 0.6, 0.4, 0.2, "MISSED (vs DDP, vs uncompressed, vs untracked)"),
+        # formats sending at most 1/64 of fp32's bytes may lose 0.5 points, the others 0.3
+        ("iid", "ring~h8n0.1@topk:0.01:int2", 0.0, -0.45, None, "met"),
+        ("iid", "ring~h8n0.1@topk:0.03:int4", 0.0, -0.55, None, "MISSED (vs uncompressed)"),
+        ("iid", "ring@int4", 0.0, -0.45, None, "MISSED (vs uncompressed)"),
     ],
 )
 def test_convergence_judges_its_targets(split, name, vs_ddp, vs_uncompressed, vs_untracked, expected):

@@ -56,15 +56,27 @@ def test_report_judges_targets_and_prints_the_uncorrected_twin(capsys):
         _result("ring+adamw", 2.03, [(10, 2.4), (20, 2.03)]),  # 1.015: met
         _result("ring+adamw-local", 2.2, [(10, 2.6), (20, 2.2)]),
         _result("ring~h8+adamw", 2.12, [(10, 1.9), (20, 2.12)]),  # 1.06 > 1.05: missed; reached at 10
+        _result("ring~h8@int8+adamw", 2.14, [(20, 2.14)]),  # 1.07 DDP (missed), 1.0094 its twin (met)
+        _result("ring@topk:0.03:int4+adamw", 2.1, [(20, 2.1)]),  # 1.05 DDP, 1.0345 its twin: both missed
     ]
     args = SimpleNamespace(steps=20, batch_size=16, adam_lr=3e-3, seed=0)
     lm_convergence.report(results, args, 4)
     lines = {line.split("|")[0].strip(): line for line in capsys.readouterr().out.splitlines() if "|" in line}
     ring = [cell.strip() for cell in lines["ring+adamw"].split("|")]
-    assert ring[4:] == ["1.0150", "1.1000", "not reached", "met"]
+    assert ring[4:] == ["1.0150", "1.1000", "-", "not reached", "met"]
+    int8 = [cell.strip() for cell in lines["ring~h8@int8+adamw"].split("|")]
+    assert int8[4:] == ["1.0700", "-", "1.0094", "-", "MISSED"]
+    sparse = [cell.strip() for cell in lines["ring@topk:0.03:int4+adamw"].split("|")]
+    assert sparse[4:] == ["1.0500", "-", "1.0345", "-", "MISSED (both)"]
     assert lines["ring+adamw-local"].rstrip().endswith("| -")  # the uncorrected rule is not judged
     assert [c.strip() for c in lines["ring~h8+adamw"].split("|")][-2:] == ["10", "MISSED"]
     assert lm_convergence.steps_to_reach([(5, 3.0), (10, 1.9), (15, 1.8)], 2.0) == 10
+
+
+@pytest.mark.pure
+def test_a_compressed_method_brings_its_uncompressed_twin():
+    args = lm_convergence.parse_args(["--methods", "ring~h8d1@topk:0.03:int4+adamw"])
+    assert args.methods == ["ddp+adamw", "ring~h8d1@topk:0.03:int4+adamw", "ring~h8d1+adamw"]
 
 
 @pytest.mark.examples

@@ -112,15 +112,15 @@ def test_no_value_moves_further_from_zero(selection, density, wire):
 
 @pytest.mark.parametrize("wire", ["int8", "int4", "int2"])
 def test_each_chunks_largest_kept_value_is_its_scale(wire):
-    # The largest decodes to L * fl(s / L): s itself up to the two fp32 roundings of the division and
-    # the product, at most 2^-23 of s (u = 2^-24 each).
+    # The largest decodes to L * fl(s * fl(1 / L)): s itself up to three fp32 roundings (1 / L and the
+    # two products), at most 2^-22 of s (u = 2^-24 each).
     values = _values(256 * 16, torch.float32, seed=2)
     _, got = _trip(_name("topk", 0.02, wire), values)
     rows, sent = values.view(16, 256), got.view(16, 256)
     biggest = rows.abs().argmax(dim=1)[:, None]
     scale = rows.abs().amax(dim=1).to(torch.bfloat16).float()
     picked = sent.gather(1, biggest).squeeze(1)
-    torch.testing.assert_close(picked.abs(), scale, rtol=2.0**-23, atol=0)
+    torch.testing.assert_close(picked.abs(), scale, rtol=2.0**-22, atol=0)
     assert torch.equal(picked.sign(), rows.gather(1, biggest).squeeze(1).sign())
 
 

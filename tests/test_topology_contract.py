@@ -317,7 +317,7 @@ def test_cli_errors_exit_2_with_a_message(argv, message, capsys):
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["ring", "-n", "4", "-c", "bf8"], "argument --compression/-c: invalid choice: 'bf8'"),
+        (["ring", "-n", "4", "-c", "bf8"], "compression='bf8' is not a wire format"),
         (["ring", "-n", "4", "-c", "bf16", "--max-references", "0"], "--max-references must be >= 1, got 0"),
         (["torus", "-n", "4"], "unknown topology 'torus'; registered: alternating-exp-ring, complete"),
         (["ring", "-n", "6", "-l", "4"], "local_world_size=4 must divide world_size=6"),

@@ -4,7 +4,7 @@ The rule (decent_optim_wrapper.engine.chunk_codec's docstring): chunks of ``C`` 
 ``k = max(1, round(density C))`` kept per chunk (top-k by magnitude, random-k at
 ``floor((j C + v_j) / k)`` with ``v = torch.randint(0, C, (m, k))`` from a CPU generator seeded with
 the round's seed, or every element), values in fp32 then either rounded to a 16-bit float or
-quantized with ``s = bf16(max |kept|)``, ``delta = s / L``, ``c = clamp(round(v / delta), -L, L)``,
+quantized with ``s = bf16(max |kept|)``, ``delta = s * fp32(1 / L)``, ``c = clamp(round(v / delta), -L, L)``,
 ``L = 2^(b-1) - 1``, decoded as ``c delta``. Written with numpy and a Python loop over chunks; only the
 bf16 conversion and the random draw come from torch (the draw is the rule itself).
 """
@@ -59,7 +59,7 @@ def reference_quantize(
         else:
             levels = np.float32(2 ** (BITS[wire] - 1) - 1)
             scale = _bf16(np.array([np.abs(picked).max()]))[0]
-            step = np.float32(scale) / levels
+            step = np.float32(scale) * np.float32(1.0 / float(levels))
             if step > 0:
                 codes = np.clip(np.round(picked / step), -levels, levels).astype(np.float32)
             else:

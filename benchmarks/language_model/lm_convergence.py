@@ -13,10 +13,12 @@ bytes each rank sends per step (the engine's count; the ring all-reduce cost mod
 the ratio to DDP's validation loss. Target, marked met or MISSED: every per-step gossip method
 within 2% of DDP's validation loss, and every method with ``sync_every`` of 2 to 8 within 5%; the
 others are reported. A method's uncorrected twin (``+adamw-local``: Adam's second moment from each
-rank's own gradients) is printed beside it when it ran. With ``--eval-every K`` the averaged model is
-evaluated every K steps (``global_avg`` then ``revert_global_avg``: training goes on from the
-replicas, bit for bit), and the table gives the first evaluated step at which each method reaches
-DDP's final validation loss. ``--width``/``--depth`` size the model.
+rank's own gradients) is printed beside it when it ran. A compressed method
+(``ring~h8d1@topk:0.01:int2+adamw``) is also compared with its uncompressed twin (added to the run):
+within 2% of its validation loss. With ``--eval-every K`` the averaged model is evaluated every K
+steps (``global_avg`` then ``revert_global_avg``: training goes on from the replicas, bit for
+bit), and the table gives the first evaluated step at which each method reaches DDP's final
+validation loss. ``--width``/``--depth`` size the model.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -59,6 +61,7 @@ METHODS = [
 ]
 TARGET_RATIO = 1.02  # per-step gossip: validation loss within 2% of DDP's
 LOCAL_TARGET_RATIO = 1.05  # low-communication gossip with sync_every <= 8: within 5%
+COMPRESSED_TARGET_RATIO = 1.02  # a compressed method: within 2% of its uncompressed twin
 JUDGED_SYNC_EVERY = 8
 
 
@@ -164,7 +167,7 @@ def report(results: list[LMResult], args: argparse.Namespace, world: int) -> Non
     )
     header = (
         f"{'method':>30} | {'val loss':>8} | {'train loss':>10} | {'bytes/step':>10} | {'vs DDP':>7} | "
-        f"{'uncorrected':>11} | {'steps to DDP':>12} | target"
+        f"{'uncorrected':>11} | {'vs uncompr.':>11} | {'steps to DDP':>12} | target"
     )
     print(header)
     print("-" * (len(header) + 10))
@@ -177,18 +180,27 @@ def report(results: list[LMResult], args: argparse.Namespace, world: int) -> Non
                 status = "met" if ratio <= TARGET_RATIO else "MISSED"
             elif spec.sync_every <= JUDGED_SYNC_EVERY:
                 status = "met" if ratio <= LOCAL_TARGET_RATIO else "MISSED"
+        plain = by_name.get(replace(spec, compression=None).name) if spec.compression else None
+        vs_plain = "-" if plain is None else f"{r.validation_loss / plain.validation_loss:.4f}"
+        if plain is not None:
+            close = r.validation_loss / plain.validation_loss <= COMPRESSED_TARGET_RATIO
+            status = (
+                status if close else ("MISSED (vs uncompressed)" if status != "MISSED" else "MISSED (both)")
+            )
         twin = by_name.get(r.method + "-local") if spec.second_moment == "average" else None
         uncorrected = f"{twin.validation_loss / reference.validation_loss:.4f}" if twin else "-"
         reached = steps_to_reach(r.curve, reference.validation_loss) if len(r.curve) > 1 else None
         to_ddp = "-" if len(r.curve) <= 1 else (str(reached) if reached is not None else "not reached")
         print(
             f"{r.method:>30} | {r.validation_loss:>8.4f} | {r.final_train_loss:>10.4f} | "
-            f"{r.bytes_per_step:>10,.0f} | {ratio:>7.4f} | {uncorrected:>11} | {to_ddp:>12} | {status}"
+            f"{r.bytes_per_step:>10,.0f} | {ratio:>7.4f} | {uncorrected:>11} | {vs_plain:>11} | "
+            f"{to_ddp:>12} | {status}"
         )
     print(
         f"Targets: per-step gossip within {TARGET_RATIO:.2f}x DDP's validation loss, sync_every 2 to "
-        f"{JUDGED_SYNC_EVERY} within {LOCAL_TARGET_RATIO:.2f}x; 'uncorrected': the same method with "
-        "second_moment='local'."
+        f"{JUDGED_SYNC_EVERY} within {LOCAL_TARGET_RATIO:.2f}x, compressed within "
+        f"{COMPRESSED_TARGET_RATIO:.2f}x its uncompressed twin ('vs uncompr.'); 'uncorrected': the same "
+        "method with second_moment='local'."
     )
 
 
@@ -268,6 +280,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(str(error))
     if "ddp+adamw" not in args.methods:
         args.methods = ["ddp+adamw", *args.methods]
+    for method in list(args.methods):  # each compressed method's uncompressed twin, if missing
+        spec = parse_method(method)
+        twin = replace(spec, compression=None).name if spec.compression else None
+        if twin is not None and twin not in args.methods:
+            args.methods.append(twin)
     args.reused = {}
     for path, method in args.reuse:
         found = [LMResult(**r) for r in json.loads(Path(path).read_text()) if r["method"] == method]

@@ -17,17 +17,21 @@ The kept values travel as 16-bit floats (``bf16``, ``fp16``: no scale) or as ``b
 
 .. math::
     s = \mathrm{bf16}\big(\max_{j \text{ kept}} |v_j|\big), \qquad
-    \delta = s / L, \quad L = 2^{b - 1} - 1, \qquad
+    \delta = s \cdot \mathrm{fp32}(1 / L), \quad L = 2^{b - 1} - 1, \qquad
     c_j = \mathrm{clamp}\big(\mathrm{round}(v_j / \delta), -L, L\big), \qquad
     \hat v_j = c_j \, \delta ,
 
-absmax rounding with a zero level, like int8's. Rounding to the nearest level, zero included,
-never moves a kept value further from zero than it was (``|v - \hat v| <= |v|``), so with error
-feedback every round shrinks what is left to send; ``int2`` is therefore ternary, ``{-s, 0, s}``.
+absmax rounding with a zero level, like int8's (``delta`` is a product, not a quotient: CUDA
+divides by a scalar through its reciprocal, so only a product rounds the same on every device).
+Rounding to the nearest level, zero included, never moves a kept value further from zero than it
+was (``|v - \hat v| <= |v|``), so with error feedback every round shrinks what is left to send;
+``int2`` is therefore ternary, ``{-s, 0, s}``.
 
 Payload (bytes, every part starting at an even offset, the whole padded to a multiple of 4)::
 
     [m bf16 scales (b-bit values only)] [m k positions (top-k only)] [m k values, b bits each, packed]
+
+and every byte not written (alignment, padding) is zero, so a payload is a function of its input.
 
 Encoding and decoding are vectorised over the chunks (one ``topk`` or one draw per call, no Python
 loop over chunks); decoding adds a payload into a sum with one gather and one scatter of its ``m k``
@@ -102,6 +106,7 @@ class ChunkCodec(Codec):
     def encode(self, values: torch.Tensor, payload: torch.Tensor, seed: int = 0) -> None:
         numel = values.numel()
         chunks, position_start, value_start, _ = self._layout(numel)
+        payload.zero_()  # small (a sparse payload is a few percent of the values' bytes)
         rows = self._rows(values, chunks)
         positions = self._select(rows, chunks, seed)
         kept = rows if positions is None else rows.gather(1, positions)
@@ -154,8 +159,8 @@ class ChunkCodec(Codec):
         return positions
 
     def _steps(self, scales: torch.Tensor) -> torch.Tensor:
-        """``delta = s / L`` in fp32, per chunk (the same expression encodes and decodes)."""
-        return scales.to(torch.float32).div_(self.levels)
+        """``delta = s * fp32(1 / L)`` in fp32, per chunk (the same expression encodes and decodes)."""
+        return scales.to(torch.float32).mul_(1.0 / self.levels)
 
     def _pack(self, codes: torch.Tensor, out: torch.Tensor) -> None:
         """``codes`` (uint8, each below ``2^bits``) packed little-end first into ``out``'s bytes."""

@@ -39,13 +39,13 @@ __all__ = [
     "round_seed",
 ]
 
-#: The value formats a compressed round may use, by name (alone: every element is sent).
+#: The value formats a compressed round may use, by name; alone, each sends every element.
 WIRE_FORMATS = ("bf16", "fp16", "int8", "int4", "int2")
 
 #: The bucket dtypes that compress.
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float64)
 
-#: The largest chunk: a position in it fits in two bytes.
+#: The largest chunk, whose positions fit in two bytes.
 MAX_CHUNK = 65536
 
 
