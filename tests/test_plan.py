@@ -466,3 +466,107 @@ def test_predict_names_blocking_variants():
     assert set(found) == {"nocomm", "ddp", "ddp-bf16", "ring", "ring~h1d0"}
     # a 4 MB model at 40 MB/s: a ring round of ~0.1 s hides behind 0.1 s of compute, or adds to it
     assert found["ring~h1d0"] > found["ring"] + 0.05
+
+
+# -- low-communication rounds (sync_every=H, sync_delay=D) and a round's processor time ------------
+
+
+def local_gossip(n: int, exchange_s: float, every: int, delay: int, **costs: float) -> Gossip:
+    topology = TopologyFactory.create("ring", n)
+    rounds = lambda k: [Transfer.fixed(exchange_s)] * len(topology.phase(k))  # noqa: E731
+    return Gossip(n, topology.phase, rounds, 0.01, sync_every=every, sync_delay=delay, **costs)
+
+
+@pytest.mark.parametrize("every", [1, 4, 8])
+def test_a_round_that_arrives_within_its_delay_costs_only_its_processor_time(every):
+    # compute 0.2 s, a round of 0.15 s folded one step later: hidden; each round's own 3 + 5 ms
+    # land once per sync_every steps
+    scheme = local_gossip(8, 0.15, every, 1, encode_s=0.003, fold_s=0.005)
+    run = simulate(scheme, ComputeTimes(0.2), 9 * every)  # 8 whole periods timed
+    expected = 0.2 + 0.01 + (0.003 + 0.005) / every
+    assert run.iteration_s(skip=every) == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize(("every", "delay"), [(8, 1), (8, 4), (8, 8), (4, 2)])
+def test_a_slow_round_waits_only_for_what_its_delay_does_not_cover(every, delay):
+    # a round of 0.5 s against compute 0.1 s: the fold step waits 0.5 - delay * 0.11 if positive
+    compute, overhead, exchange = 0.1, 0.01, 0.5
+    run = simulate(local_gossip(4, exchange, every, delay), ComputeTimes(compute), 12 * every)
+    wait = max(0.0, exchange - delay * (compute + overhead) + overhead)
+    # the steady state: each period of H steps is H steps of compute and overhead plus the wait
+    assert run.iteration_s(skip=4 * every) == pytest.approx(compute + overhead + wait / every, rel=1e-9)
+
+
+def test_blocking_low_communication_adds_each_round_to_its_period():
+    run = simulate(local_gossip(4, 0.5, 8, 0, fold_s=0.002), ComputeTimes(0.1), 80)
+    assert run.iteration_s(skip=16) == pytest.approx(0.1 + 0.01 + (0.5 + 0.002) / 8, rel=1e-9)
+
+
+def test_per_step_gossip_is_low_communication_with_sync_every_1():
+    times = ComputeTimes(0.1, "lognormal", sigma=0.5, seed=2)
+    per_step = simulate(constant_gossip("ring", 8, 0.12, 0.01), times, 30)
+    general = simulate(local_gossip(8, 0.12, 1, 1), times, 30)
+    assert per_step.ends == general.ends
+
+
+def test_low_communication_options_are_checked():
+    topology = TopologyFactory.create("ring", 4)
+    rounds = lambda k: [Transfer.fixed(0.1)] * 2  # noqa: E731
+    with pytest.raises(ValueError, match="sync_delay=9"):
+        Gossip(4, topology.phase, rounds, sync_every=8, sync_delay=9)
+    with pytest.raises(ValueError, match="encode_s and fold_s"):
+        Gossip(4, topology.phase, rounds, encode_s=-1.0)
+
+
+def test_predict_names_low_communication_variants_and_charges_round_costs():
+    from decent_optim_wrapper.plan import predict
+    from decent_optim_wrapper.plan.round_cost import RoundCost
+
+    asked: list[tuple[str | None, int]] = []
+
+    def costs(compression: GossipCompression | None, group_size: int) -> RoundCost:
+        asked.append((None if compression is None else compression.name, group_size))
+        return RoundCost(0.0, 0.0) if compression is None else RoundCost(0.016, 0.008)
+
+    found = {
+        p.method: p
+        for p in predict(
+            4e6,
+            ComputeTimes(0.1),
+            Network(Link(4e8)),
+            4,
+            ["ring"],
+            ("topk:0.01:int2",),
+            local_steps=[(8, 1)],
+            round_costs=costs,
+        )
+    }
+    assert {"ring~h8d1", "ring~h8d1@topk:0.01:int2"} <= set(found)
+    assert set(asked) == {(None, 2), ("topk:0.01:int2", 2)}  # the ring gossips in pairs
+    # a 4 MB model at 50 MB/s: a round hides behind a step; the sparse one costs 24 ms per 8 steps
+    assert found["ring~h8d1"].step_s == pytest.approx(0.1, rel=1e-9)
+    assert found["ring~h8d1@topk:0.01:int2"].step_s == pytest.approx(0.1 + 0.024 / 8, rel=1e-9)
+    assert found["ring~h8d1"].sent_bytes == pytest.approx(found["ring"].sent_bytes / 8)
+
+
+def test_round_cost_is_measured_for_every_format_and_rejects_bad_input():
+    from decent_optim_wrapper.plan.round_cost import measure_round_cost
+
+    for compression in (None, GossipCompression("int8"), GossipCompression("int4", density=0.03)):
+        cost = measure_round_cost(10_000, 3, compression, repeats=2)
+        assert cost.encode_s > 0 and cost.fold_s > 0
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        measure_round_cost(10, 1)
+
+
+def test_plan_simulates_low_communication_and_measures_rounds(capsys):
+    argv = ["--model-bytes", "40M", "--compute-ms", "100", "--bandwidth", "100mbit", "--nodes", "4"]
+    extra = ["--topologies", "ring", "--compression", "int8", "--sync-every", "8", "--measure-rounds"]
+    assert main([*argv, *extra]) == 0
+    rows = {line.split()[0]: line.split()[1:] for line in capsys.readouterr().out.splitlines()[2:-1]}
+    assert {"ring~h8d1", "ring~h8d1@int8"} <= set(rows)
+    # 40 MB at 12.5 MB/s: 3.2 s per per-step round; a round every 8 steps still waits, but 8x less often
+    assert float(rows["ring~h8d1"][0]) < float(rows["ring"][0]) / 4
+    with pytest.raises(SystemExit):
+        main([*argv, "--sync-every", "4", "--sync-delay", "5"])
+    assert "--sync-delay 5" in capsys.readouterr().err

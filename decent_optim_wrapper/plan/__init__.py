@@ -5,15 +5,17 @@ and without compression) and of DDP for a model size, compute time and network
 (:mod:`.cli`, :func:`.predict`); ``python -m decent_optim_wrapper.plan bytes NAME -n N`` the bytes a topology
 sends per parameter (:mod:`.traffic`). Underneath: compute-time distributions (:mod:`.compute`), the
 network and collective cost model (:mod:`.costs`), links shared in time between the transfers in
-flight (:mod:`.sharing`), schemes built from them (:mod:`.schemes`) and the simulator of the step
-dependency graph (:mod:`.simulator`). It sits above the engine and the
-topologies, whose byte rules it uses; nothing below imports it.
+flight (:mod:`.sharing`), a round's processor time timed on this machine (:mod:`.round_cost`),
+schemes built from them (:mod:`.schemes`) and the simulator of the step dependency graph
+(:mod:`.simulator`). It sits above the engine and the topologies, whose byte rules it uses; nothing
+below imports it.
 """
 
 from decent_optim_wrapper.plan.cli import main
 from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
 from decent_optim_wrapper.plan.costs import Link, Network, ddp_buckets, gossip_round_bytes
 from decent_optim_wrapper.plan.predict import Prediction, predict
+from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
 from decent_optim_wrapper.plan.sharing import (
     LinkSharing,
@@ -35,6 +37,7 @@ __all__ = [
     "Network",
     "NoComm",
     "Prediction",
+    "RoundCost",
     "Run",
     "Scheme",
     "SharedLink",
@@ -46,6 +49,7 @@ __all__ = [
     "gossip_round_bytes",
     "gossip_scheme",
     "main",
+    "measure_round_cost",
     "predict",
     "simulate",
     "transfer_seconds",

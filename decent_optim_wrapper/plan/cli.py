@@ -4,7 +4,9 @@
 --latency 10us --nodes 64`` simulates DDP and every topology's gossip (uncompressed, and compressed
 in the formats ``--compression`` names: bf16 and int8 by default) on that cluster and prints each
 one's mean step time, its ratio to training without communication, and the bytes a rank sends per
-step. ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
+step; ``--sync-every 8`` adds low-communication gossip (a round every 8 steps, ``--sync-delay`` steps
+to arrive) and ``--measure-rounds`` charges each round the processor time its wire format takes
+on this machine (:mod:`.round_cost`). ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
 topology's bytes per parameter (:mod:`.traffic`). The assumptions are those of :mod:`.costs` and
 :mod:`.simulator`.
 """
@@ -14,11 +16,13 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Sequence
+from functools import cache
 
-from decent_optim_wrapper.engine.compression import parse_compression
+from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
 from decent_optim_wrapper.plan.costs import Link, Network
 from decent_optim_wrapper.plan.predict import predict
+from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 from decent_optim_wrapper.plan.traffic import bytes_main
 
 __all__ = ["main", "parse_quantity"]
@@ -91,6 +95,23 @@ def _parser() -> argparse.ArgumentParser:
         help="wire formats to simulate besides uncompressed: bf16, fp16, int8, int4, int2 or a sparse "
         "format such as topk:0.01:int2 (default: bf16 int8)",
     )
+    parser.add_argument(
+        "--sync-every",
+        type=int,
+        nargs="+",
+        default=[],
+        metavar="H",
+        help="also simulate low-communication gossip with a round every H steps (named ring~h8d1)",
+    )
+    parser.add_argument(
+        "--sync-delay", type=int, default=1, help="steps a low-communication round may take (default 1)"
+    )
+    parser.add_argument(
+        "--measure-rounds",
+        action="store_true",
+        help="time a round's encoding and decoding on this machine's CPU for every format and charge it "
+        "to the steps that launch and fold rounds (default: rounds cost no processor time)",
+    )
     return parser
 
 
@@ -117,7 +138,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"need --nodes >= 1, --workers-per-node >= 1, --steps > 10 and --model-bytes >= 4, got "
             f"{args.nodes}, {args.workers_per_node}, {args.steps} and {args.model_bytes}"
         )
+    bad_every = [h for h in args.sync_every if h < 1 or not 0 <= args.sync_delay <= h]
+    if bad_every:
+        parser.error(
+            f"--sync-every {bad_every[0]} with --sync-delay {args.sync_delay}: need sync_every >= 1 and "
+            "0 <= sync_delay <= sync_every"
+        )
     network = Network(inter, intra, args.workers_per_node, args.tree_latency)
+    round_costs = None
+    if args.measure_rounds:
+        numel = max(1, int(model_bytes // 4))
+
+        @cache
+        def round_costs(compression: GossipCompression | None, group_size: int) -> RoundCost:
+            return measure_round_cost(numel, group_size, compression)
+
     try:
         predictions = predict(
             model_bytes,
@@ -129,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             steps=args.steps,
             overhead_s=args.overhead_ms / 1e3,
             forward_fraction=args.forward_fraction,
+            local_steps=[(h, args.sync_delay) for h in args.sync_every],
+            round_costs=round_costs,
         )
     except ValueError as err:
         parser.error(str(err))

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from decent_optim_wrapper.engine.compression import parse_compression
+from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan.compute import ComputeTimes
 from decent_optim_wrapper.plan.costs import Network, ddp_buckets
+from decent_optim_wrapper.plan.round_cost import RoundCost
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
 from decent_optim_wrapper.plan.simulator import NoComm, Scheme, simulate
 from decent_optim_wrapper.plan.traffic import bytes_per_parameter
@@ -37,6 +38,8 @@ def predict(
     overhead_s: float = 0.0,
     forward_fraction: float = 1 / 3,
     blocking: bool = False,
+    local_steps: Sequence[tuple[int, int]] = (),
+    round_costs: Callable[[GossipCompression | None, int], RoundCost] | None = None,
 ) -> list[Prediction]:
     """Simulate ``steps`` steps of no communication, DDP (fp32 and bf16 gradients) and gossip.
 
@@ -53,6 +56,13 @@ def predict(
         forward_fraction: share of the compute in forward (DDP starts all-reducing in backward).
         blocking: also each gossip method with blocking rounds (``sync_every=1, sync_delay=0``),
             named with ``~h1d0`` after the method (``ring~h1d0``, ``ring@bf16~h1d0``).
+        local_steps: ``(sync_every, sync_delay)`` pairs: also each gossip method as low-communication
+            gossip with a round every ``sync_every`` steps, named as the benchmarks do
+            (``ring~h8d1``, ``ring~h8d1@int8``); its bytes per step are a round's over ``sync_every``.
+        round_costs: a round's own processor time for a wire format (None: uncompressed) and a
+            group size (the topology's largest group), for instance
+            :func:`~decent_optim_wrapper.plan.round_cost.measure_round_cost` on this machine; none if
+            not given.
     """
     ranks = nodes * network.local_world_size
     numel = int(model_bytes // 4)
@@ -67,10 +77,29 @@ def predict(
             compression = None if wire_format is None else parse_compression(wire_format)
             sent = bytes_per_parameter(topology, compression) * numel
             name = topology.name + (f"@{wire_format}" if wire_format else "")
+            largest = max(g.size for phase in topology.schedule for g in phase)
+            cost = None if round_costs is None or largest < 2 else round_costs(compression, largest)
             for blocks in (False, True) if blocking else (False,):
-                scheme = gossip_scheme(topology, numel, network, compression, overhead_s, blocking=blocks)
+                scheme = gossip_scheme(
+                    topology, numel, network, compression, overhead_s, blocking=blocks, round_cost=cost
+                )
                 label = name + ("~h1d0" if blocks else "")
                 results.append(Prediction(label, _mean(scheme, compute, steps, warmup), sent))
+            for every, delay in local_steps:
+                scheme = gossip_scheme(
+                    topology,
+                    numel,
+                    network,
+                    compression,
+                    overhead_s,
+                    sync_every=every,
+                    sync_delay=delay,
+                    round_cost=cost,
+                )
+                label = f"{topology.name}~h{every}d{delay}" + (f"@{wire_format}" if wire_format else "")
+                # enough rounds for a steady state whatever the period
+                horizon = max(steps, warmup + 8 * every)
+                results.append(Prediction(label, _mean(scheme, compute, horizon, warmup), sent / every))
     return results
 
 

@@ -9,6 +9,7 @@ import torch
 
 from decent_optim_wrapper.engine.compression import CompressionPlan, GossipCompression
 from decent_optim_wrapper.plan.costs import Network, ddp_buckets, gossip_round_bytes
+from decent_optim_wrapper.plan.round_cost import RoundCost
 from decent_optim_wrapper.plan.sharing import Transfer
 from decent_optim_wrapper.plan.simulator import AllReduce, Gossip
 from decent_optim_wrapper.topo import Topology
@@ -26,9 +27,14 @@ def gossip_scheme(
     overhead_s: float = 0.0,
     dtype: torch.dtype = torch.float32,
     blocking: bool = False,
+    sync_every: int = 1,
+    sync_delay: int = 1,
+    round_cost: RoundCost | None = None,
 ) -> Gossip:
-    """Per-step gossip on ``topology`` of a model of ``numel`` parameters of ``dtype``; ``blocking``:
-    each round mixed in before the next forward (``sync_every=1, sync_delay=0``)."""
+    """Gossip on ``topology`` of a model of ``numel`` parameters of ``dtype``: a round every
+    ``sync_every`` steps, folded in ``sync_delay`` steps later; ``blocking``: each round mixed in
+    before the next forward (``sync_delay=0``); ``round_cost``: a round's own processor time on a
+    member (:func:`~decent_optim_wrapper.plan.round_cost.measure_round_cost`), none if not given."""
     if network.local_world_size != topology.local_world_size:
         raise ValueError(
             f"network.local_world_size={network.local_world_size} differs from the topology's "
@@ -50,6 +56,10 @@ def gossip_scheme(
         overhead_s=overhead_s,
         sharing=network.sharing,
         blocking=blocking,
+        sync_every=sync_every,
+        sync_delay=sync_delay,
+        encode_s=0.0 if round_cost is None else round_cost.encode_s,
+        fold_s=0.0 if round_cost is None else round_cost.fold_s,
     )
 
 

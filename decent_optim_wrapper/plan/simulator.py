@@ -26,6 +26,19 @@ plus staging and mixing for gossip). Communication decides when a step may end:
       \mathrm{end}[r, t] = s_{G(r, t-1)} + d_{G(r, t-1)} + c[r, t] + o,
 
   every exchange added to the step instead of hidden behind it.
+* **Low-communication** gossip (``sync_every=H``, ``sync_delay=D``: the engine's anchors): round
+  ``k`` is launched at the end of step ``t_k = (k + 1) H - 1`` in phase ``k`` of the topology and
+  folded in at the end of step ``t_k + D``; the other steps end at their compute plus ``o``:
+
+  .. math::
+      \mathrm{end}[r, t] = \max\bigl(\mathrm{end}[r, t-1] + c[r, t],\;
+      s_{G_k(r)} + d_{G_k(r)} \text{ if } t = t_k + D\bigr) + o
+      + e\,[t = t_j] + f\,[t = t_k + D],
+
+  where ``e`` and ``f`` are a round's own CPU seconds on a member (``encode_s``: staging and
+  encoding at the launch; ``fold_s``: decoding the members' payloads and folding them in), which
+  grow with the wire format (a top-k selection, a quantization) rather than with the link.
+  ``D = 0`` blocks: the step after the launch starts ``f`` after the round has arrived.
   ``d_G`` is not fixed: a round is a :class:`~.sharing.Transfer`, and rounds in flight at the same
   time on the same link (two ranks of a node sending to other nodes, or a round of step ``t + 1``
   catching up with a neighbour's round of step ``t``) share it only while they overlap
@@ -71,11 +84,13 @@ class AllReduce:
 
 @dataclass(frozen=True)
 class Gossip:
-    """Per-step gossip: ``phase(t)`` groups the ranks at step ``t``, ``rounds(t)`` is each group's round.
+    """Gossip: ``phase(k)`` groups the ranks for round ``k``, ``rounds(k)`` is each group's round.
 
-    ``rounds(t)[i]`` is the :class:`~.sharing.Transfer` of group ``phase(t)[i]`` (``Transfer.fixed``
-    for a round of a fixed length); ``sharing`` says how rounds that overlap on a link split it. Build
-    one from a topology with :func:`~decent_optim_wrapper.plan.schemes.gossip_scheme`.
+    ``rounds(k)[i]`` is the :class:`~.sharing.Transfer` of group ``phase(k)[i]`` (``Transfer.fixed``
+    for a round of a fixed length); ``sharing`` says how rounds that overlap on a link split it.
+    Per-step gossip launches round ``k`` at step ``k``; with ``sync_every=H`` round ``k`` is launched
+    at step ``(k + 1) H - 1`` and folded in ``sync_delay`` steps later (see the module docstring).
+    Build one from a topology with :func:`~decent_optim_wrapper.plan.schemes.gossip_scheme`.
     """
 
     world_size: int
@@ -83,7 +98,35 @@ class Gossip:
     rounds: Callable[[int], Sequence[Transfer]]
     overhead_s: float = 0.0
     sharing: SharingModel = field(default_factory=SharingModel)
-    blocking: bool = False  # the next compute waits for the round (sync_every=1, sync_delay=0)
+    blocking: bool = False  # the next compute waits for the round (the same as sync_delay=0)
+    sync_every: int = 1  # a round after every sync_every-th step (low-communication gossip)
+    sync_delay: int = 1  # steps a round has to arrive before it is folded in (0 blocks)
+    encode_s: float = 0.0  # a round's CPU seconds on each member at its launch
+    fold_s: float = 0.0  # and when it is folded in (decoding, summing)
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 1 or not 0 <= self.sync_delay <= self.sync_every:
+            raise ValueError(
+                f"need sync_every >= 1 and 0 <= sync_delay <= sync_every, got sync_every="
+                f"{self.sync_every}, sync_delay={self.sync_delay}"
+            )
+        if self.encode_s < 0 or self.fold_s < 0:
+            raise ValueError(f"encode_s and fold_s must be >= 0, got {self.encode_s} and {self.fold_s}")
+
+    @property
+    def delay(self) -> int:
+        """How many steps pass between a round's launch and its fold; 0 blocks."""
+        return 0 if self.blocking else self.sync_delay
+
+    def round_of(self, step: int) -> int | None:
+        """The round launched at the end of ``step``, or None."""
+        return step // self.sync_every if (step + 1) % self.sync_every == 0 else None
+
+    def folded_at(self, step: int) -> int | None:
+        """The round folded in at the end of ``step`` (``D >= 1``), or None."""
+        if self.delay == 0 or step < self.delay:
+            return None
+        return self.round_of(step - self.delay)
 
 
 Scheme = NoComm | AllReduce | Gossip
@@ -151,14 +194,15 @@ class _GossipRun:
         self.scheme, self.draws, self.steps, self.barrier_at = scheme, draws, steps, barrier_at
         n = scheme.world_size
         self.run = Run(ends=[[0.0] * n for _ in range(steps)])
-        self.links: LinkSharing[tuple[int, int]] = LinkSharing(scheme.sharing)  # keyed by (step, group)
+        self.links: LinkSharing[tuple[int, int]] = LinkSharing(scheme.sharing)  # keyed by (round, group)
         self.events: list[tuple[float, int, str, int, int]] = []  # (time, order, kind, rank or group, step)
         self.order = 0
+        self.step_of = [0] * n  # the step each rank is in
         self.computed: list[float | None] = [None] * n  # when the current step's compute is done
-        self.arrived: list[float | None] = [0.0] * n  # when the round of the previous step arrived
-        self.launched: dict[tuple[int, int], list[float]] = {}  # (step, group) -> members' launches
+        self.arrivals: dict[tuple[int, int], float] = {}  # (round, rank) -> when it reached the rank
+        self.launched: dict[tuple[int, int], list[float]] = {}  # (round, group) -> members' launches
         self.at_barrier = 0
-        self.group_of: dict[int, dict[int, int]] = {}  # step -> rank -> index of its group
+        self.group_of: dict[int, dict[int, int]] = {}  # round -> rank -> index of its group
 
     def push(self, at: float, kind: str, who: int, step: int) -> None:
         heapq.heappush(self.events, (at, self.order, kind, who, step))
@@ -172,48 +216,71 @@ class _GossipRun:
             if ending is not None and (not self.events or ending[0] <= self.events[0][0]):
                 at, key = ending
                 transfer = self.links.end(key, at)
-                step, group = key
-                self.push(at + transfer.latency_s, "arrived", group, step)
+                round_index, group = key
+                self.push(at + transfer.latency_s, "arrived", group, round_index)
                 continue
-            at, _, kind, who, step = heapq.heappop(self.events)
+            at, _, kind, who, index = heapq.heappop(self.events)
             if kind == "computed":
                 self.computed[who] = at
-                self.maybe_end(who, step)
+                self.maybe_end(who, index)
             elif kind == "arrived":
-                for r in self.scheme.phase(step)[who].ranks:
-                    self.arrived[r] = at
-                    if step + 1 < self.steps:
-                        if self.scheme.blocking:  # the next forward starts at the mixed point
-                            self.proceed(r, step + 1, at)
-                        else:
-                            self.maybe_end(r, step + 1)
+                self.arrived(who, index, at)
             else:  # "ended"
-                self.end_step(who, step, at)
+                self.end_step(who, index, at)
         return self.run
 
+    def arrived(self, group: int, round_index: int, at: float) -> None:
+        scheme = self.scheme
+        launch_step = (round_index + 1) * scheme.sync_every - 1
+        for r in scheme.phase(round_index)[group].ranks:
+            if scheme.delay == 0:  # blocking: the next forward starts once the round is folded in
+                if launch_step + 1 < self.steps:
+                    self.proceed(r, launch_step + 1, at + scheme.fold_s)
+                continue
+            self.arrivals[(round_index, r)] = at
+            if self.step_of[r] == launch_step + scheme.delay:
+                self.maybe_end(r, self.step_of[r])
+
     def start_step(self, rank: int, step: int, at: float) -> None:
+        self.step_of[rank] = step
         self.computed[rank] = None
         self.push(at + self.draws[rank][step], "computed", rank, step)
 
     def maybe_end(self, rank: int, step: int) -> None:
-        """Step ``step`` of ``rank`` ends ``o`` after its compute and its previous round are both done."""
-        computed, arrived = self.computed[rank], self.arrived[rank]
-        if computed is not None and arrived is not None:
-            self.computed[rank] = self.arrived[rank] = None
-            self.push(max(computed, arrived) + self.scheme.overhead_s, "ended", rank, step)
+        """Step ``step`` of ``rank`` ends ``o`` (and its rounds' CPU time) after its compute and the
+        round it folds in (if any) are both done."""
+        computed, scheme = self.computed[rank], self.scheme
+        if computed is None:
+            return
+        end = computed + scheme.overhead_s
+        folded = scheme.folded_at(step)
+        if folded is not None:
+            arrival = self.arrivals.get((folded, rank))
+            if arrival is None:
+                return
+            del self.arrivals[(folded, rank)]
+            end = max(computed, arrival) + scheme.overhead_s + scheme.fold_s
+        if scheme.round_of(step) is not None:
+            end += scheme.encode_s
+        self.computed[rank] = None
+        self.push(end, "ended", rank, step)
 
     def end_step(self, rank: int, step: int, at: float) -> None:
         self.run.ends[step][rank] = at
-        phase = self.scheme.phase(step)
-        if step not in self.group_of:
-            self.group_of[step] = {r: i for i, g in enumerate(phase) for r in g.ranks}
-        group = self.group_of[step][rank]
-        launched = self.launched.setdefault((step, group), [])
-        launched.append(at)
-        if len(launched) == phase[group].size:  # every member has launched: the round starts
-            del self.launched[(step, group)]
-            self.links.start((step, group), self.scheme.rounds(step)[group], at)
-        if step + 1 < self.steps and not self.scheme.blocking:
+        round_index = self.scheme.round_of(step)
+        if round_index is not None:
+            phase = self.scheme.phase(round_index)
+            if round_index not in self.group_of:
+                self.group_of[round_index] = {r: i for i, g in enumerate(phase) for r in g.ranks}
+            group = self.group_of[round_index][rank]
+            launched = self.launched.setdefault((round_index, group), [])
+            launched.append(at)
+            if len(launched) == phase[group].size:  # every member has launched: the round starts
+                del self.launched[(round_index, group)]
+                self.links.start((round_index, group), self.scheme.rounds(round_index)[group], at)
+            if self.scheme.delay == 0:
+                return  # the next step starts when the round arrives
+        if step + 1 < self.steps:
             self.proceed(rank, step + 1, at)
 
     def proceed(self, rank: int, step: int, at: float) -> None:
