@@ -207,6 +207,29 @@ def worker_command(
     return [*command, "--methods", *args.methods, *extra]
 
 
+def node_env(cluster: Cluster, node: int, port: int) -> dict[str, str]:
+    """The environment of a process on ``node``: rank 0's address and ``port`` to meet at, this node's
+    interface and address (``NODE_ADDR``), one thread."""
+    return dict(
+        os.environ,
+        MASTER_ADDR=cluster.address(0),
+        MASTER_PORT=str(port),
+        GLOO_SOCKET_IFNAME=cluster.ifname(node),
+        NODE_ADDR=cluster.address(node),
+        OMP_NUM_THREADS="1",
+    )
+
+
+def start_in_node(cluster: Cluster, node: int, argv: Sequence[str], env: dict[str, str], log: Path) -> Any:
+    """Start ``python argv...`` inside ``node``'s namespace, in a session of its own (``stop`` kills
+    the session), its output to ``log``."""
+    command = ["ip", "netns", "exec", cluster.namespace(node), sys.executable, *argv]
+    with open(log, "w") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+
+
 def start_workers(
     cluster: Cluster,
     port: int,
@@ -218,13 +241,7 @@ def start_workers(
     """One process per rank, each in its node's namespace, in its own session (killed as a group)."""
     procs = []
     for rank in range(args.nodes * args.workers_per_node):
-        env = dict(
-            os.environ,
-            MASTER_ADDR=cluster.address(0),
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME=cluster.ifname(rank // args.workers_per_node),
-            OMP_NUM_THREADS="1",
-        )
+        env = node_env(cluster, rank // args.workers_per_node, port)
         with open(outdir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
             cmd = worker_command(cluster, rank, outdir, args, extra, worker)
             procs.append(

@@ -33,9 +33,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +44,15 @@ import torch
 from torch import nn
 
 from benchmarks.harness.common import build_mlp
-from benchmarks.harness.emulated_cluster import Cluster, measure_link, ready_to_emulate, stop, summarize
+from benchmarks.harness.emulated_cluster import (
+    Cluster,
+    measure_link,
+    node_env,
+    ready_to_emulate,
+    start_in_node,
+    stop,
+    summarize,
+)
 
 WORKER = Path(__file__).with_name("low_comm_cluster_worker.py")
 METHODS = [
@@ -89,14 +95,6 @@ def start_workers(cluster: Cluster, port: int, outdir: Path, args: argparse.Name
     """One worker per node, in its namespace and its own session (``stop`` kills the session)."""
     procs = []
     for rank in range(args.nodes):
-        env = dict(
-            os.environ,
-            MASTER_ADDR=cluster.address(0),
-            MASTER_PORT=str(port),
-            GLOO_SOCKET_IFNAME=cluster.ifname(rank),
-            NODE_ADDR=cluster.address(rank),
-            OMP_NUM_THREADS="1",
-        )
         flags = {
             "--rank": rank,
             "--world-size": args.nodes,
@@ -106,12 +104,15 @@ def start_workers(cluster: Cluster, port: int, outdir: Path, args: argparse.Name
             "--warmup": args.warmup,
             "--out": outdir / f"rank{rank}.json",
         }
-        cmd = ["ip", "netns", "exec", cluster.namespace(rank), sys.executable, str(WORKER)]
-        cmd += [str(item) for pair in flags.items() for item in pair] + ["--methods", *args.methods]
-        with open(outdir / f"rank{rank}.log", "w") as log:
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            )
+        argv = [
+            str(WORKER),
+            *[str(item) for pair in flags.items() for item in pair],
+            "--methods",
+            *args.methods,
+        ]
+        procs.append(
+            start_in_node(cluster, rank, argv, node_env(cluster, rank, port), outdir / f"rank{rank}.log")
+        )
     return procs
 
 

@@ -21,7 +21,6 @@ batch:
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import time
@@ -41,66 +40,12 @@ from benchmarks.harness.cluster_worker import (
 )
 from benchmarks.harness.common import build_mlp
 from benchmarks.harness.methods import parse_method
+from benchmarks.harness.torchft_peer import TorchftDiLoCo
 from decent_optim_wrapper import DecentOptimWrapper
 
 AVERAGER = re.compile(r"avg~h(?P<period>[1-9][0-9]*)")
 TORCHFT = re.compile(r"torchft~h(?P<every>[1-9][0-9]*)(?:d(?P<delay>[0-9]+))?")
-TORCHFT_PORTS = int(
-    os.environ.get("TORCHFT_PORT_BASE", "29700")
-)  # lighthouse; then a store and a manager port per segment
-_torchft: dict[str, object] = {"segment": 0}
-
-
-class TorchftDiLoCo:
-    """torchft's DiLoCo for one segment: a Manager (its own store and server ports) and the context."""
-
-    def __init__(self, model: nn.Module, every: int, delay: int, args: argparse.Namespace) -> None:
-        from datetime import timedelta
-
-        from torch.distributed import TCPStore
-        from torchft import Manager, ProcessGroupGloo
-        from torchft.local_sgd import DiLoCo
-
-        host, lighthouse = os.environ["NODE_ADDR"], os.environ["MASTER_ADDR"]
-        if args.rank == 0 and "lighthouse" not in _torchft:
-            from torchft._torchft import LighthouseServer
-
-            _torchft["lighthouse"] = LighthouseServer(
-                bind=f"[::]:{TORCHFT_PORTS}", min_replicas=args.world_size
-            )
-        segment = int(_torchft["segment"])  # type: ignore[call-overload]
-        _torchft["segment"] = segment + 1
-        port = TORCHFT_PORTS + 1 + 2 * (segment * args.world_size + args.rank)  # distinct on one host too
-        self.store = TCPStore(host, port, 1, True)
-        self.inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
-            min_replica_size=args.world_size,
-            load_state_dict=lambda state: model.load_state_dict(state["model"]),
-            state_dict=lambda: {"model": model.state_dict()},
-            replica_id=f"node{args.rank}",
-            store_addr=host,
-            store_port=port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=f"http://{lighthouse}:{TORCHFT_PORTS}",
-            port=port + 1,
-            hostname=host,
-            timeout=timedelta(seconds=120),
-            use_async_quorum=False,
-            # Every replica builds the same model from seed 0, as ours do. torchft's step-0 sync would
-            # fetch it over HTTP from the host name, which does not resolve inside a namespace.
-            init_sync=False,
-        )
-        self.context = DiLoCo(
-            self.manager, [model], self.inner, outer, sync_every=every, fragment_sync_delay=delay
-        )
-        self.context.__enter__()
-
-    def close(self) -> None:
-        self.context.__exit__(None, None, None)
-        self.manager.shutdown(wait=False)
+_torchft: dict[str, object] = {}
 
 
 def build(
@@ -112,7 +57,9 @@ def build(
         torch.manual_seed(0)
         model = build_mlp(args.inputs, args.width, args.depth, 10)
         every, delay = int(torchft["every"]), int(torchft["delay"] or 0)
-        diloco = TorchftDiLoCo(model, every, delay, args)
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+        diloco = TorchftDiLoCo(model, inner, outer, every, delay, args.rank, args.world_size)
         _torchft["open"] = diloco
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         return model, diloco.inner, model_bytes * 2 * (args.world_size - 1) / args.world_size / every

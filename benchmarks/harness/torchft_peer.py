@@ -1,0 +1,87 @@
+"""torchft's ``DiLoCo`` as the benchmarks' external peer: one replica group per emulated node.
+
+Each :class:`TorchftDiLoCo` is one segment of a worker's run (a fresh model): its own ``Manager``, with a
+store and a manager port of its own, the lighthouse on rank 0 (started once per process), and torchft's
+gloo process group. Needs the ``bench`` dependency group (``uv run --group bench ...``). Every replica
+builds the same model from one seed, as ours do, so torchft's step-0 sync is off (it would fetch the
+model over HTTP from a host name that does not resolve inside a network namespace).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+from torch import nn
+
+#: The lighthouse's port; then a store and a manager port per segment and rank.
+TORCHFT_PORTS = int(os.environ.get("TORCHFT_PORT_BASE", "29700"))
+_lighthouse: list[object] = []  # the lighthouse server of rank 0, kept for the process's life
+_segments = [0]
+
+
+class TorchftDiLoCo:
+    """torchft's DiLoCo over ``model``: ``inner`` steps locally, ``outer`` every ``every`` steps over
+    the replica groups (``delay``: torchft's ``fragment_sync_delay``, the exchange overlapped with
+    that many inner steps; ``update_alpha``: its ``fragment_update_alpha``, how much of those inner
+    steps the synced parameters keep). ``NODE_ADDR`` and ``MASTER_ADDR`` (rank 0's node) come from
+    the environment.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        inner: torch.optim.Optimizer,
+        outer: torch.optim.Optimizer,
+        every: int,
+        delay: int,
+        rank: int,
+        world_size: int,
+        update_alpha: float = 0.0,
+    ) -> None:
+        from torch.distributed import TCPStore
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.local_sgd import DiLoCo
+
+        host, lighthouse = os.environ["NODE_ADDR"], os.environ["MASTER_ADDR"]
+        if rank == 0 and not _lighthouse:
+            from torchft._torchft import LighthouseServer
+
+            _lighthouse.append(LighthouseServer(bind=f"[::]:{TORCHFT_PORTS}", min_replicas=world_size))
+        segment = _segments[0]
+        _segments[0] += 1
+        port = TORCHFT_PORTS + 1 + 2 * (segment * world_size + rank)  # distinct on one host too
+        self.store = TCPStore(host, port, 1, True)
+        self.inner = inner
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
+            min_replica_size=world_size,
+            load_state_dict=lambda state: model.load_state_dict(state["model"]),
+            state_dict=lambda: {"model": model.state_dict()},
+            replica_id=f"node{rank}",
+            store_addr=host,
+            store_port=port,
+            rank=0,
+            world_size=1,
+            lighthouse_addr=f"http://{lighthouse}:{TORCHFT_PORTS}",
+            port=port + 1,
+            hostname=host,
+            timeout=timedelta(seconds=120),
+            use_async_quorum=False,
+            init_sync=False,
+        )
+        self.context = DiLoCo(
+            self.manager,
+            [model],
+            inner,
+            outer,
+            sync_every=every,
+            fragment_sync_delay=delay,
+            fragment_update_alpha=update_alpha,
+        )
+        self.context.__enter__()
+
+    def close(self) -> None:
+        self.context.__exit__(None, None, None)
+        self.manager.shutdown(wait=False)
