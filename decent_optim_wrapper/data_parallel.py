@@ -23,7 +23,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, GossipEngine, OuterFactory
+from decent_optim_wrapper.engine import (
+    DEFAULT_TIMEOUT,
+    CompressionSpec,
+    GossipEngine,
+    OuterFactory,
+    PacingSpec,
+)
 from decent_optim_wrapper.engine.comm import agree, check_identical
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.resize import average_nested, average_optimizer_states
@@ -106,6 +112,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             engine's options, keyword-only; see :class:`~decent_optim_wrapper.engine.GossipEngine`.
             Defaults: ten minutes, exact gossip, no tracking, per-step gossip (``sync_every > 1``
             gives low-communication gossip: local steps, an outer optimizer, anchors gossiped).
+        pacing: ``"measured"`` or a :class:`~decent_optim_wrapper.Pacing`: each rank takes as many inner
+            steps per round as its speed allows (uneven fleets; with ``sync_every``); loops then count
+            rounds (:attr:`round_count`), as ranks stand at different steps. Default None.
         on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises;
             ``"continue"``: the survivors drop it and go on, meeting in ``store`` (see the engine
             and the failures page of the docs).
@@ -144,6 +153,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         sync_every: int = 1,
         outer_optimizer: OuterFactory | None = None,
         sync_delay: int | None = None,
+        pacing: PacingSpec = None,
         on_peer_failure: str = "raise",
         store: Store | None = None,
         second_moment: str = "average",
@@ -176,6 +186,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             sync_every=sync_every,
             outer_optimizer=outer_optimizer,
             sync_delay=sync_delay,
+            pacing=pacing,
             on_peer_failure=on_peer_failure,
             store=store,
             second_moment=second_moment,

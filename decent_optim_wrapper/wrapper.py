@@ -25,6 +25,7 @@ from decent_optim_wrapper.engine import (
     CompressionSpec,
     GossipEngine,
     OuterFactory,
+    PacingSpec,
     TopologySpec,
 )
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
@@ -88,6 +89,11 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             sync_delay=0`` is per-step gossip that blocks: the next gradient is taken at the mixed
             point, which brings Adam to DDP's loss at the cost of the overlap (the Adam page).
             See :mod:`~decent_optim_wrapper.engine.local_steps` and the low-communication page.
+        pacing: ``"measured"`` (or a :class:`~decent_optim_wrapper.Pacing`): for uneven fleets, each
+            rank takes as many inner steps per round as its measured speed allows, so nobody waits
+            for a slower neighbour; ranks then stand at different steps, so loops count rounds
+            (:attr:`round_count`). None (default): every round takes ``sync_every`` steps. See
+            :mod:`~decent_optim_wrapper.engine.pacing` and the uneven fleets page.
         on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises
             :class:`~decent_optim_wrapper.GossipError`; ``"continue"``: the survivors drop it and go on
             (gloo; ``world_size`` and ``rank`` then report the new group), meeting in
@@ -135,6 +141,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         sync_every: int = 1,
         outer_optimizer: OuterFactory | None = None,
         sync_delay: int | None = None,
+        pacing: PacingSpec = None,
         on_peer_failure: str = "raise",
         store: Store | None = None,
         second_moment: str = "average",
@@ -163,6 +170,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             sync_every=sync_every,
             outer_optimizer=outer_optimizer,
             sync_delay=sync_delay,
+            pacing=pacing,
             on_peer_failure=on_peer_failure,
             store=store,
             second_moment=second_moment,

@@ -22,6 +22,8 @@ Modules, each importing only those listed before it:
   torch's own moments bit for bit.
 * :mod:`~decent_optim_wrapper.engine.second_moment` -- Adam's second moment of the average gradient:
   which optimizers take it, and their local step with it.
+* :mod:`~decent_optim_wrapper.engine.pacing` -- paced rounds for uneven fleets: how many inner steps
+  each rank takes per round, from measured speeds.
 * :mod:`~decent_optim_wrapper.engine.local_steps` -- opt-in low-communication gossip: local steps, an
   outer optimizer, anchors gossiped behind the next inner steps.
 * :mod:`~decent_optim_wrapper.engine.averaging` -- exact global averaging, its snapshot, consensus distance.
@@ -46,6 +48,7 @@ from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.gossip import Gossip
 from decent_optim_wrapper.engine.local_steps import OuterFactory
 from decent_optim_wrapper.engine.membership import PeerFailure, PeerJoin
+from decent_optim_wrapper.engine.pacing import PaceReport, Pacing, PacingSpec
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -61,6 +64,9 @@ __all__ = [
     "GossipError",
     "JoinRejectedError",
     "OuterFactory",
+    "PaceReport",
+    "Pacing",
+    "PacingSpec",
     "PeerFailure",
     "PeerFailureError",
     "PeerJoin",

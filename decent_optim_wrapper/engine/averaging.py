@@ -248,6 +248,8 @@ class GlobalAverage:
         ``wiring()`` gives the current gossip world and gossip (new ones after a lost peer);
         ``survive(action)`` runs ``action`` and, after a lost peer, recovers and runs it again.
         """
+        if local is not None:
+            local.check_round_boundary(step, "global_avg()")
         with current(self._buckets, write=True):
             before = [b.data.clone() for b in self._buckets] if return_distance else []
             if may_revert:

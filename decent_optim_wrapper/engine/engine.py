@@ -47,7 +47,7 @@ from decent_optim_wrapper.engine.layout import (
     join_signature,
     signatures,
 )
-from decent_optim_wrapper.engine.local_steps import OuterFactory
+from decent_optim_wrapper.engine.local_steps import LowCommunicationFacts, OuterFactory
 from decent_optim_wrapper.engine.membership import (
     ChannelReport,
     Decision,
@@ -66,6 +66,7 @@ from decent_optim_wrapper.engine.options import (
     check_mixing_factor,
     check_timeout,
 )
+from decent_optim_wrapper.engine.pacing import PacingSpec
 from decent_optim_wrapper.engine.resize import averaged_engine_state, check_saved_world
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, settle_rounds, survivors_topology
 from decent_optim_wrapper.engine.tracking import GradientTracker
@@ -77,7 +78,7 @@ __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook"
 _T = TypeVar("_T")
 
 
-class GossipEngine:
+class GossipEngine(LowCommunicationFacts):
     r"""Buckets, topology schedule, process groups and gossip of one rank.
 
     Built from ``(name, parameter)`` pairs in a given order (the optimizer front-end passes its
@@ -129,6 +130,8 @@ class GossipEngine:
             momentum=0.9, nesterov=True)`` (DiLoCo's); None: periodic gossip of the parameters.
         sync_delay: inner steps a round's exchange may run behind (``D``, ``0 <= D <= H``): 0 blocks
             at the end of the round; None (default) gives it a whole round (``D = H``).
+        pacing: ``"measured"`` or a :class:`~.pacing.Pacing`: each rank takes as many inner steps per
+            round as its speed allows (uneven fleets, :mod:`~.pacing`); None (default): ``H`` each.
         on_peer_failure: ``"raise"`` (default): a dead or silent peer raises ``GossipError`` on the others.
             ``"continue"`` (gloo): the survivors agree on who is gone and go on (:mod:`~.membership`);
             in a job started with :func:`~decent_optim_wrapper.init_elastic`, workers may also join.
@@ -155,6 +158,7 @@ class GossipEngine:
         sync_every: int = 1,
         outer_optimizer: OuterFactory | None = None,
         sync_delay: int | None = None,
+        pacing: PacingSpec = None,
         on_peer_failure: str = "raise",
         store: Store | None = None,
         second_moment: str = "average",
@@ -188,6 +192,7 @@ class GossipEngine:
                     sync_every=sync_every,
                     sync_delay=sync_delay,
                     outer_optimizer=outer_optimizer,
+                    pacing=pacing,
                     on_peer_failure=on_peer_failure,
                     second_moment=second_moment,
                 )
@@ -326,26 +331,6 @@ class GossipEngine:
     def gradient_tracking_active(self) -> bool:
         """Whether the local update steps with the tracked gradient (requested, and world size > 1)."""
         return self._tracker is not None
-
-    @property
-    def sync_every(self) -> int:
-        """How many inner steps a round has (1 for per-step gossip)."""
-        return 1 if self._local is None else self._local.spec.sync_every
-
-    @property
-    def sync_delay(self) -> int | None:
-        """Inner steps a round's exchange may run behind; None for per-step gossip."""
-        return None if self._local is None else self._local.spec.sync_delay
-
-    @property
-    def outer_optimizer(self) -> torch.optim.Optimizer | None:
-        """The outer optimizer over the anchors (e.g. for an LR scheduler of its own), or None."""
-        return None if self._local is None else self._local.outer_optimizer
-
-    @property
-    def anchors(self) -> list[torch.Tensor]:
-        """The flat anchors of low-communication gossip, one per bucket (live); empty without it."""
-        return [] if self._local is None else self._local.anchors
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -604,7 +589,7 @@ class GossipEngine:
         self._step = int(state["step"])
         self._mixing_factor = float(state.get("mixing_factor", 1.0))  # absent in the oldest checkpoints
         if self._local is not None:
-            self._local.load_state_dict(state["local_steps"])
+            self._local.load_state_dict(state["local_steps"], self._step)
         self._averaging.snapshot = snapshot_from_state(state, self._buckets)
 
     # -- surviving a lost peer (on_peer_failure="continue") ------------------------------------------------

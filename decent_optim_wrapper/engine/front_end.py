@@ -13,6 +13,7 @@ from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.engine import GossipEngine
 from decent_optim_wrapper.engine.growth import JoinHook, Stateful
 from decent_optim_wrapper.engine.membership import PeerFailure, PeerJoin
+from decent_optim_wrapper.engine.pacing import PaceReport
 from decent_optim_wrapper.engine.survival import PeerFailureHook
 from decent_optim_wrapper.topo import Topology
 
@@ -54,6 +55,27 @@ class EngineFrontEnd:
     def step_count(self) -> int:
         """Completed updates; update ``t`` gossips in phase ``t % topology.period``."""
         return self._engine.step_count
+
+    @property
+    def round_count(self) -> int:
+        """Gossip rounds launched: with low-communication gossip one per ``sync_every`` updates, with
+        per-step gossip one per update. With paced rounds (``pacing=...``) ranks stand at different
+        updates but launch the same rounds: a loop that ends at a round count ends everywhere
+        together (e.g. ``while opt.round_count < rounds:``), where one counting updates would leave
+        a slower rank waiting for rounds its peers never launch."""
+        return self._engine.round_count
+
+    @property
+    def round_ended(self) -> bool:
+        """Whether the last update ended a round: where every rank stands at the same point of the
+        schedule (paced rounds), so where to evaluate, average globally or save a checkpoint."""
+        engine = self._engine
+        return engine.step_count > 0 and engine.round_count > engine.rounds_launched_before_last_step()
+
+    def pace_report(self) -> PaceReport | None:
+        """Where paced rounds stand on this rank: rounds, planned steps, measured step and round times,
+        time waited for peers (:class:`~decent_optim_wrapper.PaceReport`); None without pacing."""
+        return self._engine.pace_report()
 
     @property
     def buckets(self) -> list[Bucket]:

@@ -23,6 +23,7 @@ from decent_optim_wrapper.engine.options import (
     check_on_peer_failure,
     resolve_topology,
 )
+from decent_optim_wrapper.engine.pacing import Pacing, PacingSpec, resolve_pacing
 from decent_optim_wrapper.engine.second_moment import SecondMomentRule
 from decent_optim_wrapper.engine.shards import ShardLayout
 from decent_optim_wrapper.engine.world import GossipWorld
@@ -74,13 +75,15 @@ def build_parts(
     outer_optimizer: OuterFactory | None,
     on_peer_failure: str,
     second_moment: str,
+    pacing: PacingSpec = None,
 ) -> EngineParts:
     """Check the options and build the parts (the engine's docstring describes each option)."""
     check_on_peer_failure(on_peer_failure, topology, world.subgroup, world.replicas is not None)
     rule = SecondMomentRule(second_moment)
     wire = resolve_compression(compression)
     topo = resolve_topology(topology, world.world_size, world.local_world_size)
-    spec = resolve_local_steps(sync_every, sync_delay, outer_optimizer)
+    paced = resolve_pacing(pacing)
+    spec = resolve_local_steps(sync_every, sync_delay, outer_optimizer, paced)
     if spec is not None and gradient_tracking:
         raise ValueError(
             "gradient_tracking=True cannot be combined with low-communication gossip (sync_every="
@@ -89,6 +92,8 @@ def build_parts(
         )
     params, names = check_named_params(named_params() if callable(named_params) else named_params)
     shards = ShardLayout(params, names, world)
+    if paced is not None:
+        check_pacing_composes(paced, gradient_tracking, on_peer_failure, shards.sharded)
     buckets = build_buckets(params, names, bucket_cap_bytes, params_as_views)
     local = None if spec is None else LocalSteps(buckets, spec)
     layout = LocalLayout(
@@ -103,6 +108,29 @@ def build_parts(
         group_layout(topo, world),
     )
     return EngineParts(topo, buckets, shards, local, wire, rule, layout)
+
+
+def check_pacing_composes(
+    pacing: Pacing, gradient_tracking: bool, on_peer_failure: str, sharded: bool
+) -> None:
+    """Refuse what paced rounds cannot be combined with (yet), on every rank before any collective."""
+    if gradient_tracking:
+        raise ValueError(
+            f"pacing={pacing!r} cannot be combined with gradient_tracking=True: the trackers are gossiped "
+            "every step, and paced ranks take different numbers of steps. Use one or the other."
+        )
+    if on_peer_failure != "raise":
+        raise ValueError(
+            f"pacing with on_peer_failure={on_peer_failure!r} is not supported yet: survivors and joiners "
+            "resume at a step, and paced ranks stand at different steps of a round. Pass "
+            "on_peer_failure='raise' (the default) with pacing, or pacing=None."
+        )
+    if sharded and pacing.schedule is None:
+        raise ValueError(
+            "measured pacing (pacing='measured') is not supported yet with sharded parameters "
+            "(decentralized HSDP): the ranks of one replica must take the same steps. Pass "
+            "Pacing(schedule=...) with the counts of each replica, or pacing=None."
+        )
 
 
 def signatures(buckets: Sequence[Bucket]) -> tuple[object, ...]:

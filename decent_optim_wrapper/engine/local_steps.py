@@ -59,6 +59,7 @@ from decent_optim_wrapper.engine.comm import ProcessGroups
 from decent_optim_wrapper.engine.compression import CompressionPlan
 from decent_optim_wrapper.engine.gossip import Gossip, Waiter
 from decent_optim_wrapper.engine.membership import ChannelReport, PeerLost
+from decent_optim_wrapper.engine.pacing import FixedClock, PacedClock, PaceReport, Pacing
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["LocalSteps", "LocalStepsSpec", "OuterFactory", "resolve_local_steps"]
@@ -69,11 +70,13 @@ OuterFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 
 @dataclass(frozen=True)
 class LocalStepsSpec:
-    """The checked options: period ``H``, delay ``D``, and the outer optimizer's factory (or None)."""
+    """The checked options: period ``H``, delay ``D``, the outer optimizer's factory (or None), and
+    the pacing of rounds (None: every round takes ``H`` inner steps, :mod:`~.pacing`)."""
 
     sync_every: int
     sync_delay: int
     outer_optimizer: OuterFactory | None
+    pacing: Pacing | None = None
 
     def agreement(self, outer: torch.optim.Optimizer | None) -> tuple[object, ...]:
         """What every rank must agree on: H, D, and the outer optimizer's class, group count and
@@ -81,15 +84,18 @@ class LocalStepsSpec:
         described = None
         if outer is not None:
             described = (type(outer).__name__, len(outer.param_groups), repr(sorted(outer.defaults.items())))
-        return (self.sync_every, self.sync_delay, described)
+        paced = None if self.pacing is None else self.pacing.agreement()
+        return (self.sync_every, self.sync_delay, described, *(() if paced is None else (paced,)))
 
 
 def resolve_local_steps(
-    sync_every: object, sync_delay: object, outer_optimizer: object
+    sync_every: object, sync_delay: object, outer_optimizer: object, pacing: Pacing | None = None
 ) -> LocalStepsSpec | None:
-    """Check the three options; None when they ask for per-step gossip (the defaults).
+    """Check the options; None when they ask for per-step gossip (the defaults).
 
-    ``sync_delay`` None means a whole round (``sync_every``).
+    ``sync_delay`` None means a whole round (``sync_every``). Paced rounds (``pacing``, checked by
+    :func:`~.pacing.resolve_pacing`) always use rounds, also with ``sync_every=1``: a fast rank then
+    takes several steps per round.
     """
     if isinstance(sync_every, bool) or not isinstance(sync_every, int):
         raise TypeError(
@@ -119,10 +125,10 @@ def resolve_local_steps(
             f"torch.optim.Optimizer over them, got {outer_optimizer!r}; e.g. lambda params: "
             "torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)."
         )
-    if sync_every == 1 and sync_delay is None and outer_optimizer is None:
+    if sync_every == 1 and sync_delay is None and outer_optimizer is None and pacing is None:
         return None
     delay = sync_every if sync_delay is None else sync_delay
-    return LocalStepsSpec(sync_every, delay, outer_optimizer)
+    return LocalStepsSpec(sync_every, delay, outer_optimizer, pacing)
 
 
 def build_outer(factory: OuterFactory, anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -163,6 +169,11 @@ class LocalSteps:
 
     def __init__(self, buckets: Sequence[Bucket], spec: LocalStepsSpec) -> None:
         self._spec = spec
+        self._clock = (
+            FixedClock(spec.sync_every, spec.sync_delay)
+            if spec.pacing is None
+            else PacedClock(spec.pacing, spec.sync_every, spec.sync_delay)
+        )
         self._buckets: list[Bucket] = []
         self._anchors: list[torch.Tensor] = []  # a_i, one flat tensor per bucket
         self._views: list[list[torch.Tensor]] = []  # per bucket: each parameter's slice of its anchor
@@ -193,6 +204,7 @@ class LocalSteps:
         """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
         broadcast parameters (without: the survivors of a lost peer keep their anchors)."""
         self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan, waiter)
+        self._clock.connect(process_groups.world, rank, topology.world_size)
         if reset:
             self.reset_anchors()
 
@@ -212,6 +224,29 @@ class LocalSteps:
     def agreement(self) -> tuple[object, ...]:
         return self._spec.agreement(self._outer)
 
+    def rounds_launched(self, step: int) -> int:
+        """Rounds launched once ``step`` inner steps are complete."""
+        return self._clock.rounds_launched(step)
+
+    def check_round_boundary(self, step: int, what: str) -> None:
+        """With paced rounds, raise ``RuntimeError`` unless ``step`` completed steps end a round: only
+        there do all ranks stand at the same point of the schedule (a collective elsewhere would
+        meet peers at other rounds)."""
+        if self._spec.pacing is None or step == 0:
+            return
+        if self._clock.rounds_launched(step) == self._clock.rounds_launched(step - 1):
+            inside = self._clock.rounds_launched(step)
+            raise RuntimeError(
+                f"{what} was called after step {step}, inside round {inside}: with paced rounds, ranks "
+                "stand at different steps, so collectives go where a round ends, the same round on every "
+                "rank. Call it when round_ended is True (e.g. when round_count reaches a multiple of your "
+                "evaluation period)."
+            )
+
+    def pace_report(self) -> PaceReport | None:
+        """Where paced rounds stand on this rank (None without pacing)."""
+        return self._clock.report() if isinstance(self._clock, PacedClock) else None
+
     @property
     def _channels(self) -> Gossip:
         assert self._gossip is not None, "connect() first"
@@ -229,9 +264,6 @@ class LocalSteps:
             for bucket, anchor in zip(self._buckets, self._anchors, strict=True):
                 anchor.copy_(bucket.data)
 
-    def _launch_step(self, round_: int) -> int:
-        return (round_ + 1) * self._spec.sync_every - 1
-
     @torch.no_grad()
     def end_of_step(self, bucket: int, step: int, mixing_factor: float, launch: bool = True) -> None:
         """After bucket ``bucket``'s local update of inner step ``step``: fold a round that is due in,
@@ -243,41 +275,51 @@ class LocalSteps:
     def fold_due(self, bucket: int, step: int, mixing_factor: float) -> None:
         """Fold bucket ``bucket``'s round in if it is due after inner step ``step``."""
         pending = self._channels.pending(bucket)
-        if pending is not None and step >= self._launch_step(pending) + self._spec.sync_delay:
+        if pending is not None and step >= self._clock.fold_after(pending, step):
             with current([self._buckets[bucket]], write=True):
                 self._fold(bucket, mixing_factor)
 
     def end_round(self, bucket: int, step: int, mixing_factor: float, launch: bool = True) -> None:
         """At the end of a round (after inner step ``step``): the outer step, the anchors' launch and,
         without delay, their fold."""
-        if (step + 1) % self._spec.sync_every != 0:
+        round_ = self._clock.round_ending_at(step)
+        if round_ is None:
             return
         with current([self._buckets[bucket]], write=True):
-            self._outer_step(bucket)
+            self._outer_step(bucket, self._clock.scale())
             if launch:
-                self._channels.launch(bucket, (step + 1) // self._spec.sync_every - 1)
+                self._channels.launch(bucket, round_)
             if self._spec.sync_delay == 0:
                 self._fold(bucket, mixing_factor)
 
     def _fold(self, bucket: int, mixing_factor: float) -> None:
         """``x <- x + (mixed - sent)``, ``a <- mixed``: two roundings, none when ``x`` is still ``a'``."""
         x, anchor = self._buckets[bucket].data, self._anchors[bucket]
-        self._channels.wait(bucket)  # before x changes: a round that fails leaves x as it was
+        with self._clock.waiting():  # a paced rank's step time leaves out the wait for its peers
+            self._channels.wait(bucket)  # before x changes: a round that fails leaves x as it was
         if self._channels.pending(bucket) is None:
             return
         x.sub_(anchor)  # the inner progress since the launch (exactly 0 with no delay)
         self._channels.mix(bucket, mixing_factor)
         x.add_(anchor)
 
-    def _outer_step(self, bucket: int) -> None:
-        """``a <- OuterStep(a, a - x)`` (or ``a <- x`` without an outer optimizer), then ``x <- a``."""
+    def _outer_step(self, bucket: int, scale: float = 1.0) -> None:
+        """``a <- OuterStep(a, s (a - x))`` (or ``a <- a - s (a - x)`` without an outer optimizer), then
+        ``x <- a``; ``s`` is paced rounds' weighting, 1 otherwise (no multiplication then)."""
         x, anchor = self._buckets[bucket].data, self._anchors[bucket]
         if self._outer is None:
-            anchor.copy_(x)
+            if scale == 1.0:
+                anchor.copy_(x)
+            else:
+                anchor.sub_(torch.sub(anchor, x).mul_(scale))
+                x.copy_(anchor)
             return
         views = self._views[bucket]
+        pseudo_gradient = torch.sub(anchor, x)
+        if scale != 1.0:
+            pseudo_gradient.mul_(scale)
         # The other buckets' anchors have no gradient, so the outer optimizer leaves them alone.
-        for view, delta in zip(views, self._buckets[bucket].slices(torch.sub(anchor, x)), strict=True):
+        for view, delta in zip(views, self._buckets[bucket].slices(pseudo_gradient), strict=True):
             view.grad = delta
         try:
             self._outer.step()
@@ -339,14 +381,19 @@ class LocalSteps:
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """``{"sync_every", "sync_delay", "anchors", "outer", "gossip"}``; waits for rounds in flight."""
-        return {
+        """``{"sync_every", "sync_delay", "anchors", "outer", "gossip"}`` and, with paced rounds,
+        ``"pacing"`` (:meth:`~.pacing.PacedClock.state_dict`); waits for rounds in flight."""
+        state = {
             "sync_every": self._spec.sync_every,
             "sync_delay": self._spec.sync_delay,
             "anchors": [a.clone() for a in self._anchors],
             "outer": None if self._outer is None else self._outer.state_dict(),
             "gossip": self._channels.state_dict(),
         }
+        paced = self._clock.state_dict()
+        if paced is not None:
+            state["pacing"] = paced
+        return state
 
     def check_state_dict(self, state: Any) -> None:
         """Raise ``ValueError`` naming the mismatch if ``state`` does not fit this run's options/layout."""
@@ -377,15 +424,75 @@ class LocalSteps:
                     "per group); pass the same outer_optimizer."
                 )
         self._channels.check_state_dict(state["gossip"])
+        paced = state.get("pacing")
+        if paced is not None and self._spec.pacing is None:
+            raise ValueError(
+                "checkpoint was saved with paced rounds (pacing=...) but this run has pacing=None: its "
+                "ranks stand at different inner steps of one round; resume with the same pacing."
+            )
+        if paced is not None and (
+            not isinstance(paced, dict) or not {"round", "start", "steps"} <= set(paced)
+        ):
+            raise ValueError(f"checkpoint's local_steps['pacing'] is not a paced clock's state: {paced!r}.")
 
     @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a checked :meth:`state_dict`: anchors, outer state and the round still to fold in."""
+    def load_state_dict(self, state: dict[str, Any], step: int = 0) -> None:
+        """Restore a checked :meth:`state_dict`: anchors, outer state, the round still to fold in and,
+        with paced rounds, the round position (``step``: the engine's, where none was saved)."""
         for anchor, saved in zip(self._anchors, state["anchors"], strict=True):
             anchor.copy_(saved)
         if self._outer is not None:
             self._outer.load_state_dict(state["outer"])
         self._channels.load_state_dict(state["gossip"])
+        self._clock.load_state_dict(state.get("pacing"), step)
 
     def wait_all(self) -> None:
         self._channels.wait_all()
+
+
+class LowCommunicationFacts:
+    """The engine's read-only facts about low-communication gossip (a mixin of the engine, which sets
+    ``_local`` and ``_step``)."""
+
+    _local: LocalSteps | None
+    _step: int
+
+    @property
+    def sync_every(self) -> int:
+        """How many inner steps a round has (1 for per-step gossip; with pacing, the nominal count)."""
+        return 1 if self._local is None else self._local.spec.sync_every
+
+    @property
+    def sync_delay(self) -> int | None:
+        """Inner steps a round's exchange may run behind; None for per-step gossip."""
+        return None if self._local is None else self._local.spec.sync_delay
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The outer optimizer over the anchors (e.g. for an LR scheduler of its own), or None."""
+        return None if self._local is None else self._local.outer_optimizer
+
+    @property
+    def anchors(self) -> list[torch.Tensor]:
+        """The flat anchors of low-communication gossip, one per bucket (live); empty without it."""
+        return [] if self._local is None else self._local.anchors
+
+    @property
+    def pacing(self) -> Pacing | None:
+        """The options of paced rounds (:mod:`~.pacing`), or None."""
+        return None if self._local is None else self._local.spec.pacing
+
+    @property
+    def round_count(self) -> int:
+        """Rounds launched so far (every completed step is a round with per-step gossip). With paced
+        rounds ranks stand at different steps but launch the same rounds: loops count these."""
+        return self._step if self._local is None else self._local.rounds_launched(self._step)
+
+    def rounds_launched_before_last_step(self) -> int:
+        """Rounds launched before the last completed step (:attr:`round_count` one step earlier)."""
+        before = max(self._step - 1, 0)
+        return before if self._local is None else self._local.rounds_launched(before)
+
+    def pace_report(self) -> PaceReport | None:
+        """Where paced rounds stand on this rank (:class:`~.pacing.PaceReport`), or None without pacing."""
+        return None if self._local is None else self._local.pace_report()
