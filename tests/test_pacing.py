@@ -43,14 +43,22 @@ class _PacedGossip:
     """Every replica with its own SGD (momentum 0.9), anchor and outer optimizer, in float64; replica i
     takes ``counts(i, r)`` steps in round r on its own batches ``batch(i, t_i)``."""
 
-    def __init__(self, topology: str, world_size: int, outer: str | None, delay: int, weighting: str) -> None:
+    def __init__(
+        self,
+        topology: str,
+        world_size: int,
+        outer: str | None,
+        delay: int,
+        weighting: str,
+        every: int = SYNC_EVERY,
+    ) -> None:
         self.n = world_size
         self.topo = TopologyFactory.create(topology, world_size)
         self.models = [tiny_model(dtype=torch.float64) for _ in range(world_size)]
         self.inner = [torch.optim.SGD(m.parameters(), lr=INNER_LR, momentum=0.9) for m in self.models]
         self.anchors = [tiny_model(dtype=torch.float64) for _ in range(world_size)]
         self.outers = [OUTER[outer](_params(a)) if outer else None for a in self.anchors]
-        self.delay, self.weighting = delay, weighting
+        self.delay, self.weighting, self.every = delay, weighting, every
 
     def _vector(self, model: torch.nn.Module) -> torch.Tensor:
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
@@ -67,7 +75,7 @@ class _PacedGossip:
 
     @torch.no_grad()
     def _outer_step(self, i: int, steps: int) -> torch.Tensor:
-        scale = SYNC_EVERY / steps if self.weighting == "workers" else 1.0
+        scale = self.every / steps if self.weighting == "workers" else 1.0
         anchor, model, outer = self.anchors[i], self.models[i], self.outers[i]
         if outer is None:
             a, x = self._vector(anchor), self._vector(model)
@@ -96,7 +104,7 @@ class _PacedGossip:
                 ends = [steps[i] - 1 for i in range(self.n)]
                 pending = (
                     *pending[:2],
-                    [e + math.ceil(self.delay * k / SYNC_EVERY) for e, k in zip(ends, planned, strict=True)],
+                    [e + math.ceil(self.delay * k / self.every) for e, k in zip(ends, planned, strict=True)],
                 )
             sent = [torch.empty(0)] * self.n
             for i in range(self.n):
@@ -162,14 +170,16 @@ def _anchors_in_model_order(model, front) -> torch.Tensor:
     return torch.cat([views[id(p)].reshape(-1) for p in model.parameters()])
 
 
-def _run(topology, rounds, outer, delay, front_end, weighting, schedule=scheduled, **options):
+def _run(
+    topology, rounds, outer, delay, front_end, weighting, schedule=scheduled, every=SYNC_EVERY, **options
+):
     model = tiny_model(dtype=torch.float64)
     pacing = None if schedule is None else Pacing(weighting=weighting, schedule=schedule)
     front = _front(
         model,
         front_end,
         topology=topology,
-        sync_every=SYNC_EVERY,
+        sync_every=every,
         sync_delay=delay,
         outer_optimizer=OUTER[outer],
         pacing=pacing,
@@ -210,6 +220,16 @@ def test_paced_rounds_follow_the_rule(pool, topology, world_size, outer, delay, 
     # and not by accident: the same rounds of H steps each end elsewhere
     fixed = _PacedGossip(topology, world_size, outer, delay, weighting).run(rounds, uniform)
     assert (fixed[0] - reference[0]).abs().max() > 1e6 * atol
+
+
+def test_paced_rounds_of_one_nominal_step_follow_the_rule(pool):
+    # sync_every=1: per-step gossip of the parameters, where a rank takes several steps per round
+    rounds = 5
+    reference = _PacedGossip("ring", 4, None, 1, "samples", every=1).run(rounds, scheduled)
+    results = pool(4).run(_run, "ring", rounds, None, 1, "optimizer", "samples", scheduled, 1)
+    atol = _tolerance(4, rounds, reference)
+    for rank, (vector, _) in enumerate(results):
+        torch.testing.assert_close(vector, reference[rank], rtol=0, atol=atol)
 
 
 def test_a_uniform_schedule_is_bitwise_unpaced_rounds_and_front_ends_agree(pool):

@@ -152,5 +152,8 @@ def test_measured_steps_leave_out_waits_and_outliers(monkeypatch):
     report = clock.report()
     assert report.step_seconds == pytest.approx(0.1) and report.waited_seconds == pytest.approx(2.0)
     take(10.0)  # round 2 (steps 4 and 5): a step of 10 s (an evaluation) counts as 3 estimates
-    clock.round_ending_at(step)  # round 3 is planned: the estimate averages the rounds' means
-    assert clock.report().step_seconds == pytest.approx(0.5 * (0.1 + (0.1 + 0.3) / 2))
+    clock.round_ending_at(step)  # round 3 is planned: a mean of 0.2 s is a new speed, taken at once
+    assert clock.report().step_seconds == pytest.approx((0.1 + 0.3) / 2)
+    take(0.23)
+    clock.round_ending_at(step)  # round 3 (one step: tau / 0.2 s) within a quarter of it: averaged in
+    assert clock.report().step_seconds == pytest.approx(0.5 * (0.2 + 0.23))

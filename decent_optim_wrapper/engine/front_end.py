@@ -58,17 +58,20 @@ class EngineFrontEnd:
 
     @property
     def round_count(self) -> int:
-        """Gossip rounds launched: with low-communication gossip one per ``sync_every`` updates, with
-        per-step gossip one per update. With paced rounds (``pacing=...``) ranks stand at different
-        updates but launch the same rounds: a loop that ends at a round count ends everywhere
-        together (e.g. ``while opt.round_count < rounds:``), where one counting updates would leave
-        a slower rank waiting for rounds its peers never launch."""
+        """How many gossip rounds this rank launched (one per ``sync_every`` updates with
+        low-communication gossip, one per update with per-step gossip).
+
+        With paced rounds (``pacing=...``) ranks stand at different updates but launch the same
+        rounds: a loop that ends at a round count ends everywhere together (e.g. ``while
+        opt.round_count < rounds:``), where one counting updates would leave a slower rank waiting
+        for rounds its peers never launch.
+        """
         return self._engine.round_count
 
     @property
     def round_ended(self) -> bool:
-        """Whether the last update ended a round: where every rank stands at the same point of the
-        schedule (paced rounds), so where to evaluate, average globally or save a checkpoint."""
+        """True right after an update that ended a round, where every rank stands at the same point
+        of the schedule (with paced rounds too); so where to evaluate, average globally or save."""
         engine = self._engine
         return engine.step_count > 0 and engine.round_count > engine.rounds_launched_before_last_step()
 

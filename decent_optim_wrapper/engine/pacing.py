@@ -7,7 +7,8 @@ round. Ranks still gossip round ``r`` with round ``r`` (rounds are matched by th
 step), so no collective is ever unmatched, whatever the counts are.
 
 **Planning.** Every rank measures its own step time ``t_i`` (host time between consecutive steps,
-minus the time it waited for peers; an exponential average over rounds). Every ``repace_every``
+minus the time it waited for peers; an exponential average over rounds, which jumps to a round's
+mean when that differs by more than a quarter: a change of speed). Every ``repace_every``
 rounds the ranks exchange it (a non-blocking all-gather of integers, consumed one round later, so it
 waits only for a peer a whole round behind). From the shared rates every rank computes the same
 round length
@@ -55,6 +56,7 @@ __all__ = [
     "PacedClock",
     "Pacing",
     "PacingSpec",
+    "UNPACED_ROUNDS",
     "planned_steps",
     "resolve_pacing",
     "round_seconds",
@@ -65,7 +67,11 @@ WEIGHTINGS = ("samples", "workers")
 
 #: Rounds at the start that take ``sync_every`` steps: round 0 is not measured (compilation, warm-up),
 #: round 1 is, and its measurement travels with the first pace message.
-_UNPACED_ROUNDS = 3
+UNPACED_ROUNDS = 3
+
+#: A round whose mean step differs from the estimate by more than this fraction is a change of speed
+#: (a throttled or freed machine): the estimate jumps to it instead of averaging it in.
+_CHANGE = 0.25
 
 #: A step that takes longer than this many times the estimate (an evaluation, a checkpoint, a garbage
 #: collection) counts as this many estimates: the rest is time the rank did not spend training.
@@ -294,7 +300,11 @@ class PacedClock:
         ended = self._round
         if self._round_steps > 0:
             measured = self._round_time / self._round_steps
-            self._step_s = measured if self._step_s is None else 0.5 * (self._step_s + measured)
+            known = self._step_s
+            if known is None or abs(measured - known) > _CHANGE * known:
+                self._step_s = measured  # a new speed: planned with at once, so nobody waits for it
+            else:
+                self._step_s = 0.5 * (known + measured)  # noise: smoothed over rounds
         self._round_time, self._round_steps = 0.0, 0
         self._round, self._start = ended + 1, self._start + self._steps
         with self.waiting():
@@ -332,7 +342,7 @@ class PacedClock:
         if self._pace_result is not None:
             self._tau = round_seconds([ns / 1e9 for ns in self._pace_result[1]], self._every)
             self._pace_result = None
-        first = _UNPACED_ROUNDS - 1
+        first = UNPACED_ROUNDS - 1
         if self._step_s is not None and round_ >= first and (round_ - first) % self._pacing.repace_every == 0:
             mine = torch.tensor([max(1, round(self._step_s * 1e9))], dtype=torch.int64)
             if self._group is None or self._world_size == 1:

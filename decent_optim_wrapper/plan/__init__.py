@@ -24,7 +24,7 @@ from decent_optim_wrapper.plan.sharing import (
     Transfer,
     transfer_seconds,
 )
-from decent_optim_wrapper.plan.simulator import AllReduce, Gossip, NoComm, Run, Scheme, simulate
+from decent_optim_wrapper.plan.simulator import AllReduce, Gossip, NoComm, Run, Scheme, paced_steps, simulate
 from decent_optim_wrapper.plan.traffic import bytes_per_parameter
 
 __all__ = [
@@ -50,6 +50,7 @@ __all__ = [
     "gossip_scheme",
     "main",
     "measure_round_cost",
+    "paced_steps",
     "predict",
     "simulate",
     "transfer_seconds",

@@ -6,7 +6,10 @@ in the formats ``--compression`` names: bf16 and int8 by default) on that cluste
 one's mean step time, its ratio to training without communication, and the bytes a rank sends per
 step; ``--sync-every 8`` adds low-communication gossip (a round every 8 steps, ``--sync-delay`` steps
 to arrive) and ``--measure-rounds`` charges each round the processor time its wire format takes
-on this machine (:mod:`.round_cost`). ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
+on this machine (:mod:`.round_cost`). ``--factors 2 2 1 1`` makes an uneven fleet (rank ``r``'s step
+takes ``factors[r]`` times ``--compute-ms``) and ``--pacing`` adds each low-communication method with
+paced rounds (``ring~h8d1p``: each rank takes as many steps per round as its speed allows), timed by
+the fleet's throughput. ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
 topology's bytes per parameter (:mod:`.traffic`). The assumptions are those of :mod:`.costs` and
 :mod:`.simulator`.
 """
@@ -19,7 +22,7 @@ from collections.abc import Sequence
 from functools import cache
 
 from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
-from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
+from decent_optim_wrapper.plan.compute import JITTERS, UNEVEN, ComputeTimes
 from decent_optim_wrapper.plan.costs import Link, Network
 from decent_optim_wrapper.plan.predict import predict
 from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
@@ -77,9 +80,23 @@ def _parser() -> argparse.ArgumentParser:
         "--overhead-ms", type=float, default=0.0, help="CPU/GPU work per step besides compute"
     )
     parser.add_argument("--forward-fraction", type=float, default=1 / 3, help="forward's share of compute")
-    parser.add_argument("--jitter", choices=JITTERS, default="none", help="compute-time scenario")
+    parser.add_argument(
+        "--jitter",
+        choices=(*JITTERS, UNEVEN),
+        default=None,
+        help="compute-time scenario (default: none, uneven with --factors)",
+    )
     parser.add_argument("--sigma", type=float, default=0.3, help="lognormal jitter's shape (default 0.3)")
     parser.add_argument("--slow-factor", type=float, default=1.5, help="straggler's slowdown (rank 0)")
+    parser.add_argument(
+        "--factors",
+        type=float,
+        nargs="+",
+        default=[],
+        metavar="F",
+        help="uneven fleet: rank r's step takes F_r times --compute-ms (ranks beyond the list: 1), e.g. "
+        "2 2 2 2 1 1 1 1; implies --jitter uneven",
+    )
     parser.add_argument(
         "--topologies", nargs="+", default=None, help="default: every registered one that fits"
     )
@@ -107,6 +124,13 @@ def _parser() -> argparse.ArgumentParser:
         "--sync-delay", type=int, default=1, help="steps a low-communication round may take (default 1)"
     )
     parser.add_argument(
+        "--pacing",
+        action="store_true",
+        help="also simulate each low-communication method with paced rounds (named ring~h8d1p): each rank "
+        "takes as many steps per round as its speed allows; its ms/step is the fleet's, ranks over steps "
+        "per second (needs --sync-every)",
+    )
+    parser.add_argument(
         "--measure-rounds",
         action="store_true",
         help="time a round's encoding and decoding on this machine's CPU for every format and charge it "
@@ -128,7 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_bytes = parse_quantity(args.model_bytes, "bytes")
         inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
         intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
-        compute = ComputeTimes(args.compute_ms / 1e3, args.jitter, args.sigma, slow_factor=args.slow_factor)
+        jitter = args.jitter or (UNEVEN if args.factors else "none")
+        compute = ComputeTimes(
+            args.compute_ms / 1e3,
+            jitter,
+            args.sigma,
+            slow_factor=args.slow_factor,
+            factors=tuple(args.factors),
+        )
         for name in args.compression:
             parse_compression(name)
     except ValueError as err:
@@ -143,6 +174,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(
             f"--sync-every {bad_every[0]} with --sync-delay {args.sync_delay}: need sync_every >= 1 and "
             "0 <= sync_delay <= sync_every"
+        )
+    if args.pacing and not args.sync_every:
+        parser.error(
+            "--pacing paces low-communication rounds: add --sync-every H (e.g. --sync-every 8) to simulate "
+            "a round every H steps, paced and not"
         )
     network = Network(inter, intra, args.workers_per_node, args.tree_latency)
     round_costs = None
@@ -166,13 +202,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             forward_fraction=args.forward_fraction,
             local_steps=[(h, args.sync_delay) for h in args.sync_every],
             round_costs=round_costs,
+            paced=args.pacing,
         )
     except ValueError as err:
         parser.error(str(err))
     ranks = args.nodes * args.workers_per_node
     print(
         f"{ranks} ranks ({args.nodes} nodes x {args.workers_per_node}); model {model_bytes / 1e6:.1f} MB; "
-        f"compute {args.compute_ms:.1f} ms/step ({args.jitter} jitter); links "
+        f"compute {args.compute_ms:.1f} ms/step ({jitter} jitter); links "
         f"{inter.bandwidth / 1e9:g} Gbit/s, {inter.latency_s * 1e3:g} ms per message"
     )
     base = predictions[0].step_s
@@ -182,4 +219,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ddp = next(p for p in predictions if p.method == "ddp")
     best = min(predictions[1:], key=lambda p: p.step_s)
     print(f"fastest: {best.method} ({ddp.step_s / best.step_s:.2f}x faster than DDP)")
+    if args.pacing:
+        print("paced methods (p): ms/step of the fleet, ranks over the steps per second of all ranks")
     return 0

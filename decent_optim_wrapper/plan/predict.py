@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan.compute import ComputeTimes
 from decent_optim_wrapper.plan.costs import Network, ddp_buckets
 from decent_optim_wrapper.plan.round_cost import RoundCost
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
-from decent_optim_wrapper.plan.simulator import NoComm, Scheme, simulate
+from decent_optim_wrapper.plan.simulator import UNPACED_ROUNDS, Gossip, NoComm, Scheme, simulate
 from decent_optim_wrapper.plan.traffic import bytes_per_parameter
 from decent_optim_wrapper.topo import Topology, TopologyFactory
 
@@ -19,7 +20,11 @@ __all__ = ["Prediction", "predict"]
 
 @dataclass(frozen=True)
 class Prediction:
-    """One method's simulated mean step time and the bytes a rank sends per step."""
+    """One method's simulated mean step time and the bytes a rank sends per step.
+
+    A paced method's ranks take different numbers of steps, so its ``step_s`` is the fleet's: the
+    ranks over their steps per second together (a rank's mean step time when the ranks are equal).
+    """
 
     method: str
     step_s: float
@@ -40,6 +45,7 @@ def predict(
     blocking: bool = False,
     local_steps: Sequence[tuple[int, int]] = (),
     round_costs: Callable[[GossipCompression | None, int], RoundCost] | None = None,
+    paced: bool = False,
 ) -> list[Prediction]:
     """Simulate ``steps`` steps of no communication, DDP (fp32 and bf16 gradients) and gossip.
 
@@ -63,6 +69,10 @@ def predict(
             group size (the topology's largest group), for instance
             :func:`~decent_optim_wrapper.plan.round_cost.measure_round_cost` on this machine; none if
             not given.
+        paced: also each low-communication method with paced rounds (the engine's
+            ``pacing="measured"``), named with a ``p`` after its period (``ring~h8d1p``,
+            ``ring~h8d1p@int8``); its step time is the fleet's (:class:`Prediction`), timed after the
+            rounds that cover ``warmup`` and at least the unpaced first rounds.
     """
     ranks = nodes * network.local_world_size
     numel = int(model_bytes // 4)
@@ -96,10 +106,16 @@ def predict(
                     sync_delay=delay,
                     round_cost=cost,
                 )
-                label = f"{topology.name}~h{every}d{delay}" + (f"@{wire_format}" if wire_format else "")
+                suffix = f"@{wire_format}" if wire_format else ""
+                label = f"{topology.name}~h{every}d{delay}"
                 # enough rounds for a steady state whatever the period
                 horizon = max(steps, warmup + 8 * every)
-                results.append(Prediction(label, _mean(scheme, compute, horizon, warmup), sent / every))
+                results.append(
+                    Prediction(label + suffix, _mean(scheme, compute, horizon, warmup), sent / every)
+                )
+                if paced:
+                    step_s = _fleet_step_s(replace(scheme, pacing=True), compute, horizon, warmup)
+                    results.append(Prediction(f"{label}p{suffix}", step_s, sent / every))
     return results
 
 
@@ -116,3 +132,12 @@ def _topologies(names: Sequence[str] | None, ranks: int, local: int) -> list[Top
 
 def _mean(scheme: Scheme, compute: ComputeTimes, steps: int, warmup: int) -> float:
     return simulate(scheme, compute, steps).iteration_s(warmup)
+
+
+def _fleet_step_s(scheme: Gossip, compute: ComputeTimes, steps: int, warmup: int) -> float:
+    """Ranks over steps per second of a paced run: the rounds covering ``warmup`` steps (at least the
+    unpaced ones) left out, then at least 8 rounds timed."""
+    every = scheme.sync_every
+    skip = max(UNPACED_ROUNDS, math.ceil(warmup / every))
+    rounds = max(steps // every, skip + 8)
+    return scheme.world_size / simulate(scheme, compute, rounds * every).steps_per_second(skip)

@@ -30,11 +30,14 @@ def gossip_scheme(
     sync_every: int = 1,
     sync_delay: int = 1,
     round_cost: RoundCost | None = None,
+    pacing: bool = False,
 ) -> Gossip:
     """Gossip on ``topology`` of a model of ``numel`` parameters of ``dtype``: a round every
     ``sync_every`` steps, folded in ``sync_delay`` steps later; ``blocking``: each round mixed in
     before the next forward (``sync_delay=0``); ``round_cost``: a round's own processor time on a
-    member (:func:`~decent_optim_wrapper.plan.round_cost.measure_round_cost`), none if not given."""
+    member (:func:`~decent_optim_wrapper.plan.round_cost.measure_round_cost`), none if not given;
+    ``pacing``: paced rounds, each rank taking as many steps per round as its speed allows (the
+    engine's ``pacing="measured"``)."""
     if network.local_world_size != topology.local_world_size:
         raise ValueError(
             f"network.local_world_size={network.local_world_size} differs from the topology's "
@@ -60,6 +63,7 @@ def gossip_scheme(
         sync_delay=sync_delay,
         encode_s=0.0 if round_cost is None else round_cost.encode_s,
         fold_s=0.0 if round_cost is None else round_cost.fold_s,
+        pacing=pacing,
     )
 
 
