@@ -8,6 +8,7 @@ names the runs a method is compared with, reads its command line and judges its 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,8 @@ import torch
 from helpers import load_script
 
 from benchmarks.convergence import convergence
-from benchmarks.harness import methods, synthetic_task
+from benchmarks.harness import methods, runner, synthetic_task
+from decent_optim_wrapper import Pacing
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -310,3 +312,144 @@ def test_convergence_table_shows_the_difference_from_untracked(capsys):
     rows = {line.split("|")[0].strip(): line for line in capsys.readouterr().out.splitlines() if "|" in line}
     assert [cell.strip() for cell in rows["ring-gt"].split("|")[4:]] == ["-0.20", "-", "+5.00", "met"]
     assert [cell.strip() for cell in rows["ring"].split("|")[4:]] == ["-5.20", "-", "-", "-"]
+
+
+@pytest.mark.parametrize(
+    ("name", "sync_every", "nesterov", "outer_lr", "delay", "optimizer"),
+    [
+        ("ring~h8n0.1p+adamw", 8, True, 0.1, None, "adamw"),
+        ("ring~h8d1p+adamw", 8, False, None, 1, "adamw"),
+        ("ring~h8p", 8, False, None, None, None),
+        ("one-peer-exp-module~h4n0.3d0p@bf16+adamw-local", 4, True, 0.3, 0, "adamw"),
+    ],
+)
+def test_paced_names_are_read(name, sync_every, nesterov, outer_lr, delay, optimizer):
+    method = methods.parse_method(name)
+    assert method.paced
+    assert (method.sync_every, method.nesterov, method.outer_lr, method.sync_delay, method.optimizer) == (
+        sync_every,
+        nesterov,
+        outer_lr,
+        delay,
+        optimizer,
+    )
+    assert method.name == name  # the name round-trips
+    options = method.engine_options(world=6)
+    assert options["sync_every"] == sync_every and options["sync_delay"] == delay
+    pacing = options["pacing"]
+    assert isinstance(pacing, Pacing) and pacing.weighting == "samples"
+    assert pacing.schedule == methods.HalfFastSchedule(6, sync_every)
+    # without 'p' it is the same method, with no pacing at all
+    local = name.partition("~")[2]
+    unpaced = methods.parse_method(name.replace("~" + local, "~" + local.replace("p", "", 1)))
+    assert unpaced == replace(method, paced=False)
+    assert "pacing" not in unpaced.engine_options()
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("ring~h1p", r"'ring~h1p': paced rounds \('p'\) need at least h2"),
+        ("ring-gt~h8p", r"'ring-gt~h8p': paced rounds \('p'\) take no gradient tracking"),
+        ("ring~h8pn", r"after '~' write hH .* p for paced rounds"),
+        ("ring~h8pd1", r"after '~' write hH"),  # p comes last
+        ("ddp~h8p", r"after '~' write hH"),
+        ("ring~p", r"after '~' write hH"),
+    ],
+)
+def test_bad_paced_names_are_rejected(name, message):
+    with pytest.raises(ValueError, match=message):
+        methods.parse_method(name)
+
+
+def test_half_fast_schedule_of_eight_ranks_at_h8():
+    schedule = methods.HalfFastSchedule(8, 8)
+    fast = [schedule(0, r) for r in range(6)]
+    slow = [schedule(7, r) for r in range(6)]
+    assert fast == [11, 10, 11, 11, 10, 11]  # 4H/3 = 10.67, diffused
+    assert slow == [5, 6, 5, 5, 6, 5]
+    assert all(schedule(rank, r) == fast[r] for rank in range(4) for r in range(6))  # ranks 0-3 fast
+    assert all(schedule(rank, r) == slow[r] for rank in range(4, 8) for r in range(6))  # ranks 4-7 slow
+    # 75 rounds (600 steps of DDP): 4,800 inner steps, as DDP's 600 on 8 workers
+    assert [schedule.total(rank, 75) for rank in range(8)] == [800] * 4 + [400] * 4
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("sync_every", [2, 3, 4, 7, 8, 16, 32])
+def test_half_fast_schedule_sums_every_round_to_n_h(world, sync_every):
+    schedule = methods.HalfFastSchedule(world, sync_every)
+    rounds = 120
+    counts = [[schedule(rank, r) for r in range(rounds)] for rank in range(world)]
+    for r in range(rounds):  # exactly the samples of H steps on every rank, in every round
+        assert sum(counts[rank][r] for rank in range(world)) == world * sync_every
+    assert all(c >= 1 for row in counts for c in row)
+    for rank in range(world):  # a rank's total is the sum of its counts, at every length
+        assert all(schedule.total(rank, n) == sum(counts[rank][:n]) for n in (0, 1, 7, rounds))
+    half = world // 2
+    for rank in range(half):  # the fast half takes twice the slow half's steps, to a step
+        fast, slow = sum(counts[rank]), sum(counts[half + rank])
+        assert abs(fast - 2 * slow) <= 2
+        assert all(abs(sum(counts[rank][:n]) - 4 * sync_every * n / 3) <= 0.5 for n in range(rounds))
+    if world % 2:  # the odd one out takes H
+        assert counts[-1] == [sync_every] * rounds
+
+
+def test_half_fast_schedule_needs_two_steps_per_round():
+    with pytest.raises(ValueError, match=r"paced rounds need sync_every >= 2"):
+        methods.HalfFastSchedule(4, 1)
+
+
+def test_paced_runs_train_whole_rounds_of_the_same_samples():
+    spec = methods.parse_method("ring~h8n0.1p+adamw")
+    schedule, rounds, own = runner.paced_plan(spec, 600, rank=0, world=8)
+    assert (schedule, rounds, own) == (methods.HalfFastSchedule(8, 8), 75, 800)
+    assert runner.paced_plan(spec, 600, rank=5, world=8)[2] == 400
+    assert runner.paced_plan(methods.parse_method("ring~h8n0.1+adamw"), 600, 0, 8) == (None, 0, 600)
+    with pytest.raises(ValueError, match=r"601 steps are not a multiple of H=8"):
+        runner.paced_plan(spec, 601, rank=0, world=8)
+    # a round's fleet steps [first, last] hold a multiple of the logging period, or not
+    assert runner.covers_multiple(0, 7, 600) and runner.covers_multiple(592, 599, 8)
+    assert not runner.covers_multiple(8, 15, 600) and runner.covers_multiple(8, 15, 10)
+
+
+def test_convergence_compares_a_paced_method_with_ddp_and_its_unpaced_twin():
+    assert convergence.unpaced_twin("ring~h8n0.1p+adamw") == "ring~h8n0.1+adamw"
+    assert convergence.unpaced_twin("ring~h8n0.1+adamw") is None
+    assert convergence.with_references(["ring~h8n0.1p+adamw"]) == [
+        "ring~h8n0.1p+adamw",
+        "ddp+adamw",
+        "ring~h8n0.1+adamw",
+    ]
+    assert "ring~h8n0.1p" in convergence.METHODS
+    # judged against DDP like any method of H <= 8: within 0.5 points on iid, reported on dirichlet
+    spec = methods.parse_method("ring~h8n0.1p+adamw")
+    assert convergence.verdict("iid", spec, -0.4, None, None) == "met"
+    assert convergence.verdict("iid", spec, -0.6, None, None) == "MISSED (vs DDP)"
+    assert convergence.verdict("dirichlet", spec, -3.0, None, None) == "-"
+
+
+def test_convergence_table_reports_paced_rounds(capsys):
+    def result(method: str, accuracy: float, steps: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(
+            method=method,
+            accuracy=accuracy,
+            final_loss=1.0,
+            bytes_per_step=1.0,
+            split="iid",
+            alpha=None,
+            steps_per_rank=steps,
+        )
+
+    results = [
+        result("ring~h8n0.1p+adamw", 0.550, [800, 800, 400, 400]),
+        result("ddp+adamw", 0.553, [600] * 4),
+        result("ring~h8n0.1+adamw", 0.552, [600] * 4),
+    ]
+    convergence.report(results, 4, SimpleNamespace(steps=600, batch_size=32, lr=0.05, adam_lr=3e-3))
+    out = capsys.readouterr().out
+    rows = {line.split("|")[0].strip(): line for line in out.splitlines() if "|" in line}
+    assert [cell.strip() for cell in rows["ring~h8n0.1p+adamw"].split("|")[4:]] == ["-0.30", "-", "-", "met"]
+    assert (
+        "  ring~h8n0.1p+adamw: inner steps per worker 400 to 800, 2,400 in all; -0.30 points from ddp+adamw, "
+        "-0.20 from ring~h8n0.1+adamw"
+    ) in out

@@ -142,3 +142,31 @@ def test_convergence_benchmark_adds_the_references_and_judges_them(tmp_path):
     assert "Convergence, dirichlet(alpha=0.1) split: 2 workers, 4 steps" in output
     ring_gt = next(line for line in output.splitlines() if line.strip().startswith("ring-gt |"))
     assert ring_gt.rstrip().endswith(("met", "MISSED (vs DDP)"))  # judged: tracked ring on skewed data
+
+
+def test_benchmark_runner_trains_paced_rounds_on_both_front_ends(pool, capsys):
+    # half the ranks twice as fast (methods.HalfFastSchedule): 4 rounds of H=4, the samples of 16 steps
+    methods = convergence.with_references(["ring~h4n0.1p+adamw", "ring-module~h4n0.1p+adamw"])
+    unpaced = ["ring~h4n0.1+adamw", "ring-module~h4n0.1+adamw"]
+    assert methods == ["ring~h4n0.1p+adamw", "ring-module~h4n0.1p+adamw", "ddp+adamw", *unpaced]
+    results = pool(2).run(_short_run, methods, steps=16, log_every=8)[0]
+    by_method = {r["method"]: SimpleNamespace(**r) for r in results}
+    paced = by_method["ring~h4n0.1p+adamw"]
+    # rank 0 fast (5, 6, 5, 5 steps), rank 1 slow (3, 2, 3, 3): each round 2 H steps over the fleet
+    assert paced.steps_per_rank == [21, 11] and by_method["ddp+adamw"].steps_per_rank == [16, 16]
+    assert len(paced.losses) == 4 and all(map(math.isfinite, paced.losses))  # one loss per round
+    # measured at the ends of the rounds holding fleet steps 0 and 8, and of the last round
+    assert paced.distance_steps == [3, 11, 15] and paced.final_distance > 0
+    assert 0.0 <= paced.accuracy <= 1.0
+    # both front-ends take the same paced rounds: the same losses, bit for bit
+    assert by_method["ring-module~h4n0.1p+adamw"].losses == paced.losses
+    assert by_method["ring-module~h4n0.1p+adamw"].accuracy == paced.accuracy
+    # pacing changes the run: not the unpaced twin's
+    assert by_method["ring~h4n0.1+adamw"].accuracy != paced.accuracy
+    assert by_method["ring-module~h4n0.1+adamw"].losses == by_method["ring~h4n0.1+adamw"].losses
+    convergence.report(
+        [SimpleNamespace(**r) for r in results],
+        2,
+        SimpleNamespace(steps=16, batch_size=16, lr=0.05, adam_lr=3e-3),
+    )
+    assert "ring~h4n0.1p+adamw: inner steps per worker 11 to 21, 32 in all" in capsys.readouterr().out

@@ -79,6 +79,61 @@ def test_a_compressed_method_brings_its_uncompressed_twin():
     assert args.methods == ["ddp+adamw", "ring~h8d1@topk:0.03:int4+adamw", "ring~h8d1+adamw"]
 
 
+@pytest.mark.pure
+def test_a_paced_method_brings_its_unpaced_twin_and_is_judged_at_two_percent(capsys):
+    args = lm_convergence.parse_args(["--methods", "ring~h8d1p+adamw"])
+    assert args.methods == ["ddp+adamw", "ring~h8d1p+adamw", "ring~h8d1+adamw"]
+    paced = [
+        _result("ddp+adamw", 2.0, [(20, 2.0)]),
+        _result("ring~h8d1p+adamw", 2.03, [(20, 2.03)]),  # 1.015: met
+        _result("ring-module~h8d1p+adamw", 2.06, [(20, 2.06)]),  # 1.03: missed (2%), though within 5%
+        _result("ring~h8d1+adamw", 2.08, [(20, 2.08)]),  # 1.04: met (5%, sync_every 8)
+    ]
+    paced[1].steps_per_rank = [27, 27, 13, 13]
+    lm_convergence.report(paced, SimpleNamespace(steps=20, batch_size=16, adam_lr=3e-3, seed=0), 4)
+    out = capsys.readouterr().out
+    lines = {line.split("|")[0].strip(): line for line in out.splitlines() if "|" in line}
+    assert [cell.strip() for cell in lines["ring~h8d1p+adamw"].split("|")][4:] == [
+        "1.0150",
+        "-",
+        "-",
+        "-",
+        "met",
+    ]
+    assert lines["ring-module~h8d1p+adamw"].rstrip().endswith("| MISSED")
+    assert lines["ring~h8d1+adamw"].rstrip().endswith("| met")
+    assert (
+        "  ring~h8d1p+adamw: inner steps per worker 13 to 27, 80 in all; 1.0150x DDP's validation loss, "
+        "0.9760x ring~h8d1+adamw's"
+    ) in out
+    assert "paced within 1.02x" in out
+
+
+@pytest.mark.examples
+@pytest.mark.timeout(300)
+def test_lm_convergence_trains_a_paced_method_by_rounds(tmp_path):
+    out = tmp_path / "lm.json"
+    flags = ["--workers", "2", "--steps", "8", "--eval-every", "3", "--width", "16", "--depth", "1"]
+    flags += ["--methods", "ring~h4d1p+adamw", "--json", str(out)]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "language_model" / "lm_convergence.py"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = {r["method"]: r for r in json.loads(out.read_text())}
+    assert sorted(results) == ["ddp+adamw", "ring~h4d1+adamw", "ring~h4d1p+adamw"]
+    paced = results["ring~h4d1p+adamw"]
+    # 2 rounds of 8 steps over the fleet: the fast rank 5 + 6, the slow one 3 + 2 (DDP's 16 samples)
+    assert paced["steps_per_rank"] == [11, 5] and results["ddp+adamw"]["steps_per_rank"] == [8, 8]
+    # evaluated at the end of the round that holds fleet step 3 (round 1: steps 1-4), then at the end
+    assert [step for step, _ in paced["curve"]] == [4, 8]
+    assert all(math.isfinite(loss) for _, loss in paced["curve"])
+    assert "Paced rounds" in run.stdout
+
+
 @pytest.mark.examples
 @pytest.mark.timeout(300)
 def test_lm_convergence_runs_on_two_workers(tmp_path):

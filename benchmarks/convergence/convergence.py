@@ -25,6 +25,16 @@ local steps of this task's SGD; ``complete~h8n0.1d0`` is DiLoCo itself; ``ring~h
 gossip without an outer optimizer) are compared with DDP like the others, at equal samples (the
 same steps and batch).
 
+Paced rounds on an uneven fleet (``p`` after the ``~`` part: ``ring~h8n0.1p+adamw``; ``methods.py``):
+the first half of the workers is twice as fast as the second, so with ``H=8`` a fast worker takes
+11, 10, 11, ... inner steps per round and a slow one 5, 6, 5, ..., every round ``N H`` steps over
+the fleet. Such a method trains ``steps // H`` rounds: the same samples as DDP's ``steps`` steps on
+``N`` workers, unevenly spread (a fast worker takes twice a slow one's steps, each its own cosine
+schedule over its own steps). It is judged against DDP like the other methods (within 0.5 points on
+the iid split), and its unpaced twin (``ring~h8n0.1+adamw``: every worker ``H`` steps per round) is
+added to the run, so that what unevenness itself costs shows: a block under the table gives the
+steps each worker took and the difference from DDP and from the unpaced twin.
+
 Targets, marked met or MISSED:
 
 - iid split: every gossip method within 0.5 points of DDP (low-communication methods with
@@ -88,6 +98,7 @@ METHODS = [
     "ring~h8",
     "ring~h8n",
     "ring~h8n0.1",
+    "ring~h8n0.1p",
     "one-peer-exp~h8n0.1",
     "complete~h8n0.1d0",
     "ring~h32n0.1",
@@ -128,8 +139,16 @@ def untracked_twin(method: str) -> str | None:
     return replace(spec, tracking=False).name if spec.tracking else None
 
 
+def unpaced_twin(method: str) -> str | None:
+    """``method`` without paced rounds, or None if it has none (``ring~h8n0.1p+adamw`` ->
+    ``ring~h8n0.1+adamw``)."""
+    spec = parse_method(method)
+    return replace(spec, paced=False).name if spec.paced else None
+
+
 def with_references(methods: list[str]) -> list[str]:
-    """``methods``, then each DDP run and twin (uncompressed, untracked) they are compared with if missing.
+    """``methods``, then each DDP run and twin (uncompressed, untracked, unpaced) they are compared with
+    if missing.
 
     A reference's own references are added too (``ring-gt@bf16`` brings ``ring-gt``, whose untracked
     twin ``ring`` the table needs as well).
@@ -140,6 +159,7 @@ def with_references(methods: list[str]) -> list[str]:
             ddp_reference(method),
             uncompressed_twin(method),
             untracked_twin(method),
+            unpaced_twin(method),
         )
         for reference in references:
             if reference is not None and reference not in wanted:
@@ -239,6 +259,19 @@ def report(results: list[Result], world: int, args: argparse.Namespace) -> None:
             f"{r.method:>28} | {r.final_loss:>10.4f} | {r.accuracy:>13.4f} | {r.bytes_per_step:>12,.0f} | "
             f"{columns[0]:>15} | {columns[1]:>15} | {columns[2]:>12} | {status}"
         )
+    paced = [r for r in results if parse_method(r.method).paced]
+    if paced:
+        print("Paced rounds (the first half of the workers 2x faster), at DDP's samples:")
+    for r in paced:
+        twin = by_method.get(unpaced_twin(r.method) or "")
+        ddp = by_method[ddp_reference(r.method)]
+        steps = getattr(r, "steps_per_rank", [])
+        spread = ""
+        if steps:
+            spread = f"inner steps per worker {min(steps)} to {max(steps)}, {sum(steps):,} in all; "
+        versus = "" if twin is None else f", {100 * (r.accuracy - twin.accuracy):+.2f} from {twin.method}"
+        gap = 100 * (r.accuracy - ddp.accuracy)
+        print(f"  {r.method}: {spread}{gap:+.2f} points from {ddp.method}{versus}")
     if split == "iid":
         judged = (
             f"gossip within {TARGET_VS_DDP} points of DDP; tracked within {TARGET_VS_UNTRACKED} points of "

@@ -14,6 +14,15 @@ A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, 
   ``~h8n0.5m0.5``: outer lr 0.5 and Nesterov momentum 0.5, ``m0.0`` plain SGD),
   ``~h8nd0`` with ``sync_delay=0``
   (blocking; without ``d`` the default, a whole round); ``complete~h8nd0`` is DiLoCo;
+- ``p`` at the end of the ``~`` part (``~h8n0.1p``, ``~h8d1p``): paced rounds on an uneven fleet with
+  a fixed schedule (``pacing=Pacing(schedule=...)``, :class:`HalfFastSchedule`): the first half of the
+  ranks is twice as fast as the second half, so in each round a fast rank takes about ``4H/3`` inner
+  steps and a slow one about ``2H/3``. Counts are integers: a fast rank takes ``a(r)``, the error
+  diffusion of ``4H/3`` (``H=8``: 11, 10, 11, 11, 10, 11, ...), its slow partner ``2H - a(r)`` (5, 6,
+  5, ...), and with an odd number of ranks the last one ``H``: every round's counts sum to exactly
+  ``N H``, the samples of ``H`` steps of ``N`` equal workers. The runner trains such a method by rounds
+  (``steps // H``), so it processes the same samples as the unpaced method and as DDP over ``steps``
+  steps. ``H`` must be at least 2 (a slow rank takes at least one step); not with ``-gt``;
 - ``@bf16``, ``@fp16``, ``@int8``, ``@int4``, ``@int2`` or a sparse format such as
   ``@topk:0.01:int2`` (any name ``compression=`` accepts): gossip compressed models (``compression=``
   of both front-ends); DDP takes none;
@@ -24,7 +33,7 @@ A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, 
 
 For example ``ring@bf16``, ``one-peer-exp@fp16``, ``ring-module@int8+accum-adamw``, ``ring-gt``,
 ``one-peer-exp-gt@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``, ``ring~h8n``,
-``one-peer-exp~h32n@bf16+adamw``.
+``one-peer-exp~h32n@bf16+adamw``, ``ring~h8n0.1p+adamw``, ``ring~h8d1p+adamw``.
 """
 
 from __future__ import annotations
@@ -35,8 +44,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from decent_optim_wrapper import AccumAdamW, TopologyFactory
+from decent_optim_wrapper import AccumAdamW, Pacing, TopologyFactory
 from decent_optim_wrapper.engine.compression import resolve_compression
 
 MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
@@ -46,7 +56,7 @@ OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when non
 LOCAL_MOMENT_SUFFIX = "-local"  # after the optimizer: second_moment="local"
 LOCAL = re.compile(  # after "~"
     r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n(?P<lr>[0-9]*\.[0-9]+)?(?:m(?P<momentum>[0-9]*\.[0-9]+))?)?"
-    r"(?:d(?P<delay>[0-9]+))?"
+    r"(?:d(?P<delay>[0-9]+))?(?P<paced>p)?"
 )
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
 
@@ -80,6 +90,50 @@ def nesterov_outer_with(
 
 
 @dataclass(frozen=True)
+class HalfFastSchedule:
+    """Paced rounds' fixed counts (``Pacing(schedule=...)``) for a fleet whose first half is twice as fast.
+
+    Called as ``schedule(rank, round)``. Ranks ``0 .. N//2 - 1`` are fast and take ``a(r)`` inner steps
+    in round ``r``, the error diffusion of ``4H/3`` (the cumulative count ``round(4 H r / 3)``, halves
+    rounded up); ranks ``N//2 .. 2 (N//2) - 1`` are slow and take ``2H - a(r)``; with an odd ``N`` the
+    last rank takes ``H``. Every round's counts sum to exactly ``N H``, and over many rounds a fast
+    rank takes twice a slow one's steps.
+    """
+
+    world: int
+    sync_every: int
+
+    def __post_init__(self) -> None:
+        if self.sync_every < 2:
+            raise ValueError(
+                f"paced rounds need sync_every >= 2 (a slow rank takes 2H/3 steps, at least one), got "
+                f"{self.sync_every}"
+            )
+
+    def _fast_total(self, rounds: int) -> int:
+        """A fast rank's inner steps in rounds ``0 .. rounds - 1``: ``round(4 H rounds / 3)``."""
+        return (8 * self.sync_every * rounds + 3) // 6
+
+    def __call__(self, rank: int, round_: int) -> int:
+        half = self.world // 2
+        fast = self._fast_total(round_ + 1) - self._fast_total(round_)
+        if rank < half:
+            return fast
+        if rank < 2 * half:
+            return 2 * self.sync_every - fast
+        return self.sync_every
+
+    def total(self, rank: int, rounds: int) -> int:
+        """Rank ``rank``'s inner steps in rounds ``0 .. rounds - 1`` (its own LR schedule's length)."""
+        half = self.world // 2
+        if rank < half:
+            return self._fast_total(rounds)
+        if rank < 2 * half:
+            return 2 * self.sync_every * rounds - self._fast_total(rounds)
+        return self.sync_every * rounds
+
+
+@dataclass(frozen=True)
 class Method:
     """A method name taken apart.
 
@@ -97,11 +151,12 @@ class Method:
     outer_momentum: float | None = None  # its Nesterov momentum, if not DiLoCo's 0.9
     sync_delay: int | None = None  # None: the library's default (a whole round)
     second_moment: str = "average"  # "local": Adam's statistics from each rank's own gradients
+    paced: bool = False  # paced rounds with HalfFastSchedule (trained by rounds)
 
     @property
     def local(self) -> str:
         """The ``~`` part of the name, without the ``~`` ("" for per-step gossip)."""
-        if self.sync_every == 1 and not self.nesterov and self.sync_delay is None:
+        if self.sync_every == 1 and not self.nesterov and self.sync_delay is None and not self.paced:
             return ""
         return (
             f"h{self.sync_every}"
@@ -109,10 +164,18 @@ class Method:
             + ("" if self.outer_lr is None else str(self.outer_lr))
             + ("" if self.outer_momentum is None else f"m{self.outer_momentum}")
             + ("" if self.sync_delay is None else f"d{self.sync_delay}")
+            + ("p" if self.paced else "")
         )
 
-    def engine_options(self) -> dict[str, Any]:
-        """The keywords both front-ends take for this method's gossip."""
+    def schedule(self, world: int | None = None) -> HalfFastSchedule | None:
+        """A paced method's fixed counts on ``world`` ranks (default: the process group's), else None."""
+        if not self.paced:
+            return None
+        return HalfFastSchedule(dist.get_world_size() if world is None else world, self.sync_every)
+
+    def engine_options(self, world: int | None = None) -> dict[str, Any]:
+        """The keywords both front-ends take for this method's gossip (``world``: the ranks a paced
+        method's schedule is for; default the process group's)."""
         options: dict[str, Any] = {
             "topology": self.topology,
             "compression": self.compression,
@@ -134,6 +197,8 @@ class Method:
                 ),
                 sync_delay=self.sync_delay,
             )
+        if self.paced:
+            options.update(pacing=Pacing(schedule=self.schedule(world)))
         return options
 
     @property
@@ -173,21 +238,26 @@ def parse_method(method: str) -> Method:
         )
     base, at, compression = front.partition("@")
     base, tilde, local = base.partition("~")
-    every, nesterov, delay, outer_lr, outer_momentum = 1, False, None, None, None
+    every, nesterov, delay, outer_lr, outer_momentum, paced = 1, False, None, None, None, False
     if tilde:
         match = LOCAL.fullmatch(local)
         if base == "ddp" or match is None:
             raise ValueError(
                 f"method {method!r}: after '~' write hH for H local steps per round, then n for DiLoCo's "
-                "outer optimizer and dD for a delay of D steps (e.g. 'ring~h8n', 'ring~h8nd0'), after a "
-                f"gossip topology, got {local!r}"
+                "outer optimizer, dD for a delay of D steps and p for paced rounds (e.g. 'ring~h8n', "
+                f"'ring~h8nd0', 'ring~h8n0.1p'), after a gossip topology, got {local!r}"
             )
         every, nesterov = int(match["every"]), match["nesterov"] is not None
         outer_lr = None if match["lr"] is None else float(match["lr"])
         outer_momentum = None if match["momentum"] is None else float(match["momentum"])
         delay = None if match["delay"] is None else int(match["delay"])
+        paced = match["paced"] is not None
         if delay is not None and delay > every:
             raise ValueError(f"method {method!r}: the delay d{delay} exceeds the round of h{every} steps")
+        if paced and every < 2:
+            raise ValueError(
+                f"method {method!r}: paced rounds ('p') need at least h2: a slow rank takes 2H/3 steps"
+            )
     if at and base == "ddp":
         raise ValueError(
             f"method {method!r}: ddp takes no compression, got {compression!r}; all-reduce sends "
@@ -209,6 +279,11 @@ def parse_method(method: str) -> Method:
             f"method {method!r}: '{TRACKING_SUFFIX}' comes after '{MODULE_SUFFIX}'; write "
             f"{reordered + method[len(base) :]!r}"
         )
+    if paced and stem != base:
+        raise ValueError(
+            f"method {method!r}: paced rounds ('p') take no gradient tracking (its trackers are gossiped "
+            f"every step); drop '{TRACKING_SUFFIX}' or 'p'"
+        )
     if base == "ddp":
         return Method(topology=None, optimizer=optimizer or None)
     topology = stem.removesuffix(MODULE_SUFFIX)
@@ -228,6 +303,7 @@ def parse_method(method: str) -> Method:
         outer_momentum=outer_momentum,
         sync_delay=delay,
         second_moment=second_moment,
+        paced=paced,
     )
 
 

@@ -5,6 +5,12 @@ Every rank of a gloo process group calls :func:`run`; each method (a name in the
 rank's part of a split of the training set (``synthetic_task.py``), and rank 0 gets one
 :class:`Result` per method. ``benchmarks/convergence/convergence.py`` starts the ranks and judges the
 results.
+
+A paced method (``~h8n0.1p``: ``methods.HalfFastSchedule``, half the ranks twice as fast) trains by
+rounds, ``steps // H`` of them, each of ``N H`` inner steps over the fleet: the same samples as ``steps``
+steps of the unpaced method or of DDP. Each rank's cosine schedule spans its own total of inner steps
+(a fast rank's is longer), so every rank's schedule ends at the last round; the losses are kept per
+round and the consensus distance is measured at round ends (a collective: the same rounds on every rank).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks.harness.methods import Method, optimizer_factory, parse_method
+from benchmarks.harness.methods import HalfFastSchedule, Method, optimizer_factory, parse_method
 from benchmarks.harness.synthetic_task import describe_split, make_data, make_model, split_data, split_label
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 
@@ -28,7 +34,7 @@ class Result:
     """What one method produced, as rank 0 reports it."""
 
     method: str
-    losses: list[float]  # per step, averaged over ranks
+    losses: list[float]  # per step, averaged over ranks (a paced method: per round, over its samples)
     distance_steps: list[int] = field(default_factory=list)
     distances: list[float] = field(default_factory=list)
     final_loss: float = 0.0
@@ -38,6 +44,7 @@ class Result:
     bytes_per_step: float = 0.0
     split: str = "iid"
     alpha: float | None = None  # the Dirichlet concentration; None for the iid split
+    steps_per_rank: list[int] = field(default_factory=list)  # inner steps each rank took (paced: uneven)
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -57,7 +64,8 @@ def build_training(
 ]:
     """What trains ``model`` with ``spec``: the module to call, the optimizer to step (None for the
     module front-end, which steps inside backward), what gossips (None for DDP), and a cosine
-    schedule over ``steps`` (None for the module front-end, which steps its own per bucket)."""
+    schedule over ``steps`` (None for the module front-end, which steps its own per bucket). For a
+    paced method ``steps`` is this rank's own total (:func:`paced_plan`)."""
     optimizer: torch.optim.Optimizer | None = None
     replicas: DecentOptimWrapper | DecentralizedDataParallel | None = None
     if spec.topology is None:
@@ -79,6 +87,27 @@ def build_training(
     if optimizer is not None:
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     return net, optimizer, replicas, scheduler
+
+
+def paced_plan(spec: Method, steps: int, rank: int, world: int) -> tuple[HalfFastSchedule | None, int, int]:
+    """A method's schedule (None unless paced), its rounds (``steps // H``; 0 unless paced) and this rank's
+    own total of inner steps (``steps`` unless paced). ``ValueError`` if a paced ``H`` does not divide
+    ``steps``: the rounds would not process the samples of ``steps`` steps."""
+    schedule = spec.schedule(world)
+    if schedule is None:
+        return None, 0, steps
+    if steps % spec.sync_every:
+        raise ValueError(
+            f"method {spec.name!r}: paced rounds train steps // H rounds; {steps} steps are not a multiple "
+            f"of H={spec.sync_every}"
+        )
+    rounds = steps // spec.sync_every
+    return schedule, rounds, schedule.total(rank, rounds)
+
+
+def covers_multiple(first: int, last: int, every: int) -> bool:
+    """Whether a multiple of ``every`` lies in ``[first, last]`` (a round's fleet steps)."""
+    return last // every > (first - 1) // every
 
 
 def train_one_method(
@@ -104,13 +133,18 @@ def train_one_method(
     shard = split_data(train_y, world, split, alpha, min_size=batch_size)[rank]
     shard_x, shard_y = train_x[shard], train_y[shard]
     model = make_model()
-    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, steps)
+    schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
+    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps)
     loss_fn = nn.CrossEntropyLoss()
     sampler = torch.Generator().manual_seed(100 + rank)
-    losses = torch.zeros(steps, dtype=torch.float64)
+    losses = torch.zeros(rounds if schedule is not None else steps, dtype=torch.float64)
     distance_steps, distances = [], []
     train_seconds = 0.0
-    for step in range(steps):
+
+    def train_step() -> float:
+        """One inner step on a fresh batch; its loss. Adds its time (the loss's read left out) to
+        ``train_seconds``."""
+        nonlocal train_seconds
         start = time.perf_counter()
         idx = torch.randint(0, len(shard_x), (batch_size,), generator=sampler)
         if optimizer is not None:
@@ -121,17 +155,36 @@ def train_one_method(
             optimizer.step()
             scheduler.step()
         train_seconds += time.perf_counter() - start
-        losses[step] = loss.item()
-        if step % log_every == 0 or step == steps - 1:  # measuring is a collective: kept out of the timing
-            distance = replicas.consensus_distance() if replicas is not None else 0.0
-            distance_steps.append(step)
-            distances.append(distance)
-            if rank == 0:
-                print(
-                    f"  {method:>13}  step {step:4d}/{steps}  loss {loss.item():.4f}  "
-                    f"consensus distance {distance:.2e}",
-                    flush=True,
-                )
+        return loss.item()
+
+    def measure(step: int, label: str, loss: float) -> None:
+        """The consensus distance (a collective: every rank at the same point), printed by rank 0."""
+        distance = replicas.consensus_distance() if replicas is not None else 0.0
+        distance_steps.append(step)
+        distances.append(distance)
+        if rank == 0:
+            print(f"  {method:>13}  {label}  loss {loss:.4f}  consensus distance {distance:.2e}", flush=True)
+
+    if schedule is None:
+        for step in range(steps):
+            loss = train_step()
+            losses[step] = loss
+            # measuring is a collective: kept out of the timing
+            if step % log_every == 0 or step == steps - 1:
+                measure(step, f"step {step:4d}/{steps}", loss)
+    else:  # by rounds: ranks take different steps, and every rank ends at the same round
+        assert replicas is not None
+        taken = torch.zeros(rounds, dtype=torch.float64)  # steps per round, summed over ranks below
+        while replicas.round_count < rounds:
+            loss = train_step()
+            ended = replicas.round_ended
+            current = replicas.round_count - (1 if ended else 0)  # the round this step belongs to
+            losses[current] += loss
+            taken[current] += 1
+            done = replicas.round_count  # rounds 0 .. done - 1 have ended: fleet steps 0 .. done * H - 1
+            first, last = (done - 1) * spec.sync_every, done * spec.sync_every - 1
+            if ended and (covers_multiple(first, last, log_every) or done == rounds):  # at a round's end
+                measure(last, f"round {done:4d}/{rounds}", loss)
 
     if replicas is not None:
         replicas.global_avg()  # evaluate the average of the replicas ...
@@ -141,9 +194,16 @@ def train_one_method(
         replicas.revert_global_avg()  # ... and leave each replica as it was
 
     dist.all_reduce(losses)
-    losses /= world
+    if schedule is None:
+        losses /= world
+    else:  # the mean over every sample of the round
+        dist.all_reduce(taken)
+        losses /= taken
     timing = torch.tensor([train_seconds], dtype=torch.float64)
     dist.all_reduce(timing)
+    per_rank = torch.zeros(world, dtype=torch.int64)
+    per_rank[rank] = own_steps
+    dist.all_reduce(per_rank)
     if replicas is None:
         # ring all-reduce of the gradients: every rank sends 2(n-1)/n gradient-sized messages
         bytes_per_step = 2 * (world - 1) / world * model_bytes(model)
@@ -152,6 +212,8 @@ def train_one_method(
     if rank != 0:
         return None
     tail = max(1, steps // 20)
+    if schedule is not None:  # the rounds that cover the last `tail` fleet steps
+        tail = -(-tail // spec.sync_every)
     return Result(
         method=method,
         losses=losses.tolist(),
@@ -164,6 +226,7 @@ def train_one_method(
         bytes_per_step=bytes_per_step,
         split=split,
         alpha=alpha if split == "dirichlet" else None,
+        steps_per_rank=per_rank.tolist(),
     )
 
 
@@ -188,7 +251,9 @@ def run(
     results = []
     for method in methods:
         if dist.get_rank() == 0:
-            print(f"[{method}] training {steps} steps on {world} workers", flush=True)
+            spec = parse_method(method)
+            paced = f" ({steps // spec.sync_every} paced rounds)" if spec.paced else ""
+            print(f"[{method}] training {steps} steps{paced} on {world} workers", flush=True)
         result = train_one_method(method, steps, batch_size, lr, log_every, adam_lr, split, alpha)
         if result is not None:
             results.append(result)

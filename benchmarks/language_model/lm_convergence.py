@@ -19,6 +19,16 @@ within 2% of its validation loss. With ``--eval-every K`` the averaged model is 
 steps (``global_avg`` then ``revert_global_avg``: training goes on from the replicas, bit for
 bit), and the table gives the first evaluated step at which each method reaches DDP's final
 validation loss. ``--width``/``--depth`` size the model.
+
+Paced rounds on an uneven fleet (``p`` after the ``~`` part: ``ring~h8d1p+adamw``; ``methods.py``): the
+first half of the workers is twice as fast as the second (with ``H=8`` a fast worker takes 11, 10,
+11, ... inner steps per round, a slow one 5, 6, 5, ...; every round ``N H`` steps over the fleet),
+trained for ``steps // H`` rounds: DDP's samples, unevenly spread, each worker's cosine schedule over
+its own steps. Its unpaced twin (``ring~h8d1+adamw``) is added to the run, and a block under the table
+gives the steps each worker took and the ratios to DDP and to the twin. Target, marked met or MISSED:
+a paced method within 2% of DDP's validation loss (the claim of paced rounds: DDP's result at equal
+samples). ``--eval-every`` evaluates a paced method at the first round end at or after each multiple
+of K fleet steps (``round * H``).
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import argparse
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -47,7 +57,7 @@ from benchmarks.harness.lm_task import (
     windows,
 )
 from benchmarks.harness.methods import optimizer_factory, parse_method
-from benchmarks.harness.runner import build_training, model_bytes
+from benchmarks.harness.runner import build_training, covers_multiple, model_bytes, paced_plan
 
 METHODS = [
     "ddp+adamw",
@@ -62,6 +72,7 @@ METHODS = [
 TARGET_RATIO = 1.02  # per-step gossip: validation loss within 2% of DDP's
 LOCAL_TARGET_RATIO = 1.05  # low-communication gossip with sync_every <= 8: within 5%
 COMPRESSED_TARGET_RATIO = 1.02  # a compressed method: within 2% of its uncompressed twin
+PACED_TARGET_RATIO = 1.02  # paced rounds on an uneven fleet: within 2% of DDP at its samples
 JUDGED_SYNC_EVERY = 8
 
 
@@ -77,6 +88,7 @@ class LMResult:
     workers: int = 0
     adam_lr: float = 0.0
     parameters: int = 0
+    steps_per_rank: list[int] = field(default_factory=list)  # inner steps each rank took (paced: uneven)
 
 
 def train_lm(
@@ -98,13 +110,14 @@ def train_lm(
     tokens, validation = make_lm_data(world, rank, split)
     model = make_lm_model(width, depth, seed)
     make_optimizer = optimizer_factory(spec.optimizer, lr=0.0, adam_lr=adam_lr)
-    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, steps)
+    schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
+    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps)
     sampler = torch.Generator().manual_seed(100 + rank + 1000 * seed)
-    losses = torch.zeros(steps, dtype=torch.float64)
+    losses = torch.zeros(steps if schedule is None else rounds, dtype=torch.float64)
     curve: list[tuple[int, float]] = []
     evaluating = 0.0
-    start = time.perf_counter()
-    for step in range(steps):
+
+    def train_step() -> float:
         x, y = windows(tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (batch,), generator=sampler))
         if optimizer is not None:
             optimizer.zero_grad()
@@ -113,21 +126,51 @@ def train_lm(
         if optimizer is not None and scheduler is not None:
             optimizer.step()
             scheduler.step()
-        losses[step] = loss.item()
-        if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
-            began = time.perf_counter()
-            if replicas is not None:
-                replicas.global_avg()  # the average model; reverted below, so training is unchanged
-            curve.append((step + 1, validation_loss(model, validation)))
-            if replicas is not None:
-                replicas.revert_global_avg()
-            evaluating += time.perf_counter() - began
+        return loss.item()
+
+    def evaluate(taken: int) -> None:
+        """The average model's validation loss after ``taken`` fleet steps (a collective)."""
+        nonlocal evaluating
+        began = time.perf_counter()
+        if replicas is not None:
+            replicas.global_avg()  # the average model; reverted below, so training is unchanged
+        curve.append((taken, validation_loss(model, validation)))
+        if replicas is not None:
+            replicas.revert_global_avg()
+        evaluating += time.perf_counter() - began
+
+    start = time.perf_counter()
+    if schedule is None:
+        for step in range(steps):
+            losses[step] = train_step()
+            if eval_every and (step + 1) % eval_every == 0 and step + 1 < steps:
+                evaluate(step + 1)
+    else:  # by rounds: ranks take different steps, and every rank ends at the same round
+        assert replicas is not None
+        taken = torch.zeros(rounds, dtype=torch.float64)  # steps per round, summed over ranks below
+        while replicas.round_count < rounds:
+            loss = train_step()
+            ended = replicas.round_ended
+            current = replicas.round_count - (1 if ended else 0)  # the round this step belongs to
+            losses[current] += loss
+            taken[current] += 1
+            done = replicas.round_count  # fleet steps 1 .. done * H taken
+            first, last = (done - 1) * spec.sync_every + 1, done * spec.sync_every
+            if ended and eval_every and done < rounds and covers_multiple(first, last, eval_every):
+                evaluate(last)  # global_avg: at a round's end, the same round on every rank
     seconds = time.perf_counter() - start - evaluating
     if replicas is not None:
         replicas.global_avg(False)  # evaluate the average of the replicas
     loss_value = validation_loss(model, validation)
     dist.all_reduce(losses)
-    losses /= world
+    if schedule is None:
+        losses /= world
+    else:  # the mean over every sample of the round
+        dist.all_reduce(taken)
+        losses /= taken
+    per_rank = torch.zeros(world, dtype=torch.int64)
+    per_rank[rank] = own_steps
+    dist.all_reduce(per_rank)
     if replicas is None:
         sent = 2 * (world - 1) / world * model_bytes(model)
     else:
@@ -135,6 +178,8 @@ def train_lm(
     if rank != 0:
         return None
     tail = max(1, steps // 20)
+    if schedule is not None:  # the rounds that cover the last `tail` fleet steps
+        tail = -(-tail // spec.sync_every)
     curve.append((steps, loss_value))
     parameters = sum(p.numel() for p in model.parameters())
     return LMResult(
@@ -148,6 +193,7 @@ def train_lm(
         world,
         adam_lr,
         parameters,
+        per_rank.tolist(),
     )
 
 
@@ -178,6 +224,8 @@ def report(results: list[LMResult], args: argparse.Namespace, world: int) -> Non
         if spec.topology is not None and spec.second_moment == "average":
             if spec.sync_every == 1:
                 status = "met" if ratio <= TARGET_RATIO else "MISSED"
+            elif spec.paced:  # the claim of paced rounds: DDP's loss at its samples
+                status = "met" if ratio <= PACED_TARGET_RATIO else "MISSED"
             elif spec.sync_every <= JUDGED_SYNC_EVERY:
                 status = "met" if ratio <= LOCAL_TARGET_RATIO else "MISSED"
         plain = by_name.get(replace(spec, compression=None).name) if spec.compression else None
@@ -196,11 +244,25 @@ def report(results: list[LMResult], args: argparse.Namespace, world: int) -> Non
             f"{r.bytes_per_step:>10,.0f} | {ratio:>7.4f} | {uncorrected:>11} | {vs_plain:>11} | "
             f"{to_ddp:>12} | {status}"
         )
+    paced = [r for r in results if parse_method(r.method).paced]
+    if paced:
+        print("Paced rounds (the first half of the workers 2x faster), at DDP's samples:")
+    for r in paced:
+        twin = by_name.get(replace(parse_method(r.method), paced=False).name)
+        steps = r.steps_per_rank
+        spread = ""
+        if steps:
+            spread = f"inner steps per worker {min(steps)} to {max(steps)}, {sum(steps):,} in all; "
+        versus = "" if twin is None else f", {r.validation_loss / twin.validation_loss:.4f}x {twin.method}'s"
+        print(
+            f"  {r.method}: {spread}{r.validation_loss / reference.validation_loss:.4f}x DDP's validation "
+            f"loss{versus}"
+        )
     print(
         f"Targets: per-step gossip within {TARGET_RATIO:.2f}x DDP's validation loss, sync_every 2 to "
-        f"{JUDGED_SYNC_EVERY} within {LOCAL_TARGET_RATIO:.2f}x, compressed within "
-        f"{COMPRESSED_TARGET_RATIO:.2f}x its uncompressed twin ('vs uncompr.'); 'uncorrected': the same "
-        "method with second_moment='local'."
+        f"{JUDGED_SYNC_EVERY} within {LOCAL_TARGET_RATIO:.2f}x, paced within {PACED_TARGET_RATIO:.2f}x, "
+        f"compressed within {COMPRESSED_TARGET_RATIO:.2f}x its uncompressed twin ('vs uncompr.'); "
+        "'uncorrected': the same method with second_moment='local'."
     )
 
 
@@ -283,6 +345,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for method in list(args.methods):  # each compressed method's uncompressed twin, if missing
         spec = parse_method(method)
         twin = replace(spec, compression=None).name if spec.compression else None
+        if twin is not None and twin not in args.methods:
+            args.methods.append(twin)
+    for method in list(args.methods):  # each paced method's unpaced twin, if missing
+        spec = parse_method(method)
+        twin = replace(spec, paced=False).name if spec.paced else None
         if twin is not None and twin not in args.methods:
             args.methods.append(twin)
     args.reused = {}

@@ -80,6 +80,10 @@ def build(
         model, optimizer = make_training(method, build_mlp(args.inputs, args.width, args.depth, 10), args)
         return model, optimizer, bytes_sent_per_step(method, model, optimizer, args.world_size)
     spec = parse_method(method)
+    if spec.paced:  # this worker counts steps; paced ranks take different numbers of them
+        raise ValueError(
+            f"method {method!r}: paced rounds ('p') are not timed here; see benchmarks/uneven_fleet/"
+        )
     torch.manual_seed(0)
     model = build_mlp(args.inputs, args.width, args.depth, 10)
     wrapper = DecentOptimWrapper(

@@ -73,6 +73,10 @@ def build(
         diloco = TorchftDiLoCo(model, inner, outer, every, delay, args.rank, args.world_size, alpha)
         return model, inner, allreduce * model_bytes / every, diloco
     spec = parse_method(method)
+    if spec.paced:  # this worker counts steps; paced ranks take different numbers of them
+        raise ValueError(
+            f"method {method!r}: paced rounds ('p') are not timed here; see benchmarks/uneven_fleet/"
+        )
     wrapper = DecentOptimWrapper(adamw(params), timeout=COLLECTIVE_TIMEOUT, **spec.engine_options())
     return model, wrapper, wrapper.engine.bytes_sent_per_step(), None
 

@@ -89,8 +89,9 @@ class Pacing:
         repace_every: rounds between two exchanges of the ranks' step times.
         max_share: the most inner steps a rank takes in a round, in units of ``sync_every``; bounds
             how far a fast rank drifts from its neighbours between two mixings.
-        schedule: ``schedule(rank, round)`` gives rank ``rank``'s inner steps in round ``round`` (an
-            int >= 1), in place of the measured speeds: reproducible counts, or a speed known in advance.
+        schedule: ``schedule(rank, round)`` gives rank ``rank``'s inner steps in round ``round``
+            (rounds count from 0; it returns an int >= 1), in place of the measured speeds, from the
+            first round on: reproducible counts, or speeds known in advance.
     """
 
     weighting: str = "samples"
