@@ -6,13 +6,15 @@ device); the engine's kernels (differences, encoding, decoding, mixing) run on t
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 from helpers import batch, tiny_model
 from workers import spawn
 
-from decent_optim_wrapper import DecentOptimWrapper, GossipEngine
+from decent_optim_wrapper import DecentOptimWrapper, GossipEngine, Pacing
 from decent_optim_wrapper.engine.compression import codec
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -138,3 +140,47 @@ def test_gradient_tracking_on_cuda_tensors_matches_cpu(tmp_path):
         results = torch.load(tmp_path / f"rank{rank}.pt", weights_only=True)
         # fp64 and no quantization: only the GPU's other summation orders (1e-16 relative per op)
         torch.testing.assert_close(results["cuda"], results["cpu"], rtol=0, atol=1e-12)
+
+
+def _paced_training(rank: int, device: str) -> tuple[torch.Tensor, list[int], float | None]:
+    """Measured paced rounds on ``device``: rank 0 sleeps 20 ms a step, rank 1 none; 10 rounds."""
+    model = tiny_model(dtype=torch.float64).to(device)
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        topology="ring",
+        sync_every=4,
+        pacing=Pacing(repace_every=1),
+    )
+    while opt.round_count < 10:
+        x, y = batch(rank, opt.step_count, torch.float64)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+        if rank == 0:
+            time.sleep(0.02)
+    report = opt.pace_report()
+    assert report is not None
+    return (
+        torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]),
+        [opt.step_count],
+        report.round_seconds,
+    )
+
+
+def _paced_worker(rank: int, directory: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{directory}/rendezvous", rank=rank, world_size=2)
+    try:
+        torch.save(_paced_training(rank, "cuda"), f"{directory}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_measured_pacing_exchanges_its_messages_on_cuda(tmp_path):
+    # The pace messages travel in tensors on the buckets' device (NCCL takes CUDA tensors only): the
+    # ranks agree on one round length and the slow rank takes fewer steps.
+    spawn(_paced_worker, (str(tmp_path),), nprocs=2)
+    (_, slow, slow_tau), (_, fast, fast_tau) = (
+        torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)
+    )
+    assert slow_tau is not None and slow_tau == fast_tau
+    assert fast[0] > slow[0]

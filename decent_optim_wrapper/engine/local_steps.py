@@ -204,7 +204,8 @@ class LocalSteps:
         """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
         broadcast parameters (without: the survivors of a lost peer keep their anchors)."""
         self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan, waiter)
-        self._clock.connect(process_groups.world, rank, topology.world_size)
+        device = self._anchors[0].device if self._anchors else None
+        self._clock.connect(process_groups.world, rank, topology.world_size, device)
         if reset:
             self.reset_anchors()
 

@@ -201,7 +201,9 @@ class FixedClock:
     def waiting(self) -> Iterator[None]:
         yield
 
-    def connect(self, group: dist.ProcessGroup | None, rank: int, world_size: int) -> None:
+    def connect(
+        self, group: dist.ProcessGroup | None, rank: int, world_size: int, device: torch.device | None = None
+    ) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -222,6 +224,7 @@ class PacedClock:
     def __init__(self, pacing: Pacing, sync_every: int, sync_delay: int) -> None:
         self._pacing, self._every, self._delay = pacing, sync_every, sync_delay
         self._group: dist.ProcessGroup | None = None
+        self._device = torch.device("cpu")
         self._rank, self._world_size = 0, 1
         # The current round: its index, first step and planned steps; the round before: when it folds.
         self._round, self._start, self._steps = 0, 0, sync_every
@@ -237,9 +240,13 @@ class PacedClock:
         self._waited_since_tick = 0.0
         self.waited_seconds = 0.0
 
-    def connect(self, group: dist.ProcessGroup | None, rank: int, world_size: int) -> None:
-        """The group the pace messages travel in (the gossip world's), after the process groups exist."""
+    def connect(
+        self, group: dist.ProcessGroup | None, rank: int, world_size: int, device: torch.device | None = None
+    ) -> None:
+        """The group the pace messages travel in (the gossip world's), after the process groups exist,
+        and the device of its messages (the buckets': NCCL takes CUDA tensors only)."""
         self._group, self._rank, self._world_size = group, rank, world_size
+        self._device = torch.device("cpu") if device is None else device
         if self._round == 0 and self._seen < 0:  # before the first step: round 0's count is this rank's
             self._steps = self._plan(0)
 
@@ -345,11 +352,11 @@ class PacedClock:
             self._pace_result = None
         first = UNPACED_ROUNDS - 1
         if self._step_s is not None and round_ >= first and (round_ - first) % self._pacing.repace_every == 0:
-            mine = torch.tensor([max(1, round(self._step_s * 1e9))], dtype=torch.int64)
+            mine = torch.tensor([max(1, round(self._step_s * 1e9))], dtype=torch.int64, device=self._device)
             if self._group is None or self._world_size == 1:
                 self._pace = (round_ + 1, None, mine)
                 return
-            gathered = torch.empty(self._world_size, dtype=torch.int64)
+            gathered = torch.empty(self._world_size, dtype=torch.int64, device=self._device)
             work = dist.all_gather_into_tensor(gathered, mine, group=self._group, async_op=True)
             self._pace = (round_ + 1, work, gathered)
 
