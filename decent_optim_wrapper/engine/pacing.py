@@ -343,10 +343,7 @@ class PacedClock:
         if self._pacing.schedule is not None:
             return
         if self._pace is not None and self._pace[0] <= round_:
-            _, work, buffer = self._pace
-            if work is not None:
-                work.wait()
-            self._pace, self._pace_result = None, (round_, [int(v) for v in buffer.tolist()])
+            self._receive()
         if self._pace_result is not None:
             self._tau = round_seconds([ns / 1e9 for ns in self._pace_result[1]], self._every)
             self._pace_result = None
@@ -360,18 +357,22 @@ class PacedClock:
             work = dist.all_gather_into_tensor(gathered, mine, group=self._group, async_op=True)
             self._pace = (round_ + 1, work, gathered)
 
+    def _receive(self) -> None:
+        """Wait for the pace message in flight (every rank sent it) and hold its values until applied."""
+        assert self._pace is not None
+        due, work, buffer = self._pace
+        if work is not None:
+            work.wait()
+        self._pace, self._pace_result = None, (due, [int(v) for v in buffer.tolist()])
+
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The round position and plan, the speed estimate and a pace message received or in flight
         (waited for: every rank sent it at the same round)."""
         pending = None
         if self._pace is not None:
-            due, work, buffer = self._pace
             with self.waiting():
-                if work is not None:
-                    work.wait()
-            self._pace = None
-            self._pace_result = (due, [int(v) for v in buffer.tolist()])
+                self._receive()
         if self._pace_result is not None:
             pending = [self._pace_result[0], list(self._pace_result[1])]
         return {
