@@ -157,3 +157,60 @@ def test_measured_steps_leave_out_waits_and_outliers(monkeypatch):
     take(0.23)
     clock.round_ending_at(step)  # round 3 (one step: tau / 0.2 s) within a quarter of it: averaged in
     assert clock.report().step_seconds == pytest.approx(0.5 * (0.2 + 0.23))
+
+
+def test_after_a_change_of_the_world_rounds_and_pace_messages_restart_at_the_resume_round(monkeypatch):
+    # Two equal ranks (the peer's message mirrors this rank's), H = 2, messages every 4 rounds from
+    # round 2. After a recovery that resumes at round 7, rounds before 7 are not launched and the
+    # messages go out at rounds 8, 12, 16: the first rounds no member can have begun (one may stand
+    # inside round 7), the same on every member of the new group.
+    now, sent = [0.0], []
+    monkeypatch.setattr(pacing_module.time, "perf_counter", lambda: now[0])
+
+    class Arrived:
+        def wait(self, *timeout: object) -> bool:
+            return True
+
+    def all_gather(gathered, mine, group=None, async_op=False):
+        sent.append(clock.report().rounds + 1)  # sent while planning the next round
+        gathered.fill_(int(mine.item()))
+        return Arrived()
+
+    monkeypatch.setattr(pacing_module.dist, "all_gather_into_tensor", all_gather)
+    clock = PacedClock(Pacing(repace_every=4), 2, 2)
+    clock.connect(object(), 0, 2)  # any group: the gather above stands in for it
+    step = 0
+
+    def walk_to(rounds: int) -> None:
+        nonlocal step
+        while clock.rounds_launched(step) < rounds:
+            clock.round_ending_at(step)
+            now[0] += 0.1
+            step += 1
+
+    walk_to(5)
+    assert sent == [2] and clock.report().round_seconds == pytest.approx(0.2)
+    # Positions: the first round this rank can still launch, given the first step whose rounds it can
+    # (between steps 9 and 10: step 10; inside step 10, which ends no round: step 11; inside step 11,
+    # whose end of round 5 some buckets may have launched: step 12).
+    assert clock.position(step) == clock.position(step + 1) == 5
+    walk_to(5)  # nothing to do: round 5 is not launched yet
+    clock.round_ending_at(step)
+    now[0], step = now[0] + 0.1, step + 1
+    assert clock.round_ending_at(step) == 5 and clock.position(step + 1) == 6
+    now[0], step = now[0] + 0.1, step + 1
+    clock.restart(7)
+    assert not clock.launches(6, step, 7) and clock.launches(7, step, 7)
+    walk_to(17)
+    assert sent == [2, 8, 12, 16]
+    fixed = FixedClock(4, 1)
+    assert fixed.position(13) == 13 and fixed.launches(3, 15, 13) and not fixed.launches(2, 11, 13)
+
+
+def test_pacing_in_a_job_of_nodes_that_survives_failures_is_refused_by_name():
+    from decent_optim_wrapper.engine.layout import check_pacing_composes
+
+    with pytest.raises(ValueError, match=r"on_peer_failure='continue'.*shards=k"):
+        check_pacing_composes(Pacing(), False, "continue", sharded=True)
+    check_pacing_composes(Pacing(), False, "continue", sharded=False)  # whole replicas: supported
+    check_pacing_composes(Pacing(), False, "raise", sharded=True)  # measured HSDP: supported

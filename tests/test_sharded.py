@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from typing import Any
 
 import pytest
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from workers import spawn
 
-from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
+from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, Pacing
 
 D_IN, HIDDEN, D_OUT, BATCH, STEPS = 6, 10, 3, 4, 5
 ATOL = 1e-9  # float64; see the module docstring
@@ -617,6 +618,61 @@ def test_bad_input_fails_on_every_rank(pool, name):
         assert kind == "ValueError", f"rank {rank}: {kind}: {message}"
         for fragment in BAD[name]:
             assert fragment in message, f"rank {rank}: {fragment!r} not in {message!r}"
+
+
+def _paced_sharded_run(rounds: int) -> dict[str, Any]:
+    """Measured pacing under decentralized HSDP: 2 replicas of 2 shards, where only shard 1 of replica
+    1 is slow (sleeps up to 80 ms a step, the others 20 ms: above a sharded step's own time on two
+    shared cores), so replica 1 as a whole is."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    replica, shard = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    model = _model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    optimizer = DecentOptimWrapper(
+        _optimizer("adamw", model.parameters()),
+        device_mesh=mesh["replicate"],
+        sync_every=4,
+        pacing=Pacing(repace_every=2),
+    )
+    counts: list[int] = []
+    while optimizer.round_count < rounds:
+        began = time.perf_counter()
+        x, y = _batch(optimizer.step_count, dist.get_rank())
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        step_s = 0.08 if (replica, shard) == (1, 1) else 0.02
+        time.sleep(max(0.0, step_s - (time.perf_counter() - began)))
+        if optimizer.round_ended:
+            counts.append(optimizer.step_count - sum(counts))
+    report = optimizer.pace_report()
+    assert report is not None
+    return {"replica": replica, "counts": counts, "tau": report.round_seconds, "step_s": report.step_seconds}
+
+
+def test_measured_pacing_plans_the_shards_of_a_replica_alike(pool):
+    # The shards of a replica meet in FSDP2's collectives at every step, so they must take the same
+    # inner steps in every round (else they would wait for each other forever: the pool's timeout).
+    # Each round they plan with the slowest shard's step time (a MAX over the shard mesh): the same
+    # float on both, which a per-rank measurement would not give. Replica 1 (one slow shard: about
+    # 80 ms a step against 20) takes clearly fewer steps per round than replica 0 once paced (round 4
+    # on, after the first pace message); sleep-based timing on 2 shared cores is noisy, so the bound
+    # is wide (1.5x for a nominal 4x).
+    results = pool(4).run(_paced_sharded_run, 12)
+    by_replica: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
+    for result in results:
+        by_replica[result["replica"]].append(result)
+    for replica, (first, second) in by_replica.items():
+        assert first["counts"] == second["counts"], (replica, first["counts"], second["counts"])
+        assert first["step_s"] == second["step_s"] is not None, (first["step_s"], second["step_s"])
+    assert len({r["tau"] for r in results}) == 1 and results[0]["tau"] is not None
+    fast, slow = (sum(by_replica[k][0]["counts"][4:]) for k in (0, 1))
+    assert fast >= 1.5 * slow, (by_replica[0][0]["counts"], by_replica[1][0]["counts"])
 
 
 def _build_sharded(replicas: int, shards: int) -> tuple[nn.Module, DecentOptimWrapper]:

@@ -426,17 +426,17 @@ class GossipEngine(LowCommunicationFacts):
     def _launch(self, bucket: int) -> None:
         """Start bucket ``bucket``'s gossip for the current step, non-blocking. With low-communication
         gossip: fold in a round that is due; at a round's end, the outer step and the anchors' round."""
-        launch = self._step >= self._launch_from  # after a lost peer, rounds restart in step
         local = self._local
         if local is not None:
             self._survive(lambda: local.fold_due(bucket, self._step, self._mixing_factor))
             # A failure inside end_round comes from its last part (the fold without delay), so it is
             # not run again: recovery settles that round.
             self._survive(
-                lambda: local.end_round(bucket, self._step, self._mixing_factor, launch), retry=False
+                lambda: local.end_round(bucket, self._step, self._mixing_factor, self._launch_from),
+                retry=False,
             )
             return
-        if not launch:
+        if self._step < self._launch_from:  # after a lost peer, rounds restart in step
             return
         with current([self._buckets[bucket]], write=False):
             self._gossip.launch(bucket, self._step)
@@ -627,7 +627,7 @@ class GossipEngine(LowCommunicationFacts):
 
         def load_replica(state: dict[str, Any], resume_step: int) -> None:
             self.load_state_dict({**state, "rank": self.rank})
-            self._launch_from = resume_step
+            self._restart_rounds(resume_step)
 
         membership = None if self._survival is None else self._survival.membership
         signature = (*self._join_signature, *signature)
@@ -664,7 +664,7 @@ class GossipEngine(LowCommunicationFacts):
                 self._survival.recover(
                     cause,
                     step=self._step,
-                    position=self._step + 1 if self._in_step else self._step,
+                    position=self._position(),
                     rank=self.rank,
                     reports=reports,
                     settle=self._settle_rounds,
@@ -675,6 +675,16 @@ class GossipEngine(LowCommunicationFacts):
                 return
             except PeerLost as again:  # a transfer to a joiner met a lost peer in turn
                 cause = again
+
+    def _position(self) -> int:
+        """The first step whose rounds this rank can still launch (paced: the first round)."""
+        step = self._step + 1 if self._in_step else self._step
+        return step if self._local is None else self._local.position(step)
+
+    def _restart_rounds(self, launch_from: int) -> None:
+        self._launch_from = launch_from
+        if self._local is not None:
+            self._local.restart(launch_from)
 
     def _admitted(self, decision: Decision, previous_rank: int) -> None:
         assert self._survival is not None
@@ -687,7 +697,7 @@ class GossipEngine(LowCommunicationFacts):
         settle_rounds(decision, member, self._buckets, self._gossip, self._local, factor)
         # The trackers restart over the survivors (their mean would still hold the lost rank's share).
         self._averaging.forget_rounds()
-        self._launch_from = decision.resume_step
+        self._restart_rounds(decision.resume_step)
 
     def _rewire(self, decision: Decision | None, before: list[int]) -> None:
         """The topology, process groups and gossip over the new members (the new default group stands;

@@ -93,9 +93,10 @@ def build_parts(
     params, names = check_named_params(named_params() if callable(named_params) else named_params)
     shards = ShardLayout(params, names, world)
     if paced is not None:
-        check_pacing_composes(paced, gradient_tracking, on_peer_failure, shards.sharded)
+        sharded = shards.sharded or world.replicas is not None
+        check_pacing_composes(paced, gradient_tracking, on_peer_failure, sharded)
     buckets = build_buckets(params, names, bucket_cap_bytes, params_as_views)
-    local = None if spec is None else LocalSteps(buckets, spec)
+    local = None if spec is None else LocalSteps(buckets, spec, shards.max_over_mesh)
     layout = LocalLayout(
         world.local_world_size,
         (topo.name, topo.fingerprint()),
@@ -119,17 +120,12 @@ def check_pacing_composes(
             f"pacing={pacing!r} cannot be combined with gradient_tracking=True: the trackers are gossiped "
             "every step, and paced ranks take different numbers of steps. Use one or the other."
         )
-    if on_peer_failure != "raise":
+    if sharded and on_peer_failure != "raise":
         raise ValueError(
-            f"pacing with on_peer_failure={on_peer_failure!r} is not supported yet: survivors and joiners "
-            "resume at a step, and paced ranks stand at different steps of a round. Pass "
-            "on_peer_failure='raise' (the default) with pacing, or pacing=None."
-        )
-    if sharded and pacing.schedule is None:
-        raise ValueError(
-            "measured pacing (pacing='measured') is not supported yet with sharded parameters "
-            "(decentralized HSDP): the ranks of one replica must take the same steps. Pass "
-            "Pacing(schedule=...) with the counts of each replica, or pacing=None."
+            f"pacing with on_peer_failure={on_peer_failure!r} is not supported yet for sharded replicas "
+            "(decentralized HSDP, or a job of nodes started with init_elastic(..., shards=k)): the ranks "
+            "of a replica plan their rounds together, which a recovery does not re-form yet. Pass "
+            "on_peer_failure='raise' (the default) with pacing there, or pacing=None."
         )
 
 

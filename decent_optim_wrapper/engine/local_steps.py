@@ -165,10 +165,18 @@ class LocalSteps:
     Args:
         buckets: the parameter buckets (anchor ``b`` has bucket ``b``'s layout and dtype).
         spec: the checked options.
+        replica_max: under decentralized HSDP, the maximum of a value over the ranks of this rank's
+            replica (paced rounds plan one replica's shards alike); None: this rank is its replica.
     """
 
-    def __init__(self, buckets: Sequence[Bucket], spec: LocalStepsSpec) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[Bucket],
+        spec: LocalStepsSpec,
+        replica_max: Callable[[float], float] | None = None,
+    ) -> None:
         self._spec = spec
+        self._replica_max = replica_max
         self._clock = (
             FixedClock(spec.sync_every, spec.sync_delay)
             if spec.pacing is None
@@ -204,8 +212,15 @@ class LocalSteps:
         """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
         broadcast parameters (without: the survivors of a lost peer keep their anchors)."""
         self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan, waiter)
-        device = self._anchors[0].device if self._anchors else None
-        self._clock.connect(process_groups.world, rank, topology.world_size, device)
+        self._clock.connect(
+            process_groups.world,
+            rank,
+            topology.world_size,
+            device=self._anchors[0].device if self._anchors else None,
+            waiter=waiter,
+            timeout=timeout,
+            replica_max=self._replica_max,
+        )
         if reset:
             self.reset_anchors()
 
@@ -244,6 +259,16 @@ class LocalSteps:
                 "evaluation period)."
             )
 
+    def position(self, step_position: int) -> int:
+        """Where this rank stands for a recovery, given the first step whose rounds it can still
+        launch: that step, or with paced rounds the first round it can still launch."""
+        return self._clock.position(step_position)
+
+    def restart(self, launch_from: int) -> None:
+        """After a change of the world: rounds launch from position ``launch_from`` on (the
+        survivors' furthest :meth:`position`), and paced rounds' messages restart there."""
+        self._clock.restart(launch_from)
+
     def pace_report(self) -> PaceReport | None:
         """Where paced rounds stand on this rank (None without pacing)."""
         return self._clock.report() if isinstance(self._clock, PacedClock) else None
@@ -265,14 +290,6 @@ class LocalSteps:
             for bucket, anchor in zip(self._buckets, self._anchors, strict=True):
                 anchor.copy_(bucket.data)
 
-    @torch.no_grad()
-    def end_of_step(self, bucket: int, step: int, mixing_factor: float, launch: bool = True) -> None:
-        """After bucket ``bucket``'s local update of inner step ``step``: fold a round that is due in,
-        and at the end of a round take the outer step and launch the anchors' gossip (unless not
-        ``launch``: the first steps after a lost peer, before the survivors' rounds line up)."""
-        self.fold_due(bucket, step, mixing_factor)
-        self.end_round(bucket, step, mixing_factor, launch)
-
     def fold_due(self, bucket: int, step: int, mixing_factor: float) -> None:
         """Fold bucket ``bucket``'s round in if it is due after inner step ``step``."""
         pending = self._channels.pending(bucket)
@@ -280,15 +297,15 @@ class LocalSteps:
             with current([self._buckets[bucket]], write=True):
                 self._fold(bucket, mixing_factor)
 
-    def end_round(self, bucket: int, step: int, mixing_factor: float, launch: bool = True) -> None:
-        """At the end of a round (after inner step ``step``): the outer step, the anchors' launch and,
-        without delay, their fold."""
+    def end_round(self, bucket: int, step: int, mixing_factor: float, launch_from: int = 0) -> None:
+        """At the end of a round (after inner step ``step``): the outer step, the anchors' launch (from
+        position ``launch_from`` on, see :meth:`restart`) and, without delay, their fold."""
         round_ = self._clock.round_ending_at(step)
         if round_ is None:
             return
         with current([self._buckets[bucket]], write=True):
             self._outer_step(bucket, self._clock.scale())
-            if launch:
+            if self._clock.launches(round_, step, launch_from):
                 self._channels.launch(bucket, round_)
             if self._spec.sync_delay == 0:
                 self._fold(bucket, mixing_factor)

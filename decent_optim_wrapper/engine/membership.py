@@ -157,7 +157,7 @@ class Report:
 
     member: int  # rank at launch: stable across recoveries
     rank: int  # rank in the failed generation
-    position: int  # the first step at which it can launch on the new groups
+    position: int  # the first step at which it can launch on the new groups (paced rounds: the round)
     channels: tuple[ChannelReport, ...]
     phase: Phase = "updating"
     shard: int = 0  # in a job of nodes (``shards=k``): this rank's index in its node; ``rank`` is the node's
@@ -186,7 +186,8 @@ class Decision:
     @property
     def resume_step(self) -> int:
         """Rounds on the new groups start at the furthest position any survivor has reached, so that
-        every survivor launches a round of the same step in the same new group."""
+        every survivor launches a round of the same step in the same new group (with paced rounds,
+        positions and this are round indices: ranks stand at different steps of one round)."""
         return max(r.position for r in self.reports)
 
     def nodes(self) -> list[int]:

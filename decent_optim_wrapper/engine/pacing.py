@@ -36,6 +36,12 @@ Problem in Heterogeneous Federated Optimization", 2020): for fixed shards of dat
 
 A ``schedule`` (a function ``(rank, round) -> steps``) replaces the measurement: counts fixed in
 advance, bitwise reproducible (the tests drive the exact rule this way).
+
+**Changes of the world.** After a lost peer or a joiner, survivors resume by round, not by step
+(:meth:`PacedClock.position`, :meth:`PacedClock.restart`): rounds launch again from the furthest
+round any survivor can still launch, a joiner takes its donor's clock, and the pace messages restart
+at that round on the new group. **Decentralized HSDP**: the shards of a replica plan with their
+slowest shard's step time, a MAX over the shard mesh every round, so they take the same steps.
 """
 
 from __future__ import annotations
@@ -45,10 +51,14 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from decent_optim_wrapper.engine.comm import wait_all
+from decent_optim_wrapper.engine.errors import GossipError
 
 __all__ = [
     "FixedClock",
@@ -143,9 +153,16 @@ def resolve_pacing(pacing: object) -> Pacing | None:
     return pacing
 
 
-def round_seconds(step_seconds: list[float], sync_every: int) -> float:
-    """``tau``: the time in which ranks of these step times take ``N * sync_every`` steps together."""
-    return len(step_seconds) * sync_every / sum(1.0 / t for t in step_seconds)
+def round_seconds(step_seconds: list[float], sync_every: int) -> float | None:
+    """``tau``: the time in which ranks of these step times take ``N * sync_every`` steps together.
+
+    A rank that has not measured itself yet (0: it joined or resumed within the last round) counts
+    as the mean rate of the others; None when nobody has.
+    """
+    known = [t for t in step_seconds if t > 0]
+    if not known:
+        return None
+    return len(known) * sync_every / sum(1.0 / t for t in known)
 
 
 def planned_steps(
@@ -197,13 +214,23 @@ class FixedClock:
     def rounds_launched(self, step: int) -> int:
         return step // self._every
 
+    def position(self, step_position: int) -> int:
+        """Where this rank stands for a recovery: the first step whose round it can still launch."""
+        return step_position
+
+    def launches(self, round_: int, step: int, launch_from: int) -> bool:
+        """Whether the round ending at ``step`` is launched after a change of the world (rounds of
+        steps before ``launch_from``, the survivors' furthest position, are not)."""
+        return step >= launch_from
+
+    def restart(self, launch_from: int) -> None:
+        pass
+
     @contextmanager
     def waiting(self) -> Iterator[None]:
         yield
 
-    def connect(
-        self, group: dist.ProcessGroup | None, rank: int, world_size: int, device: torch.device | None = None
-    ) -> None:
+    def connect(self, group: dist.ProcessGroup | None, rank: int, world_size: int, **wiring: Any) -> None:
         pass
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -234,6 +261,12 @@ class PacedClock:
         self._tau: float | None = None
         self._pace: tuple[int, dist.Work | None, torch.Tensor] | None = None  # (due round, work, buffer)
         self._pace_result: tuple[int, list[int]] | None = None  # a received message not yet applied
+        # Pace messages go out at rounds origin, origin + repace_every, ...: the same rounds on every
+        # rank, moved to the survivors' resume round after a change of the world (see restart).
+        self._pace_origin = UNPACED_ROUNDS - 1
+        self._waiter: Callable[..., None] = wait_all
+        self._timeout: timedelta | None = None
+        self._replica_max: Callable[[float], float] | None = None
         # Timing: the last step seen and when it was first seen; the round's measured time and steps.
         self._seen, self._seen_at = -1, 0.0
         self._round_time, self._round_steps = 0.0, 0
@@ -241,12 +274,26 @@ class PacedClock:
         self.waited_seconds = 0.0
 
     def connect(
-        self, group: dist.ProcessGroup | None, rank: int, world_size: int, device: torch.device | None = None
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        world_size: int,
+        device: torch.device | None = None,
+        waiter: Callable[..., None] | None = None,
+        timeout: timedelta | None = None,
+        replica_max: Callable[[float], float] | None = None,
     ) -> None:
-        """The group the pace messages travel in (the gossip world's), after the process groups exist,
-        and the device of its messages (the buckets': NCCL takes CUDA tensors only)."""
+        """Wire the clock once the process groups exist (again after a change of the world).
+
+        ``group``: where the pace messages travel (the gossip world's), on ``device`` (the buckets':
+        NCCL takes CUDA tensors only), waited for with ``waiter`` within ``timeout`` (a membership's
+        failure-aware wait with survival). ``replica_max`` (decentralized HSDP): the maximum of a
+        value over the ranks that hold one replica's shards, which must take the same steps.
+        """
         self._group, self._rank, self._world_size = group, rank, world_size
         self._device = torch.device("cpu") if device is None else device
+        self._waiter = wait_all if waiter is None else waiter
+        self._timeout, self._replica_max = timeout, replica_max
         if self._round == 0 and self._seen < 0:  # before the first step: round 0's count is this rank's
             self._steps = self._plan(0)
 
@@ -272,6 +319,26 @@ class PacedClock:
     def rounds_launched(self, step: int) -> int:
         return self._round + 1 if step > self._start + self._steps - 1 else self._round
 
+    def position(self, step_position: int) -> int:
+        """Where this rank stands for a recovery: the first round it can still launch, given the first
+        step whose rounds it can still launch. Survivors resume at the furthest rank's round: rounds
+        are matched by index, and ranks stand at different steps of one round."""
+        return self.rounds_launched(step_position)
+
+    def launches(self, round_: int, step: int, launch_from: int) -> bool:
+        """Whether round ``round_`` is launched after a change of the world (from ``launch_from`` on)."""
+        return round_ >= launch_from
+
+    def restart(self, launch_from: int) -> None:
+        """After a change of the world (a lost peer, a joiner), with rounds launched from round
+        ``launch_from``: drop the pace message in flight (its group is gone, and not every rank sent
+        it) and any received but not applied (not every rank received it), and send the next ones
+        from the round after it on, the first round no member has begun (a member may stand inside
+        round ``launch_from``, past its message), so that every member sends them at the same rounds
+        of the new group. The round length stands until the next message, which counts the new world."""
+        self._pace = self._pace_result = None
+        self._pace_origin = max(UNPACED_ROUNDS - 1, launch_from + 1)
+
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """Time spent in here is waiting for peers, not training: left out of the step time."""
@@ -288,11 +355,10 @@ class PacedClock:
 
     # -- timing and planning ---------------------------------------------------------------------------
     def _advance(self, step: int) -> None:
-        if step == self._seen:
-            return
-        self._tick(step)
+        if step != self._seen:
+            self._tick(step)
         if step > self._start + self._steps - 1:
-            self._plan_next()
+            self._plan_next()  # again after a recovery if a lost peer interrupted it
 
     def _tick(self, step: int) -> None:
         now = time.perf_counter()
@@ -305,21 +371,31 @@ class PacedClock:
         self._seen, self._seen_at, self._waited_since_tick = step, now, 0.0
 
     def _plan_next(self) -> None:
-        ended = self._round
-        if self._round_steps > 0:
-            measured = self._round_time / self._round_steps
-            known = self._step_s
-            if known is None or abs(measured - known) > _CHANGE * known:
-                self._step_s = measured  # a new speed: planned with at once, so nobody waits for it
-            else:
-                self._step_s = 0.5 * (known + measured)  # noise: smoothed over rounds
-        self._round_time, self._round_steps = 0.0, 0
-        self._round, self._start = ended + 1, self._start + self._steps
+        """Past the end of a round: update the speed estimate, exchange it when due, plan the next
+        round. Nothing changes before the exchange, which may meet a lost peer (and run again after
+        the recovery)."""
+        step_s = self._estimate()
         with self.waiting():
-            self._exchange(self._round)
+            self._exchange(self._round + 1, step_s)
+        self._step_s = step_s
+        self._round_time, self._round_steps = 0.0, 0
+        self._round, self._start = self._round + 1, self._start + self._steps
         self._steps = self._plan(self._round)
         # The round that just ended folds the same fraction D / H of the next round on every rank.
         self._fold_previous = self._start - 1 + math.ceil(self._delay * self._steps / self._every)
+
+    def _estimate(self) -> float | None:
+        """The step time after the round that just ended (the replica's slowest rank's under HSDP)."""
+        measured = self._round_time / self._round_steps if self._round_steps > 0 else 0.0
+        if self._replica_max is not None and self._pacing.schedule is None:
+            with self.waiting():  # every rank of a replica, at every round: they take the same steps
+                measured = self._replica_max(measured)
+        known = self._step_s
+        if measured <= 0.0:
+            return known
+        if known is None or abs(measured - known) > _CHANGE * known:
+            return measured  # a new speed: planned with at once, so nobody waits for it
+        return 0.5 * (known + measured)  # noise: smoothed over rounds
 
     def _plan(self, round_: int) -> int:
         schedule = self._pacing.schedule
@@ -338,18 +414,20 @@ class PacedClock:
         )
         return steps
 
-    def _exchange(self, round_: int) -> None:
-        """Apply a pace message due at ``round_``; send this rank's step time when one is due."""
+    def _exchange(self, round_: int, step_s: float | None) -> None:
+        """Apply a pace message due at ``round_``; send ``step_s`` when one is due (0: not measured yet,
+        sent all the same: every rank sends at the same rounds, or the all-gathers would mismatch)."""
         if self._pacing.schedule is not None:
             return
         if self._pace is not None and self._pace[0] <= round_:
             self._receive()
         if self._pace_result is not None:
-            self._tau = round_seconds([ns / 1e9 for ns in self._pace_result[1]], self._every)
+            self._tau = round_seconds([ns / 1e9 for ns in self._pace_result[1]], self._every) or self._tau
             self._pace_result = None
-        first = UNPACED_ROUNDS - 1
-        if self._step_s is not None and round_ >= first and (round_ - first) % self._pacing.repace_every == 0:
-            mine = torch.tensor([max(1, round(self._step_s * 1e9))], dtype=torch.int64, device=self._device)
+        origin = self._pace_origin
+        if round_ >= origin and (round_ - origin) % self._pacing.repace_every == 0:
+            nanoseconds = 0 if step_s is None else max(1, round(step_s * 1e9))
+            mine = torch.tensor([nanoseconds], dtype=torch.int64, device=self._device)
             if self._group is None or self._world_size == 1:
                 self._pace = (round_ + 1, None, mine)
                 return
@@ -362,8 +440,16 @@ class PacedClock:
         assert self._pace is not None
         due, work, buffer = self._pace
         if work is not None:
-            work.wait()
+            self._waiter([work], buffer.device, self._timeout, lambda cause: self._failure(due - 1, cause))
         self._pace, self._pace_result = None, (due, [int(v) for v in buffer.tolist()])
+
+    def _failure(self, round_: int, cause: BaseException | None) -> GossipError:
+        limit = f"within {self._timeout}" if self._timeout is not None else "within the process group timeout"
+        return GossipError(
+            f"rank {self._rank}: the pace message of round {round_} (every rank's step time, all-gathered "
+            f"over the gossip world) did not complete: a peer died or did not answer {limit}. Check the "
+            f"other ranks' logs; restart from the last checkpoint. Cause: {cause}"
+        )
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -384,6 +470,7 @@ class PacedClock:
             "step_s": self._step_s,
             "tau": self._tau,
             "pace": pending,
+            "pace_origin": self._pace_origin,
         }
 
     def load_state_dict(self, state: dict[str, Any] | None, step: int) -> None:
@@ -393,6 +480,7 @@ class PacedClock:
             self._round, self._start, self._steps = step // self._every, step, self._every
             self._fold_previous, self._carry, self._step_s, self._tau = -1, 0.5, None, None
             self._pace = self._pace_result = None
+            self._pace_origin = UNPACED_ROUNDS - 1
         else:
             self._round, self._start, self._steps = (
                 int(state["round"]),
@@ -402,6 +490,7 @@ class PacedClock:
             self._fold_previous, self._carry = int(state["fold_previous"]), float(state["carry"])
             self._step_s, self._tau = state["step_s"], state["tau"]
             pace = state["pace"]
+            self._pace_origin = int(state.get("pace_origin", UNPACED_ROUNDS - 1))
             self._pace = None
             self._pace_result = None if pace is None else (int(pace[0]), [int(v) for v in pace[1]])
         self._seen = -1

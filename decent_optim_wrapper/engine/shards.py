@@ -113,6 +113,18 @@ class ShardLayout:
         for dim in range(self.mesh.ndim):
             dist.all_reduce(tensor, group=self.mesh.get_group(dim))
 
+    def max_over_mesh(self, value: float) -> float:
+        """The largest ``value`` over every rank of the mesh (``value`` itself without sharding).
+
+        .. warning:: A collective over the mesh: all its ranks must call it.
+        """
+        if self.mesh is None:
+            return value
+        tensor = torch.tensor([value], dtype=torch.float64, device=self.mesh.device_type)
+        for dim in range(self.mesh.ndim):
+            dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.mesh.get_group(dim))
+        return float(tensor.item())
+
 
 def _check_apart(mesh: DeviceMesh, name: str, world: GossipWorld) -> None:
     """Raise if the mesh of sharded parameter ``name`` contains another member of the gossip world."""

@@ -292,7 +292,7 @@ class Survival:
         # (the world size, the data seen, what the learning rate means).
         logger.warning(
             "lost rank(s) {} of {} at step {}; this rank ({} before) goes on as rank {} of {} survivors, "
-            "gossiping again from step {}",
+            "gossiping again from position {} (a step; with paced rounds, a round)",
             list(failure.lost),
             world_before,
             step,

@@ -276,6 +276,7 @@ def paced_steps(scheme: Gossip, step_seconds: Sequence[float], rounds: int) -> l
     """
     every = scheme.sync_every
     tau = round_seconds(list(step_seconds), every)
+    assert tau is not None, "every rank's step time is known here"
     plans = []
     for seconds in step_seconds:
         counts, carry = [every] * min(rounds, UNPACED_ROUNDS), 0.5
