@@ -19,8 +19,8 @@ import pytest
 
 from benchmarks.harness.common import free_port
 from benchmarks.harness.lm_task import make_lm_model
+from benchmarks.harness.lm_worker import power_sgd_numel
 from benchmarks.low_communication import time_to_loss_cluster as driver
-from benchmarks.low_communication.time_to_loss_worker import power_sgd_numel
 
 ROOT = Path(__file__).resolve().parents[1]
 

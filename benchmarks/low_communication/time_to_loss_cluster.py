@@ -7,7 +7,7 @@ For every node count of ``--nodes`` (2 and 4; one worker per node, namespaces on
 ``emulated_cluster.py``'s ``Cluster``), the language model of ``lm_task.py`` (AdamW, lr 3e-3, cosine
 over ``--steps``, batch 16 per worker, iid windows) is trained with each method, one method at a time,
 every rank starting from the same model. A step's compute is ``--compute-ms``: the model's own forward
-and backward plus a sleep that tops it up (``time_to_loss_worker.py``), so that four nodes fit on two
+and backward plus a sleep that tops it up (``harness/lm_worker.py``), so that four nodes fit on two
 cores. ``nocomm`` runs first; then every link is shaped so that DDP's ring all-reduce of one fp32
 gradient takes ``--ddp-ratio`` (12) times its measured step (DDP then communicates about 10 to 11 times
 its compute and update: some of the all-reduce overlaps backward). Every ``--eval-every`` steps each
@@ -56,14 +56,15 @@ from benchmarks.harness.emulated_cluster import (
     start_in_node,
     stop,
 )
-from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
+from benchmarks.harness.lm_snapshots import evaluate, reached, real_step_seconds
+from benchmarks.harness.lm_task import make_lm_model
+from benchmarks.harness.lm_worker import POWER_SGD, TORCHFT, power_sgd_numel
 from benchmarks.harness.methods import parse_method
-from benchmarks.low_communication.time_to_loss_worker import POWER_SGD, TORCHFT, power_sgd_numel
 from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 
-WORKER = Path(__file__).with_name("time_to_loss_worker.py")
+WORKER = Path(__file__).parents[1] / "harness" / "lm_worker.py"
 SPARSE = "ring~h8d1@topk:0.03:int4"
 METHODS = [
     "nocomm",
@@ -80,25 +81,6 @@ METHODS = [
     "ring~h4d1@topk:0.03:int4",
 ]
 TARGET_SOONER, TARGET_PREDICTION = 2.0, 0.15
-
-
-def real_step_seconds(args: argparse.Namespace, steps: int = 30) -> float:
-    """Median seconds of the model's own forward, backward and AdamW step here, one thread."""
-    torch.set_num_threads(1)
-    tokens, _ = make_lm_data(1, 0, "iid")
-    model = make_lm_model(args.width, args.depth)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.adam_lr)
-    sampler = torch.Generator().manual_seed(0)
-    times = []
-    for _ in range(steps):
-        x, y = windows(tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (args.batch,), generator=sampler))
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return times[len(times) // 2]
 
 
 def engine_overhead_seconds(args: argparse.Namespace, method: str = "ring~h8d1", steps: int = 64) -> float:
@@ -171,31 +153,6 @@ def run_method(cluster: Cluster, method: str, stop_at: int, pad_ms: float, args:
         shutil.rmtree(outdir, ignore_errors=True)
         raise RuntimeError(f"{method}: workers failed or timed out; rank 0's log ends:\n{tail}")
     return outdir
-
-
-def evaluate(outdir: Path, nodes: int, args: argparse.Namespace) -> dict[str, Any]:
-    """The average model's validation loss at every written step, and when every rank had passed it."""
-    ranks = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(nodes)]
-    _, validation = make_lm_data(1, 0, "iid")
-    model = make_lm_model(args.width, args.depth)
-    curve = []
-    for i, (step, _) in enumerate(ranks[0]["points"]):
-        flats = [torch.load(outdir / f"rank{r}-step{step}.pt") for r in range(nodes)]
-        torch.nn.utils.vector_to_parameters(torch.stack(flats).mean(0), model.parameters())
-        seconds = max(r["points"][i][1] for r in ranks)
-        curve.append((step, seconds, validation_loss(model, validation)))
-    steps, seconds = curve[-1][0], curve[-1][1]
-    return {
-        "curve": curve,
-        "steps": steps,
-        "step_ms": 1e3 * seconds / steps,
-        "bytes_sent_per_step": max(r["bytes_sent_per_step"] for r in ranks),
-    }
-
-
-def reached(curve: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
-    """The first (step, seconds) at which the average's validation loss is at most ``target``."""
-    return next(((s, t) for s, t, loss in curve if loss <= target), None)
 
 
 def wire_bytes(method: str, model: nn.Module, nodes: int) -> float:

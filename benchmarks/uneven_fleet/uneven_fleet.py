@@ -160,16 +160,26 @@ def fleet_rate(
 
 
 def planned_rates(
-    scenario: str, nodes: int, megabits: float, o: float, args: argparse.Namespace
+    scenario: str,
+    nodes: int,
+    megabits: float,
+    o: float,
+    args: argparse.Namespace,
+    model_bytes: float | None = None,
+    delay: int | None = None,
 ) -> dict[str, float]:
-    """The planner's fleet steps per second of each method (constant speeds only; ``shift`` changes)."""
+    """The planner's fleet steps per second of each method (constant speeds only; ``shift`` changes):
+    of this benchmark's MLP unless ``model_bytes`` is given, its rounds folded in ``delay`` steps late
+    (default a whole round, ``args.sync_every``)."""
     if scenario == "shift":
         return {}
     factors = tuple(speed_factor(scenario, r, nodes, 0.0, args.shift_s) for r in range(nodes))
-    model_bytes = 4.0 * sum(
-        p.numel() for p in build_mlp(args.inputs, args.width, args.depth, 10).parameters()
-    )
+    if model_bytes is None:
+        model_bytes = 4.0 * sum(
+            p.numel() for p in build_mlp(args.inputs, args.width, args.depth, 10).parameters()
+        )
     every = args.sync_every
+    delay = every if delay is None else delay
     found = predict(
         model_bytes,
         ComputeTimes(args.compute_ms / 1e3, "uneven", factors=factors),
@@ -179,11 +189,11 @@ def planned_rates(
         compressions=(),
         steps=args.rounds * every,
         warmup=3 * every,
-        local_steps=[(every, every)],
+        local_steps=[(every, delay)],
         overhead_s=o,
         paced=True,
     )
-    labels = {"ddp": "ddp", "sync": f"ring~h{every}d{every}", "paced": f"ring~h{every}d{every}p"}
+    labels = {"ddp": "ddp", "sync": f"ring~h{every}d{delay}", "paced": f"ring~h{every}d{delay}p"}
     step_s = {p.method: p.step_s for p in found}
     return {method: nodes / step_s[label] for method, label in labels.items() if label in step_s}
 
