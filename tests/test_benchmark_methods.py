@@ -349,7 +349,6 @@ def test_paced_names_are_read(name, sync_every, nesterov, outer_lr, delay, optim
 @pytest.mark.parametrize(
     ("name", "message"),
     [
-        ("ring~h1p", r"'ring~h1p': paced rounds \('p'\) need at least h2"),
         ("ring-gt~h8p", r"'ring-gt~h8p': paced rounds \('p'\) take no gradient tracking"),
         ("ring~h8pn", r"after '~' write hH .* p for paced rounds"),
         ("ring~h8pd1", r"after '~' write hH"),  # p comes last
@@ -394,9 +393,18 @@ def test_half_fast_schedule_sums_every_round_to_n_h(world, sync_every):
         assert counts[-1] == [sync_every] * rounds
 
 
-def test_half_fast_schedule_needs_two_steps_per_round():
-    with pytest.raises(ValueError, match=r"paced rounds need sync_every >= 2"):
-        methods.HalfFastSchedule(4, 1)
+def test_half_fast_schedule_per_step_gives_fast_ranks_two_steps_a_round():
+    # H = 1: a slow rank cannot take 2/3 of a step, so rounds hold N + N//2 fleet steps: 600 steps of
+    # DDP on 4 ranks (2,400 samples) are 400 rounds of 2, 2, 1, 1
+    schedule = methods.HalfFastSchedule(4, 1)
+    assert [schedule(rank, r) for rank in range(4) for r in (0, 1)] == [2, 2, 2, 2, 1, 1, 1, 1]
+    assert schedule.fleet_steps_per_round == 6 and schedule.rounds_for(600) == 400
+    assert [schedule.total(rank, 400) for rank in range(4)] == [800, 800, 400, 400]
+    assert methods.HalfFastSchedule(5, 1)(4, 0) == 1  # the odd one out: one step
+    with pytest.raises(ValueError, match=r"601 steps on 4 ranks are not a whole number of paced rounds"):
+        schedule.rounds_for(601)
+    with pytest.raises(ValueError, match=r"sync_every >= 1"):
+        methods.HalfFastSchedule(4, 0)
 
 
 def test_paced_runs_train_whole_rounds_of_the_same_samples():
@@ -405,8 +413,10 @@ def test_paced_runs_train_whole_rounds_of_the_same_samples():
     assert (schedule, rounds, own) == (methods.HalfFastSchedule(8, 8), 75, 800)
     assert runner.paced_plan(spec, 600, rank=5, world=8)[2] == 400
     assert runner.paced_plan(methods.parse_method("ring~h8n0.1+adamw"), 600, 0, 8) == (None, 0, 600)
-    with pytest.raises(ValueError, match=r"601 steps are not a multiple of H=8"):
+    with pytest.raises(ValueError, match=r"601 steps on 8 ranks are not a whole number of paced rounds"):
         runner.paced_plan(spec, 601, rank=0, world=8)
+    per_step = methods.parse_method("ring~h1d0p+adamw")
+    assert runner.paced_plan(per_step, 600, rank=0, world=4)[1:] == (400, 800)
     # a round's fleet steps [first, last] hold a multiple of the logging period, or not
     assert runner.covers_multiple(0, 7, 600) and runner.covers_multiple(592, 599, 8)
     assert not runner.covers_multiple(8, 15, 600) and runner.covers_multiple(8, 15, 10)

@@ -38,6 +38,7 @@ For example ``ring@bf16``, ``one-peer-exp@fp16``, ``ring-module@int8+accum-adamw
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,18 +98,35 @@ class HalfFastSchedule:
     in round ``r``, the error diffusion of ``4H/3`` (the cumulative count ``round(4 H r / 3)``, halves
     rounded up); ranks ``N//2 .. 2 (N//2) - 1`` are slow and take ``2H - a(r)``; with an odd ``N`` the
     last rank takes ``H``. Every round's counts sum to exactly ``N H``, and over many rounds a fast
-    rank takes twice a slow one's steps.
+    rank takes twice a slow one's steps. With ``H = 1`` (per-step gossip, where a slow rank cannot take
+    ``2/3`` of a step) a fast rank takes 2 steps per round and every other rank 1: rounds then hold
+    more than ``N`` steps (:attr:`fleet_steps_per_round`).
     """
 
     world: int
     sync_every: int
 
     def __post_init__(self) -> None:
-        if self.sync_every < 2:
+        if self.sync_every < 1:
+            raise ValueError(f"paced rounds need sync_every >= 1, got {self.sync_every}")
+
+    @property
+    def fleet_steps_per_round(self) -> int:
+        """The inner steps of one round over the whole fleet: ``N H`` (``H = 1``: ``N + N//2``)."""
+        if self.sync_every == 1:
+            return self.world + self.world // 2
+        return self.world * self.sync_every
+
+    def rounds_for(self, steps: int) -> int:
+        """The rounds that process the samples of ``steps`` steps on every rank (DDP's ``steps``);
+        ``ValueError`` if no whole number of rounds does."""
+        if (steps * self.world) % self.fleet_steps_per_round:
             raise ValueError(
-                f"paced rounds need sync_every >= 2 (a slow rank takes 2H/3 steps, at least one), got "
-                f"{self.sync_every}"
+                f"{steps} steps on {self.world} ranks are not a whole number of paced rounds of "
+                f"{self.fleet_steps_per_round} fleet steps (H={self.sync_every}); pick a multiple of "
+                f"{self.fleet_steps_per_round // math.gcd(self.fleet_steps_per_round, self.world)}"
             )
+        return steps * self.world // self.fleet_steps_per_round
 
     def _fast_total(self, rounds: int) -> int:
         """A fast rank's inner steps in rounds ``0 .. rounds - 1``: ``round(4 H rounds / 3)``."""
@@ -116,6 +134,8 @@ class HalfFastSchedule:
 
     def __call__(self, rank: int, round_: int) -> int:
         half = self.world // 2
+        if self.sync_every == 1:
+            return 2 if rank < half else 1
         fast = self._fast_total(round_ + 1) - self._fast_total(round_)
         if rank < half:
             return fast
@@ -126,6 +146,8 @@ class HalfFastSchedule:
     def total(self, rank: int, rounds: int) -> int:
         """Rank ``rank``'s inner steps in rounds ``0 .. rounds - 1`` (its own LR schedule's length)."""
         half = self.world // 2
+        if self.sync_every == 1:
+            return (2 if rank < half else 1) * rounds
         if rank < half:
             return self._fast_total(rounds)
         if rank < 2 * half:
@@ -254,10 +276,6 @@ def parse_method(method: str) -> Method:
         paced = match["paced"] is not None
         if delay is not None and delay > every:
             raise ValueError(f"method {method!r}: the delay d{delay} exceeds the round of h{every} steps")
-        if paced and every < 2:
-            raise ValueError(
-                f"method {method!r}: paced rounds ('p') need at least h2: a slow rank takes 2H/3 steps"
-            )
     if at and base == "ddp":
         raise ValueError(
             f"method {method!r}: ddp takes no compression, got {compression!r}; all-reduce sends "

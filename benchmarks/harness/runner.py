@@ -7,10 +7,12 @@ rank's part of a split of the training set (``synthetic_task.py``), and rank 0 g
 results.
 
 A paced method (``~h8n0.1p``: ``methods.HalfFastSchedule``, half the ranks twice as fast) trains by
-rounds, ``steps // H`` of them, each of ``N H`` inner steps over the fleet: the same samples as ``steps``
-steps of the unpaced method or of DDP. Each rank's cosine schedule spans its own total of inner steps
-(a fast rank's is longer), so every rank's schedule ends at the last round; the losses are kept per
-round and the consensus distance is measured at round ends (a collective: the same rounds on every rank).
+rounds, ``steps // H`` of them, each of ``N H`` inner steps over the fleet: the same samples as
+``steps`` steps of the unpaced method or of DDP (with ``H = 1``, ``~h1d0p``, fast ranks take 2 steps per
+round and the others 1: fewer rounds of more steps, the same samples). Each rank's cosine schedule spans
+its own total of inner steps (a fast rank's is longer), so every rank's schedule ends at the last round;
+the losses are kept per round and the consensus distance is measured at round ends (a collective: the
+same rounds on every rank).
 """
 
 from __future__ import annotations
@@ -90,18 +92,17 @@ def build_training(
 
 
 def paced_plan(spec: Method, steps: int, rank: int, world: int) -> tuple[HalfFastSchedule | None, int, int]:
-    """A method's schedule (None unless paced), its rounds (``steps // H``; 0 unless paced) and this rank's
-    own total of inner steps (``steps`` unless paced). ``ValueError`` if a paced ``H`` does not divide
-    ``steps``: the rounds would not process the samples of ``steps`` steps."""
+    """A method's schedule (None unless paced), its rounds (those that process the samples of ``steps``
+    steps on every rank: ``steps // H``, or with ``H = 1`` fewer rounds of more steps; 0 unless paced)
+    and this rank's own total of inner steps (``steps`` unless paced). ``ValueError`` if no whole
+    number of rounds processes the samples of ``steps`` steps."""
     schedule = spec.schedule(world)
     if schedule is None:
         return None, 0, steps
-    if steps % spec.sync_every:
-        raise ValueError(
-            f"method {spec.name!r}: paced rounds train steps // H rounds; {steps} steps are not a multiple "
-            f"of H={spec.sync_every}"
-        )
-    rounds = steps // spec.sync_every
+    try:
+        rounds = schedule.rounds_for(steps)
+    except ValueError as err:
+        raise ValueError(f"method {spec.name!r}: {err}") from err
     return schedule, rounds, schedule.total(rank, rounds)
 
 
