@@ -21,15 +21,15 @@ bit), and the table gives the first evaluated step at which each method reaches 
 validation loss. ``--width``/``--depth`` size the model.
 
 Paced rounds on an uneven fleet (``p`` after the ``~`` part: ``ring~h8d1p+adamw``; ``methods.py``): the
-first half of the workers is twice as fast as the second (with ``H=8`` a fast worker takes 11, 10,
-11, ... inner steps per round, a slow one 5, 6, 5, ...; every round ``N H`` steps over the fleet),
-trained for ``steps // H`` rounds: DDP's samples, unevenly spread, each worker's cosine schedule over
-its own steps. Per step (``ring~h1d0p+adamw``) a fast worker takes 2 steps per round and a slow one
-1, over ``steps N / (N + N//2)`` rounds: DDP's samples again. Its unpaced twin (``ring~h8d1+adamw``) is added to the run, and a block under the table
-gives the steps each worker took and the ratios to DDP and to the twin. Target, marked met or MISSED:
-a paced method within 2% of DDP's validation loss (the claim of paced rounds: DDP's result at equal
-samples). ``--eval-every`` evaluates a paced method at the first round end at or after each multiple
-of K fleet steps (``round * H``).
+first half of the workers is twice as fast as the second (with ``H=8`` a fast worker takes 11, 10, 11,
+... inner steps per round, a slow one 5, 6, 5, ...; every round ``N H`` steps over the fleet), trained
+for ``steps // H`` rounds: DDP's samples, unevenly spread, each worker's cosine schedule over its own
+steps. Per step (``ring~h1d0p+adamw``) a fast worker takes 2 steps per round and a slow one 1, over
+``steps N / (N + N//2)`` rounds: DDP's samples again. Its unpaced twin (``ring~h8d1+adamw``) is added to
+the run, and a block under the table gives the steps each worker took and the ratios to DDP and to the
+twin. Target, marked met or MISSED: a paced method within 2% of DDP's validation loss (the claim of
+paced rounds: DDP's result at equal samples). ``--eval-every`` evaluates a paced method at the first
+round end at or after each multiple of K fleet steps (``round * H``).
 """
 
 from __future__ import annotations
