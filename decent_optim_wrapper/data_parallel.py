@@ -30,10 +30,10 @@ from decent_optim_wrapper.engine import (
     OuterFactory,
     PacingSpec,
 )
-from decent_optim_wrapper.engine.comm import agree, check_identical
+from decent_optim_wrapper.engine.exchange.shards import is_sharded
+from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
-from decent_optim_wrapper.engine.resize import average_nested, average_optimizer_states
-from decent_optim_wrapper.engine.shards import is_sharded
+from decent_optim_wrapper.engine.state.resize import average_nested, average_optimizer_states
 from decent_optim_wrapper.inner_step import (
     fire_global_step_post_hooks,
     fire_global_step_pre_hooks,
@@ -569,7 +569,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         bucket optimizers' floating state averaged (float64 sums rounded once, the same bits on every
         rank), counters (Adam's ``step``, integer buffers) checked equal, param groups, LR schedulers
         and the GradScaler from saved rank 0, gossip in flight, compression references and gradient
-        trackers started afresh. The rule and why: :mod:`~decent_optim_wrapper.engine.resize`.
+        trackers started afresh. The rule and why: :mod:`~decent_optim_wrapper.engine.state.resize`.
 
         Everything is checked before anything changes. Local: no communication; each rank reads every
         saved state (``torch.load(path, mmap=True)`` keeps that cheap).

@@ -10,10 +10,10 @@ laptop.
 :func:`init_elastic` (or ``initialize_dist(elastic=True)``) starts a job that workers may join while
 it runs: the workers that start together form the default group as usual; a worker started later
 with the same command finds the job running in the store, and its front-end (built with
-``on_peer_failure="continue"``) joins it (:mod:`~decent_optim_wrapper.engine.admission`). With
+``on_peer_failure="continue"``) joins it (:mod:`~decent_optim_wrapper.engine.fleet.admission`). With
 ``shards=k`` each node's ``k`` processes form the default group and shard a replica over it
 (:func:`node_mesh`), and the engine gossips along the job's replicas over groups of its own
-(:mod:`~decent_optim_wrapper.engine.replicas`).
+(:mod:`~decent_optim_wrapper.engine.fleet.replicas`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from decent_optim_wrapper.engine.admission import JoinRejectedError, current_job, enter_job, job_running
-from decent_optim_wrapper.engine.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError, current_job, enter_job, job_running
+from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 
 __all__ = ["init_elastic", "initialize_dist", "node_mesh"]
 
@@ -230,7 +230,7 @@ def init_elastic(
         keys = PrefixStore(f"decent-optim-wrapper/jobs/{name}/start/{launch}", store)
         if shards is None:
             dist.init_process_group("gloo", store=keys, rank=rank, world_size=world_size, timeout=timeout)
-        else:  # the node is the default group; the shard worlds are the engine's (engine/replicas.py)
+        else:  # the node is the default group; the shard worlds are the engine's (engine/fleet/replicas.py)
             node, shard = divmod(rank, shards)
             node_keys = PrefixStore(f"node/{node}", keys)
             dist.init_process_group("gloo", store=node_keys, rank=shard, world_size=shards, timeout=timeout)

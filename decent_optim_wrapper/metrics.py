@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import GossipEngine
-from decent_optim_wrapper.engine.averaging import tensors_consensus_distance
+from decent_optim_wrapper.engine.state.averaging import tensors_consensus_distance
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 __all__ = ["consensus_distance", "tensors_consensus_distance"]
@@ -14,7 +14,7 @@ def consensus_distance(replica: DecentOptimWrapper | DecentralizedDataParallel |
     """Consensus distance of the parameters a front-end (or an engine) gossips.
 
     The root-mean-square distance of the replicas to their average, 0 when all agree; see
-    :func:`~decent_optim_wrapper.engine.averaging.tensors_consensus_distance`. Gossip still in
+    :func:`~decent_optim_wrapper.engine.state.averaging.tensors_consensus_distance`. Gossip still in
     flight is not included: this measures the parameters as they are now.
 
     .. warning:: This is a collective: all ranks must call it.

@@ -28,9 +28,9 @@ from decent_optim_wrapper.engine import (
     PacingSpec,
     TopologySpec,
 )
+from decent_optim_wrapper.engine.exchange.shards import local_optimizer_state, placed_optimizer_state
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
-from decent_optim_wrapper.engine.resize import average_optimizer_states
-from decent_optim_wrapper.engine.shards import local_optimizer_state, placed_optimizer_state
+from decent_optim_wrapper.engine.state.resize import average_optimizer_states
 from decent_optim_wrapper.inner_step import scaled_step
 
 __all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper", "named_param_groups"]
@@ -88,12 +88,12 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             round mixed in one step late, behind the next forward and backward. ``sync_every=1,
             sync_delay=0`` is per-step gossip that blocks: the next gradient is taken at the mixed
             point, which brings Adam to DDP's loss at the cost of the overlap (the Adam page).
-            See :mod:`~decent_optim_wrapper.engine.local_steps` and the low-communication page.
+            See :mod:`~decent_optim_wrapper.engine.rules.local_steps` and the low-communication page.
         pacing: ``"measured"`` (or a :class:`~decent_optim_wrapper.Pacing`): for uneven fleets, each
             rank takes as many inner steps per round as its measured speed allows, so nobody waits
             for a slower neighbour; ranks then stand at different steps, so loops count rounds
             (:attr:`round_count`). None (default): every round takes ``sync_every`` steps. See
-            :mod:`~decent_optim_wrapper.engine.pacing` and the uneven fleets page.
+            :mod:`~decent_optim_wrapper.engine.rules.pacing` and the uneven fleets page.
         on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises
             :class:`~decent_optim_wrapper.GossipError`; ``"continue"``: the survivors drop it and go on
             (gloo; ``world_size`` and ``rank`` then report the new group), meeting in
@@ -382,10 +382,10 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         state averaged (float64 sums rounded once, the same bits on every rank), counters such as
         Adam's ``step`` checked equal, param groups from saved rank 0, gossip in flight, compression
         references and gradient trackers started afresh. The rule and why:
-        :mod:`~decent_optim_wrapper.engine.resize`. Only this wrapper's state is loaded: an LR
+        :mod:`~decent_optim_wrapper.engine.state.resize`. Only this wrapper's state is loaded: an LR
         scheduler's state is the same on every rank (load saved rank 0's), and the parameters come
         from here (load the model's buffers, if any, before this call or average them with
-        :func:`~decent_optim_wrapper.engine.resize.average_nested`).
+        :func:`~decent_optim_wrapper.engine.state.resize.average_nested`).
 
         Everything is checked before anything changes. Local: no communication; each rank reads
         every saved state (``torch.load(path, mmap=True)`` keeps that cheap).

@@ -21,7 +21,7 @@ from test_second_moment import _gradients, _run
 from test_second_moment import _trained as trained_under_gossip
 
 from decent_optim_wrapper import AccumAdam, AccumAdamW
-from decent_optim_wrapper.engine.second_moment import SecondMomentRule
+from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
 
 
 class RuleAccumAdamW(torch.optim.Optimizer):

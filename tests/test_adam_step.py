@@ -22,8 +22,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from twins import assert_state_is_torchs, bare_twin, database_under_the_wrapper
 
-from decent_optim_wrapper.engine import adam_step
-from decent_optim_wrapper.engine.second_moment import SIGNAL, SecondMomentRule
+from decent_optim_wrapper.engine.rules import adam_step
+from decent_optim_wrapper.engine.rules.second_moment import SIGNAL, SecondMomentRule
 from decent_optim_wrapper.inner_step import scaled_step
 
 ADAMS = (torch.optim.Adam, torch.optim.AdamW)

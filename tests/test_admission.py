@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 
 from decent_optim_wrapper import JoinRejectedError, init_elastic, node_mesh
-from decent_optim_wrapper.engine.admission import (
+from decent_optim_wrapper.engine.fleet.admission import (
     Admission,
     Applicant,
     JobInfo,
@@ -27,7 +27,7 @@ from decent_optim_wrapper.engine.admission import (
     slot_key,
     write_verdicts,
 )
-from decent_optim_wrapper.engine.membership import Decision, Report
+from decent_optim_wrapper.engine.fleet.membership import Decision, Report
 
 pytestmark = pytest.mark.pure
 

@@ -6,7 +6,12 @@ import pytest
 import torch
 from torch import nn
 
-from decent_optim_wrapper.engine.buckets import ALIGN_BYTES, build_buckets, check_named_params, plan_buckets
+from decent_optim_wrapper.engine.exchange.buckets import (
+    ALIGN_BYTES,
+    build_buckets,
+    check_named_params,
+    plan_buckets,
+)
 from decent_optim_wrapper.wrapper import named_param_groups
 
 pytestmark = pytest.mark.pure

@@ -1,6 +1,6 @@
 """Multi-process: compressed gossip follows its update rule, keeps the mean, resumes bit for bit.
 
-The update rule (decent_optim_wrapper.engine.compression): a group's first round is exact; later a
+The update rule (decent_optim_wrapper.engine.wire.compression): a group's first round is exact; later a
 member sends ``q_i = Q(x_i - r)`` and mixes ``x_i <- x_i + c (sum_j q_j - k q_i)``, and every member
 moves the shared reference ``r <- r + sum_j q_j / k``.
 """

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from decent_optim_wrapper.engine.compression import (
+from decent_optim_wrapper.engine.wire.compression import (
     INT8_BLOCK,
     CompressionPlan,
     GossipCompression,

@@ -15,7 +15,7 @@ from helpers import batch, tiny_model
 from workers import spawn
 
 from decent_optim_wrapper import DecentOptimWrapper, GossipEngine, Pacing
-from decent_optim_wrapper.engine.compression import codec
+from decent_optim_wrapper.engine.wire.compression import codec
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

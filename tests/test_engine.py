@@ -26,7 +26,7 @@ from decent_optim_wrapper import (
     GossipEngine,
     GossipError,
 )
-from decent_optim_wrapper.engine.comm import wait_all
+from decent_optim_wrapper.engine.fleet.comm import wait_all
 from decent_optim_wrapper.inner_step import GLOBAL_HOOK_REGISTRIES, scaled_step
 
 

@@ -1,6 +1,6 @@
 """Multi-process: gradient tracking follows DSGT's recursion, tracks the mean gradient, resumes bitwise.
 
-The rule (decent_optim_wrapper.engine.tracking): per step, after mixing the round launched at the
+The rule (decent_optim_wrapper.engine.rules.tracking): per step, after mixing the round launched at the
 previous step, ``y_i <- sum_j W_ij y_j + g_i - g_i_prev``, the inner optimizer steps with ``y_i``,
 then parameters and trackers are launched to this step's group.
 """

@@ -196,7 +196,7 @@ def _load(front_end: Any, state: dict[str, Any]) -> None:
 def _inject_faults(plan: dict[str, Any], store: dist.Store, joining: bool) -> None:
     """Faults inside a join, once per run (the store counts): the donor or the joiner dies mid-transfer,
     or the bytes arrive corrupted."""
-    from decent_optim_wrapper.engine import growth
+    from decent_optim_wrapper.engine.fleet import growth
 
     fault = plan.get("fault")
     if fault == "donor killed" and not joining:

@@ -1,6 +1,6 @@
 """Multi-process: low-communication gossip (``sync_every=H``, an outer optimizer, a delayed exchange).
 
-The rule (decent_optim_wrapper.engine.local_steps): every H inner steps, per rank,
+The rule (decent_optim_wrapper.engine.rules.local_steps): every H inner steps, per rank,
 ``a' = OuterStep(a, a - x)``, ``x <- a'``, the anchors ``a'`` are gossiped, and D steps later
 ``x <- x + (W a' - a')``, ``a <- W a'``. Checked here against two independent one-process
 simulations: DiLoCo's published rule (the mean pseudo-gradient, one shared anchor) and the gossip

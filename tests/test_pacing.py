@@ -1,6 +1,6 @@
 """Multi-process: paced rounds (``pacing=...``), where each rank takes its own number of inner steps.
 
-The rule (decent_optim_wrapper.engine.pacing): rank i takes n_i(r) inner steps in round r, then
+The rule (decent_optim_wrapper.engine.rules.pacing): rank i takes n_i(r) inner steps in round r, then
 ``a' = OuterStep(a, s_i (a - x))`` (``s_i = 1``, or ``H / n_i(r)`` with ``weighting="workers"``),
 ``x <- a'``, the anchors are gossiped in round r's phase, and ``ceil(D n_i(r+1) / H)`` of its own
 steps later ``x <- x + (W a' - a')``, ``a <- W a'``. Checked against a one-process float64

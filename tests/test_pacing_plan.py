@@ -1,4 +1,4 @@
-"""Pure: paced rounds' planning (decent_optim_wrapper.engine.pacing) without a process group.
+"""Pure: paced rounds' planning (decent_optim_wrapper.engine.rules.pacing) without a process group.
 
 Closed forms for the round length and the counts, the positions of round ends and folds a clock
 gives the engine, its checkpoint, and the options' checks.
@@ -11,8 +11,8 @@ import math
 import pytest
 
 from decent_optim_wrapper import Pacing
-from decent_optim_wrapper.engine import pacing as pacing_module
-from decent_optim_wrapper.engine.pacing import (
+from decent_optim_wrapper.engine.rules import pacing as pacing_module
+from decent_optim_wrapper.engine.rules.pacing import (
     FixedClock,
     PacedClock,
     planned_steps,

@@ -21,7 +21,7 @@ from helpers import flat, tiny_model
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.membership import (
+from decent_optim_wrapper.engine.fleet.membership import (
     ChannelReport,
     Decision,
     Membership,

@@ -1,4 +1,5 @@
-"""Resuming a checkpoint of N ranks on M ranks: the rule of engine/resize.py, pure and on both front-ends.
+"""Resuming a checkpoint of N ranks on M ranks: the rule of engine/state/resize.py, pure and on both
+front-ends.
 
 At the saved world size and topology each rank loads its own state and continues bit for bit; at
 another world size every new rank starts from the float64 mean of the saved replicas, rounded once
@@ -21,8 +22,8 @@ from helpers import batch, flat, tiny_model, train_steps
 from resume import RESUME_SEED, Resumable, assert_resume_is_bitwise, checkpoint_files, save_checkpoint
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.checkpoint import RunIdentity
-from decent_optim_wrapper.engine.resize import (
+from decent_optim_wrapper.engine.state.checkpoint import RunIdentity
+from decent_optim_wrapper.engine.state.resize import (
     average_nested,
     average_optimizer_states,
     average_tensors,

@@ -1,4 +1,4 @@
-"""Adam's second moment of the average gradient (decent_optim_wrapper.engine.second_moment).
+"""Adam's second moment of the average gradient (decent_optim_wrapper.engine.rules.second_moment).
 
 The rule, per coordinate, with n ranks: s_t = b2 s + (1 - b2) g^2 (the optimizer's own),
 c_t = b2 c + (1 - b2) g m_hat_{t-1} (c_1 = s_1), and the step divides by
@@ -19,7 +19,7 @@ from helpers import flat, tiny_model, train_steps
 from simulation import BlockingGossip, Gossip
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.second_moment import SIGNAL, SecondMomentRule, check_second_moment
+from decent_optim_wrapper.engine.rules.second_moment import SIGNAL, SecondMomentRule, check_second_moment
 from decent_optim_wrapper.inner_step import scaled_step
 
 

@@ -175,7 +175,7 @@ def test_sparse_gossip_runs_shard_by_shard(pool):
     # Top-k chooses per chunk of a shard's bucket, so a sharded run is not the whole replicas' run
     # (the chunks differ); what holds: each rank gossips its shard's payload, the replicas keep
     # their own values (distinct after training), the global average is exact and revert bitwise.
-    from decent_optim_wrapper.engine.compression import codec
+    from decent_optim_wrapper.engine.wire.compression import codec
 
     sharded = pool(4).run(_sharded_run, 2, 2, "adamw", "sparse", "ring")
     for rank, result in enumerate(sharded):

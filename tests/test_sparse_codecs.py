@@ -15,14 +15,14 @@ import pytest
 import torch
 from wire_reference import reference_quantize, round_seed
 
-from decent_optim_wrapper.engine.compression import (
+from decent_optim_wrapper.engine.wire.compression import (
     CompressionPlan,
     GossipCompression,
     codec,
     parse_compression,
     resolve_compression,
 )
-from decent_optim_wrapper.engine.compression import round_seed as library_round_seed
+from decent_optim_wrapper.engine.wire.compression import round_seed as library_round_seed
 from decent_optim_wrapper.topo import TopologyFactory
 
 pytestmark = pytest.mark.pure

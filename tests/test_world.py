@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from decent_optim_wrapper.engine.fleet.world import GossipWorld, members_per_node
 from decent_optim_wrapper.engine.options import LocalLayout, check_layouts_agree
-from decent_optim_wrapper.engine.world import GossipWorld, members_per_node
 
 pytestmark = pytest.mark.pure
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from decent_optim_wrapper import DecentOptimWrapper
-from decent_optim_wrapper.engine.second_moment import SIGNAL
+from decent_optim_wrapper.engine.rules.second_moment import SIGNAL
 
 
 def bare_twin(opt: torch.optim.Optimizer) -> tuple[torch.optim.Optimizer, dict[torch.Tensor, torch.Tensor]]:

@@ -1,6 +1,6 @@
 """An independent implementation of the sparse and low-bit wire formats, written from their rule.
 
-The rule (decent_optim_wrapper.engine.chunk_codec's docstring): chunks of ``C`` (the last zero-padded),
+The rule (decent_optim_wrapper.engine.wire.chunk_codec's docstring): chunks of ``C`` (the last zero-padded),
 ``k = max(1, round(density C))`` kept per chunk (top-k by magnitude, random-k at
 ``floor((j C + v_j) / k)`` with ``v = torch.randint(0, C, (m, k))`` from a CPU generator seeded with
 the round's seed, or every element), values in fp32 then either rounded to a 16-bit float or

@@ -76,7 +76,7 @@ from benchmarks.harness.common import free_port
 from benchmarks.harness.methods import Method, parse_method
 from benchmarks.harness.runner import Result, run
 from benchmarks.harness.synthetic_task import SPLITS, split_label
-from decent_optim_wrapper.engine.compression import codec, resolve_compression
+from decent_optim_wrapper.engine.wire.compression import codec, resolve_compression
 
 METHODS = [
     "ring",

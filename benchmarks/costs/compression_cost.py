@@ -44,10 +44,15 @@ from torch import nn
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_model
 from decent_optim_wrapper import DecentOptimWrapper
-from decent_optim_wrapper.engine.comm import ProcessGroups, group_layout
-from decent_optim_wrapper.engine.compression import CompressionPlan, codec, resolve_compression, round_seed
-from decent_optim_wrapper.engine.gossip import Gossip
-from decent_optim_wrapper.engine.world import resolve_gossip_world
+from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout
+from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
+from decent_optim_wrapper.engine.wire.compression import (
+    CompressionPlan,
+    codec,
+    resolve_compression,
+    round_seed,
+)
 
 FORMATS = [
     "none",

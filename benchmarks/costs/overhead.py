@@ -65,10 +65,10 @@ from torch import nn
 
 from benchmarks.harness.common import build_mlp, collect_from_ranks
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.comm import ProcessGroups, group_layout
-from decent_optim_wrapper.engine.compression import CompressionPlan, resolve_compression
-from decent_optim_wrapper.engine.gossip import Gossip
-from decent_optim_wrapper.engine.world import resolve_gossip_world
+from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout
+from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan, resolve_compression
 
 #: Part (c) rows timed against another row than the plain ring (each against its own optimizer).
 COMPARED_WITH = {"ring-accum": "ring", "ring-accum-average": "ring-accum"}

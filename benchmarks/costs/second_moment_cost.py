@@ -39,7 +39,7 @@ from torch import nn
 
 from benchmarks.harness.common import build_mlp, collect_from_ranks
 from decent_optim_wrapper import DecentOptimWrapper
-from decent_optim_wrapper.engine.second_moment import SecondMomentRule
+from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
 
 METHODS = {"bare": None, "local": {"second_moment": "local"}, "average": {}}
 MIB = 2**20

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper import AccumAdamW, Pacing, TopologyFactory
-from decent_optim_wrapper.engine.compression import resolve_compression
+from decent_optim_wrapper.engine.wire.compression import resolve_compression
 
 MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
 TRACKING_SUFFIX = "-gt"  # after -module, if any: gradient tracking

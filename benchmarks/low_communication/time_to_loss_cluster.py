@@ -60,7 +60,7 @@ from benchmarks.harness.lm_snapshots import evaluate, reached, real_step_seconds
 from benchmarks.harness.lm_task import make_lm_model
 from benchmarks.harness.lm_worker import POWER_SGD, TORCHFT, power_sgd_numel
 from benchmarks.harness.methods import parse_method
-from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
+from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 

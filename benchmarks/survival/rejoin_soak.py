@@ -68,7 +68,7 @@ from benchmarks.survival.soak import (
 )
 from benchmarks.survival.soak import _inputs as inputs
 from decent_optim_wrapper import PeerJoin
-from decent_optim_wrapper.engine.membership import PeerFailure
+from decent_optim_wrapper.engine.fleet.membership import PeerFailure
 
 END_MARGIN = 30  # steps between the proposal of the end and the end: the workers are a step or two apart
 QUIET_STEPS = 1000  # after the last failure fired, steps without a loss after which it is taken as a miss

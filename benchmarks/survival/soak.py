@@ -69,7 +69,7 @@ from torch import nn
 from benchmarks.harness.common import build_mlp
 from benchmarks.harness.fault_runs import Outcome, injected, run_workers
 from decent_optim_wrapper import DecentOptimWrapper
-from decent_optim_wrapper.engine.membership import PeerFailure
+from decent_optim_wrapper.engine.fleet.membership import PeerFailure
 
 MODES = ("kill-in-step", "kill-in-flight", "kill-in-global-avg", "stop", "hang")
 TIMED_MODES = ("kill-in-step", "kill-in-global-avg")  # SIGKILL from a timer

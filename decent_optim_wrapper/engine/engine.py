@@ -3,8 +3,8 @@ r"""The engine both front-ends drive: :class:`GossipEngine`.
 It owns everything decentralized training needs besides the local update: cross-rank agreement, the
 flat buckets, the process groups, the step protocol (:meth:`GossipEngine.step` for a whole model,
 :meth:`GossipEngine.step_bucket` for one bucket inside backward), exact global averaging with its
-snapshot (:mod:`~decent_optim_wrapper.engine.averaging`), and its part of a checkpoint
-(:mod:`~decent_optim_wrapper.engine.checkpoint`). The architecture page of the docs shows a step's
+snapshot (:mod:`~decent_optim_wrapper.engine.state.averaging`), and its part of a checkpoint
+(:mod:`~decent_optim_wrapper.engine.state.checkpoint`). The architecture page of the docs shows a step's
 data flow.
 """
 
@@ -20,41 +20,26 @@ from loguru import logger
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
 
-from decent_optim_wrapper.engine.admission import current_job
-from decent_optim_wrapper.engine.averaging import (
-    GlobalAverage,
-    WorldReduce,
-    floating_buffers,
-    restore_buckets,
-)
-from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params, current
-from decent_optim_wrapper.engine.checkpoint import (
-    STATE_VERSION,
-    RunIdentity,
-    check_engine_state,
-    plain,
-    snapshot_from_state,
-    snapshot_state,
-)
-from decent_optim_wrapper.engine.comm import ProcessGroups, agree, group_layout, run_token
-from decent_optim_wrapper.engine.compression import CompressionPlan, CompressionSpec, GossipCompression
-from decent_optim_wrapper.engine.gossip import Gossip
-from decent_optim_wrapper.engine.growth import Growth
-from decent_optim_wrapper.engine.layout import (
-    EngineParts,
-    NamedParams,
-    build_parts,
-    join_signature,
-    signatures,
-)
-from decent_optim_wrapper.engine.local_steps import LowCommunicationFacts, OuterFactory
-from decent_optim_wrapper.engine.membership import (
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
+from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.fleet.admission import current_job
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, agree, group_layout, run_token
+from decent_optim_wrapper.engine.fleet.growth import Growth
+from decent_optim_wrapper.engine.fleet.membership import (
     ChannelReport,
     Decision,
     Membership,
     PeerLost,
     Phase,
     connect_store,
+)
+from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
+from decent_optim_wrapper.engine.layout import (
+    EngineParts,
+    NamedParams,
+    build_parts,
+    join_signature,
+    signatures,
 )
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
@@ -66,11 +51,26 @@ from decent_optim_wrapper.engine.options import (
     check_mixing_factor,
     check_timeout,
 )
-from decent_optim_wrapper.engine.pacing import PacingSpec
-from decent_optim_wrapper.engine.resize import averaged_engine_state, check_saved_world
+from decent_optim_wrapper.engine.rules.local_steps import LowCommunicationFacts, OuterFactory
+from decent_optim_wrapper.engine.rules.pacing import PacingSpec
+from decent_optim_wrapper.engine.rules.tracking import GradientTracker
+from decent_optim_wrapper.engine.state.averaging import (
+    GlobalAverage,
+    WorldReduce,
+    floating_buffers,
+    restore_buckets,
+)
+from decent_optim_wrapper.engine.state.checkpoint import (
+    STATE_VERSION,
+    RunIdentity,
+    check_engine_state,
+    plain,
+    snapshot_from_state,
+    snapshot_state,
+)
+from decent_optim_wrapper.engine.state.resize import averaged_engine_state, check_saved_world
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, settle_rounds, survivors_topology
-from decent_optim_wrapper.engine.tracking import GradientTracker
-from decent_optim_wrapper.engine.world import resolve_gossip_world
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan, CompressionSpec, GossipCompression
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook", "TopologySpec"]
@@ -85,9 +85,9 @@ class GossipEngine(LowCommunicationFacts):
     param_groups order, a module front-end the order gradients become ready): the parameters move
     into flat buckets in that order (``param.data`` becomes a view into a bucket, one bucket per
     dtype and device run, at most ``bucket_cap_mb`` each; a sharded parameter's local shard is
-    copied in and out, :mod:`~decent_optim_wrapper.engine.shards`) and rank 0's values are
+    copied in and out, :mod:`~decent_optim_wrapper.engine.exchange.shards`) and rank 0's values are
     broadcast, so all replicas start equal. Ranks are those of the gossip world: the whole job, or
-    the group ``device_mesh``/``process_group`` names (:mod:`~decent_optim_wrapper.engine.world`).
+    the group ``device_mesh``/``process_group`` names (:mod:`~decent_optim_wrapper.engine.fleet.world`).
     Gossip of bucket ``b`` at step ``t`` computes, on every rank ``i``,
 
     .. math::
@@ -315,7 +315,8 @@ class GossipEngine(LowCommunicationFacts):
         self, optimizer: torch.optim.Optimizer
     ) -> Callable[[torch.Tensor | None], None] | None:
         """``step(grad_scale)`` to take in place of ``optimizer.step()``, or None where the step stays
-        the optimizer's own; see :meth:`~decent_optim_wrapper.engine.second_moment.SecondMomentRule.step`.
+        the optimizer's own; see
+        :meth:`~decent_optim_wrapper.engine.rules.second_moment.SecondMomentRule.step`.
         Local."""
         rule, world_size = self._second_moment, self.world_size
         if not rule.applies(optimizer, world_size):
@@ -716,7 +717,7 @@ class GossipEngine(LowCommunicationFacts):
         None when this run has the saved world size and topology: rank ``r`` then loads ``states[r]``
         with :meth:`load_state_dict` and continues bit for bit. Otherwise the state every rank starts
         from: the average of the saved replicas, the same bits on every rank (the rule, and what is
-        reset, in :mod:`~decent_optim_wrapper.engine.resize`). Raises ``ValueError`` if the entries
+        reset, in :mod:`~decent_optim_wrapper.engine.state.resize`). Raises ``ValueError`` if the entries
         are not one checkpoint of this parameter layout. Local.
         """
         if check_saved_world(states, self._identity()):

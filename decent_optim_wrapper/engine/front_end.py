@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from decent_optim_wrapper.engine.buckets import Bucket
 from decent_optim_wrapper.engine.engine import GossipEngine
-from decent_optim_wrapper.engine.growth import JoinHook, Stateful
-from decent_optim_wrapper.engine.membership import PeerFailure, PeerJoin
-from decent_optim_wrapper.engine.pacing import PaceReport
+from decent_optim_wrapper.engine.exchange.buckets import Bucket
+from decent_optim_wrapper.engine.fleet.growth import JoinHook, Stateful
+from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
+from decent_optim_wrapper.engine.rules.pacing import PaceReport
 from decent_optim_wrapper.engine.survival import PeerFailureHook
 from decent_optim_wrapper.topo import Topology
 

@@ -13,20 +13,24 @@ from dataclasses import dataclass
 
 import torch
 
-from decent_optim_wrapper.engine.buckets import Bucket, build_buckets, check_named_params
-from decent_optim_wrapper.engine.comm import group_layout
-from decent_optim_wrapper.engine.compression import CompressionSpec, GossipCompression, resolve_compression
-from decent_optim_wrapper.engine.local_steps import LocalSteps, OuterFactory, resolve_local_steps
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params
+from decent_optim_wrapper.engine.exchange.shards import ShardLayout
+from decent_optim_wrapper.engine.fleet.comm import group_layout
+from decent_optim_wrapper.engine.fleet.world import GossipWorld
 from decent_optim_wrapper.engine.options import (
     LocalLayout,
     TopologySpec,
     check_on_peer_failure,
     resolve_topology,
 )
-from decent_optim_wrapper.engine.pacing import Pacing, PacingSpec, resolve_pacing
-from decent_optim_wrapper.engine.second_moment import SecondMomentRule
-from decent_optim_wrapper.engine.shards import ShardLayout
-from decent_optim_wrapper.engine.world import GossipWorld
+from decent_optim_wrapper.engine.rules.local_steps import LocalSteps, OuterFactory, resolve_local_steps
+from decent_optim_wrapper.engine.rules.pacing import Pacing, PacingSpec, resolve_pacing
+from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
+from decent_optim_wrapper.engine.wire.compression import (
+    CompressionSpec,
+    GossipCompression,
+    resolve_compression,
+)
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["EngineParts", "NamedParams", "build_parts", "join_signature", "signatures"]

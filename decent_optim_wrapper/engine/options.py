@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from decent_optim_wrapper.engine.comm import GroupLayout, check_identical
-from decent_optim_wrapper.engine.compression import GossipCompression
+from decent_optim_wrapper.engine.fleet.comm import GroupLayout, check_identical
+from decent_optim_wrapper.engine.wire.compression import GossipCompression
 from decent_optim_wrapper.topo import Topology, TopologyFactory
 
 __all__ = [

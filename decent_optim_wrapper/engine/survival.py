@@ -20,12 +20,11 @@ import torch.distributed as dist
 from loguru import logger
 from torch.utils.hooks import RemovableHandle
 
-from decent_optim_wrapper.engine.admission import current_job
-from decent_optim_wrapper.engine.buckets import Bucket, current
 from decent_optim_wrapper.engine.errors import PeerFailureError
-from decent_optim_wrapper.engine.gossip import Gossip
-from decent_optim_wrapper.engine.local_steps import LocalSteps
-from decent_optim_wrapper.engine.membership import (
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
+from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.fleet.admission import current_job
+from decent_optim_wrapper.engine.fleet.membership import (
     ChannelReport,
     Decision,
     Membership,
@@ -36,8 +35,9 @@ from decent_optim_wrapper.engine.membership import (
     Report,
     nodes_of,
 )
+from decent_optim_wrapper.engine.fleet.world import GossipWorld
 from decent_optim_wrapper.engine.options import TopologySpec, resolve_topology
-from decent_optim_wrapper.engine.world import GossipWorld
+from decent_optim_wrapper.engine.rules.local_steps import LocalSteps
 from decent_optim_wrapper.topo import Topology
 
 _T = TypeVar("_T")

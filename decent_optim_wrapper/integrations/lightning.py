@@ -33,7 +33,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, TopologySpec
-from decent_optim_wrapper.engine.shards import is_sharded
+from decent_optim_wrapper.engine.exchange.shards import is_sharded
 from decent_optim_wrapper.integrations.common import GossipOptions, Replicas, require_version
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 

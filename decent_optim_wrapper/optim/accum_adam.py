@@ -454,7 +454,7 @@ class AccumAdamW(_AccumAdamBase):
 
     With :math:`n > 1` the step divides by an estimate of the second moment of the *average* of
     :math:`n` replicas' gradients instead of this replica's own (the rule of
-    :mod:`decent_optim_wrapper.engine.second_moment`, counted in rounds): a signal estimate
+    :mod:`decent_optim_wrapper.engine.rules.second_moment`, counted in rounds): a signal estimate
     :math:`c`, kept per round from the round's mean gradient and the momentum of the rounds before,
 
     .. math::

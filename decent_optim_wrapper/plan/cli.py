@@ -21,7 +21,7 @@ import re
 from collections.abc import Sequence
 from functools import cache
 
-from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
+from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan.compute import JITTERS, UNEVEN, ComputeTimes
 from decent_optim_wrapper.plan.costs import Link, Network
 from decent_optim_wrapper.plan.predict import predict

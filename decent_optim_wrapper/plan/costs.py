@@ -11,9 +11,9 @@ Cost model (every assumption of the planner and the simulator about the network 
   messages one after another. It takes ``sent / rate`` of its slowest hop plus ``2 (k - 1)``
   latencies. With ``tree`` latency (what NCCL does at scale) the messages are ``2 ceil(log2 k)``.
 * Bytes come from the engine's own rule: :func:`~decent_optim_wrapper.topo.mixing.allreduce_models_sent`
-  for an uncompressed round and :meth:`~decent_optim_wrapper.engine.compression.CompressionPlan.bytes_sent`
-  for a compressed one (a compressed pair exchanges its two payloads in one all-reduce, so the hop
-  carries one payload).
+  for an uncompressed round and
+  :meth:`~decent_optim_wrapper.engine.wire.compression.CompressionPlan.bytes_sent` for a compressed
+  one (a compressed pair exchanges its two payloads in one all-reduce, so the hop carries one payload).
 * DDP all-reduces its gradient buckets (25 MB, the first 1 MB) in the order backward fills them,
   one after another, each as soon as every rank has filled it.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decent_optim_wrapper.engine.compression import CompressionPlan
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan
 from decent_optim_wrapper.plan.sharing import SharedLink, SharingModel, Transfer, transfer_seconds
 from decent_optim_wrapper.topo.group import Group
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
@@ -135,7 +135,7 @@ def gossip_round_bytes(
 ) -> float:
     """Bytes a member of ``group`` sends in one round of ``numel`` parameters (the engine's rule).
 
-    ``plan``: the topology's :class:`~decent_optim_wrapper.engine.compression.CompressionPlan` when
+    ``plan``: the topology's :class:`~decent_optim_wrapper.engine.wire.compression.CompressionPlan` when
     compressing, None otherwise.
     """
     if plan is None:

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from decent_optim_wrapper.engine.compression import GossipCompression, parse_compression
+from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan.compute import ComputeTimes
 from decent_optim_wrapper.plan.costs import Network, ddp_buckets
 from decent_optim_wrapper.plan.round_cost import RoundCost

@@ -6,7 +6,7 @@ in (:class:`~.simulator.Gossip`'s ``encode_s`` and ``fold_s``). They depend on t
 than on the link: uncompressed, a round stages a copy of the bucket and sums the members' copies;
 compressed, it subtracts the shared reference, encodes (a quantization, or a top-k selection per
 chunk), decodes every member's payload into the sum and updates replica and reference, the engine's
-order of work (:mod:`decent_optim_wrapper.engine.gossip`). Timing it here rather than modelling it
+order of work (:mod:`decent_optim_wrapper.engine.exchange.gossip`). Timing it here rather than modelling it
 per format keeps the prediction honest on whatever processor the user plans for.
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from decent_optim_wrapper.engine.compression import GossipCompression, codec, round_seed
+from decent_optim_wrapper.engine.wire.compression import GossipCompression, codec, round_seed
 
 __all__ = ["RoundCost", "measure_round_cost"]
 

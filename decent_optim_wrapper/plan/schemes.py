@@ -7,7 +7,7 @@ from functools import cache
 
 import torch
 
-from decent_optim_wrapper.engine.compression import CompressionPlan, GossipCompression
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan, GossipCompression
 from decent_optim_wrapper.plan.costs import Network, ddp_buckets, gossip_round_bytes
 from decent_optim_wrapper.plan.round_cost import RoundCost
 from decent_optim_wrapper.plan.sharing import Transfer

@@ -45,7 +45,7 @@ plus staging and mixing for gossip). Communication decides when a step may end:
   (:class:`~.sharing.LinkSharing`).
 
 **Paced rounds** (``pacing=True``: the engine's ``pacing="measured"``,
-:mod:`~decent_optim_wrapper.engine.pacing`) end round ``k`` on rank ``i`` after ``n_i(k)`` steps
+:mod:`~decent_optim_wrapper.engine.rules.pacing`) end round ``k`` on rank ``i`` after ``n_i(k)`` steps
 instead of ``H``. Rounds 0 to 2 take ``H`` steps; later ones follow the engine's own plan for every
 rank's mean step time ``t_i`` (the mean of its compute draws plus ``o``: what the engine measures,
 host time per step minus waits): the round length ``tau = N H / sum_j 1 / t_j`` and
@@ -76,7 +76,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from decent_optim_wrapper.engine.pacing import UNPACED_ROUNDS, planned_steps, round_seconds
+from decent_optim_wrapper.engine.rules.pacing import UNPACED_ROUNDS, planned_steps, round_seconds
 from decent_optim_wrapper.plan.compute import ComputeTimes
 from decent_optim_wrapper.plan.sharing import LinkSharing, SharingModel, Transfer
 from decent_optim_wrapper.topo.group import Phase
@@ -271,8 +271,8 @@ def paced_steps(scheme: Gossip, step_seconds: Sequence[float], rounds: int) -> l
 
     Rounds 0 to 2 take ``H = sync_every`` steps; later ones ``q_i = tau / t_i`` rounded by error
     diffusion (carry from 0.5) and held in ``[1, max_share H]``, with
-    ``tau = N H / sum_j 1 / t_j`` (:func:`~decent_optim_wrapper.engine.pacing.round_seconds`,
-    :func:`~decent_optim_wrapper.engine.pacing.planned_steps`).
+    ``tau = N H / sum_j 1 / t_j`` (:func:`~decent_optim_wrapper.engine.rules.pacing.round_seconds`,
+    :func:`~decent_optim_wrapper.engine.rules.pacing.planned_steps`).
     """
     every = scheme.sync_every
     tau = round_seconds(list(step_seconds), every)
@@ -316,7 +316,7 @@ class _Rounds:
     Round ``k`` is launched at the end of the rank's last step of it and, with ``delay = D >= 1``,
     folded in at the end of the step ``ceil(D n(k + 1) / H)`` steps later (``n(k + 1)``: the next
     round's steps, ``H`` past the last round): ``D`` steps for rounds of ``H``, as the engine's
-    :class:`~decent_optim_wrapper.engine.pacing.PacedClock` and ``FixedClock`` rule.
+    :class:`~decent_optim_wrapper.engine.rules.pacing.PacedClock` and ``FixedClock`` rule.
     """
 
     def __init__(self, counts: list[list[int]], steps: list[int], every: int, delay: int) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from decent_optim_wrapper.engine.compression import (
+from decent_optim_wrapper.engine.wire.compression import (
     WIRE_FORMATS,
     CompressionPlan,
     GossipCompression,

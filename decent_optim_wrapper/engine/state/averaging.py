@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from decent_optim_wrapper.engine.buckets import Bucket, current
-from decent_optim_wrapper.engine.comm import reduction_dtype, wait_all
 from decent_optim_wrapper.engine.errors import GlobalAverageError
-from decent_optim_wrapper.engine.gossip import Gossip
-from decent_optim_wrapper.engine.local_steps import LocalSteps
-from decent_optim_wrapper.engine.membership import PeerLost
-from decent_optim_wrapper.engine.shards import ShardLayout
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
+from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.exchange.shards import ShardLayout
+from decent_optim_wrapper.engine.fleet.comm import reduction_dtype, wait_all
+from decent_optim_wrapper.engine.fleet.membership import PeerLost
+from decent_optim_wrapper.engine.rules.local_steps import LocalSteps
 
 __all__ = [
     "GlobalAverage",

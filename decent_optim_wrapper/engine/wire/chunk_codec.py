@@ -44,7 +44,7 @@ import math
 
 import torch
 
-from decent_optim_wrapper.engine.codecs import Codec
+from decent_optim_wrapper.engine.wire.codecs import Codec
 
 __all__ = ["SELECTIONS", "VALUE_BITS", "ChunkCodec"]
 

@@ -32,7 +32,7 @@ number of ranks whose replicas are averaged (the gossip world size; after a lost
 survivors'). At ``n = 1`` nothing changes.
 
 The library takes the step of torch's Adam and AdamW (and their subclasses that keep Adam's
-``step``) itself, with this denominator, in :mod:`~decent_optim_wrapper.engine.adam_step`: the
+``step``) itself, with this denominator, in :mod:`~decent_optim_wrapper.engine.rules.adam_step`: the
 optimizer's ``step``, ``exp_avg`` and ``exp_avg_sq`` are torch's own, bit for bit, for every
 combination torch supports (single-tensor, foreach, fused, capturable, differentiable; amsgrad,
 maximize, L2 weight decay, complex parameters, GradScaler), and :math:`v_t` is a sum of
@@ -58,7 +58,7 @@ import torch
 from loguru import logger
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.engine.adam_step import SIGNAL, adam_step_with_rule
+from decent_optim_wrapper.engine.rules.adam_step import SIGNAL, adam_step_with_rule
 
 __all__ = ["RANKS_OPTION", "SECOND_MOMENTS", "SIGNAL", "SecondMomentRule", "check_second_moment", "corrects"]
 

@@ -15,11 +15,11 @@ from typing import Any
 
 import torch
 
-from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors
-from decent_optim_wrapper.engine.comm import ProcessGroups
-from decent_optim_wrapper.engine.compression import CompressionPlan
-from decent_optim_wrapper.engine.gossip import Gossip, Waiter
-from decent_optim_wrapper.engine.shards import local_tensor
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
+from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
+from decent_optim_wrapper.engine.exchange.shards import local_tensor
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["GradientTracker"]

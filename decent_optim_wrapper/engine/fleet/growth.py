@@ -41,7 +41,8 @@ from loguru import logger
 from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 from torch.utils.hooks import RemovableHandle
 
-from decent_optim_wrapper.engine.admission import (
+from decent_optim_wrapper.engine.errors import PeerFailureError
+from decent_optim_wrapper.engine.fleet.admission import (
     Applicant,
     ElasticJob,
     JobInfo,
@@ -49,8 +50,7 @@ from decent_optim_wrapper.engine.admission import (
     publish_job,
     run_prefix,
 )
-from decent_optim_wrapper.engine.errors import PeerFailureError
-from decent_optim_wrapper.engine.membership import (
+from decent_optim_wrapper.engine.fleet.membership import (
     Decision,
     Membership,
     PeerJoin,
@@ -58,7 +58,7 @@ from decent_optim_wrapper.engine.membership import (
     group_prefix,
     nodes_of,
 )
-from decent_optim_wrapper.engine.transfer import (
+from decent_optim_wrapper.engine.fleet.transfer import (
     TransferCorruptedError,
     pack,
     receive_header,

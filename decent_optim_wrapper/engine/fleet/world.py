@@ -20,8 +20,8 @@ import torch.distributed as dist
 from loguru import logger
 from torch.distributed.device_mesh import DeviceMesh
 
-from decent_optim_wrapper.engine.admission import current_job
-from decent_optim_wrapper.engine.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.admission import current_job
+from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 
 __all__ = ["GossipWorld", "members_per_node", "resolve_gossip_world"]
 

@@ -48,7 +48,8 @@ import torch.distributed as dist
 from loguru import logger
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 
-from decent_optim_wrapper.engine.admission import (
+from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
+from decent_optim_wrapper.engine.fleet.admission import (
     STALE_AFTER_S,
     Admission,
     JoinerWatch,
@@ -62,9 +63,8 @@ from decent_optim_wrapper.engine.admission import (
     start_heartbeat,
     write_verdicts,
 )
-from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
-from decent_optim_wrapper.engine.replicas import ReplicaWorld
-from decent_optim_wrapper.engine.world import GossipWorld
+from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.world import GossipWorld
 
 __all__ = [
     "ChannelReport",

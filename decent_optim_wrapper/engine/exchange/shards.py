@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
-from decent_optim_wrapper.engine.world import GossipWorld
+from decent_optim_wrapper.engine.fleet.world import GossipWorld
 
 __all__ = [
     "ShardLayout",

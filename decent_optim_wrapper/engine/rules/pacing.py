@@ -57,8 +57,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from decent_optim_wrapper.engine.comm import wait_all
 from decent_optim_wrapper.engine.errors import GossipError
+from decent_optim_wrapper.engine.fleet.comm import wait_all
 
 __all__ = [
     "FixedClock",

@@ -5,8 +5,8 @@ compressed wire format; every member mixes ``x_i <- x_i + a c (sum_j q_j - k q_i
 reference by ``sum_j q_j / k``. What ``Q`` leaves out stays in the replica's difference to the
 reference and is sent in a later round (error feedback), and the mean of the replicas moves only by
 rounding in the parameters' dtype. The formats: 16-bit floats, blockwise int8
-(:mod:`~decent_optim_wrapper.engine.codecs`), and the sparse and low-bit ones, top-k or random-k per
-chunk with values in 2 to 16 bits (:mod:`~decent_optim_wrapper.engine.chunk_codec`). This module
+(:mod:`~decent_optim_wrapper.engine.wire.codecs`), and the sparse and low-bit ones, top-k or random-k per
+chunk with values in 2 to 16 bits (:mod:`~decent_optim_wrapper.engine.wire.chunk_codec`). This module
 holds the option (:class:`GossipCompression`), the formats' names, and the plan of which groups
 compress. The algorithm, its guarantees, costs and figures: the compressed gossip page of the docs.
 """
@@ -19,8 +19,8 @@ from functools import cache
 
 import torch
 
-from decent_optim_wrapper.engine.chunk_codec import SELECTIONS, ChunkCodec
-from decent_optim_wrapper.engine.codecs import DENSE_CODECS, INT8_BLOCK, Codec
+from decent_optim_wrapper.engine.wire.chunk_codec import SELECTIONS, ChunkCodec
+from decent_optim_wrapper.engine.wire.codecs import DENSE_CODECS, INT8_BLOCK, Codec
 from decent_optim_wrapper.topo import Group, Topology
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 

@@ -54,8 +54,8 @@ from typing import Any
 import torch
 from loguru import logger
 
-from decent_optim_wrapper.engine.buckets import check_saved_tensors
-from decent_optim_wrapper.engine.checkpoint import STATE_VERSION, RunIdentity, check_entry_keys
+from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors
+from decent_optim_wrapper.engine.state.checkpoint import STATE_VERSION, RunIdentity, check_entry_keys
 
 __all__ = [
     "average_nested",

@@ -53,7 +53,7 @@ from typing import Any
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
-from decent_optim_wrapper.engine.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 
 __all__ = [
     "Applicant",

@@ -54,12 +54,12 @@ from typing import Any
 
 import torch
 
-from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors, current
-from decent_optim_wrapper.engine.comm import ProcessGroups
-from decent_optim_wrapper.engine.compression import CompressionPlan
-from decent_optim_wrapper.engine.gossip import Gossip, Waiter
-from decent_optim_wrapper.engine.membership import ChannelReport, PeerLost
-from decent_optim_wrapper.engine.pacing import FixedClock, PacedClock, PaceReport, Pacing
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors, current
+from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
+from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost
+from decent_optim_wrapper.engine.rules.pacing import FixedClock, PacedClock, PaceReport, Pacing
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["LocalSteps", "LocalStepsSpec", "OuterFactory", "resolve_local_steps"]

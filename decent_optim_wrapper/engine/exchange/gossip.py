@@ -21,11 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from decent_optim_wrapper.engine.buckets import check_saved_tensors, misfit
-from decent_optim_wrapper.engine.comm import ProcessGroups, reduction_dtype, wait_all
-from decent_optim_wrapper.engine.compression import CompressionPlan, codec, is_codec_name, round_seed
 from decent_optim_wrapper.engine.errors import GossipError
-from decent_optim_wrapper.engine.membership import ChannelReport, PeerLost, RoundState
+from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors, misfit
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, reduction_dtype, wait_all
+from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost, RoundState
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan, codec, is_codec_name, round_seed
 from decent_optim_wrapper.topo import Group, Topology
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 
@@ -77,7 +77,7 @@ class Gossip:
 
     Memory: one communication buffer per bucket, allocated at the bucket's first launch that
     communicates; with compression also the gathered payloads and the references (see
-    :mod:`~decent_optim_wrapper.engine.compression`).
+    :mod:`~decent_optim_wrapper.engine.wire.compression`).
 
     Args:
         tensors: the flat tensors to average; bucket ``b`` is read at ``launch(b)`` and written at

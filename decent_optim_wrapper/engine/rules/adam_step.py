@@ -1,6 +1,6 @@
 r"""Adam's and AdamW's step with the second-moment rule's denominator, taken by the library.
 
-The rule (:mod:`~decent_optim_wrapper.engine.second_moment`) changes one thing in Adam's update:
+The rule (:mod:`~decent_optim_wrapper.engine.rules.second_moment`) changes one thing in Adam's update:
 what it divides by. Per coordinate, with the optimizer's own moments :math:`m_t, s_t`, the signal
 :math:`c_t` and ``n`` ranks,
 
@@ -29,7 +29,7 @@ itself, through the functional :func:`torch.optim.adam.adam` with ``lr=0`` (whic
 parameters as they are), and the parameter update follows here. For fp16 and bf16 state the
 rule's denominator is formed in fp32, as torch's fused kernel forms its own. A differentiable
 group whose hyperparameters take gradients through the step is left to torch
-(:mod:`~decent_optim_wrapper.engine.second_moment` decides).
+(:mod:`~decent_optim_wrapper.engine.rules.second_moment` decides).
 
 Cost: one state tensor (``exp_avg_signal``), no bytes. On a CPU (one thread per process, as
 ``torchrun`` sets) each parameter is processed in chunks of :data:`CHUNK_NUMEL` elements (small ones

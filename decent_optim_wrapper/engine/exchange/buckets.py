@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from loguru import logger
 
-from decent_optim_wrapper.engine.shards import is_sharded, local_tensor
+from decent_optim_wrapper.engine.exchange.shards import is_sharded, local_tensor
 
 __all__ = [
     "Bucket",

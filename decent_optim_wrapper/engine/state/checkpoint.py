@@ -21,7 +21,7 @@ pieces :meth:`~decent_optim_wrapper.engine.GossipEngine.state_dict` builds it fr
     }
 
 With compression, ``"gossip"`` also holds the payloads of compressed rounds not mixed yet and the
-groups' references (:meth:`~decent_optim_wrapper.engine.gossip.Gossip.state_dict`). The parameters
+groups' references (:meth:`~decent_optim_wrapper.engine.exchange.gossip.Gossip.state_dict`). The parameters
 are saved because they differ between replicas (building an engine broadcasts rank 0's); loading
 restores this replica's own. A resumed run continues bit for bit at the same world size and topology.
 """
@@ -32,11 +32,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from decent_optim_wrapper.engine.averaging import Snapshot
-from decent_optim_wrapper.engine.buckets import Bucket, check_saved_tensors
-from decent_optim_wrapper.engine.gossip import Gossip
-from decent_optim_wrapper.engine.local_steps import LocalSteps
-from decent_optim_wrapper.engine.tracking import GradientTracker
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
+from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.rules.local_steps import LocalSteps
+from decent_optim_wrapper.engine.rules.tracking import GradientTracker
+from decent_optim_wrapper.engine.state.averaging import Snapshot
 
 __all__ = [
     "STATE_VERSION",
