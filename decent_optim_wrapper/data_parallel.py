@@ -9,11 +9,10 @@ page covers its use, and the page on migrating from decent-dp what changed.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,6 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from decent_optim_wrapper.data_parallel_backward import BackwardUpdates, Scaler, inside_backward
+from decent_optim_wrapper.data_parallel_state import TRAINING_STATE_VERSION, BucketOptimizers, check_arguments
 from decent_optim_wrapper.engine import (
     DEFAULT_TIMEOUT,
     CompressionSpec,
@@ -30,33 +31,11 @@ from decent_optim_wrapper.engine import (
     OuterFactory,
     PacingSpec,
 )
-from decent_optim_wrapper.engine.exchange.shards import is_sharded
-from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
-from decent_optim_wrapper.engine.state.resize import average_nested, average_optimizer_states
-from decent_optim_wrapper.inner_step import (
-    fire_global_step_post_hooks,
-    fire_global_step_pre_hooks,
-    global_step_hooks_suspended,
-)
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
 from decent_optim_wrapper.topo import Topology
 
-__all__ = ["DecentralizedDataParallel"]
-
-#: Version of :meth:`DecentralizedDataParallel.training_state_dict`'s layout.
-TRAINING_STATE_VERSION = 1
-
-
-class _Scaler(Protocol):
-    """The part of ``torch.amp.GradScaler`` this front-end and its users rely on."""
-
-    def scale(self, outputs: torch.Tensor) -> torch.Tensor: ...
-    def unscale_(self, optimizer: Optimizer) -> None: ...
-    def step(self, optimizer: Optimizer, *args: Any, **kwargs: Any) -> float | None: ...
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None: ...
-    def state_dict(self) -> dict[str, Any]: ...
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+__all__ = ["TRAINING_STATE_VERSION", "DecentralizedDataParallel"]
 
 
 class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
@@ -140,7 +119,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         optim_fn: OPTIM_FN_TYPE,
         lr_scheduler_fn: LR_SCHEDULER_FN_TYPE | None = None,
         topology: str | type[Topology] | Topology = "complete",
-        scaler: _Scaler | None = None,
+        scaler: Scaler | None = None,
         grad_clip_norm: float = 0.0,
         param_as_bucket_view: bool = True,
         sync_buffer_in_global_avg: bool = False,
@@ -161,7 +140,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        _check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
+        check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
         for name, flag in (
             ("param_as_bucket_view", param_as_bucket_view),
             ("sync_buffer_in_global_avg", sync_buffer_in_global_avg),
@@ -173,7 +152,6 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         self._grad_clip_norm = float(grad_clip_norm)
         self._sync_buffers = sync_buffer_in_global_avg
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self._params_in_model_order = [p for _, p in trainable]
         self._engine = GossipEngine(
             list(reversed(trainable)),  # backward produces the last layers' gradients first
             topology=topology,
@@ -194,79 +172,21 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             process_group=process_group,
             context="DecentralizedDataParallel",
         )
-        self._optimizers, self._schedulers = self._build_optimizers(optim_fn, lr_scheduler_fn)
-        self._sync_frozen_state()
+        self._state = BucketOptimizers(self._engine, model, optim_fn, lr_scheduler_fn, scaler)
+        self._optimizers, self._schedulers = self._state.optimizers, self._state.schedulers
         self._engine.open_to_joiners(
-            self._training_state,
-            self._load_training_state,
-            (
-                ("optimizers", tuple((type(o).__name__, len(o.param_groups)) for o in self._optimizers)),
-                ("lr_schedulers", tuple(None if s is None else type(s).__name__ for s in self._schedulers)),
-                ("scaler", None if scaler is None else type(scaler).__name__),
-                ("grad_clip_norm", self._grad_clip_norm),
-                (
-                    "model_state",
-                    tuple((k, tuple(v.shape), str(v.dtype)) for k, v in model.state_dict().items()),
-                ),
-            ),
+            self._state.state_dict,
+            self._state.load_state_dict,
+            self._state.join_signature(self._grad_clip_norm),
         )
-
-        num_buckets = len(self._engine.buckets)
-        self._accumulating = False
-        self._in_backward = False  # between the first gradient hook of an update and its callback
-        self._next_bucket = 0  # buckets before it are updated in this iteration
-        self._waiting: list[int] = []  # per bucket, gradients not accumulated yet in this iteration
-        self._reset_iteration()
-        self._hooks = [
-            # torch leaves this method unannotated
-            param.register_post_accumulate_grad_hook(self._grad_ready_hook(index))  # type: ignore[no-untyped-call]
-            for index in range(num_buckets)
-            for param in self._engine.buckets[index].params
-        ]
-
-    # -- construction helpers ------------------------------------------------------------------------
-    def _build_optimizers(
-        self, optim_fn: OPTIM_FN_TYPE, lr_scheduler_fn: LR_SCHEDULER_FN_TYPE | None
-    ) -> tuple[list[Optimizer], list[LRScheduler | None]]:
-        optimizers: list[Optimizer] = []
-        schedulers: list[LRScheduler | None] = []
-
-        def build() -> tuple[object, ...]:
-            for index, bucket in enumerate(self._engine.buckets):
-                optimizer = optim_fn(list(zip(bucket.names, bucket.params, strict=True)))
-                _check_bucket_optimizer(optimizer, bucket.params, index)
-                optimizers.append(optimizer)
-                schedulers.append(lr_scheduler_fn(optimizer) if lr_scheduler_fn is not None else None)
-            return tuple(
-                (type(o).__name__, len(o.param_groups), type(s).__name__)
-                for o, s in zip(optimizers, schedulers, strict=True)
-            )
-
-        # optim_fn may fail on one rank only (bad input): fail on every rank instead of hanging.
-        reports = agree("Building the bucket optimizers of DecentralizedDataParallel", build)
-        check_identical(
-            "The bucket optimizers",
-            [reports[r] for r in self._engine.gossip_ranks],
-            "Pass the same optim_fn and lr_scheduler_fn on every rank.",
+        self._updates = BackwardUpdates(
+            self._engine,
+            self._optimizers,
+            self._schedulers,
+            [p for _, p in trainable],
+            self._grad_clip_norm,
+            scaler,
         )
-        return optimizers, schedulers
-
-    @torch.no_grad()
-    def _sync_frozen_state(self) -> None:
-        """Start every replica from rank 0's frozen parameters and buffers, as torch DDP does."""
-        frozen = [p for p in self._model.parameters() if not p.requires_grad]
-        tensors = frozen + list(self._model.buffers())
-
-        def layout() -> tuple[object, ...]:
-            return tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
-
-        reports = agree("Checking the model's buffers", layout)
-        check_identical(
-            "The model's frozen parameters and buffers",
-            [reports[r] for r in self._engine.gossip_ranks],
-            "Build the same model on every rank.",
-        )
-        self._engine.broadcast_(tensors)
 
     # -- facts ---------------------------------------------------------------------------------------
     @property
@@ -289,10 +209,10 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
 
     # -- the nn.Module face --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._in_backward and not _inside_backward():
+        if self._updates.in_backward and not inside_backward():
             # The last backward raised after some of its buckets were updated, so its end-of-backward
             # callback never ran; start the next iteration from a clean slate.
-            self._reset_iteration()
+            self._updates.reset()
         with torch.autograd.profiler.record_function("DecentralizedDataParallel.forward"):
             return self._model(*args, **kwargs)
 
@@ -321,9 +241,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         """
         if not isinstance(enable, bool):
             raise TypeError(f"enable must be True or False, got {enable!r}.")
-        if self._in_backward:
+        if self._updates.in_backward:
             raise RuntimeError("set_accumulate_grad() cannot be called during backward.")
-        self._accumulating = enable
+        self._updates.accumulating = enable
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -337,105 +257,12 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             x, y = micro_batches[-1]
             (loss_fn(model(x), y) / k).backward()
         """
-        previous = self._accumulating
+        previous = self._updates.accumulating
         self.set_accumulate_grad(True)
         try:
             yield
         finally:
-            self._accumulating = previous
-
-    # -- the update inside backward --------------------------------------------------------------------
-    @property
-    def _deferred(self) -> bool:
-        return self._grad_clip_norm > 0 or self._scaler is not None
-
-    def _grad_ready_hook(self, bucket: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            self._on_grad_ready(bucket)
-
-        return hook
-
-    def _on_grad_ready(self, bucket: int) -> None:
-        if self._accumulating:
-            return
-        try:
-            if not self._in_backward:
-                self._in_backward = True
-                self._engine.begin_step()
-                fire_global_step_pre_hooks(self._optimizers[0])  # once per update, not per bucket
-                _queue_at_end_of_backward(self._finish_backward)
-            self._waiting[bucket] -= 1
-            if self._deferred:
-                return
-            while self._next_bucket < len(self._waiting) and self._waiting[self._next_bucket] == 0:
-                self._update_bucket(self._next_bucket, skip_local_update=False)
-                self._next_bucket += 1
-        except BaseException:
-            self._reset_iteration()  # backward fails and the end-of-backward callback never runs
-            raise
-
-    def _finish_backward(self) -> None:
-        try:
-            if self._deferred:
-                self._finish_deferred()
-            else:
-                for bucket in range(self._next_bucket, len(self._waiting)):
-                    self._update_bucket(bucket, skip_local_update=False)
-            self._engine.end_step()
-            fire_global_step_post_hooks(self._optimizers[0])
-        finally:
-            self._reset_iteration()
-
-    def _reset_iteration(self) -> None:
-        self._in_backward = False
-        self._next_bucket = 0
-        self._waiting = [len(b.params) for b in self._engine.buckets]
-
-    def _finish_deferred(self) -> None:
-        scaler = self._scaler
-        if scaler is not None:
-            for optimizer in self._optimizers:
-                scaler.unscale_(optimizer)
-        grads = [p.grad for p in self._params_in_model_order if p.grad is not None]
-        skip = False
-        norm = torch.zeros(())
-        if self._grad_clip_norm > 0:
-            # the global norm over all parameters, in the model's order (as clip_grad_norm_ on the model)
-            norm = torch.nn.utils.clip_grad_norm_(
-                [p for p in self._params_in_model_order if p.grad is not None], self._grad_clip_norm
-            )
-        elif scaler is not None and grads:
-            norm = torch.nn.utils.get_total_norm(grads)
-        if scaler is not None and grads:
-            skip = not math.isfinite(float(norm))  # one host read per iteration, as GradScaler makes
-        try:
-            for bucket in range(len(self._waiting)):
-                self._update_bucket(bucket, skip_local_update=skip)
-        finally:
-            if scaler is not None:
-                scaler.update()  # uses the inf checks unscale_ recorded above
-
-    @torch.no_grad()
-    def _update_bucket(self, bucket: int, skip_local_update: bool) -> None:
-        """The engine's bucket update with this bucket's optimizer, then its zero_grad and scheduler."""
-        optimizer = self._optimizers[bucket]
-
-        def local_update() -> None:
-            # With a scaler the gradients are unscaled already and the inf decision is taken for the
-            # whole model; scaler.step() would also refuse a bucket without gradients (no inf check).
-            # Global step hooks fire once per update (in backward's hooks), not once per bucket.
-            rule_step = self._engine.second_moment_step(optimizer)
-            with global_step_hooks_suspended():
-                if rule_step is not None:
-                    rule_step(None)
-                else:
-                    optimizer.step()
-
-        self._engine.step_bucket(bucket, local_update, skip_local_update=skip_local_update)
-        optimizer.zero_grad(set_to_none=True)
-        scheduler = self._schedulers[bucket]
-        if scheduler is not None:
-            scheduler.step()
+            self._updates.accumulating = previous
 
     # -- averaging -----------------------------------------------------------------------------------
     def global_avg(self, will_revert: bool = True, return_d2c: bool = False) -> float | None:
@@ -490,19 +317,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         Waits for gossip in flight (no collective). Save between iterations (not during backward or
         halfway through an accumulation: gradients are not saved).
         """
-        if self._in_backward:
+        if self._updates.in_backward:
             raise RuntimeError("training_state_dict() cannot be called during backward.")
-        return {**self._training_state(), "decent": self._engine.state_dict()}
-
-    def _training_state(self) -> dict[str, Any]:
-        """Everything but the engine's part (also what a donor hands a joiner, possibly inside backward)."""
-        return {
-            "version": TRAINING_STATE_VERSION,
-            "model": self._model.state_dict(),
-            "optimizers": [o.state_dict() for o in self._optimizers],
-            "lr_schedulers": [s.state_dict() if s is not None else None for s in self._schedulers],
-            "scaler": self._scaler.state_dict() if self._scaler is not None else None,
-        }
+        return {**self._state.state_dict(), "decent": self._engine.state_dict()}
 
     def load_training_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`training_state_dict` of the same rank, world size, topology and model.
@@ -510,55 +327,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         Checked before anything changes: the engine's part, the number of optimizers and schedulers,
         the model's keys and shapes, and each optimizer's groups. Local.
         """
-        if not isinstance(state, dict) or state.get("version") != TRAINING_STATE_VERSION:
-            raise ValueError(
-                "state is not a DecentralizedDataParallel.training_state_dict() of version "
-                f"{TRAINING_STATE_VERSION} (got {type(state).__name__} with version "
-                f"{state.get('version') if isinstance(state, dict) else None!r})."
-            )
-        self._engine.check_state_dict(state["decent"])
-        for key, expected in (
-            ("optimizers", len(self._optimizers)),
-            ("lr_schedulers", len(self._schedulers)),
-        ):
-            if len(state[key]) != expected:
-                raise ValueError(
-                    f"checkpoint has {len(state[key])} {key} but this model has {expected} buckets; build "
-                    "the same model with the same bucket_size_in_mb before loading."
-                )
-        live = self._model.state_dict()
-        saved = state["model"]
-        wrong = [k for k in live if k not in saved or tuple(saved[k].shape) != tuple(live[k].shape)]
-        if wrong or len(saved) != len(live):
-            raise ValueError(
-                f"checkpoint's model state does not fit this model (missing or reshaped: {wrong[:5]}); "
-                "build the same model before loading."
-            )
-        for index, (optimizer, saved_optimizer) in enumerate(
-            zip(self._optimizers, state["optimizers"], strict=True)
-        ):
-            sizes = [len(g["params"]) for g in optimizer.param_groups]
-            if [len(g["params"]) for g in saved_optimizer["param_groups"]] != sizes:
-                raise ValueError(
-                    f"checkpoint's optimizer of bucket {index} has other param groups than this run's "
-                    f"({sizes} parameters per group); pass the same optim_fn."
-                )
-        if (state["scaler"] is None) != (self._scaler is None):
-            raise ValueError(
-                "checkpoint and this run disagree on whether a GradScaler is used; pass the same scaler."
-            )
-        self._load_training_state(state)
+        self._state.check_state_dict(state)
+        self._state.load_state_dict(state)
         self._engine.load_state_dict(state["decent"])
-
-    def _load_training_state(self, state: dict[str, Any]) -> None:
-        self._model.load_state_dict(state["model"])
-        for optimizer, saved in zip(self._optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
-        for scheduler, saved in zip(self._schedulers, state["lr_schedulers"], strict=True):
-            if scheduler is not None:
-                scheduler.load_state_dict(saved)
-        if self._scaler is not None:
-            self._scaler.load_state_dict(state["scaler"])
 
     def load_training_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
         """Resume at any world size from every saved rank's :meth:`training_state_dict`, in rank order.
@@ -584,85 +355,4 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         if averaged is None:
             self.load_training_state_dict(states[self.rank])
             return
-        first = states[0]  # its engine entry has this run's bucket layout: one optimizer per bucket
-        optimizers = [
-            average_optimizer_states([s["optimizers"][b] for s in states], f"optimizers[{b}]")
-            for b in range(len(self._optimizers))
-        ]
-        self.load_training_state_dict(
-            {
-                **first,
-                "model": average_nested([s["model"] for s in states], "model"),
-                "optimizers": optimizers,
-                "decent": averaged,
-            }
-        )
-
-
-def _queue_at_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the current backward pass ends (as torch DDP and FSDP finish their work)."""
-    queue = getattr(torch.autograd.graph, "queue_callback", None)
-    if queue is None:  # torch before torch.autograd.graph.queue_callback was public
-        queue = torch.autograd.Variable._execution_engine.queue_callback
-    queue(callback)
-
-
-def _inside_backward() -> bool:
-    """Whether the autograd engine is running a backward pass in this thread."""
-    # -1 outside backward; a private but long-standing binding, used by torch's own checkpointing.
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
-def _check_arguments(
-    model: object, optim_fn: object, lr_scheduler_fn: object, scaler: object, grad_clip_norm: object
-) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    for name, param in model.named_parameters():
-        if is_sharded(param):
-            raise ValueError(
-                f"{name} is a sharded parameter (DTensor, e.g. from FSDP2's fully_shard). "
-                "DecentralizedDataParallel updates each bucket inside backward as its gradients are "
-                "accumulated, but FSDP2 writes sharded gradients after its reduce-scatter, outside that "
-                "accumulation, so no update would ever run. Wrap the optimizer instead: "
-                'DecentOptimWrapper(torch.optim.AdamW(model.parameters()), device_mesh=mesh["replicate"]).'
-            )
-    if not callable(optim_fn) or isinstance(optim_fn, Optimizer):
-        raise TypeError(
-            f"optim_fn must be a function from a list of (name, parameter) pairs to an optimizer, got "
-            f"{optim_fn!r}; e.g. decent_optim_wrapper.optim_fn_adamw, or "
-            "lambda params: torch.optim.SGD([p for _, p in params], lr=0.1)."
-        )
-    if lr_scheduler_fn is not None and not callable(lr_scheduler_fn):
-        raise TypeError(
-            f"lr_scheduler_fn must be None or a function from an optimizer to an LR scheduler, got "
-            f"{lr_scheduler_fn!r}."
-        )
-    if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "unscale_", "step", "update")):
-        raise TypeError(f"scaler must be None or a torch.amp.GradScaler, got {type(scaler).__name__}.")
-    if isinstance(grad_clip_norm, bool) or not isinstance(grad_clip_norm, int | float):
-        raise TypeError(f"grad_clip_norm must be a number, got {grad_clip_norm!r}; 0.0 disables clipping.")
-    if not (grad_clip_norm >= 0 and math.isfinite(grad_clip_norm)):
-        raise ValueError(
-            f"grad_clip_norm must be a finite number >= 0, got {grad_clip_norm!r}; 0.0 disables clipping."
-        )
-
-
-def _check_bucket_optimizer(optimizer: object, params: list[torch.Tensor], index: int) -> None:
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optim_fn returned {type(optimizer).__name__} for bucket {index}; it must return a "
-            "torch.optim.Optimizer built on the parameters it is given."
-        )
-    if hasattr(optimizer, "pre_average_hook"):
-        raise ValueError(
-            f"{type(optimizer).__name__} defines pre_average_hook(edge, weight), decent-dp's hook into "
-            "gossip, which this library does not support; use an optimizer without it."
-        )
-    given = {id(p) for p in params}
-    held = [p for group in optimizer.param_groups for p in group["params"]]
-    if {id(p) for p in held} != given or len(held) != len(params):
-        raise ValueError(
-            f"optim_fn built an optimizer over {len(held)} parameters for bucket {index}, which holds "
-            f"{len(params)}: the optimizer must cover exactly the parameters it is given, once each."
-        )
+        self.load_training_state_dict(self._state.averaged(states, averaged))

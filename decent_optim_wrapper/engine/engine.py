@@ -21,16 +21,11 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
-from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.fleet.admission import current_job
-from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, agree, group_layout, run_token
+from decent_optim_wrapper.engine.fleet.comm import agree, run_token
 from decent_optim_wrapper.engine.fleet.growth import Growth
 from decent_optim_wrapper.engine.fleet.membership import (
-    ChannelReport,
-    Decision,
     Membership,
-    PeerLost,
-    Phase,
     connect_store,
 )
 from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
@@ -51,12 +46,11 @@ from decent_optim_wrapper.engine.options import (
     check_mixing_factor,
     check_timeout,
 )
+from decent_optim_wrapper.engine.recovery import MemberChanges
 from decent_optim_wrapper.engine.rules.local_steps import LowCommunicationFacts, OuterFactory
 from decent_optim_wrapper.engine.rules.pacing import PacingSpec
-from decent_optim_wrapper.engine.rules.tracking import GradientTracker
 from decent_optim_wrapper.engine.state.averaging import (
     GlobalAverage,
-    WorldReduce,
     floating_buffers,
     restore_buckets,
 )
@@ -69,8 +63,8 @@ from decent_optim_wrapper.engine.state.checkpoint import (
     snapshot_state,
 )
 from decent_optim_wrapper.engine.state.resize import averaged_engine_state, check_saved_world
-from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival, settle_rounds, survivors_topology
-from decent_optim_wrapper.engine.wire.compression import CompressionPlan, CompressionSpec, GossipCompression
+from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival
+from decent_optim_wrapper.engine.wire.compression import CompressionSpec, GossipCompression
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook", "TopologySpec"]
@@ -78,7 +72,7 @@ __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook"
 _T = TypeVar("_T")
 
 
-class GossipEngine(LowCommunicationFacts):
+class GossipEngine(MemberChanges, LowCommunicationFacts):
     r"""Buckets, topology schedule, process groups and gossip of one rank.
 
     Built from ``(name, parameter)`` pairs in a given order (the optimizer front-end passes its
@@ -231,64 +225,7 @@ class GossipEngine(LowCommunicationFacts):
         self._wire(broadcast=True)
         logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._topology)
 
-    def _wire(self, broadcast: bool = False) -> None:
-        """Process groups, gossip and trackers for the current rank, world size and topology: built once,
-        and again whenever the world changes (fresh rounds, references and trackers)."""
-        waiter = None if self._survival is None else self._survival.membership.wait
-        self._process_groups = ProcessGroups(self._world, self._layouts, self._group_timeout())
-        world = WorldReduce(self._process_groups.world, self.world_size, self.rank, self._timeout, waiter)
-        self._world_reduce = world
-        if broadcast:
-            self._bind_and_broadcast(self._buckets)
-        plan = None if self._compression is None else CompressionPlan(self._topology, self._compression)
-        tensors = [b.data for b in self._buckets]
-        wiring = (self._topology, self.rank, self._process_groups, self._timeout, plan)
-        self._gossip = Gossip(tensors, *wiring, waiter)
-        if self._local is not None:
-            self._local.connect(*wiring, waiter, reset=broadcast)
-        self._tracker: GradientTracker | None = None
-        if self._tracking_requested and self.world_size > 1:
-            self._tracker = GradientTracker(self._buckets, *wiring, waiter)
-
-    def _group_timeout(self) -> timedelta:
-        if self._survival is None:
-            return self._timeout
-        # The engine's own wait decides when a peer is lost; gloo must not time a round out first,
-        # so that a round every member launched completes (see membership.Decision.finishes).
-        return 3 * self._timeout
-
-    def _bind_and_broadcast(self, buckets: list[Bucket]) -> None:
-        for bucket in buckets:
-            bucket.bind()
-        with current(buckets, write=True):
-            self.broadcast_([bucket.data for bucket in buckets])
-
-    @torch.no_grad()
-    def broadcast_(self, tensors: Sequence[torch.Tensor]) -> None:
-        """Overwrite ``tensors`` with the gossip world's rank 0's, in place (e.g. a model's buffers).
-
-        .. warning:: This is a collective over the gossip world: all its ranks must call it.
-        """
-        if self.world_size > 1:
-            for tensor in tensors:
-                dist.broadcast(tensor, group=self._process_groups.world, group_src=0)
-
     # -- facts -----------------------------------------------------------------------------------
-    @property
-    def rank(self) -> int:
-        """This process's rank in the gossip world."""
-        return self._world.rank
-
-    @property
-    def world_size(self) -> int:
-        """How many ranks gossip together (the job's size, or that of ``device_mesh``/``process_group``)."""
-        return self._world.world_size
-
-    @property
-    def local_world_size(self) -> int:
-        """Ranks per node along the gossip world."""
-        return self._world.local_world_size
-
     @property
     def gossip_ranks(self) -> tuple[int, ...]:
         """The global ranks of the gossip world, in its rank order."""
@@ -592,123 +529,6 @@ class GossipEngine(LowCommunicationFacts):
         if self._local is not None:
             self._local.load_state_dict(state["local_steps"], self._step)
         self._averaging.snapshot = snapshot_from_state(state, self._buckets)
-
-    # -- surviving a lost peer (on_peer_failure="continue") ------------------------------------------------
-    @property
-    def on_peer_failure(self) -> str:
-        """``"raise"`` or ``"continue"``."""
-        return "raise" if self._survival is None else "continue"
-
-    @property
-    def survival(self) -> Survival | None:
-        """The lost peers survived and their hooks (:mod:`~.survival`); None with ``"raise"``."""
-        return self._survival
-
-    # -- growing the world (init_elastic, on_peer_failure="continue") -----------------------------------
-    def open_to_joiners(
-        self,
-        save: Callable[[], dict[str, Any]],
-        load: Callable[[dict[str, Any]], None],
-        signature: tuple[tuple[str, object], ...] = (),
-    ) -> None:
-        """Let workers join (in a job of :func:`~decent_optim_wrapper.init_elastic`); on a joiner, join.
-
-        Front-ends call this last in their constructor: ``save()``/``load(state)`` give and take their
-        part of a replica, ``signature`` what a joiner must share besides the engine's layout. The
-        protocol: :mod:`~.admission`; the transfer and the mean: :mod:`~.growth`.
-        """
-        job = current_job()
-        if job is None:
-            return
-
-        def wire(membership: Membership) -> None:  # a joiner's world, once admitted
-            membership.hold_joins = lambda: self._averaging.busy
-            self._survival = Survival(membership, self._timeout)
-            self._rewire(None, [])
-
-        def load_replica(state: dict[str, Any], resume_step: int) -> None:
-            self.load_state_dict({**state, "rank": self.rank})
-            self._restart_rounds(resume_step)
-
-        membership = None if self._survival is None else self._survival.membership
-        signature = (*self._join_signature, *signature)
-        self._growth.open(job, membership, signature, self._timeout, (save, load), (wire, load_replica))
-
-    @property
-    def growth(self) -> Growth:
-        """Joins seen by this rank, their hooks, and what joiners receive (:mod:`~.growth`)."""
-        return self._growth
-
-    def _survive(self, action: Callable[[], _T], retry: bool = True) -> _T | None:
-        """Run ``action``; on a lost peer (``"continue"``) recover, and run it again if ``retry``."""
-        while True:
-            try:
-                return action() if self._survival is None else self._survival.attempt(action)
-            except PeerLost as lost:
-                if self._survival is None:
-                    raise
-                self._recover(lost)
-                if not retry:
-                    return None
-
-    @torch.no_grad()
-    def _recover(self, cause: BaseException) -> None:
-        """Agree with the others on the new world, settle the rounds in flight, and rewire over it."""
-        assert self._survival is not None
-
-        def reports() -> list[ChannelReport]:  # the rounds this rank has in flight
-            return self._gossip.reports("params") + ([] if self._local is None else self._local.reports())
-
-        phase: Phase = "collective" if self._averaging.busy else "updating" if self._updated else "idle"
-        while True:
-            try:
-                self._survival.recover(
-                    cause,
-                    step=self._step,
-                    position=self._position(),
-                    rank=self.rank,
-                    reports=reports,
-                    settle=self._settle_rounds,
-                    rewire=self._rewire,
-                    phase=phase,
-                    admitted=self._admitted,
-                )
-                return
-            except PeerLost as again:  # a transfer to a joiner met a lost peer in turn
-                cause = again
-
-    def _position(self) -> int:
-        """The first step whose rounds this rank can still launch (paced: the first round)."""
-        step = self._step + 1 if self._in_step else self._step
-        return step if self._local is None else self._local.position(step)
-
-    def _restart_rounds(self, launch_from: int) -> None:
-        self._launch_from = launch_from
-        if self._local is not None:
-            self._local.restart(launch_from)
-
-    def _admitted(self, decision: Decision, previous_rank: int) -> None:
-        assert self._survival is not None
-        membership, step = self._survival.membership, self._step
-        self._growth.admitted(decision, membership, previous_rank, step, self.state_dict, self._timeout)
-
-    def _settle_rounds(self, decision: Decision) -> None:
-        assert self._survival is not None
-        member, factor = self._survival.membership.member, self._mixing_factor
-        settle_rounds(decision, member, self._buckets, self._gossip, self._local, factor)
-        # The trackers restart over the survivors (their mean would still hold the lost rank's share).
-        self._averaging.forget_rounds()
-        self._restart_rounds(decision.resume_step)
-
-    def _rewire(self, decision: Decision | None, before: list[int]) -> None:
-        """The topology, process groups and gossip over the new members (the new default group stands;
-        ``decision`` None on a joiner)."""
-        # Old groups may hold collectives stuck on the lost peer: let them go off this thread.
-        self._process_groups.retire(self._group_timeout() + self._timeout)
-        spec, name = self._topology_spec, self._topology.name
-        self._topology, self._world = survivors_topology(spec, name, decision, before, self.local_world_size)
-        self._layouts = [group_layout(self._topology, self._world)]
-        self._wire()
 
     # -- resuming at another world size ----------------------------------------------------------------
     def resume_state(self, states: Sequence[Any]) -> dict[str, Any] | None:
