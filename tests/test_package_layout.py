@@ -1,0 +1,161 @@
+"""The package's import graph: dependencies run one way, between the package's layers and between the
+engine's sub-packages, with no circle and no import of another room's private names.
+
+Read from the source (every ``import``/``from ... import``, also those inside functions), so the test
+holds for imports made lazily too.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.pure
+
+PACKAGE = Path(__file__).resolve().parent.parent / "decent_optim_wrapper"
+NAME = "decent_optim_wrapper"
+
+# The engine's rooms in layer order: a room imports only from rooms of a lower layer (or itself).
+ENGINE_LAYERS = {
+    "engine.errors": 0,
+    "engine.wire": 1,
+    "engine.fleet": 1,
+    "engine.exchange": 2,
+    "engine.rules": 3,
+    "engine.state": 4,
+    "engine": 5,  # coordination at the engine's top: options, layout, survival, recovery, engine, front_end
+}
+
+# The package's layers: topologies <- engine <- front-ends <- the rest. optim depends on torch alone.
+PACKAGE_LAYERS = {
+    "topo": 0,
+    "optim": 0,
+    "engine": 1,
+    "inner_step": 2,  # the front-ends' shared step machinery
+    "wrapper": 3,
+    "data_parallel_backward": 3,  # the module front-end's helpers, below the class
+    "data_parallel_state": 4,
+    "data_parallel": 5,
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join([NAME, *parts])] = path
+    return found
+
+
+def _imports(path: Path, module: str) -> list[tuple[str, list[str]]]:
+    """(imported module, names imported from it) for every import in ``path``."""
+    tree = ast.parse(path.read_text())
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((alias.name, []) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            found.append((base, [alias.name for alias in node.names]))
+    return found
+
+
+def _resolve(target: str, names: list[str], modules: dict[str, Path]) -> list[str]:
+    """The package's modules an import reaches: ``from pkg import mod`` reaches ``pkg.mod``."""
+    if not target.startswith(NAME):
+        return []
+    reached = [target] if target in modules else []
+    reached += [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+    return reached
+
+
+def _room(module: str, layers: dict[str, int], prefix: str) -> str | None:
+    """The longest key of ``layers`` that ``module`` (relative to ``prefix``) lies in."""
+    if not module.startswith(prefix):
+        return None
+    rest = module[len(prefix) :].lstrip(".")
+    best = None
+    for room in layers:
+        if (rest == room or rest.startswith(room + ".")) and (best is None or len(room) > len(best)):
+            best = room
+    return best
+
+
+def _edges() -> list[tuple[str, str, list[str]]]:
+    modules = _modules()
+    edges = []
+    for module, path in modules.items():
+        for target, names in _imports(path, module):
+            for reached in _resolve(target, names, modules):
+                if reached != module:
+                    edges.append((module, reached, names))
+    return edges
+
+
+def test_the_engines_rooms_import_only_from_lower_layers():
+    wrong = []
+    for source, target, _ in _edges():
+        a = _room(source, ENGINE_LAYERS, NAME)
+        b = _room(target, ENGINE_LAYERS, NAME)
+        if a is None or b is None or a == b:
+            continue
+        if ENGINE_LAYERS[b] >= ENGINE_LAYERS[a]:
+            wrong.append(f"{source} imports {target} ({a} may not import {b})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_packages_layers_run_one_way():
+    wrong = []
+    for source, target, _ in _edges():
+        a = _room(source, PACKAGE_LAYERS, NAME)
+        b = _room(target, PACKAGE_LAYERS, NAME)
+        if a is None or b is None or a == b:
+            continue
+        if PACKAGE_LAYERS[b] >= PACKAGE_LAYERS[a]:
+            wrong.append(f"{source} imports {target}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_circles_between_modules():
+    graph: dict[str, set[str]] = {}
+    for source, target, _ in _edges():
+        if target.startswith(source + "."):  # a package importing its own modules (re-exports)
+            continue
+        graph.setdefault(source, set()).add(target)
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*path[path.index(nxt) :], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*path, nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, "\n".join(cycles)
+
+
+def test_no_room_imports_another_rooms_private_names():
+    wrong = []
+    for source, target, names in _edges():
+        a = _room(source, ENGINE_LAYERS, NAME) or source
+        b = _room(target, ENGINE_LAYERS, NAME) or target
+        if a == b:
+            continue
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        if private:
+            wrong.append(f"{source} imports {private} from {target}")
+    assert not wrong, "\n".join(wrong)
