@@ -12,9 +12,12 @@ sizes, and the update against a float64 formula.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import tempfile
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,11 +54,23 @@ def _database_configs() -> list[tuple[type[torch.optim.Optimizer], str, dict]]:
     """torch's Adam and AdamW configurations on the CPU, enumerated as torch's own tests enumerate
     them, and each once more with ``foreach=True`` (torch lists foreach only for devices with foreach
     kernels; on a CPU it loops the same kernels)."""
-    listed = subprocess.run(
-        [sys.executable, "-c", _ENUMERATE_DATABASE], capture_output=True, text=True, timeout=120, check=True
-    )
+    # Collected by every pytest-xdist worker, which must list the same tests: the listing is cached per
+    # torch version (written whole, then renamed), and the generous timeout covers 3 workers importing
+    # torch's test database at once on 2 busy cores.
+    cache = Path(tempfile.gettempdir()) / f"decent-optim-wrapper-adam-db-{torch.__version__}.json"
+    if not cache.exists():
+        listed = subprocess.run(
+            [sys.executable, "-c", _ENUMERATE_DATABASE],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=True,
+        )
+        partial = cache.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(listed.stdout.strip().splitlines()[-1])
+        os.replace(partial, cache)
     configs = []
-    for name, desc, kwargs in json.loads(listed.stdout.strip().splitlines()[-1]):
+    for name, desc, kwargs in json.loads(cache.read_text()):
         cls = getattr(torch.optim, name)
         configs.append((cls, desc, kwargs))
         if not any(kwargs.get(flag) for flag in ("fused", "differentiable")):
