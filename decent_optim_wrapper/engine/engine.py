@@ -241,8 +241,9 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         return self._compression
 
     def bytes_sent_per_step(self) -> float:
-        """Bytes this rank sends per step (:meth:`Gossip.bytes_sent_per_step`; twice with tracking;
-        with low-communication gossip, one anchor round's bytes over ``sync_every`` steps)."""
+        """Bytes this rank sends per step
+        (:meth:`~decent_optim_wrapper.engine.exchange.gossip.Gossip.bytes_sent_per_step`; twice with
+        tracking; with low-communication gossip, one anchor round's bytes over ``sync_every`` steps)."""
         if self._local is not None:
             return self._local.bytes_sent_per_step()
         rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters

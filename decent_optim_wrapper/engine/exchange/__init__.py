@@ -2,8 +2,8 @@
 
 * :mod:`~decent_optim_wrapper.engine.exchange.shards` -- sharded (DTensor) parameters: their local shards.
 * :mod:`~decent_optim_wrapper.engine.exchange.buckets` -- flat buckets that parameters become views of.
-* :mod:`~decent_optim_wrapper.engine.exchange.gossip` -- :class:`Gossip`: stage, launch, wait and mix
-  per bucket, one round in flight each, exact or compressed.
+* :mod:`~decent_optim_wrapper.engine.exchange.gossip` -- :class:`~decent_optim_wrapper.engine.Gossip`:
+  stage, launch, wait and mix per bucket, one round in flight each, exact or compressed.
 
 Imports: :mod:`~decent_optim_wrapper.engine.fleet` (process groups, waits, the gossip world),
 :mod:`~decent_optim_wrapper.engine.wire` (wire formats), :mod:`decent_optim_wrapper.engine.errors` and
