@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
+from torch import nn
 
 from decent_optim_wrapper import JoinRejectedError, init_elastic, node_mesh
 from decent_optim_wrapper.engine.fleet.admission import (
@@ -17,6 +20,7 @@ from decent_optim_wrapper.engine.fleet.admission import (
     JobInfo,
     JoinerWatch,
     JoinRequest,
+    SignatureEntry,
     admit,
     decode,
     encode,
@@ -28,6 +32,8 @@ from decent_optim_wrapper.engine.fleet.admission import (
     write_verdicts,
 )
 from decent_optim_wrapper.engine.fleet.membership import Decision, Report
+from decent_optim_wrapper.engine.fleet.world import GossipWorld
+from decent_optim_wrapper.engine.layout import build_parts, join_signature
 
 pytestmark = pytest.mark.pure
 
@@ -77,6 +83,63 @@ def test_a_mismatch_names_the_first_entry_that_differs():
     assert mismatch(SIGNATURE, SIGNATURE) == ""
     assert "does not know" in mismatch(SIGNATURE, (*SIGNATURE, ("extra", 1)))
     assert "its compression differs" in mismatch(SIGNATURE, (*SIGNATURE[:2], ("compression", "int8")))
+
+
+def _join_signature(model: nn.Module) -> tuple[tuple[str, object], ...]:
+    """What a worker training ``model`` (the module front-end's names) publishes or applies with."""
+    parts = build_parts(
+        list(model.named_parameters()),
+        GossipWorld((0, 1, 2), 0, 1),
+        topology="ring",
+        bucket_cap_bytes=2**20,
+        params_as_views=False,
+        compression=None,
+        gradient_tracking=False,
+        sync_every=1,
+        sync_delay=None,
+        outer_optimizer=None,
+        on_peer_failure="continue",
+        second_moment="average",
+        pacing=None,
+    )
+    return join_signature(parts.layout)
+
+
+def _mlp(width: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    return nn.Sequential(OrderedDict(fc1=nn.Linear(32, width), act=nn.Tanh(), fc2=nn.Linear(width, 10))).to(
+        dtype
+    )
+
+
+def test_a_joiner_whose_layer_is_wider_is_told_the_parameter_by_name_and_shape(monkeypatch):
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")  # on_peer_failure="continue" checks it
+    job = _join_signature(_mlp(48))
+    reason = mismatch(job, _join_signature(_mlp(64)))
+    print(reason)
+    assert reason == (
+        "its parameter fc1.weight differs from the running job's: it has shape (64, 32) here and (48, 32) "
+        "in the job; start it with the job's code, model and options"
+    )
+    reason = mismatch(job, _join_signature(_mlp(48, torch.float64)))
+    assert "its parameter fc1.weight differs" in reason and "dtype 'torch.float64' here and" in reason
+    reason = mismatch(job, _join_signature(nn.Sequential(OrderedDict(fc1=nn.Linear(32, 48)))))
+    print(reason)
+    assert "its parameters differ from the running job's: 2 here, 4 in the job" in reason
+    assert "the first without a counterpart is parameter fc2.weight in the job" in reason
+    renamed = nn.Sequential(OrderedDict(a=nn.Linear(32, 48), b=nn.Tanh(), c=nn.Linear(48, 10)))
+    assert mismatch(job, _join_signature(renamed)) == ""  # names alone never refuse a worker
+
+
+def test_a_node_is_told_which_shard_and_parameter_differ():
+    def entry(shape: tuple[int, ...]) -> SignatureEntry:
+        return SignatureEntry("parameter 0.weight", (("shape", shape), ("dtype", "torch.float64")))
+
+    job = tuple((f"shard {s}", (("parameters", (entry((8, 4)),)),)) for s in range(2))
+    node = (job[0], ("shard 1", (("parameters", (entry((6, 4)),)),)))
+    assert mismatch(job, node).startswith(
+        "its shard 1's parameter 0.weight differs from the running job's: it has shape (6, 4) here and "
+        "(8, 4) in the job"
+    )
 
 
 def test_members_admit_live_applicants_in_order_spreading_donors_and_refuse_the_others():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 
 import pytest
 import torch
@@ -10,7 +11,11 @@ import torch.distributed as dist
 from helpers import tiny_model
 from torch import nn
 
-from decent_optim_wrapper import DecentOptimWrapper, Group, RingTopology, Topology
+from decent_optim_wrapper import DecentOptimWrapper, GossipCompression, Group, RingTopology, Topology
+from decent_optim_wrapper.engine.fleet.membership import connect_store
+from decent_optim_wrapper.engine.fleet.world import GossipWorld, check_job_of_nodes, resolve_gossip_world
+from decent_optim_wrapper.engine.layout import build_parts, check_pacing_composes
+from decent_optim_wrapper.engine.options import check_on_peer_failure
 
 
 @pytest.mark.pure
@@ -19,6 +24,111 @@ def test_uninitialized_torch_distributed_is_a_runtime_error():
     model = tiny_model()
     with pytest.raises(RuntimeError, match=r"torch.distributed is not initialized.*init_process_group"):
         DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _nesterov(params):
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+def _build(subgroup: bool = False, **options):
+    """What the engine builds from ``options`` on rank 0 of 4, before any collective (no process group)."""
+    named = [(name, p) for name, p in tiny_model().named_parameters()]
+    defaults = dict(
+        topology="ring",
+        bucket_cap_bytes=2**20,
+        params_as_views=False,
+        compression=None,
+        gradient_tracking=False,
+        sync_every=1,
+        sync_delay=None,
+        outer_optimizer=None,
+        on_peer_failure="raise",
+        second_moment="average",
+    )
+    return build_parts(named, GossipWorld((0, 1, 2, 3), 0, 1, subgroup=subgroup), **{**defaults, **options})
+
+
+#: Every refused combination of options: (what builds it, fragments the message must hold: both options
+#: with their values, and the fix). Engine options go through build_parts, in the order the engine checks.
+REFUSED = {
+    "pacing with gradient_tracking": (
+        lambda: _build(pacing="measured", sync_every=4, gradient_tracking=True),
+        ["pacing='measured'", "gradient_tracking=True", "Pass pacing=None", "gradient_tracking=False"],
+    ),
+    "sync_every with gradient_tracking": (
+        lambda: _build(sync_every=4, gradient_tracking=True),
+        ["gradient_tracking=True", "sync_every=4", "Pass gradient_tracking=False", "leave sync_every=1"],
+    ),
+    "outer_optimizer with gradient_tracking": (
+        lambda: _build(outer_optimizer=_nesterov, gradient_tracking=True),
+        ["gradient_tracking=True", "(outer_optimizer=<function _nesterov", "outer_optimizer=None"],
+    ),
+    "sync_delay with gradient_tracking": (
+        lambda: _build(sync_delay=0, gradient_tracking=True),
+        ["gradient_tracking=True", "sync_delay=0", "sync_delay=None"],
+    ),
+    "sync_delay beyond sync_every": (
+        lambda: _build(sync_every=4, sync_delay=5),
+        ["sync_delay=5", "sync_every=4", "Pass sync_delay in [0, 4]", "a larger sync_every"],
+    ),
+    "pacing with continue on sharded replicas": (
+        lambda: check_pacing_composes("measured", "continue", sharded=True),
+        ["pacing='measured'", "on_peer_failure='continue'", "Pass on_peer_failure='raise'", "pacing=None"],
+    ),
+    "continue with device_mesh": (
+        lambda: _build(on_peer_failure="continue", subgroup=True),
+        ['on_peer_failure="continue"', "device_mesh", 'use on_peer_failure="raise"'],
+    ),
+    "continue with a topology instance": (
+        lambda: _build(on_peer_failure="continue", topology=RingTopology(4)),
+        ['on_peer_failure="continue"', "topology=", "pass its registered name or its class"],
+    ),
+    "continue on nccl": (
+        lambda: check_on_peer_failure("continue", "ring", backend="nccl"),
+        ['on_peer_failure="continue"', "'nccl'", 'use on_peer_failure="raise"'],
+    ),
+    "continue without a store": (
+        lambda: connect_store(None, timedelta(seconds=1)),
+        ['on_peer_failure="continue"', "store=None", "pass store=torch.distributed.TCPStore("],
+    ),
+    "device_mesh with process_group": (
+        lambda: resolve_gossip_world(None, None, None, object(), object()),  # type: ignore[arg-type]
+        ["device_mesh", "process_group", "not both", "keep one"],
+    ),
+    "device_mesh in a job of nodes": (
+        lambda: check_job_of_nodes(2, object(), None, None),
+        ["shards=2", "device_mesh=", "leave device_mesh and process_group out"],
+    ),
+    "local_world_size in a job of nodes": (
+        lambda: check_job_of_nodes(2, None, None, 2),
+        ["local_world_size=2", "shards=2", "leave it out"],
+    ),
+    "density with chunk": (
+        lambda: GossipCompression("int8", density=0.999),
+        ["density=0.999", "chunk=256", "pass density=1.0", "a larger chunk"],
+    ),
+}
+
+#: What a message must not say: the cause it is not.
+NOT_THE_CAUSE = {
+    "pacing with gradient_tracking": ["low-communication", "sync_every"],
+    "outer_optimizer with gradient_tracking": ["sync_every > 1", "sync_every=1)"],
+}
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_a_refused_combination_names_both_options_and_the_fix(monkeypatch, name):
+    build, fragments = REFUSED[name]
+    monkeypatch.delenv("MASTER_ADDR", raising=False)  # no rendezvous for the store to come from
+    with pytest.raises(ValueError) as refused:
+        build()
+    message = str(refused.value)
+    print(f"{name}: {message}")
+    for fragment in fragments:
+        assert fragment in message, f"{fragment!r} not in {message!r}"
+    for fragment in NOT_THE_CAUSE.get(name, ()):
+        assert fragment not in message, f"{fragment!r} in {message!r}"
 
 
 class OneRankDisagrees(Topology):

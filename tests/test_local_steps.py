@@ -669,7 +669,7 @@ def _bad(case: str) -> str:
     [
         ("zero", "sync_every must be >= 1"),
         ("float", "sync_every must be a positive int"),
-        ("delay", r"sync_delay must lie in \[0, sync_every=4\]"),
+        ("delay", r"sync_delay=5 exceeds sync_every=4"),
         ("disagree", "Low-communication gossip .* differs between rank 0 and rank\\(s\\) \\[1\\]"),
         ("no-optimizer", "returned NoneType, not a torch.optim.Optimizer"),
         ("wrong-tensors", "must cover exactly the .* anchor tensors"),

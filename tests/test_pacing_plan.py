@@ -211,6 +211,6 @@ def test_pacing_in_a_job_of_nodes_that_survives_failures_is_refused_by_name():
     from decent_optim_wrapper.engine.layout import check_pacing_composes
 
     with pytest.raises(ValueError, match=r"on_peer_failure='continue'.*shards=k"):
-        check_pacing_composes(Pacing(), False, "continue", sharded=True)
-    check_pacing_composes(Pacing(), False, "continue", sharded=False)  # whole replicas: supported
-    check_pacing_composes(Pacing(), False, "raise", sharded=True)  # measured HSDP: supported
+        check_pacing_composes(Pacing(), "continue", sharded=True)
+    check_pacing_composes(Pacing(), "continue", sharded=False)  # whole replicas: supported
+    check_pacing_composes(Pacing(), "raise", sharded=True)  # measured HSDP: supported

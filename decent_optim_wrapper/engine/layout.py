@@ -15,6 +15,7 @@ import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params
 from decent_optim_wrapper.engine.exchange.shards import ShardLayout
+from decent_optim_wrapper.engine.fleet.admission import SignatureEntry
 from decent_optim_wrapper.engine.fleet.comm import group_layout
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
 from decent_optim_wrapper.engine.options import (
@@ -24,7 +25,7 @@ from decent_optim_wrapper.engine.options import (
     resolve_topology,
 )
 from decent_optim_wrapper.engine.rules.local_steps import LocalSteps, OuterFactory, resolve_local_steps
-from decent_optim_wrapper.engine.rules.pacing import Pacing, PacingSpec, resolve_pacing
+from decent_optim_wrapper.engine.rules.pacing import PacingSpec, resolve_pacing
 from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
 from decent_optim_wrapper.engine.wire.compression import (
     CompressionSpec,
@@ -33,7 +34,16 @@ from decent_optim_wrapper.engine.wire.compression import (
 )
 from decent_optim_wrapper.topo import Topology
 
-__all__ = ["EngineParts", "NamedParams", "build_parts", "join_signature", "signatures"]
+__all__ = [
+    "EngineParts",
+    "NamedParams",
+    "build_parts",
+    "check_pacing_composes",
+    "check_tracking_composes",
+    "join_signature",
+    "parameter_entries",
+    "signatures",
+]
 
 #: ``(name, parameter)`` pairs, or a function returning them (run inside the agreement).
 NamedParams = Sequence[tuple[str, torch.Tensor]] | Callable[[], Sequence[tuple[str, torch.Tensor]]]
@@ -54,9 +64,11 @@ class EngineParts:
 
 def join_signature(layout: LocalLayout) -> tuple[tuple[str, object], ...]:
     """What a worker joining a running job must share with its members, field by field (not the
-    topology's schedule or groups: those follow the world size)."""
+    topology's schedule or groups: those follow the world size). The parameters come before the
+    buckets they are laid out in, so that a model that differs is named by its first parameter."""
     return (
         ("topology", layout.topology[0]),
+        ("parameters", layout.parameters),
         ("buckets", layout.buckets),
         ("compression", layout.compression),
         ("gradient_tracking", layout.gradient_tracking),
@@ -81,24 +93,22 @@ def build_parts(
     second_moment: str,
     pacing: PacingSpec = None,
 ) -> EngineParts:
-    """Check the options and build the parts (the engine's docstring describes each option)."""
+    """Check the options and build the parts (the engine's docstring describes each option).
+
+    Each option is checked alone first, then the combinations that are refused, each by the check that
+    names its cause (:func:`check_tracking_composes`, :func:`check_pacing_composes`).
+    """
     check_on_peer_failure(on_peer_failure, topology, world.subgroup, world.replicas is not None)
     rule = SecondMomentRule(second_moment)
     wire = resolve_compression(compression)
     topo = resolve_topology(topology, world.world_size, world.local_world_size)
     paced = resolve_pacing(pacing)
     spec = resolve_local_steps(sync_every, sync_delay, outer_optimizer, paced)
-    if spec is not None and gradient_tracking:
-        raise ValueError(
-            "gradient_tracking=True cannot be combined with low-communication gossip (sync_every="
-            f"{sync_every}, outer_optimizer={outer_optimizer!r}, sync_delay={sync_delay!r}): the "
-            "trackers are gossiped every step, which is what sync_every > 1 avoids. Use one or the other."
-        )
+    check_tracking_composes(gradient_tracking, pacing, sync_every, sync_delay, outer_optimizer)
     params, names = check_named_params(named_params() if callable(named_params) else named_params)
     shards = ShardLayout(params, names, world)
     if paced is not None:
-        sharded = shards.sharded or world.replicas is not None
-        check_pacing_composes(paced, gradient_tracking, on_peer_failure, sharded)
+        check_pacing_composes(pacing, on_peer_failure, shards.sharded or world.replicas is not None)
     buckets = build_buckets(params, names, bucket_cap_bytes, params_as_views)
     local = None if spec is None else LocalSteps(buckets, spec, shards.max_over_mesh)
     layout = LocalLayout(
@@ -111,26 +121,62 @@ def build_parts(
         on_peer_failure,
         second_moment,
         group_layout(topo, world),
+        parameter_entries(params, names),
     )
     return EngineParts(topo, buckets, shards, local, wire, rule, layout)
 
 
-def check_pacing_composes(
-    pacing: Pacing, gradient_tracking: bool, on_peer_failure: str, sharded: bool
+def check_tracking_composes(
+    gradient_tracking: bool, pacing: object, sync_every: int, sync_delay: int | None, outer_optimizer: object
 ) -> None:
-    """Refuse what paced rounds cannot be combined with (yet), on every rank before any collective."""
-    if gradient_tracking:
+    """Refuse gradient tracking with paced rounds or low-communication gossip (options checked alone).
+
+    The trackers are gossiped after every step; paced rounds and low-communication gossip exchange
+    once per round. Paced rounds are named first: they use rounds whatever ``sync_every`` is.
+    """
+    if not gradient_tracking:
+        return
+    if pacing is not None:
         raise ValueError(
             f"pacing={pacing!r} cannot be combined with gradient_tracking=True: the trackers are gossiped "
-            "every step, and paced ranks take different numbers of steps. Use one or the other."
+            "after every step, but paced ranks take different numbers of steps per round. Pass "
+            "pacing=None to track gradients, or gradient_tracking=False to pace the rounds."
         )
+    rounds = [
+        f"{name}={value!r}"
+        for name, value, default in (
+            ("sync_every", sync_every, 1),
+            ("sync_delay", sync_delay, None),
+            ("outer_optimizer", outer_optimizer, None),
+        )
+        if value != default
+    ]
+    if rounds:
+        raise ValueError(
+            f"gradient_tracking=True cannot be combined with low-communication gossip ({', '.join(rounds)}): "
+            "the trackers are gossiped after every step, low-communication gossip once per round. Pass "
+            "gradient_tracking=False to keep the rounds, or leave sync_every=1, sync_delay=None and "
+            "outer_optimizer=None (the defaults) to track gradients."
+        )
+
+
+def check_pacing_composes(pacing: object, on_peer_failure: str, sharded: bool) -> None:
+    """Refuse what paced rounds cannot be combined with (yet), on every rank before any collective."""
     if sharded and on_peer_failure != "raise":
         raise ValueError(
-            f"pacing with on_peer_failure={on_peer_failure!r} is not supported yet for sharded replicas "
-            "(decentralized HSDP, or a job of nodes started with init_elastic(..., shards=k)): the ranks "
-            "of a replica plan their rounds together, which a recovery does not re-form yet. Pass "
+            f"pacing={pacing!r} with on_peer_failure={on_peer_failure!r} is not supported yet for sharded "
+            "replicas (decentralized HSDP, or a job of nodes started with init_elastic(..., shards=k)): the "
+            "ranks of a replica plan their rounds together, which a recovery does not re-form yet. Pass "
             "on_peer_failure='raise' (the default) with pacing there, or pacing=None."
         )
+
+
+def parameter_entries(params: Sequence[torch.Tensor], names: Sequence[str]) -> tuple[SignatureEntry, ...]:
+    """Each parameter's shape (a sharded one's whole shape) and dtype, labelled by its name."""
+    return tuple(
+        SignatureEntry(f"parameter {name}", (("shape", tuple(param.shape)), ("dtype", str(param.dtype))))
+        for param, name in zip(params, names, strict=True)
+    )
 
 
 def signatures(buckets: Sequence[Bucket]) -> tuple[object, ...]:

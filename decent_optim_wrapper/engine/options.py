@@ -11,6 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from decent_optim_wrapper.engine.fleet.admission import SignatureEntry
 from decent_optim_wrapper.engine.fleet.comm import GroupLayout, check_identical
 from decent_optim_wrapper.engine.wire.compression import GossipCompression
 from decent_optim_wrapper.topo import Topology, TopologyFactory
@@ -50,6 +51,9 @@ class LocalLayout:
     second_moment: str = "average"
     # The gossip world's members and its topology's groups, in global ranks (compared by membership).
     groups: GroupLayout = ((), ())
+    # Each parameter's name, shape and dtype, in the given order: named in a joiner's rejection. Not compared
+    # across ranks (the buckets are), so that names alone never make ranks disagree.
+    parameters: tuple[SignatureEntry, ...] = ()
 
 
 #: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
@@ -161,11 +165,16 @@ PEER_FAILURE_MODES = ("raise", "continue")
 
 
 def check_on_peer_failure(
-    mode: object, topology: object, subgroup: bool = False, replicas: bool = False
+    mode: object,
+    topology: object,
+    subgroup: bool = False,
+    replicas: bool = False,
+    backend: str | None = None,
 ) -> None:
-    """Check ``on_peer_failure``; "continue" needs gloo, the whole job as the gossip world (the
-    survivors re-form the default group) or a job of nodes (``replicas``: they re-form their shard
-    worlds), and a topology that can be rebuilt at any size."""
+    """Check ``on_peer_failure``; "continue" needs the whole job as the gossip world (the survivors
+    re-form the default group) or a job of nodes (``replicas``: they re-form their shard worlds), a
+    topology that can be rebuilt at any size, and gloo (``backend``: the default process group's if
+    None)."""
     if mode not in PEER_FAILURE_MODES:
         raise ValueError(
             f'on_peer_failure must be "raise" (stop with an error, the default) or "continue" (go on with '
@@ -179,14 +188,14 @@ def check_on_peer_failure(
             "which a device_mesh or process_group (and the sharding beside it) cannot follow; use "
             'on_peer_failure="raise" with device_mesh/process_group and resume from checkpoints.'
         )
-    backend = dist.get_backend()
-    if backend != "gloo":
-        raise ValueError(
-            f'on_peer_failure="continue" is supported on the gloo backend (CPU), but the default process '
-            f'group uses {backend!r}; use on_peer_failure="raise" there and resume from checkpoints.'
-        )
     if isinstance(topology, Topology):
         raise ValueError(
             f'on_peer_failure="continue" rebuilds the topology for the survivors, but topology={topology!r} '
             "is an instance built for one world size; pass its registered name or its class instead."
+        )
+    backend = dist.get_backend() if backend is None else backend
+    if backend != "gloo":
+        raise ValueError(
+            f'on_peer_failure="continue" is supported on the gloo backend (CPU), but the default process '
+            f'group uses {backend!r}; use on_peer_failure="raise" there and resume from checkpoints.'
         )

@@ -10,19 +10,26 @@ union of the shards' updates is the whole model's.
 A parameter's shard is its local tensor (``DTensor.to_local()``), a view of the storage FSDP2 keeps
 and all-gathers from. It cannot become a view of a bucket (FSDP2 owns that storage), so buckets of
 sharded parameters copy in and out (``params_as_views=False``).
+
+Only sharded training imports :mod:`torch.distributed.tensor` (it pulls in sympy: seconds at start-up,
+for every worker and every joiner). A tensor can be a DTensor only once that module is loaded, so
+:func:`is_sharded` looks for it in ``sys.modules`` instead of importing it.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
 
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "ShardLayout",
@@ -33,14 +40,19 @@ __all__ = [
 ]
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (whose elements are spread over a device mesh)."""
-    return isinstance(tensor, DTensor)
+def is_sharded(tensor: object) -> TypeGuard[DTensor]:
+    """Whether ``tensor`` is a DTensor (whose elements are spread over a device mesh).
+
+    Imports nothing: without :mod:`torch.distributed.tensor` loaded, no DTensor exists.
+    """
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``tensor``: a DTensor's local shard (a view of its storage), else itself."""
-    if isinstance(tensor, DTensor):
+    if is_sharded(tensor):
         with torch.no_grad():  # without autograd, to_local() is a view of the storage, not a copy
             return tensor.to_local()
     return tensor
@@ -71,7 +83,7 @@ class ShardLayout:
         """
         first, first_name = self.mesh, self._first
         for param, name in zip(params, names, strict=True):
-            if not isinstance(param, DTensor):
+            if not is_sharded(param):
                 continue
             mesh = param.device_mesh
             if first is None:
@@ -95,8 +107,10 @@ class ShardLayout:
         """How many ranks of the mesh hold the same elements as this rank's shard of ``param``."""
         if self.mesh is None:
             return 1
-        if not isinstance(param, DTensor):
+        if not is_sharded(param):
             return self.mesh.size()
+        from torch.distributed.tensor import Replicate  # loaded already: param is a DTensor
+
         copies = 1
         for dim, placement in enumerate(param.placements):
             if isinstance(placement, Replicate):
@@ -173,9 +187,11 @@ def placed_optimizer_state(state_dict: dict[str, Any], params: Sequence[torch.Te
     state: dict[Any, Any] = {}
     for index, entry in state_dict["state"].items():
         param = params[index] if isinstance(index, int) and 0 <= index < len(params) else None
-        if not isinstance(param, DTensor):
+        if not is_sharded(param):
             state[index] = entry
             continue
+        from torch.distributed.tensor import DTensor  # loaded already: param is a DTensor
+
         shard = param.to_local()
         state[index] = {
             key: DTensor.from_local(

@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 
-__all__ = ["GossipWorld", "members_per_node", "resolve_gossip_world"]
+__all__ = ["GossipWorld", "check_job_of_nodes", "members_per_node", "resolve_gossip_world"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,11 @@ def resolve_gossip_world(
     ``local_world_size`` defaults to how many members share a node, from torchrun's
     ``LOCAL_WORLD_SIZE`` (nodes hold consecutive global ranks), else 1.
     """
+    if device_mesh is not None and process_group is not None:
+        raise ValueError(
+            "Pass device_mesh or process_group, not both: each names the group to gossip along "
+            '(device_mesh=mesh["replicate"] is process_group=mesh["replicate"].get_group()); keep one.'
+        )
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "torch.distributed is not initialized. Call torch.distributed.init_process_group() first "
@@ -74,12 +79,7 @@ def resolve_gossip_world(
     job = current_job()
     replicas = None if job is None else job.replicas
     if replicas is not None:
-        if device_mesh is not None or process_group is not None:
-            raise ValueError(
-                f"this job was started with init_elastic(..., shards={replicas.shards}): the wrapper gossips "
-                "along the job's replicas by itself (rank s of every node); leave device_mesh and "
-                "process_group out, and shard the model over node_mesh()."
-            )
+        check_job_of_nodes(replicas.shards, device_mesh, process_group, local_world_size)
         members, me, subgroup = tuple(range(replicas.nodes)), replicas.node, True
     else:
         group_members = _members(device_mesh, process_group)
@@ -98,19 +98,32 @@ def resolve_gossip_world(
                 f"{name}={given} disagrees with {where}, which gives {name}={actual}. "
                 f"Pass {name}={actual} or leave it out."
             )
-    if replicas is not None and local_world_size not in (None, 1):
-        raise ValueError(
-            f"local_world_size={local_world_size!r}: in a job started with init_elastic(..., shards=) each "
-            "node holds one member of every shard world, so local_world_size is 1; leave it out."
-        )
     per_node = 1 if replicas is not None else _local_world_size(local_world_size, members, subgroup)
     return GossipWorld(members, me, per_node, subgroup, replicas)
 
 
+def check_job_of_nodes(
+    shards: int, device_mesh: object, process_group: object, local_world_size: object
+) -> None:
+    """Refuse what a job of nodes (``init_elastic(..., shards=k)``) sets by itself: the gossip group and
+    the members per node."""
+    if device_mesh is not None or process_group is not None:
+        given = "device_mesh" if device_mesh is not None else "process_group"
+        raise ValueError(
+            f"this job was started with init_elastic(..., shards={shards}), but {given}= was passed: the "
+            "wrapper gossips along the job's replicas by itself (rank s of every node); leave device_mesh "
+            "and process_group out, and shard the model over node_mesh()."
+        )
+    if local_world_size not in (None, 1):
+        raise ValueError(
+            f"local_world_size={local_world_size!r}: in a job started with init_elastic(..., "
+            f"shards={shards}) each node holds one member of every shard world, so local_world_size is 1; "
+            "leave it out."
+        )
+
+
 def _members(device_mesh: object, process_group: object) -> tuple[int, ...] | None:
     """The gossip group's global ranks in group order, or None for the whole job."""
-    if device_mesh is not None and process_group is not None:
-        raise ValueError("Pass device_mesh or process_group, not both: each names the group to gossip along.")
     if device_mesh is not None:
         if not isinstance(device_mesh, DeviceMesh):
             raise TypeError(

@@ -112,10 +112,16 @@ def resolve_local_steps(
             f"sync_delay must be None or an int in [0, sync_every], got {sync_delay!r}; 0 blocks, "
             f"sync_every={sync_every} (the default) lets the exchange run behind a whole round."
         )
-    if sync_delay is not None and not 0 <= sync_delay <= sync_every:
+    if sync_delay is not None and sync_delay < 0:
         raise ValueError(
-            f"sync_delay must lie in [0, sync_every={sync_every}], got {sync_delay}: a round must be folded "
-            "in before the next one starts. 0 blocks; None (the default) means a whole round."
+            f"sync_delay must lie in [0, sync_every={sync_every}], got {sync_delay}: the steps a round's "
+            "exchange runs behind. 0 blocks; None (the default) means a whole round."
+        )
+    if sync_delay is not None and sync_delay > sync_every:
+        raise ValueError(
+            f"sync_delay={sync_delay} exceeds sync_every={sync_every}: a round must be folded in before the "
+            f"next one starts. Pass sync_delay in [0, {sync_every}] (0 blocks), None (the default: a whole "
+            f"round), or a larger sync_every."
         )
     if outer_optimizer is not None and (
         isinstance(outer_optimizer, torch.optim.Optimizer) or not callable(outer_optimizer)

@@ -110,8 +110,8 @@ class GossipCompression:
             )
         if density < 1 and self.kept == chunk:
             raise ValueError(
-                f"density={density!r} keeps all {chunk} elements of a chunk; pass density=1.0 for a dense "
-                "format, or a smaller density."
+                f"density={density!r} with chunk={chunk} keeps all {chunk} elements of a chunk; pass "
+                "density=1.0 for a dense format, or a smaller density (or a larger chunk) for a sparse one."
             )
 
     @property
