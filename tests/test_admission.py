@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import build_parts_on_rank_0
 from torch import nn
 
 from decent_optim_wrapper import JoinRejectedError, init_elastic, node_mesh
@@ -32,8 +33,7 @@ from decent_optim_wrapper.engine.fleet.admission import (
     write_verdicts,
 )
 from decent_optim_wrapper.engine.fleet.membership import Decision, Report
-from decent_optim_wrapper.engine.fleet.world import GossipWorld
-from decent_optim_wrapper.engine.layout import build_parts, join_signature
+from decent_optim_wrapper.engine.layout import join_signature
 
 pytestmark = pytest.mark.pure
 
@@ -87,21 +87,7 @@ def test_a_mismatch_names_the_first_entry_that_differs():
 
 def _join_signature(model: nn.Module) -> tuple[tuple[str, object], ...]:
     """What a worker training ``model`` (the module front-end's names) publishes or applies with."""
-    parts = build_parts(
-        list(model.named_parameters()),
-        GossipWorld((0, 1, 2), 0, 1),
-        topology="ring",
-        bucket_cap_bytes=2**20,
-        params_as_views=False,
-        compression=None,
-        gradient_tracking=False,
-        sync_every=1,
-        sync_delay=None,
-        outer_optimizer=None,
-        on_peer_failure="continue",
-        second_moment="average",
-        pacing=None,
-    )
+    parts = build_parts_on_rank_0(model.named_parameters(), 3, on_peer_failure="continue")
     return join_signature(parts.layout)
 
 

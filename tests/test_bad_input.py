@@ -8,13 +8,13 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import tiny_model
+from helpers import build_parts_on_rank_0, tiny_model
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, GossipCompression, Group, RingTopology, Topology
 from decent_optim_wrapper.engine.fleet.membership import connect_store
-from decent_optim_wrapper.engine.fleet.world import GossipWorld, check_job_of_nodes, resolve_gossip_world
-from decent_optim_wrapper.engine.layout import build_parts, check_pacing_composes
+from decent_optim_wrapper.engine.fleet.world import check_job_of_nodes, resolve_gossip_world
+from decent_optim_wrapper.engine.layout import check_pacing_composes
 from decent_optim_wrapper.engine.options import check_on_peer_failure
 
 
@@ -32,20 +32,7 @@ def _nesterov(params):
 
 def _build(subgroup: bool = False, **options):
     """What the engine builds from ``options`` on rank 0 of 4, before any collective (no process group)."""
-    named = [(name, p) for name, p in tiny_model().named_parameters()]
-    defaults = dict(
-        topology="ring",
-        bucket_cap_bytes=2**20,
-        params_as_views=False,
-        compression=None,
-        gradient_tracking=False,
-        sync_every=1,
-        sync_delay=None,
-        outer_optimizer=None,
-        on_peer_failure="raise",
-        second_moment="average",
-    )
-    return build_parts(named, GossipWorld((0, 1, 2, 3), 0, 1, subgroup=subgroup), **{**defaults, **options})
+    return build_parts_on_rank_0(tiny_model().named_parameters(), 4, subgroup=subgroup, **options)
 
 
 #: Every refused combination of options: (what builds it, fragments the message must hold: both options
