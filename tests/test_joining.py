@@ -131,7 +131,9 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
             and not joining
             and t >= plan.get("request_at", 0)
         ):
-            time.sleep(0.5)  # until the joiners arrive: a process takes seconds to start
+            # Until the joiners arrive: a process takes seconds to start, tens on a loaded machine
+            # (the steps left after the request give them about 50 s).
+            time.sleep(1.5)
         step(_inputs(index, t))
         scheduler.step()
         with torch.no_grad():
