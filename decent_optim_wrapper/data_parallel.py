@@ -153,7 +153,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         self._sync_buffers = sync_buffer_in_global_avg
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self._engine = GossipEngine(
-            list(reversed(trainable)),  # backward produces the last layers' gradients first
+            trainable,
+            reverse_buckets=True,  # backward produces the last layers' gradients first
             topology=topology,
             params_as_views=param_as_bucket_view,
             bucket_cap_mb=bucket_size_in_mb,

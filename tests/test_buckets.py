@@ -45,6 +45,21 @@ def test_cap_splits_buckets_and_oversized_params_get_their_own():
     assert [s.param_indices for s in specs] == [(0, 1), (2, 3)]
 
 
+def test_reversed_buckets_are_the_same_buckets_listed_last_first():
+    # The module front-end lists its buckets last first; each must be the optimizer front-end's bucket
+    # (same parameters, offsets and number), or a compressed round would quantize other chunks.
+    params = _params(
+        ((100,), torch.float32), ((4,), torch.bfloat16), ((100,), torch.float32), ((1000,), torch.float32)
+    )
+    names = [f"p{i}" for i in range(len(params))]
+    forward = build_buckets(params, names, cap_bytes=1000)
+    backward = build_buckets(params, names, cap_bytes=1000, reverse=True)
+    assert [b.spec for b in backward] == [b.spec for b in reversed(forward)]
+    assert [b.spec.number for b in forward] == list(range(len(forward))) == [0, 1, 2]
+    added = build_buckets(params[:1], names[:1], cap_bytes=1000, first=3)  # after the first three
+    assert [b.spec.number for b in added] == [3]
+
+
 def test_offsets_are_aligned():
     params = _params(
         ((3,), torch.float32), ((5,), torch.float32), ((7,), torch.bfloat16), ((9,), torch.bfloat16)

@@ -1,4 +1,5 @@
-"""Multi-process: compressed gossip follows its update rule, keeps the mean, resumes bit for bit.
+"""Multi-process: compressed gossip follows its update rule, keeps the mean, resumes bit for bit, and is
+the same on both front-ends.
 
 The update rule (decent_optim_wrapper.engine.wire.compression): a group's first round is exact; later a
 member sends ``q_i = Q(x_i - r)`` and mixes ``x_i <- x_i + c (sum_j q_j - k q_i)``, and every member
@@ -394,3 +395,68 @@ def test_a_revert_on_some_ranks_only_keeps_the_references_identical(pool, wire):
     assert refs0.keys() == refs1.keys() == {(0, 1)}
     assert torch.equal(refs0[(0, 1)], refs1[(0, 1)])
     assert torch.isfinite(model0).all() and torch.isfinite(model1).all()
+
+
+# -- both front-ends ------------------------------------------------------------------------------------
+def _three_layers() -> nn.Module:
+    # 880 elements in fp32 buckets (parameters aligned to 16): four 256-element chunks that straddle
+    # parameters; buckets of 120 elements split the model otherwise when planned in backward order
+    # ({b2, w2} {b1} {w1} {b0} {w0}) than in model order ({w0} {b0} {w1} {b1, w2} {b2}).
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 24), nn.Tanh(), nn.Linear(24, 24), nn.Tanh(), nn.Linear(24, 3))
+
+
+#: Buckets of 120 fp32 elements for ``_three_layers``.
+SPLIT_BUCKETS_MB = 120 * 4 / 2**20
+
+
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _front_end_training(
+    front_end: str, wire: str | None, bucket_mb: float, steps: int, **rule: object
+) -> torch.Tensor:
+    rank, model = dist.get_rank(), _three_layers()
+    options = {"topology": "ring", "compression": wire, **rule}
+    if front_end == "optimizer":
+        opt = DecentOptimWrapper(_sgd(model.parameters()), bucket_cap_mb=bucket_mb, **options)
+        train_steps(model, opt, rank, range(steps))
+        opt.engine.wait_all()
+    else:
+        ddp = DecentralizedDataParallel(
+            model, lambda named: _sgd([p for _, p in named]), bucket_size_in_mb=bucket_mb, **options
+        )
+        for step in range(steps):
+            x, y = batch(rank, step)
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        ddp.engine.wait_all()
+    return flat(model)
+
+
+@pytest.mark.parametrize("bucket_mb", [25, SPLIT_BUCKETS_MB], ids=["one-bucket", "split-buckets"])
+@pytest.mark.parametrize("wire", [None, "bf16", "int8", "int4", "topk:0.1:int8", "randk:0.1:int4"])
+def test_both_front_ends_run_the_same_compressed_update_bit_for_bit(pool, wire, bucket_mb):
+    # The same model, optimizer and data on each rank under either front-end: the codecs must see the
+    # same chunks (and random-k the same draws), whatever order the module front-end steps buckets in.
+    steps = 20
+    wrapped = pool(4).run(_front_end_training, "optimizer", wire, bucket_mb, steps)
+    module = pool(4).run(_front_end_training, "module", wire, bucket_mb, steps)
+    differs = [rank for rank in range(4) if not torch.equal(wrapped[rank], module[rank])]
+    assert not differs, (
+        f"ranks {differs} differ; largest difference "
+        f"{max((wrapped[r] - module[r]).abs().max().item() for r in differs):.3g}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("wire", "rule"),
+    [("randk:0.1:int4", {"sync_every": 4}), ("topk:0.1:int8", {"gradient_tracking": True})],
+    ids=["low-communication", "gradient-tracking"],
+)
+def test_both_front_ends_agree_with_compression_under_the_other_rules(pool, wire, rule):
+    # The anchors' and the trackers' rounds are compressed per bucket too, with the same seeds.
+    wrapped = pool(4).run(_front_end_training, "optimizer", wire, SPLIT_BUCKETS_MB, 16, **rule)
+    module = pool(4).run(_front_end_training, "module", wire, SPLIT_BUCKETS_MB, 16, **rule)
+    for rank in range(4):
+        assert torch.equal(wrapped[rank], module[rank]), f"rank {rank}"

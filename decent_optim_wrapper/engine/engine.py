@@ -76,7 +76,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
     r"""Buckets, topology schedule, process groups and gossip of one rank.
 
     Built from ``(name, parameter)`` pairs in a given order (the optimizer front-end passes its
-    param_groups order, a module front-end the order gradients become ready): the parameters move
+    param_groups order, the module front-end the model's and ``reverse_buckets``): the parameters move
     into flat buckets in that order (``param.data`` becomes a view into a bucket, one bucket per
     dtype and device run, at most ``bucket_cap_mb`` each; a sharded parameter's local shard is
     copied in and out, :mod:`~decent_optim_wrapper.engine.exchange.shards`) and rank 0's values are
@@ -134,6 +134,8 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         second_moment: ``"average"`` (default): Adam's second moment estimates the average gradient's,
             as under all-reduce (:mod:`~.second_moment`). ``"local"``: the optimizer's own (decent-dp's).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
+        reverse_buckets: list the buckets last first (a module front-end steps them as backward
+            produces gradients); each is laid out, and compressed, as it is without.
     """
 
     def __init__(
@@ -159,6 +161,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         device_mesh: DeviceMesh | None = None,
         process_group: dist.ProcessGroup | None = None,
         context: str = "GossipEngine",
+        reverse_buckets: bool = False,
     ) -> None:
         if not isinstance(gradient_tracking, bool):
             raise TypeError(f"gradient_tracking must be True or False, got {gradient_tracking!r}.")
@@ -189,6 +192,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
                     pacing=pacing,
                     on_peer_failure=on_peer_failure,
                     second_moment=second_moment,
+                    reverse_buckets=reverse_buckets,
                 )
             )
             return parts[0].layout
@@ -429,7 +433,8 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
                 if id(param) in known:
                     raise ValueError(f"{name} is already gossiped; add each parameter only once.")
             self._shards.add(params, names)
-            built.extend(build_buckets(params, names, self._bucket_cap_bytes, self._as_views))
+            first = len(self._buckets)
+            built.extend(build_buckets(params, names, self._bucket_cap_bytes, self._as_views, first=first))
             return signatures(built)
 
         check_buckets_agree(agree(context, local_layout))

@@ -92,6 +92,7 @@ def build_parts(
     on_peer_failure: str,
     second_moment: str,
     pacing: PacingSpec = None,
+    reverse_buckets: bool = False,
 ) -> EngineParts:
     """Check the options and build the parts (the engine's docstring describes each option).
 
@@ -109,7 +110,7 @@ def build_parts(
     shards = ShardLayout(params, names, world)
     if paced is not None:
         check_pacing_composes(pacing, on_peer_failure, shards.sharded or world.replicas is not None)
-    buckets = build_buckets(params, names, bucket_cap_bytes, params_as_views)
+    buckets = build_buckets(params, names, bucket_cap_bytes, params_as_views, reverse=reverse_buckets)
     local = None if spec is None else LocalSteps(buckets, spec, shards.max_over_mesh)
     layout = LocalLayout(
         world.local_world_size,

@@ -109,7 +109,10 @@ class MemberChanges:
         self._world_reduce = world
         if broadcast:
             self._bind_and_broadcast(self._buckets)
-        plan = None if self._compression is None else CompressionPlan(self._topology, self._compression)
+        numbers = [b.spec.number for b in self._buckets]  # random draws follow a bucket, not its position
+        plan = (
+            None if self._compression is None else CompressionPlan(self._topology, self._compression, numbers)
+        )
         tensors = [b.data for b in self._buckets]
         wiring = (self._topology, self.rank, self._process_groups, self._timeout, plan)
         self._gossip = Gossip(tensors, *wiring, waiter)

@@ -36,13 +36,19 @@ ALIGN_BYTES = 64
 
 @dataclass(frozen=True)
 class BucketSpec:
-    """Where a bucket's parameters go: indices into the parameter list, and their offsets."""
+    """Where a bucket's parameters go: indices into the parameter list, and their offsets.
+
+    ``number`` is the bucket's place in the order it was planned in (the parameters' order), kept
+    when a front-end lists the buckets in another order: compressed rounds seed their random draws
+    with it, so a bucket compresses the same in either list.
+    """
 
     dtype: torch.dtype
     device: torch.device
     param_indices: tuple[int, ...]
     offsets: tuple[int, ...]
     numel: int
+    number: int = 0
 
 
 def _aligned(numel: int, element_size: int) -> int:
@@ -50,12 +56,13 @@ def _aligned(numel: int, element_size: int) -> int:
     return math.ceil(numel / step) * step
 
 
-def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[BucketSpec]:
+def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int, first: int = 0) -> list[BucketSpec]:
     """Group ``params`` into buckets: by (device, dtype) in order of first appearance, then by size.
 
     A bucket closes once adding the next parameter would exceed ``cap_bytes``; a parameter larger
     than the cap gets a bucket of its own. Order inside a bucket follows ``params``. A sharded
-    parameter counts with its local shard.
+    parameter counts with its local shard. The buckets are numbered from ``first`` in the order
+    returned.
     """
     params = [local_tensor(p) for p in params]
     runs: dict[tuple[torch.device, torch.dtype], list[int]] = {}
@@ -71,13 +78,15 @@ def plan_buckets(params: Sequence[torch.Tensor], cap_bytes: int) -> list[BucketS
         for index in indices:
             size = _aligned(params[index].numel(), element_size)
             if current and (used + size) * element_size > cap_bytes:
-                specs.append(BucketSpec(dtype, device, tuple(current), tuple(offsets), used))
+                specs.append(
+                    BucketSpec(dtype, device, tuple(current), tuple(offsets), used, first + len(specs))
+                )
                 current, offsets, used = [], [], 0
             current.append(index)
             offsets.append(used)
             used += size
         if current:
-            specs.append(BucketSpec(dtype, device, tuple(current), tuple(offsets), used))
+            specs.append(BucketSpec(dtype, device, tuple(current), tuple(offsets), used, first + len(specs)))
     return specs
 
 
@@ -204,14 +213,27 @@ def current(buckets: Iterable[Bucket], *, write: bool) -> Iterator[None]:
 
 
 def build_buckets(
-    params: Sequence[torch.Tensor], names: Sequence[str], cap_bytes: int, as_views: bool = True
+    params: Sequence[torch.Tensor],
+    names: Sequence[str],
+    cap_bytes: int,
+    as_views: bool = True,
+    *,
+    reverse: bool = False,
+    first: int = 0,
 ) -> list[Bucket]:
-    """Plan buckets for ``params`` and create them; :meth:`Bucket.bind` then moves the parameters in."""
-    buckets = [Bucket(spec, params, names, as_views) for spec in plan_buckets(params, cap_bytes)]
-    for index, bucket in enumerate(buckets):
+    """Plan buckets for ``params`` and create them; :meth:`Bucket.bind` then moves the parameters in.
+
+    With ``reverse``, the buckets are planned (and numbered from ``first``) in ``params``' order and
+    listed last first: a module front-end steps them as backward produces gradients, and each bucket
+    holds the same parameters at the same offsets as the optimizer front-end's, so that a compressed
+    round sees the same chunks under both.
+    """
+    specs = plan_buckets(params, cap_bytes, first)
+    buckets = [Bucket(spec, params, names, as_views) for spec in (specs[::-1] if reverse else specs)]
+    for bucket in buckets:
         logger.debug(
             "bucket {}: {} params, {} elements, dtype={}, device={}",
-            index,
+            bucket.spec.number,
             len(bucket.params),
             bucket.spec.numel,
             bucket.spec.dtype,

@@ -54,7 +54,7 @@ class _Channel:
     """One bucket's gossip: the tensor it averages and everything its rounds need."""
 
     tensor: torch.Tensor  # read at launch, written at mix
-    index: int  # the bucket's number (with the round's step, it seeds random-k's positions)
+    index: int  # the bucket's number, not its position (with the round's step, it seeds random-k's draws)
     buffer: torch.Tensor | None = None  # staged values, then the group sum (allocated at first use)
     round: _Round | None = None  # launched (or restored) and not mixed yet
     gathered: torch.Tensor | None = None  # compressed rounds: every member's payload, rank order
@@ -101,13 +101,14 @@ class Gossip:
         plan: CompressionPlan | None = None,
         waiter: Waiter | None = None,
     ) -> None:
-        self._channels = [_Channel(t, b) for b, t in enumerate(tensors)]
         self._waiter: Waiter = wait_all if waiter is None else waiter
         self._topology = topology
         self._rank = rank
         self._process_groups = process_groups
         self._timeout = timeout
         self._plan = plan
+        self._channels: list[_Channel] = []
+        self.add_tensors(tensors)
 
     @property
     def plan(self) -> CompressionPlan | None:
@@ -119,8 +120,9 @@ class Gossip:
 
     def add_tensors(self, tensors: Sequence[torch.Tensor]) -> None:
         """Gossip these tensors too, as new buckets at the end (nothing is in flight for them)."""
-        first = len(self._channels)
-        self._channels.extend(_Channel(t, first + b) for b, t in enumerate(tensors))
+        for position, tensor in enumerate(tensors, start=len(self._channels)):
+            number = position if self._plan is None else self._plan.bucket_number(position)
+            self._channels.append(_Channel(tensor, number))
 
     def bytes_sent_per_step(self) -> float:
         """Bytes this rank sends per step for these buckets, averaged over one period of the schedule.

@@ -13,7 +13,7 @@ compress. The algorithm, its guarantees, costs and figures: the compressed gossi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -188,8 +188,8 @@ def is_codec_name(name: object) -> bool:
 
 
 def round_seed(step: int, bucket: int) -> int:
-    """The seed of bucket ``bucket``'s round at ``step``: every member of the group derives the same,
-    and so does a resumed run decoding a checkpoint's pending round."""
+    """The seed of bucket number ``bucket``'s round at ``step``: every member of the group derives the
+    same, and so does a resumed run decoding a checkpoint's pending round."""
     return (step * 65537 + bucket) % (1 << 63)
 
 
@@ -213,17 +213,29 @@ class CompressionPlan:
     A group compresses a bucket of ``dtype`` when the dtype compresses, gathering the wire format
     moves fewer bytes than an all-reduce in full precision, and the group is among the first
     ``max_references`` such groups (in schedule order) of each of its members.
+
+    ``bucket_numbers`` gives each bucket's number (:attr:`~.buckets.BucketSpec.number`) by its
+    position in the engine's list; a position beyond it is its own number. A round's random draws
+    are seeded with the number, not the position, so that a bucket draws the same whichever order a
+    front-end lists the buckets in.
     """
 
-    def __init__(self, topology: Topology, compression: GossipCompression) -> None:
+    def __init__(
+        self, topology: Topology, compression: GossipCompression, bucket_numbers: Sequence[int] = ()
+    ) -> None:
         self.compression = compression
         self._topology = topology
         self._codec = codec(compression.name)
+        self._numbers = tuple(bucket_numbers)
         self._allowed: Callable[[torch.dtype], frozenset[tuple[int, ...]]] = cache(self._allowed_groups)
 
     @property
     def codec(self) -> Codec:
         return self._codec
+
+    def bucket_number(self, bucket: int) -> int:
+        """The number that seeds the rounds of the bucket at position ``bucket`` (see :func:`round_seed`)."""
+        return self._numbers[bucket] if bucket < len(self._numbers) else bucket
 
     def compresses(self, group: Group, dtype: torch.dtype) -> bool:
         return group.ranks in self._allowed(dtype)
