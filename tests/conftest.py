@@ -1,7 +1,7 @@
 """Test tiers, and the pools of gloo workers shared by the whole session (tests/README.md).
 
-Tiers: every test ends up with exactly one of the markers ``pure``, ``dist``, ``examples`` and
-``cuda`` (registered in pyproject.toml), so ``pytest -m <tier>`` runs one tier. The closest marker
+Tiers: every test ends up with exactly one of the markers ``pure``, ``dist``, ``fleet``, ``examples``
+and ``cuda`` (registered in pyproject.toml), so ``pytest -m <tier>`` runs one tier. The closest marker
 counts: a module's ``pytestmark`` sets the tier of its tests, a test or a parameter may set its own.
 A test marked none of them is ``dist``, so an unmarked test lands in the slow tier rather than
 slowing the fast one down. ``cuda`` tests are skipped without a GPU.
@@ -17,7 +17,7 @@ import torch
 from workers import WorkerPool
 
 MAX_WORLD_SIZE = 4
-TIERS = ("pure", "dist", "examples", "cuda")
+TIERS = ("pure", "dist", "fleet", "examples", "cuda")
 POOL_FIXTURES = ("pool", "resume_pool")
 
 

@@ -1,7 +1,7 @@
 """Runs in which workers die or hang on purpose: fresh processes, a store hosted by the parent.
 
 The store lives in the test process, as torchrun's agent hosts it outside the workers, so any
-worker may die. ``run_with_faults(fn, world_size, ...)`` starts ``world_size`` spawned processes,
+worker may die. ``run_with_faults(fn, world_size, ...)`` starts ``world_size`` fresh processes,
 each running ``fn(rank, world_size, port, *args)`` (``fn`` joins the process group through
 :func:`join`); a worker that is to fail calls :func:`inject` at the chosen point. The parent waits
 until every process has exited or the deadline passes, then returns what each survivor's ``fn``
@@ -11,7 +11,6 @@ running into a ``TimeoutError``, and no process outlives the call.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import multiprocessing.connection
 import os
 import pickle
@@ -26,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from workers import dump_stacks, register_stack_dump
+from workers import dump_stacks, fresh_processes, register_stack_dump
 
 __all__ = ["Outcome", "inject", "join", "request_worker", "run_elastic", "run_with_faults"]
 
@@ -108,15 +107,22 @@ def run_elastic(
     args: tuple[Any, ...] = (),
     deadline_s: float = 120.0,
     restart_killed: int = 0,
+    restart_delay_s: float = 0.0,
 ) -> Outcome:
     """Like :func:`run_with_faults`, but the job may grow: ``fn(index, world_size, port, workdir, *args)``.
 
     Workers ``0..world_size-1`` start the job. A worker that calls :func:`request_worker` (or, up to
     ``restart_killed`` times, one killed by a signal) makes the parent start another process running
     ``fn`` with the next index, as a launcher brings a node back: it finds the job running and joins.
+    A killed worker is restarted ``restart_delay_s`` after the parent sees it dead, as a launcher takes
+    a while to notice; a test that wants the loss settled before the join waits longer than the
+    survivors' timeout (a worker forked from the preloaded server starts in well under a second, so
+    otherwise it may apply while the survivors are still agreeing on the loss, and both are settled
+    in one change of membership).
     """
     handled: set[str] = set()
     restarted: set[int] = set()
+    dead_since: dict[int, float] = {}
 
     def grow(procs: list[Any], workdir: str, start: Callable[[], None]) -> None:
         for request in sorted(Path(workdir).glob("spawn-*.req")):
@@ -126,8 +132,10 @@ def run_elastic(
         for index, proc in enumerate(list(procs)):
             killed = proc.exitcode is not None and proc.exitcode < 0
             if killed and index not in restarted and len(restarted) < restart_killed:
-                restarted.add(index)
-                start()
+                seen = dead_since.setdefault(index, time.monotonic())
+                if time.monotonic() - seen >= restart_delay_s:
+                    restarted.add(index)
+                    start()
 
     return _supervise(
         fn, world_size, lambda port, workdir: (world_size, port, workdir, *args), deadline_s, (), grow
@@ -148,7 +156,7 @@ def _supervise(
     workdir = tempfile.mkdtemp(prefix="dow-faults-")
     port = _free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    ctx = mp.get_context("spawn")
+    ctx = fresh_processes()
     procs: list[Any] = []
 
     def start() -> None:

@@ -28,7 +28,7 @@ from decent_optim_wrapper import (
     init_elastic,
 )
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.fleet
 
 TIMEOUT = timedelta(seconds=5)
 STEPS = 40
@@ -82,7 +82,11 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
             return [t for o in ddp.optimizers for t in _optimizer_state(o.state_dict())]
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=0.02)
-        opt = DecentOptimWrapper(inner, topology="ring", **common)
+        try:
+            opt = DecentOptimWrapper(inner, topology="ring", **common)
+        except JoinRejectedError:
+            store.set("refused", "1")  # the members stop waiting for this joiner
+            raise
         front_end = opt
 
         def step(x: torch.Tensor) -> None:
@@ -130,6 +134,7 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
             admitted < plan.get("joins", plan.get("joiners", 1))
             and not joining
             and t >= plan.get("request_at", 0)
+            and not store.check(["refused"])
         ):
             # Until the joiners arrive: a process takes seconds to start, tens on a loaded machine
             # (the steps left after the request give them about 50 s).
@@ -305,6 +310,7 @@ def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
         3,
         ({"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": ()},),
         restart_killed=1,
+        restart_delay_s=1.5 * TIMEOUT.total_seconds(),  # the loss settled first, then the join
     )
     assert outcome.exitcodes[1] == -9
     results = _by_rank(outcome)
@@ -387,7 +393,7 @@ def test_a_donor_lost_during_its_transfer_the_joiner_applies_again():
 @pytest.mark.timeout(180)
 def test_a_joiner_lost_during_its_transfer_is_dropped_and_its_restart_joins():
     plan = {"front": "optimizer", "request_at": 3, "fault": "joiner killed", "joins": 2}
-    outcome = run_elastic(_train, 3, (plan,), restart_killed=1)
+    outcome = run_elastic(_train, 3, (plan,), restart_killed=1, restart_delay_s=1.5 * TIMEOUT.total_seconds())
     assert outcome.exitcodes[3] == -9
     results = _by_rank(outcome)
     assert len(results) == 4

@@ -11,6 +11,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.examples  # a benchmark end to end, in subprocesses (about 80 s)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, Pacing, init_elastic
 
-pytestmark = pytest.mark.dist
+pytestmark = pytest.mark.fleet
 
 TIMEOUT = timedelta(seconds=3)
 SYNC_EVERY = 3

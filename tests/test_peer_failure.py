@@ -185,6 +185,7 @@ FAULTS = {
 }
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", list(FAULTS))
 def test_survivors_of_a_lost_peer_finish_the_run(case):
@@ -194,6 +195,7 @@ def test_survivors_of_a_lost_peer_finish_the_run(case):
     _check_survivors(outcome, fault["rank"])
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "front, options",
@@ -212,6 +214,7 @@ def test_every_feature_survives_a_lost_peer(front, options):
     _check_survivors(outcome, fault["rank"])
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(120)
 def test_losing_the_store_host_stops_the_survivors_with_a_named_error():
     # With plain init_process_group, rank 0 hosts the store: its death leaves nowhere to meet.

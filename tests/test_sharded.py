@@ -280,6 +280,7 @@ def _lose_a_node(
     }
 
 
+@pytest.mark.fleet
 @pytest.mark.parametrize(
     ("victims", "how"),
     [((4,), "kill"), ((4, 5), "kill"), ((4,), "hang")],
@@ -449,6 +450,7 @@ def _check_node_joined(results: dict[int, dict[str, Any]], joiners: tuple[int, .
         assert all(torch.equal(a, b) for a, b in zip(first, result["averaged"], strict=True))
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(240)
 def test_a_node_joins_a_running_job_of_nodes_each_rank_taking_its_shard_from_a_donor_node():
     from failures import run_elastic
@@ -460,6 +462,7 @@ def test_a_node_joins_a_running_job_of_nodes_each_rank_taking_its_shard_from_a_d
     _check_node_joined(outcome.results, (4, 5), world_size=3)
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(240)
 def test_a_node_of_one_joins_a_job_of_nodes_under_the_module_front_end():
     from failures import run_elastic
@@ -471,12 +474,16 @@ def test_a_node_of_one_joins_a_job_of_nodes_under_the_module_front_end():
     _check_node_joined(outcome.results, (2,), world_size=3)
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(240)
 def test_a_node_lost_whole_comes_back_and_the_job_returns_to_its_size():
     from failures import run_elastic
 
     # Node 2's ranks are killed at step 4; the launcher restarts both (processes 6 and 7: node 3).
-    outcome = run_elastic(_node_joins, 6, ({"kill": (4, 5)},), deadline_s=200, restart_killed=2)
+    # Restarted 15 s after the kill (1.5x the members' timeout): the loss settles first, then the join.
+    outcome = run_elastic(
+        _node_joins, 6, ({"kill": (4, 5)},), deadline_s=200, restart_killed=2, restart_delay_s=15.0
+    )
     assert sorted(outcome.results) == [0, 1, 2, 3, 6, 7], outcome
     for index in range(4):
         assert outcome.results[index]["failures"] == [((2,), 3, 2)]
@@ -484,6 +491,7 @@ def test_a_node_lost_whole_comes_back_and_the_job_returns_to_its_size():
     _check_node_joined(outcome.results, (6, 7), world_size=3)
 
 
+@pytest.mark.fleet
 @pytest.mark.timeout(240)
 def test_a_node_whose_model_differs_is_refused_and_the_members_go_on():
     from failures import run_elastic
@@ -511,6 +519,8 @@ def _eight_rank_runs(rank: int, workdir: str) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.fleet
+@pytest.mark.timeout(300)
 def test_eight_ranks_as_four_by_two_and_two_by_four_and_hierarchical_over_nodes(pool, tmp_path):
     spawn(_eight_rank_runs, (str(tmp_path),), nprocs=8, timeout=240)
     for replicas, shards in ((4, 2), (2, 4)):
