@@ -214,7 +214,7 @@ class CompressionPlan:
     moves fewer bytes than an all-reduce in full precision, and the group is among the first
     ``max_references`` such groups (in schedule order) of each of its members.
 
-    ``bucket_numbers`` gives each bucket's number (:attr:`~.buckets.BucketSpec.number`) by its
+    ``bucket_numbers`` gives each bucket's number (``BucketSpec.number``, the exchange's) by its
     position in the engine's list; a position beyond it is its own number. A round's random draws
     are seeded with the number, not the position, so that a bucket draws the same whichever order a
     front-end lists the buckets in.
