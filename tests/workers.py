@@ -1,9 +1,9 @@
 """A pool of gloo worker processes shared across tests.
 
-Spawning a worker costs seconds (importing torch), so one pool of the largest world size serves the
-whole session: a run at a smaller world size re-forms the default process group among the first
-ranks (milliseconds), and the others sit it out. A test sends a module-level function; every rank of
-the requested world runs it and the parent gets the results.
+Starting a worker costs time (a fork, its process group, a warm-up step), so one pool of the
+largest world size serves the whole session: a run at a smaller world size re-forms the default
+process group among the first ranks (milliseconds), and the others sit it out. A test sends a
+module-level function; every rank of the requested world runs it and the parent gets the results.
 Every run has a deadline: on a hang the pool dumps each rank's Python stacks, is killed, and the
 test fails with those stacks, instead of the suite hanging.
 
