@@ -137,8 +137,9 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
             and not store.check(["refused"])
         ):
             # Until the joiners arrive: a process takes seconds to start, tens on a loaded machine
-            # (the steps left after the request give them about 50 s).
-            time.sleep(1.5)
+            # (the steps left after the request give them about 90 s: time for a joiner whose first
+            # attempt failed, its group never forming, to apply again).
+            time.sleep(2.5)
         step(_inputs(index, t))
         scheduler.step()
         with torch.no_grad():
@@ -286,7 +287,7 @@ def _check_world(results: list[dict[str, Any]], world_size: int, mixing_only: bo
             assert torch.equal(result["resumed"], result["trained"])
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("front", ["optimizer", "module"])
 def test_a_worker_joins_a_running_job_beyond_its_starting_size(front):
     outcome = run_elastic(_train, 3, ({"front": front, "request_at": 3, "checkpoint_at": 34},))
@@ -303,7 +304,7 @@ def test_a_worker_joins_a_running_job_beyond_its_starting_size(front):
             assert (join.previous_world_size, join.world_size, join.joined) == (3, 4, (3,))
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
     outcome = run_elastic(
         _train,
@@ -323,7 +324,7 @@ def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
             assert [j.world_size for j in member["joins"]] == [3]
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_several_workers_join_at_once():
     outcome = run_elastic(_train, 3, ({"front": "optimizer", "request_at": 3, "joiners": 2},))
     results = _by_rank(outcome)
@@ -332,7 +333,7 @@ def test_several_workers_join_at_once():
     _check_transfers(results)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_a_worker_whose_model_differs_is_refused_and_the_members_go_on():
     outcome = run_elastic(
         _train, 3, ({"front": "optimizer", "request_at": 3, "joiner_width": 7, "give_up": True},)
@@ -355,7 +356,7 @@ def _nesterov(params: Any) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.5, momentum=0.5, nesterov=True)
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize(
     "options",
     [

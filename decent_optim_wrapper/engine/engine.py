@@ -220,7 +220,6 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
             job = current_job()
             store = store if store is not None or job is None else job.store
             membership = Membership.of_world(connect_store(store, timeout), run, world, timeout)
-            membership.hold_joins = lambda: self._averaging.busy  # no joiner inside global_avg
             self._survival = Survival(membership, timeout)
         self._updated = False  # whether the current step has run a local update (it cannot donate then)
         self._tracking_requested = gradient_tracking
@@ -437,8 +436,9 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
             built.extend(build_buckets(params, names, self._bucket_cap_bytes, self._as_views, first=first))
             return signatures(built)
 
-        check_buckets_agree(agree(context, local_layout))
-        self._bind_and_broadcast(built)
+        with self._unbroken():
+            check_buckets_agree(agree(context, local_layout))
+            self._bind_and_broadcast(built)
         self._buckets.extend(built)
         self._gossip.add_tensors([b.data for b in built])
         if self._local is not None:
@@ -467,8 +467,8 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
                 # The snapshot saves the rounds in flight, waiting for them: a peer lost there is
                 # survived first, so that the snapshot holds the replica and rounds as recovery left them.
                 self.wait_all()
-            return self._averaging.average(
-                lambda: (self._world_reduce, self._gossip),  # new ones after a lost peer
+            distance = self._averaging.average(
+                lambda: (self._world_reduce, self._gossip),  # new ones after a change of members
                 self._local,
                 step=self._step,
                 may_revert=may_revert,
@@ -476,6 +476,8 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
                 return_distance=return_distance,
                 survive=self._survive,
             )
+        self._collective_done()
+        return distance
 
     def revert_global_avg(self) -> None:
         """Restore the replica saved by :meth:`global_avg` bit for bit (local; RuntimeError if none)."""
@@ -488,7 +490,15 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         """
         self.check_buckets()
         with self._averaging.whole_world():
-            return self._averaging.distance(lambda: self._world_reduce, self._survive)
+            distance = self._averaging.distance(lambda: self._world_reduce, self._survive)
+        self._collective_done()
+        return distance
+
+    def _collective_done(self) -> None:
+        """Count a completed collective of the whole world (members announce changes only once every
+        member is out of it: :meth:`~.fleet.membership.Membership.try_announce`)."""
+        if self._survival is not None:
+            self._survival.membership.collective_done()
 
     # -- checkpoints -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -11,7 +11,8 @@ Everything here runs inside a collective the engine started, so its callers are 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
 
@@ -158,7 +159,6 @@ class MemberChanges:
             return
 
         def wire(membership: Membership) -> None:  # a joiner's world, once admitted
-            membership.hold_joins = lambda: self._averaging.busy
             self._survival = Survival(membership, self._timeout)
             self._rewire(None, [])
 
@@ -186,6 +186,22 @@ class MemberChanges:
                 self._recover(lost)
                 if not retry:
                     return None
+
+    @contextlib.contextmanager
+    def _unbroken(self) -> Iterator[None]:
+        """Run a collective of the whole world that cannot be redone over new groups (``add_param_group``):
+        a change of members announced before this rank entered is followed first, and no member
+        announces one while a member is inside (:meth:`~.fleet.membership.Membership.enter_unbroken`)."""
+        if self._survival is None:
+            yield
+            return
+        membership = self._survival.membership
+        with self._averaging.whole_world():  # a change followed here defers its applicants
+            self._survive(membership.enter_unbroken)
+        try:
+            yield
+        finally:
+            membership.leave_unbroken()
 
     @torch.no_grad()
     def _recover(self, cause: BaseException) -> None:

@@ -144,11 +144,11 @@ class Survival:
         return step % NODE_JOIN_CHECK_EVERY == 0
 
     def raise_if_joins_due(self) -> None:
-        """Announce the applicants waiting for a decision, if any, and raise
+        """Announce the applicants waiting for a decision, if any and if no member may still be inside a
+        collective of the whole world (:meth:`~.membership.Membership.try_announce`), and raise
         :class:`~.membership.MembershipChange` (run it under :meth:`attempt`, so that a node's ranks
         follow each other)."""
-        if self.membership.watch.due():
-            self.membership.announce()
+        if self.membership.watch.due() and self.membership.try_announce():
             raise MembershipChange("workers apply to join")
 
     def attempt(self, action: Callable[[], _T]) -> _T:
@@ -173,7 +173,7 @@ class Survival:
         except PeerLost as err:
             lost = err
         self._node_checks += 1
-        # 0: nothing met; 1: a lost peer; 2: applicants only (not followed inside global_avg).
+        # 0: nothing met; 1: a lost peer; 2: applicants only.
         flag = 0 if lost is None else 2 if isinstance(lost, MembershipChange) else 1
         mine = torch.tensor([flag, self._node_checks], dtype=torch.int64)
         gathered = torch.empty(2 * self.membership.shards, dtype=torch.int64)

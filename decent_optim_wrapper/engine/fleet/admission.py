@@ -14,9 +14,11 @@ live, the worker builds its model and front-end in a world of its own, and the e
 2. *Notice.* Each member's heartbeat thread sees the slot after the last decided one taken and
    raises a flag; the next member to reach a step boundary reads the flag (attributes: nothing per
    step) and announces the applicants under ``g/join``. The others follow into the agreement of
-   :mod:`~.membership` from their next wait, except inside a collective of the whole world
-   (``global_avg``), which they finish first: the joiner would not take part in it. No change is
-   announced while the latest admission's joiners do not hold their replicas yet.
+   :mod:`~.membership` from their next wait, inside a collective of the whole world (``global_avg``)
+   too: they then report phase "collective", the applicants are deferred (they would not take part
+   in it) and the collective is redone over the same members. No change is announced while the
+   latest admission's joiners do not hold their replicas yet, nor while a member may still be inside
+   a collective of the whole world (:meth:`~.membership.Membership.try_announce`).
 3. *Decide.* The member whose proposal wins the agreement also decides the applicants
    (:func:`admit`): one whose signature differs from the members' is rejected with the entry that
    differs; one whose heartbeat does not move is dropped; the others are admitted if some member

@@ -100,9 +100,11 @@ class PeerLost(DecentError):
 class MembershipChange(PeerLost):
     """Workers apply to join: the members agree on a new world as after a loss, though nobody failed.
 
-    Announced under its own key (``g/join``), which a rank inside a collective of the whole world
-    (``global_avg``) does not follow until the collective is done: the joiners would not take part in
-    it, so it must not be redone over the new world.
+    Announced under its own key (``g/join``) and followed from every wait, a collective of the whole
+    world (``global_avg``, ``consensus_distance``) included: its ranks report phase "collective", the
+    decision defers the applicants (they would not take part in it), and the collective is redone over
+    the re-formed groups of the same members (:meth:`Membership.settled` keeps a member from announcing
+    while another may still be finishing one it already completed).
     """
 
 
@@ -295,8 +297,9 @@ class Membership:
         #: The members' signature for applicants to match; None until the job opens to joiners.
         self.signature: tuple[tuple[str, object], ...] | None = None
         self.watch = JoinerWatch()
-        #: Whether this rank is inside a collective of the whole world (joins are not followed then).
-        self.hold_joins: Callable[[], bool] = lambda: False
+        #: Collectives of the whole world this rank completed in the current generation (counted in the
+        #: store too, so that an announcer knows when every member is out of its latest one).
+        self._collectives = 0
         beat_key = f"{self._prefix}/beat/{rank}"
         self._store.add(beat_key, 1)
         # The thread holds the store and the watch, not this object, so that it stops once the engine
@@ -401,13 +404,97 @@ class Membership:
             raise self._store_gone(err) from err
 
     def joins_announced(self) -> bool:
-        """Whether a member announced applicants (not followed inside a collective of the whole world)."""
-        if not self.watch.open or self.hold_joins():
+        """Whether a member announced applicants (followed inside a collective of the whole world too)."""
+        if not self.watch.open:
             return False
         try:
             return bool(self._store.check([self._key("join")]))
         except Exception as err:
             raise self._store_gone(err) from err
+
+    # -- collectives of the whole world and announcements ---------------------------------------------
+    def collective_done(self) -> None:
+        """Count a collective of the whole world this rank completed (``global_avg``, ``consensus_distance``).
+
+        The count is per generation: every member calls the same collectives in the same order, and a
+        collective redone after a change of members counts once, in the generation that completed it.
+        """
+        self._collectives += 1
+        self._store.add(self._key(f"collective/{self._collectives}"), 1)
+
+    def try_announce(self) -> bool:
+        """Announce applicants, unless a member may still be inside a collective of the whole world that
+        an announcement would break; returns whether it announced.
+
+        Two cases wait for a later step boundary:
+
+        * A member has not completed the latest collective of the whole world this rank completed. An
+          all-reduce completes on one rank once every rank sent its part, while another may still be
+          receiving its last bytes; were that one to follow the announcement, it would redo the average
+          over the new groups, waiting for this rank, which is past it for good, and ``timeout`` would
+          drop one of them. (A member *behind* such a collective may announce: nobody completed it, and
+          the members inside it follow and redo it.)
+        * A member is inside a collective that cannot be redone (:meth:`enter_unbroken`). This rank
+          marks its intent before it looks and announces before it unmarks, and the entering rank marks
+          itself before it looks for intents: the store orders both, so at least one of them sees the
+          other.
+        """
+        store = self._store
+        try:
+            if self._collectives and int(store.add(self._key(f"collective/{self._collectives}"), 0)) < len(
+                self._members
+            ):
+                return False
+            intent = self._intent_key(self._me)
+            store.set(intent, "1")
+            try:
+                if any(store.check([self._unbroken_key(m)]) for m in self._members if m != self._me):
+                    return False
+                self.announce()
+                return True
+            finally:
+                store.delete_key(intent)
+        except PeerFailureError:
+            raise
+        except Exception as err:
+            raise self._store_gone(err) from err
+
+    def enter_unbroken(self) -> None:
+        """Enter a collective of the whole world that cannot be redone over new groups (``add_param_group``).
+
+        Marks this rank inside it, waits while a member is deciding to announce a change
+        (:meth:`try_announce`), and raises :class:`PeerLost` (:class:`MembershipChange` for applicants),
+        unmarked, if a change was announced: the caller follows it and enters again. Call
+        :meth:`leave_unbroken` once out of the collective.
+        """
+        store, mark = self._store, self._unbroken_key(self._me)
+        store.set(mark, "1")
+        # An intent is held for a few store calls; one held past ``timeout`` is a dead announcer's.
+        clock = _AwakeClock(self._timeout)
+        while True:
+            change: PeerLost | None = None
+            if self.failure_announced():
+                change = PeerLost("another rank reported a lost peer before this rank entered a collective")
+            elif self.joins_announced():
+                change = MembershipChange("workers apply to join (announced before this rank entered)")
+            if change is not None:
+                store.delete_key(mark)
+                raise change
+            others = [m for m in self._members if m != self._me]
+            if clock.expired() or not any(store.check([self._intent_key(m)]) for m in others):
+                return
+            time.sleep(_POLL_S)
+            clock.tick()
+
+    def leave_unbroken(self) -> None:
+        """This rank is out of the collective entered with :meth:`enter_unbroken`."""
+        self._store.delete_key(self._unbroken_key(self._me))
+
+    def _unbroken_key(self, member: int) -> str:
+        return f"{self._prefix}/unbroken/{member}"
+
+    def _intent_key(self, member: int) -> str:
+        return f"{self._prefix}/announcing/{member}"
 
     def _store_gone(self, err: BaseException) -> PeerFailureError:
         return PeerFailureError(
@@ -528,6 +615,7 @@ class Membership:
             dist.destroy_process_group()
         self._generation = decision.generation + 1
         self._members = list(decision.members)
+        self._collectives = 0  # counted afresh under the new generation's keys
         store = PrefixStore(group_prefix(self._prefix, decision.generation), self._store)
         try:
             if self._replicas is None:
