@@ -103,7 +103,7 @@ class MembershipChange(PeerLost):
     Announced under its own key (``g/join``) and followed from every wait, a collective of the whole
     world (``global_avg``, ``consensus_distance``) included: its ranks report phase "collective", the
     decision defers the applicants (they would not take part in it), and the collective is redone over
-    the re-formed groups of the same members (:meth:`Membership.settled` keeps a member from announcing
+    the re-formed groups of the same members (:meth:`Membership.try_announce` keeps a member from announcing
     while another may still be finishing one it already completed).
     """
 
