@@ -103,6 +103,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             reduce-scatter, outside autograd's accumulation, so the per-bucket updates inside
             backward would never run. Wrap the optimizer with
             :class:`~decent_optim_wrapper.DecentOptimWrapper` instead (the big models page).
+        host_staging: how gossip of GPU buckets crosses gloo groups (default: through pinned host
+            buffers, overlapped); see :class:`~decent_optim_wrapper.engine.GossipEngine`.
 
     Example::
 
@@ -138,6 +140,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         second_moment: str = "average",
         device_mesh: DeviceMesh | None = None,
         process_group: dist.ProcessGroup | None = None,
+        host_staging: bool | None = None,
     ) -> None:
         super().__init__()
         check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -171,6 +174,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             second_moment=second_moment,
             device_mesh=device_mesh,
             process_group=process_group,
+            host_staging=host_staging,
             context="DecentralizedDataParallel",
         )
         self._state = BucketOptimizers(self._engine, model, optim_fn, lr_scheduler_fn, scaler)

@@ -110,6 +110,9 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             over ``mesh["shard"]``: decentralized HSDP), or the same as a process group. Buckets
             then hold the local shards of DTensor parameters; ``rank``, ``world_size`` and the
             topology are the group's. See the big models page of the docs.
+        host_staging: how gossip of GPU buckets crosses gloo groups (default: through pinned host
+            buffers, overlapped); see :class:`~decent_optim_wrapper.engine.GossipEngine` and the GPU
+            fleets page.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -147,6 +150,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         second_moment: str = "average",
         device_mesh: DeviceMesh | None = None,
         process_group: dist.ProcessGroup | None = None,
+        host_staging: bool | None = None,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -176,6 +180,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             second_moment=second_moment,
             device_mesh=device_mesh,
             process_group=process_group,
+            host_staging=host_staging,
             context="DecentOptimWrapper",
         )
         self._engine.open_to_joiners(

@@ -21,6 +21,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
+from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.comm import agree, run_token
 from decent_optim_wrapper.engine.fleet.growth import Growth
@@ -134,6 +135,9 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         second_moment: ``"average"`` (default): Adam's second moment estimates the average gradient's,
             as under all-reduce (:mod:`~.second_moment`). ``"local"``: the optimizer's own (decent-dp's).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
+        host_staging: ``None`` (default): gossip rounds of buckets on a GPU travel through pinned host
+            buffers when the gossip groups are gloo's (:mod:`~.exchange.staging`); ``True`` also for
+            CPU buckets (the same path, for comparison); ``False``: device tensors go to the backend.
         reverse_buckets: list the buckets last first (a module front-end steps them as backward
             produces gradients); each is laid out, and compressed, as it is without.
     """
@@ -162,6 +166,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         process_group: dist.ProcessGroup | None = None,
         context: str = "GossipEngine",
         reverse_buckets: bool = False,
+        host_staging: bool | None = None,
     ) -> None:
         if not isinstance(gradient_tracking, bool):
             raise TypeError(f"gradient_tracking must be True or False, got {gradient_tracking!r}.")
@@ -193,6 +198,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
                     on_peer_failure=on_peer_failure,
                     second_moment=second_moment,
                     reverse_buckets=reverse_buckets,
+                    host_staging=host_staging,
                 )
             )
             return parts[0].layout
@@ -209,6 +215,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
             built.second_moment,
         )
         self._join_signature = join_signature(built.layout)
+        self._staging = HostStaging() if built.layout.host_staging else None
         self._layouts = list(dict.fromkeys(r.groups for r in reports))  # every gossip world's groups
         self._averaging = GlobalAverage(self._buckets, self._shards)
 
@@ -237,6 +244,11 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
     @property
     def topology(self) -> Topology:
         return self._topology
+
+    @property
+    def host_staging(self) -> bool:
+        """Whether gossip rounds travel through host buffers (:mod:`~.exchange.staging`)."""
+        return self._staging is not None
 
     @property
     def compression(self) -> GossipCompression | None:

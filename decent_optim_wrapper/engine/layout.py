@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params
 from decent_optim_wrapper.engine.exchange.shards import ShardLayout
@@ -22,6 +23,7 @@ from decent_optim_wrapper.engine.options import (
     LocalLayout,
     TopologySpec,
     check_on_peer_failure,
+    resolve_host_staging,
     resolve_topology,
 )
 from decent_optim_wrapper.engine.rules.local_steps import LocalSteps, OuterFactory, resolve_local_steps
@@ -74,6 +76,7 @@ def join_signature(layout: LocalLayout) -> tuple[tuple[str, object], ...]:
         ("gradient_tracking", layout.gradient_tracking),
         ("low_communication", layout.local_steps),
         ("second_moment", layout.second_moment),
+        ("host_staging", layout.host_staging),
     )
 
 
@@ -93,6 +96,7 @@ def build_parts(
     second_moment: str,
     pacing: PacingSpec = None,
     reverse_buckets: bool = False,
+    host_staging: bool | None = None,
 ) -> EngineParts:
     """Check the options and build the parts (the engine's docstring describes each option).
 
@@ -112,6 +116,9 @@ def build_parts(
         check_pacing_composes(pacing, on_peer_failure, shards.sharded or world.replicas is not None)
     buckets = build_buckets(params, names, bucket_cap_bytes, params_as_views, reverse=reverse_buckets)
     local = None if spec is None else LocalSteps(buckets, spec, shards.max_over_mesh)
+    # The engine's own groups between nodes are gloo's; the others are the default group's backend.
+    backend = "gloo" if world.replicas is not None else dist.get_backend()
+    staged = resolve_host_staging(host_staging, [b.data.device for b in buckets], backend)
     layout = LocalLayout(
         world.local_world_size,
         (topo.name, topo.fingerprint()),
@@ -123,6 +130,7 @@ def build_parts(
         second_moment,
         group_layout(topo, world),
         parameter_entries(params, names),
+        staged,
     )
     return EngineParts(topo, buckets, shards, local, wire, rule, layout)
 

@@ -6,9 +6,11 @@ through :func:`~.comm.agree`) instead of a hang.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper.engine.fleet.admission import SignatureEntry
@@ -26,6 +28,7 @@ __all__ = [
     "check_mixing_factor",
     "check_on_peer_failure",
     "check_timeout",
+    "resolve_host_staging",
     "resolve_topology",
 ]
 
@@ -54,6 +57,7 @@ class LocalLayout:
     # Each parameter's name, shape and dtype, in the given order: named in a joiner's rejection. Not compared
     # across ranks (the buckets are), so that names alone never make ranks disagree.
     parameters: tuple[SignatureEntry, ...] = ()
+    host_staging: bool = False  # whether gossip goes through host buffers (its groups are formed apart)
 
 
 #: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
@@ -75,6 +79,11 @@ AGREEMENT = (
     ),
     ("on_peer_failure", "on_peer_failure", "Pass the same on_peer_failure on every rank."),
     ("second_moment", "second_moment", "Pass the same second_moment on every rank."),
+    (
+        "host_staging",
+        "Host staging (host_staging, the buckets' devices and the backend)",
+        "Pass the same host_staging, and put the model on the same kind of device, on every rank.",
+    ),
 )
 
 
@@ -141,6 +150,27 @@ def resolve_topology(topology: TopologySpec, world_size: int, local_world_size: 
         )
     _ = topo.schedule  # validate now, before any communication
     return topo
+
+
+def resolve_host_staging(requested: object, devices: Iterable[torch.device], backend: str) -> bool:
+    """Whether gossip rounds go through host buffers (:mod:`~.exchange.staging`).
+
+    ``None`` (default): when a bucket lives on an accelerator and the gossip groups are gloo's, which
+    moves host memory; ``True`` forces it (also for CPU buckets: the same path, for comparison);
+    ``False`` leaves device tensors to the backend.
+    """
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(
+            f"host_staging must be None (stage device buckets over gloo), True or False, got {requested!r}."
+        )
+    if requested is None:
+        return backend == "gloo" and any(device.type != "cpu" for device in devices)
+    if requested and backend != "gloo":
+        raise ValueError(
+            f"host_staging=True stages gossip through host memory for gloo, but the gossip groups use "
+            f"{backend!r}, which sends device memory itself; pass host_staging=None (the default)."
+        )
+    return requested
 
 
 def check_bucket_cap(bucket_cap_mb: object) -> None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout
 from decent_optim_wrapper.engine.fleet.growth import Growth
@@ -65,6 +66,7 @@ class MemberChanges:
     _world_reduce: WorldReduce
     _gossip: Gossip
     _tracker: GradientTracker | None
+    _staging: HostStaging | None
 
     @property
     def rank(self) -> int:
@@ -105,7 +107,8 @@ class MemberChanges:
         """Process groups, gossip and trackers for the current rank, world size and topology: built once,
         and again whenever the world changes (fresh rounds, references and trackers)."""
         waiter = None if self._survival is None else self._survival.membership.wait
-        self._process_groups = ProcessGroups(self._world, self._layouts, self._group_timeout())
+        separate = self._staging is not None  # staged gossip launches from a thread of its own
+        self._process_groups = ProcessGroups(self._world, self._layouts, self._group_timeout(), separate)
         world = WorldReduce(self._process_groups.world, self.world_size, self.rank, self._timeout, waiter)
         self._world_reduce = world
         if broadcast:
@@ -116,12 +119,12 @@ class MemberChanges:
         )
         tensors = [b.data for b in self._buckets]
         wiring = (self._topology, self.rank, self._process_groups, self._timeout, plan)
-        self._gossip = Gossip(tensors, *wiring, waiter)
+        self._gossip = Gossip(tensors, *wiring, waiter, self._staging)
         if self._local is not None:
-            self._local.connect(*wiring, waiter, reset=broadcast)
+            self._local.connect(*wiring, waiter, reset=broadcast, staging=self._staging)
         self._tracker: GradientTracker | None = None
         if self._tracking_requested and self.world_size > 1:
-            self._tracker = GradientTracker(self._buckets, *wiring, waiter)
+            self._tracker = GradientTracker(self._buckets, *wiring, waiter, self._staging)
 
     def _group_timeout(self) -> timedelta:
         if self._survival is None:

@@ -8,7 +8,9 @@ bucket may change (the local step does): the values sent are those at launch, mi
 mix — the overlap this library is for. fp16/bf16 buckets travel and accumulate in fp32. A round
 that does not arrive raises :class:`~.errors.GossipError` naming the step and the group, and is
 dropped. Groups a :class:`~.compression.CompressionPlan` names gather compressed differences
-instead (see the compressed gossip page of the docs).
+instead (see the compressed gossip page of the docs). With host staging
+(:mod:`~decent_optim_wrapper.engine.exchange.staging`) the collective runs on pinned host copies of
+the buffers, launched in order from a thread of its own, and the sums are copied back before the mix.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors, misfit
+from decent_optim_wrapper.engine.exchange.staging import HostStaging, host_buffer
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, reduction_dtype, wait_all
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost, RoundState
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan, codec, is_codec_name, round_seed
@@ -63,6 +66,8 @@ class _Channel:
     references: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     launched: int | None = None  # the step of the latest round launched (recovery compares them)
     discarded: int | None = None  # the step of the latest round dropped unmixed
+    host: torch.Tensor | None = None  # host staging: the buffer's host copy (allocated at first use)
+    host_gathered: torch.Tensor | None = None  # host staging: the gathered payloads' host copy
 
     def sum_buffer(self) -> torch.Tensor:
         if self.buffer is None:
@@ -89,6 +94,8 @@ class Gossip:
             process groups' own timeout.
         plan: which groups gossip compressed; None: none do.
         waiter: how rounds are waited for (default :func:`~.comm.wait_all`).
+        staging: stage every round through host buffers (:mod:`~.staging`); None: collectives run on
+            the buckets' own buffers.
     """
 
     def __init__(
@@ -100,8 +107,10 @@ class Gossip:
         timeout: timedelta | None = None,
         plan: CompressionPlan | None = None,
         waiter: Waiter | None = None,
+        staging: HostStaging | None = None,
     ) -> None:
         self._waiter: Waiter = wait_all if waiter is None else waiter
+        self._staging = staging
         self._topology = topology
         self._rank = rank
         self._process_groups = process_groups
@@ -214,7 +223,18 @@ class Gossip:
             work, xor_slot = self._start_gather(channel, group, handle)
             channel.round = _Round(step, group, work, name, xor_slot)
             return
-        work = dist.all_reduce(channel.sum_buffer(), op=dist.ReduceOp.SUM, group=handle, async_op=True)
+        buffer = channel.sum_buffer()
+        if self._staging is None:
+            work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True)
+        else:
+            if channel.host is None:
+                channel.host = host_buffer(buffer)
+            host = channel.host
+            work = self._staging.start(
+                [(host, buffer)],
+                lambda: dist.all_reduce(host, op=dist.ReduceOp.SUM, group=handle, async_op=True),
+                copy_back=(buffer, host),
+            )
         channel.round = _Round(step, group, work)
 
     def _start_gather(
@@ -224,19 +244,18 @@ class Gossip:
         gathered = channel.gathered
         assert gathered is not None  # staged
         slot, size = group.ranks.index(self._rank), gathered.numel() // group.size
-        own = gathered[slot * size : (slot + 1) * size]
-        if group.size == 2 and handle.name() == "gloo":
-            # gloo sends an all-gather's two directions one after the other but pipelines an
-            # all-reduce (3.2 MB at 200 Mbit/s: 197 ms vs 132 ms), so a pair gathers with a
-            # bitwise-XOR all-reduce of the other slot, seeded with its own payload: it ends as
-            # own ^ peer, and wait() XORs its own payload out again. Exact, same bytes.
-            other = gathered[(1 - slot) * size : (2 - slot) * size]
-            other.copy_(own)
-            return dist.all_reduce(
-                _as_words(other), op=dist.ReduceOp.BXOR, group=handle, async_op=True
-            ), 1 - slot
-        # In place: this member's input is its own slot of the output.
-        return dist.all_gather_into_tensor(gathered, own, group=handle, async_op=True), None
+        pair = group.size == 2 and handle.name() == "gloo"
+        if self._staging is None:
+            return _gather(gathered, slot, size, handle, pair), 1 - slot if pair else None
+        if channel.host_gathered is None or channel.host_gathered.numel() != gathered.numel():
+            channel.host_gathered = host_buffer(gathered)
+        host = channel.host_gathered
+        work = self._staging.start(
+            [(host[slot * size : (slot + 1) * size], gathered[slot * size : (slot + 1) * size])],
+            lambda: _gather(host, slot, size, handle, pair),
+            copy_back=(gathered, host),
+        )
+        return work, 1 - slot if pair else None
 
     def wait(self, bucket: int) -> None:
         """Wait until bucket ``bucket``'s round has arrived; its buffer then holds the group sum."""
@@ -245,8 +264,10 @@ class Gossip:
         if round_ is None or round_.work is None:
             return
         work, round_.work = round_.work, None
+        # A staged round is a host-side wait (timed, like gloo's on CPU), whatever the bucket's device.
+        device = channel.tensor.device if self._staging is None else torch.device("cpu")
         try:
-            self._waiter([work], channel.tensor.device, self._timeout, lambda c: self._failure(round_, c))
+            self._waiter([work], device, self._timeout, lambda c: self._failure(round_, c))
         except PeerLost:
             round_.work = work  # recovery decides from every member's report whether it is mixed
             raise
@@ -533,6 +554,23 @@ class Gossip:
             channel.gathered = payload.to(channel.tensor.device).clone()
             # A global average's snapshot is restored after its references were settled.
             channel.round = _Round(int(step), group, None, name, reference_applied=not references)
+
+
+def _gather(
+    gathered: torch.Tensor, slot: int, size: int, handle: dist.ProcessGroup, pair: bool
+) -> dist.Work | None:
+    """Start gathering every member's ``size``-byte payload into ``gathered``, whose slot ``slot`` holds
+    this member's (in place: its input is its own slot of the output)."""
+    own = gathered[slot * size : (slot + 1) * size]
+    if not pair:
+        return dist.all_gather_into_tensor(gathered, own, group=handle, async_op=True)
+    # gloo sends an all-gather's two directions one after the other but pipelines an all-reduce
+    # (3.2 MB at 200 Mbit/s: 197 ms vs 132 ms), so a pair gathers with a bitwise-XOR all-reduce of
+    # the other slot, seeded with its own payload: it ends as own ^ peer, and wait() XORs its own
+    # payload out again. Exact, same bytes.
+    other = gathered[(1 - slot) * size : (2 - slot) * size]
+    other.copy_(own)
+    return dist.all_reduce(_as_words(other), op=dist.ReduceOp.BXOR, group=handle, async_op=True)
 
 
 def _slots(channel: _Channel, round_: _Round) -> torch.Tensor:

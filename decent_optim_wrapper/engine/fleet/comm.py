@@ -182,18 +182,27 @@ class ProcessGroups:
     In a decentralized-HSDP elastic job (``world.replicas``) the groups are built from the store
     instead (:mod:`~.replicas`), by their members only, and only this rank's gossip world's.
 
-    .. warning:: Construction is a collective: all ranks must build it with the same ``layouts``.
+    With ``separate=True`` no gossip group shares its communicator with the group spanning the
+    world, even where their members are the same: gossip issued from another thread (host staging)
+    then never interleaves with the world's collectives, whose order every member must share.
+
+    .. warning:: Construction is a collective: all ranks must build it with the same ``layouts`` and
+        ``separate``.
     """
 
     def __init__(
-        self, world: GossipWorld, layouts: Sequence[GroupLayout], timeout: timedelta | None = None
+        self,
+        world: GossipWorld,
+        layouts: Sequence[GroupLayout],
+        timeout: timedelta | None = None,
+        separate: bool = False,
     ) -> None:
         self._by_ranks: dict[tuple[int, ...], dist.ProcessGroup] = {}
         kwargs: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         self.world: dist.ProcessGroup | None = None
         position = {g: r for r, g in enumerate(world.ranks)}
         if world.replicas is not None:
-            self._form_from_store(world, layouts, position, timeout)
+            self._form_from_store(world, layouts, position, timeout, separate)
             return
         for members, groups in layouts:
             mine = members == world.ranks
@@ -202,7 +211,8 @@ class ProcessGroups:
             if mine:
                 self.world = cast(dist.ProcessGroup | None, spanning)
             for ranks in groups:
-                handle = spanning if ranks == members else dist.new_group(list(ranks), **kwargs)
+                shared = ranks == members and not separate
+                handle = spanning if shared else dist.new_group(list(ranks), **kwargs)
                 if mine:
                     # Groups have 2+ ranks, so one spanning the world exists only when self.world does.
                     self._by_ranks[tuple(position[g] for g in ranks)] = cast(dist.ProcessGroup, handle)
@@ -214,8 +224,10 @@ class ProcessGroups:
         layouts: Sequence[GroupLayout],
         position: dict[int, int],
         timeout: timedelta | None,
+        separate: bool,
     ) -> None:
-        """This gossip world's groups, formed by their members in ascending order of ranks."""
+        """This gossip world's groups, formed by their members in ascending order of ranks (with
+        ``separate``, the world's own group right after a gossip group over the same ranks)."""
         replicas = world.replicas
         assert replicas is not None
         (groups,) = [groups for members, groups in layouts if members == world.ranks]
@@ -223,6 +235,8 @@ class ProcessGroups:
         needed = sorted({world.ranks, *groups} if world.world_size > 1 else set(groups))
         formed = {ranks: replicas.new_group(ranks, timeout) for ranks in needed if me in ranks}
         self.world = formed.get(world.ranks)
+        if separate and world.ranks in groups:
+            self.world = replicas.new_group(world.ranks, timeout)
         for ranks in groups:
             if me in ranks:
                 self._by_ranks[tuple(position[g] for g in ranks)] = formed[ranks]

@@ -56,6 +56,7 @@ import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors, current
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
+from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost
 from decent_optim_wrapper.engine.rules.pacing import FixedClock, PacedClock, PaceReport, Pacing
@@ -214,10 +215,11 @@ class LocalSteps:
         plan: CompressionPlan | None,
         waiter: Waiter | None = None,
         reset: bool = True,
+        staging: HostStaging | None = None,
     ) -> None:
         """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
         broadcast parameters (without: the survivors of a lost peer keep their anchors)."""
-        self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan, waiter)
+        self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan, waiter, staging)
         self._clock.connect(
             process_groups.world,
             rank,

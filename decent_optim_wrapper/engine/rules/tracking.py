@@ -18,6 +18,7 @@ import torch
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
 from decent_optim_wrapper.engine.exchange.shards import local_tensor
+from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan
 from decent_optim_wrapper.topo import Topology
@@ -30,8 +31,8 @@ class GradientTracker:
 
     Args:
         buckets: the parameter buckets; tracker ``b`` has bucket ``b``'s layout.
-        topology, rank, process_groups, timeout, plan, waiter: as for :class:`~.gossip.Gossip` (the trackers
-            follow the parameters' schedule).
+        topology, rank, process_groups, timeout, plan, waiter, staging: as for :class:`~.gossip.Gossip`
+            (the trackers follow the parameters' schedule).
     """
 
     def __init__(
@@ -43,11 +44,12 @@ class GradientTracker:
         timeout: timedelta | None,
         plan: CompressionPlan | None,
         waiter: Waiter | None = None,
+        staging: HostStaging | None = None,
     ) -> None:
         self._buckets: list[Bucket] = []
         self._trackers: list[torch.Tensor] = []  # y_i, one flat tensor per bucket
         self._previous: list[torch.Tensor] = []  # g_i^{t-1}
-        self._gossip = Gossip([], topology, rank, process_groups, timeout, plan, waiter)
+        self._gossip = Gossip([], topology, rank, process_groups, timeout, plan, waiter, staging)
         self.add_buckets(buckets)
 
     # -- the trackers' gossip, with the parameters' schedule ------------------------------------------
