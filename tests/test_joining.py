@@ -365,8 +365,16 @@ def _nesterov(params: Any) -> torch.optim.Optimizer:
         {"gradient_tracking": True},
         {"sync_every": 3, "outer_optimizer": _nesterov},
         {"second_moment": "local"},
+        {"host_staging": True, "compression": "int8"},
     ],
-    ids=["int8", "sparse-low-communication", "tracking", "low-communication", "local-second-moment"],
+    ids=[
+        "int8",
+        "sparse-low-communication",
+        "tracking",
+        "low-communication",
+        "local-second-moment",
+        "host-staged",
+    ],
 )
 def test_a_join_composes_with_every_option(options):
     outcome = run_elastic(_train, 3, ({"front": "optimizer", "request_at": 3, "options": options},))

@@ -205,8 +205,10 @@ def test_survivors_of_a_lost_peer_finish_the_run(case):
         ("optimizer", {"compression": "topk:0.1:int2"}),
         ("optimizer", {"gradient_tracking": True}),
         ("module", {"sync_every": 3, "outer_optimizer": None}),
+        ("optimizer", {"host_staging": True}),
+        ("module", {"host_staging": True, "compression": "int8"}),
     ],
-    ids=["module", "bf16", "sparse", "tracking", "local-steps"],
+    ids=["module", "bf16", "sparse", "tracking", "local-steps", "host-staged", "host-staged-int8"],
 )
 def test_every_feature_survives_a_lost_peer(front, options):
     fault = FAULTS["killed mid-training"]
