@@ -98,7 +98,12 @@ def resolve_gossip_world(
                 f"{name}={given} disagrees with {where}, which gives {name}={actual}. "
                 f"Pass {name}={actual} or leave it out."
             )
-    per_node = 1 if replicas is not None else _local_world_size(local_world_size, members, subgroup)
+    if replicas is not None or (job is not None and job.joining and not subgroup):
+        # A job of nodes gossips between nodes; a joiner is a world of one until admitted, whatever
+        # LOCAL_WORLD_SIZE its launcher set (the members place it in their topology when it is).
+        per_node = 1
+    else:
+        per_node = _local_world_size(local_world_size, members, subgroup)
     return GossipWorld(members, me, per_node, subgroup, replicas)
 
 

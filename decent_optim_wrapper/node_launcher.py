@@ -1,0 +1,257 @@
+"""One command per node for a job that loses and regains workers: start the node's processes, bring
+back any that dies, and never touch the others.
+
+torchrun's agent restarts every worker of its group when one fails; a job built with
+``on_peer_failure="continue"`` wants the opposite: the survivors go on, and the lost worker, started
+again with the same command, joins the running job (:func:`~decent_optim_wrapper.init_elastic`). This
+launcher runs ``--nproc-per-node`` copies of a command, one per GPU, each with the variables
+:func:`~decent_optim_wrapper.initialize_dist` reads::
+
+    MASTER_ADDR, MASTER_PORT   the job's store (--store)
+    RANK                       node * nproc_per_node + local_rank: its place among the starting workers
+    WORLD_SIZE                 nodes * nproc_per_node
+    LOCAL_RANK                 its index on the node (its GPU)
+    LOCAL_WORLD_SIZE           nproc_per_node
+    TORCHELASTIC_RUN_ID        the job's name (--job), if given
+    TORCHELASTIC_RESTART_COUNT how often this local rank has been started again
+
+A process that exits with 0 is done. One that exits otherwise (a crash, a kill, an out-of-memory) is
+started again with the same command and variables after ``--restart-delay`` seconds, at most
+``--max-restarts`` times; the job is running, so it joins. The launcher ends when every local rank is
+done (exit code 0) or has used up its restarts (exit code 1); SIGINT and SIGTERM are passed on to
+the processes.
+
+The store must outlive every worker: ``--host-store`` makes this launcher host it (on the node that
+stays; the other nodes point ``--store`` at it), or host it yourself (the joining page of the docs).
+
+Example, two nodes of 4 GPUs, the store on the first::
+
+    python -m decent_optim_wrapper.node_launcher --nproc-per-node 4 --node 0 --nodes 2 \\
+        --store head:29500 --host-store -- python train.py
+    python -m decent_optim_wrapper.node_launcher --nproc-per-node 4 --node 1 --nodes 2 \\
+        --store head:29500 -- python train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+__all__ = ["LaunchConfig", "NodeLauncher", "main", "worker_environment"]
+
+#: How often the launcher looks at its processes, in seconds.
+_POLL_S = 0.1
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """What one node's launcher runs, checked by :meth:`check`."""
+
+    command: tuple[str, ...]
+    nproc_per_node: int
+    node: int
+    nodes: int
+    store_host: str
+    store_port: int
+    job: str | None = None
+    max_restarts: int = 10
+    restart_delay_s: float = 1.0
+
+    def check(self) -> None:
+        """Raise ``ValueError`` naming the option, its value and the fix."""
+        if not self.command:
+            raise ValueError("no command to run: give it after '--', e.g. -- python train.py")
+        for name, value, least in (("--nproc-per-node", self.nproc_per_node, 1), ("--nodes", self.nodes, 1)):
+            if value < least:
+                raise ValueError(f"{name}={value} must be >= {least}.")
+        if not 0 <= self.node < self.nodes:
+            raise ValueError(
+                f"--node={self.node} must be in 0..{self.nodes - 1} (--nodes={self.nodes}): the node's place "
+                "among the nodes that start the job."
+            )
+        if not 0 < self.store_port < 65536:
+            raise ValueError(f"--store port {self.store_port} must be in 1..65535.")
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts={self.max_restarts} must be >= 0.")
+        if self.restart_delay_s < 0:
+            raise ValueError(f"--restart-delay={self.restart_delay_s} must be >= 0 seconds.")
+
+
+def worker_environment(config: LaunchConfig, local_rank: int, restarts: int) -> dict[str, str]:
+    """The variables local rank ``local_rank`` is started with (added to the launcher's environment)."""
+    env = {
+        "MASTER_ADDR": config.store_host,
+        "MASTER_PORT": str(config.store_port),
+        "RANK": str(config.node * config.nproc_per_node + local_rank),
+        "WORLD_SIZE": str(config.nodes * config.nproc_per_node),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(config.nproc_per_node),
+        "TORCHELASTIC_RESTART_COUNT": str(restarts),
+    }
+    if config.job is not None:
+        env["TORCHELASTIC_RUN_ID"] = config.job
+    return env
+
+
+@dataclass
+class _Slot:
+    """One local rank: its current process and how often it has been started again."""
+
+    local_rank: int
+    process: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    restart_at: float | None = None  # when to start it again (after a failure)
+    outcome: str | None = None  # "done" or "failed", once it will not run again
+    pids: list[int] = field(default_factory=list)
+
+
+class NodeLauncher:
+    """Runs one node's processes: :meth:`run` until each is done or out of restarts."""
+
+    def __init__(self, config: LaunchConfig, base_env: Mapping[str, str] | None = None) -> None:
+        config.check()
+        self.config = config
+        self._base_env = dict(os.environ if base_env is None else base_env)
+        self.slots = [_Slot(local_rank) for local_rank in range(config.nproc_per_node)]
+        self._stopping = False
+
+    def _log(self, message: str) -> None:
+        print(f"[node_launcher node {self.config.node}] {message}", file=sys.stderr, flush=True)
+
+    def _start(self, slot: _Slot) -> None:
+        env = {**self._base_env, **worker_environment(self.config, slot.local_rank, slot.restarts)}
+        slot.process = subprocess.Popen(self.config.command, env=env)
+        slot.pids.append(slot.process.pid)
+        rank = env["RANK"]
+        again = f" again (restart {slot.restarts} of {self.config.max_restarts})" if slot.restarts else ""
+        self._log(f"local rank {slot.local_rank} (RANK {rank}) started{again}: pid {slot.process.pid}")
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        """Pass ``signum`` on to every running process; none is started again."""
+        self._stopping = True
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.send_signal(signum)
+
+    def run(self) -> int:
+        """Start every local rank and watch them; returns 0 if all finished cleanly, else 1."""
+        for slot in self.slots:
+            self._start(slot)
+        while any(slot.outcome is None for slot in self.slots):
+            time.sleep(_POLL_S)
+            for slot in self.slots:
+                self._watch(slot)
+        failed = [slot.local_rank for slot in self.slots if slot.outcome == "failed"]
+        if failed:
+            self._log(f"local ranks {failed} failed; the others finished")
+            return 1
+        return 0
+
+    def _watch(self, slot: _Slot) -> None:
+        if slot.outcome is not None:
+            return
+        if slot.process is None:  # waiting to be started again
+            if self._stopping:
+                slot.outcome = "failed"
+            elif slot.restart_at is not None and time.monotonic() >= slot.restart_at:
+                slot.restart_at = None
+                self._start(slot)
+            return
+        code = slot.process.poll()
+        if code is None:
+            return
+        pid, slot.process = slot.process.pid, None
+        if code == 0:
+            slot.outcome = "done"
+            self._log(f"local rank {slot.local_rank} (pid {pid}) finished")
+            return
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if self._stopping or slot.restarts >= self.config.max_restarts:
+            slot.outcome = "failed"
+            why = "the launcher is stopping" if self._stopping else "no restarts left"
+            self._log(f"local rank {slot.local_rank} (pid {pid}) {how}; not started again: {why}")
+            return
+        slot.restarts += 1
+        slot.restart_at = time.monotonic() + self.config.restart_delay_s
+        self._log(f"local rank {slot.local_rank} (pid {pid}) {how}; starting it again with the same command")
+
+
+def _host_store(port: int) -> Any:
+    """A TCPStore server on ``port``, kept for as long as the launcher runs."""
+    # Only the launcher that hosts the store needs torch.
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m decent_optim_wrapper.node_launcher",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
+    parser.add_argument("--node", type=int, default=0, help="this node's place among the starting nodes")
+    parser.add_argument("--nodes", type=int, default=1, help="how many nodes start the job")
+    parser.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    parser.add_argument("--host-store", action="store_true", help="host the store here, on PORT")
+    parser.add_argument("--job", default=None, help="the job's name in the store (TORCHELASTIC_RUN_ID)")
+    parser.add_argument("--max-restarts", type=int, default=10, help="restarts per local rank")
+    parser.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a restart")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command each process runs")
+    return parser
+
+
+def parse_config(argv: Sequence[str]) -> tuple[LaunchConfig, bool]:
+    """The launch configuration and whether to host the store, from the command line."""
+    args = _parser().parse_args(argv)
+    host, sep, port = args.store.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--store={args.store!r} must be HOST:PORT, e.g. head-node:29500.")
+    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
+    config = LaunchConfig(
+        command,
+        args.nproc_per_node,
+        args.node,
+        args.nodes,
+        host,
+        int(port),
+        args.job,
+        args.max_restarts,
+        args.restart_delay,
+    )
+    config.check()
+    return config, args.host_store
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config, host_store = parse_config(sys.argv[1:] if argv is None else argv)
+    except ValueError as err:
+        print(f"node_launcher: {err}", file=sys.stderr)
+        return 2
+    store = _host_store(config.store_port) if host_store else None
+    launcher = NodeLauncher(config)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        del frame
+        launcher.stop(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        return launcher.run()
+    finally:
+        del store
+
+
+if __name__ == "__main__":
+    sys.exit(main())

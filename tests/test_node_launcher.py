@@ -1,0 +1,146 @@
+"""The node launcher: one command per node that brings back a process that dies and leaves the others be.
+
+The unit tests run the launcher on small Python commands (no torch in them): its variables, its
+restarts, its limits and its errors. The end-to-end test runs ``examples/join.py`` under it: a worker
+that crashes is started again, joins the running job, and the others keep their processes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from decent_optim_wrapper.node_launcher import (
+    LaunchConfig,
+    NodeLauncher,
+    main,
+    parse_config,
+    worker_environment,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _config(command: list[str], nproc: int = 2, **options) -> LaunchConfig:
+    return LaunchConfig(tuple(command), nproc, 1, 3, "head", 29500, **options)
+
+
+@pytest.mark.pure
+def test_each_process_gets_its_place_in_the_job_and_its_restart_count():
+    env = worker_environment(_config(["true"], nproc=4, job="lm"), local_rank=2, restarts=3)
+    assert env == {
+        "MASTER_ADDR": "head",
+        "MASTER_PORT": "29500",
+        "RANK": "6",  # node 1 of 4 processes each, local rank 2
+        "WORLD_SIZE": "12",
+        "LOCAL_RANK": "2",
+        "LOCAL_WORLD_SIZE": "4",
+        "TORCHELASTIC_RESTART_COUNT": "3",
+        "TORCHELASTIC_RUN_ID": "lm",
+    }
+
+
+@pytest.mark.pure
+@pytest.mark.timeout(60)
+def test_a_process_that_fails_is_started_again_alone_and_the_others_keep_their_pids(tmp_path):
+    # Local rank 1 fails on its first two starts; local rank 0 runs once, for longer than those restarts.
+    script = (
+        "import os, sys, time\n"
+        "rank, restarts = int(os.environ['LOCAL_RANK']), int(os.environ['TORCHELASTIC_RESTART_COUNT'])\n"
+        f"open(os.path.join({str(tmp_path)!r}, f'{{rank}}-{{restarts}}-{{os.getpid()}}'), 'w').close()\n"
+        "if rank == 1 and restarts < 2: sys.exit(3)\n"
+        "time.sleep(1.5 if rank == 0 else 0)\n"
+    )
+    launcher = NodeLauncher(_config([sys.executable, "-c", script], restart_delay_s=0.05))
+    assert launcher.run() == 0
+    started = sorted(p.name for p in tmp_path.iterdir())
+    assert [s.rsplit("-", 1)[0] for s in started] == ["0-0", "1-0", "1-1", "1-2"]
+    rank0, rank1 = launcher.slots
+    assert len(rank0.pids) == 1 and rank0.restarts == 0, "the healthy process was never touched"
+    assert len(rank1.pids) == 3 and rank1.restarts == 2
+    assert started[0] == f"0-0-{rank0.pids[0]}"
+
+
+@pytest.mark.pure
+@pytest.mark.timeout(60)
+def test_a_process_out_of_restarts_fails_the_launch_without_stopping_the_others(capfd):
+    script = "import os, sys, time\nsys.exit(5) if os.environ['LOCAL_RANK'] == '1' else time.sleep(0.5)\n"
+    launcher = NodeLauncher(_config([sys.executable, "-c", script], max_restarts=1, restart_delay_s=0))
+    assert launcher.run() == 1
+    rank0, rank1 = launcher.slots
+    assert (rank0.outcome, rank1.outcome) == ("done", "failed")
+    assert len(rank1.pids) == 2  # the first start and one restart
+    err = capfd.readouterr().err
+    assert "local rank 1" in err and "exited with code 5; not started again: no restarts left" in err
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--store", "head", "--", "python", "x.py"], "--store='head' must be HOST:PORT"),
+        (["--store", "head:29500"], "no command to run"),
+        (["--store", "h:1", "--node", "2", "--nodes", "2", "--", "x"], r"--node=2 must be in 0\.\.1"),
+        (["--store", "h:1", "--nproc-per-node", "0", "--", "x"], "--nproc-per-node=0 must be >= 1"),
+        (["--store", "h:1", "--max-restarts", "-1", "--", "x"], "--max-restarts=-1 must be >= 0"),
+        (["--store", "h:70000", "--", "x"], "port 70000 must be in 1..65535"),
+    ],
+)
+def test_bad_options_are_named_with_the_fix(argv, message, capfd):
+    with pytest.raises(ValueError, match=message):
+        parse_config(argv)
+    assert main(argv) == 2
+    assert "node_launcher:" in capfd.readouterr().err
+
+
+@pytest.mark.pure
+def test_the_command_follows_the_double_dash():
+    config, host_store = parse_config(
+        ["--store", "h:29500", "--host-store", "--", "python", "train.py", "--lr", "1"]
+    )
+    assert config.command == ("python", "train.py", "--lr", "1") and host_store
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.examples
+@pytest.mark.timeout(240)
+def test_a_crashed_worker_under_the_launcher_comes_back_and_joins_the_running_job():
+    # examples/join.py: the worker started as rank 1 exits at step 40 (a crash); the launcher starts it
+    # again with the same command, and it joins the job the other two kept running.
+    command = [
+        sys.executable, "-m", "decent_optim_wrapper.node_launcher", "--nproc-per-node", "3",
+        "--store", f"127.0.0.1:{_free_port()}", "--host-store", "--restart-delay", "0.5", "--",
+        sys.executable, "examples/join.py", "--crash", "1:40", "--steps", "200", "--step-time", "0.1",
+    ]  # fmt: skip
+    # A session of its own: on a timeout the launcher and its workers are killed together.
+    launcher = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = launcher.communicate(timeout=200)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.communicate()
+    assert launcher.returncode == 0, err[-3000:]
+    started = dict(re.findall(r"local rank (\d) \(RANK \d\) started: pid (\d+)", err))
+    restarted = re.findall(r"local rank (\d) \(RANK \d\) started again \(restart 1 of 10\): pid (\d+)", err)
+    assert sorted(started) == ["0", "1", "2"] and [r for r, _ in restarted] == ["1"], err
+    assert "local rank 1 (pid {}) exited with code 1".format(started["1"]) in err
+    for rank in ("0", "2"):
+        assert f"local rank {rank} (pid {started[rank]}) finished" in err, "the others keep their processes"
+    assert f"local rank 1 (pid {restarted[0][1]}) finished" in err
+    assert re.search(r"joined the running job at step \d+ as rank 2 of 3", out), out
+    assert len(re.findall(r"finished at step 200 as rank \d of 3; lost \d, admitted \d", out)) == 3, out
