@@ -29,9 +29,9 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError, current_job, enter_job, job_running
-from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld, form_group
 
-__all__ = ["init_elastic", "initialize_dist", "node_mesh"]
+__all__ = ["init_elastic", "initialize_dist", "node_mesh", "plan_node_backend"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,51 @@ def plan_launch(env: Mapping[str, str], cuda_device_count: int) -> LaunchPlan:
     return LaunchPlan("nccl", rank, world_size, local_rank, rendezvous)
 
 
+def plan_node_backend(
+    backend: object, shards: int | None, env: Mapping[str, str], cuda_device_count: int
+) -> tuple[str, int | None]:
+    """The backend of a node's group in :func:`init_elastic` and the CUDA device this process takes;
+    pure, initializes nothing.
+
+    With ``shards=k`` the node's processes form the default group: NCCL when they hold GPUs (one per
+    process, ``LOCAL_RANK``, default: the process's index in the node), else gloo; ``backend`` chooses.
+    With one process per node (``shards=None``) the default group is the job's, which survival and
+    joins re-form on gloo: only gloo is accepted there (the model may still live on a GPU).
+
+    Raises:
+        ValueError: an unknown backend, NCCL without GPUs or without ``shards``, or a ``LOCAL_RANK``
+            beyond the GPUs; the message names the value and the fix.
+    """
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f'backend must be None (follow the device), "gloo" or "nccl", got {backend!r}.')
+    if shards is None:
+        if backend == "nccl":
+            raise ValueError(
+                'backend="nccl" names the backend of a node\'s group, which init_elastic forms with '
+                "shards=k; with one process per node the default group is the job's, and survival and "
+                "joins re-form it on gloo. Pass shards=k (NCCL inside the node, gloo between nodes), or "
+                "backend=None: the model may live on a GPU either way."
+            )
+        return "gloo", None
+    if backend is None:
+        backend = "nccl" if cuda_device_count > 0 else "gloo"
+    if backend == "gloo":
+        return "gloo", None
+    if cuda_device_count == 0:
+        raise ValueError(
+            'backend="nccl" needs a GPU per process, but this process sees none; pass backend="gloo" '
+            "(or None) on CPU nodes, or check CUDA_VISIBLE_DEVICES."
+        )
+    local_rank = _int_var(env, "LOCAL_RANK", 0)
+    device = local_rank if local_rank is not None else 0
+    if device >= cuda_device_count:
+        raise ValueError(
+            f"LOCAL_RANK={device} needs {device + 1} GPUs but this process sees {cuda_device_count}; one "
+            "process per GPU: start at most that many per node, or check CUDA_VISIBLE_DEVICES."
+        )
+    return "nccl", device
+
+
 def init_elastic(
     store: Store,
     rank: int,
@@ -139,6 +184,7 @@ def init_elastic(
     job: str | None = None,
     timeout: timedelta = timedelta(minutes=10),
     shards: int | None = None,
+    backend: str | None = None,
 ) -> bool:
     """Start a worker of a job that grows and shrinks: form the default group, or prepare to join.
 
@@ -163,6 +209,11 @@ def init_elastic(
             joins such a job whole: its ``shards`` processes start with this ``shards`` and ranks
             ``node * shards + s`` (any ``node``, the same for all of them, e.g. torchrun's ``RANK`` on
             the node brought back); its rank ``s`` takes shard ``s`` from a donor node's rank ``s``.
+        backend: the backend of the node's group with ``shards``: None (default) NCCL when the
+            processes hold GPUs (process ``LOCAL_RANK`` takes GPU ``LOCAL_RANK``,
+            ``torch.cuda.set_device``), else gloo; or ``"gloo"``/``"nccl"``. The groups between nodes
+            (gossip, survival, joins, pace messages) are the engine's own, on gloo, whatever it is.
+            Without ``shards`` only gloo (the default group is the job's; the model may be on a GPU).
 
     Returns:
         True if this worker joins a running job, False if it starts the job.
@@ -183,6 +234,13 @@ def init_elastic(
         )
     if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1):
         raise ValueError(f"shards must be an int >= 1 (processes per node), got {shards!r}.")
+    node_backend, device_index = plan_node_backend(
+        backend, shards, os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0
+    )
+    device = None
+    if device_index is not None:
+        device = torch.device("cuda", device_index)
+        torch.cuda.set_device(device)
     found = job_running(store, name)
     joining = found is not None
     if found is not None and found.shards != (shards or 1):
@@ -215,11 +273,15 @@ def init_elastic(
         attempt = int(store.add(f"decent-optim-wrapper/jobs/{name}/joining/{node}/shard/{shard}", 1)) - 1
         node_key = f"decent-optim-wrapper/jobs/{name}/joining/{node}/{attempt}"
         keys = PrefixStore(node_key, store)
+        node_keys = PrefixStore("node", keys)
         dist.init_process_group(
-            "gloo", store=PrefixStore("node", keys), rank=shard, world_size=shards, timeout=timeout
+            node_backend, store=node_keys, rank=shard, world_size=shards, timeout=timeout, device_id=device
         )
         token = f"jobs-{name}-joining-{node}-{attempt}"  # the job's own once admitted
-        replicas = ReplicaWorld.form(PrefixStore("alone", keys), shards, shard, 0, 1, timeout, token)
+        node_group = form_group(node_keys, "engine", shard, shards, timeout)
+        replicas = ReplicaWorld.form(
+            PrefixStore("alone", keys), shards, shard, 0, 1, timeout, token, node_group
+        )
     elif joining:
         # A world of its own until the members admit it: the model and front-end build locally.
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # type: ignore[attr-defined]
@@ -233,11 +295,19 @@ def init_elastic(
         else:  # the node is the default group; the shard worlds are the engine's (engine/fleet/replicas.py)
             node, shard = divmod(rank, shards)
             node_keys = PrefixStore(f"node/{node}", keys)
-            dist.init_process_group("gloo", store=node_keys, rank=shard, world_size=shards, timeout=timeout)
+            dist.init_process_group(
+                node_backend,
+                store=node_keys,
+                rank=shard,
+                world_size=shards,
+                timeout=timeout,
+                device_id=device,
+            )
+            node_group = form_group(node_keys, "engine", shard, shards, timeout)
             shard_keys = PrefixStore(f"shard/{shard}", keys)
             token = f"jobs-{name}-{launch}"  # the start's: every rank of every shard world shares it
             replicas = ReplicaWorld.form(
-                shard_keys, shards, shard, node, world_size // shards, timeout, token
+                shard_keys, shards, shard, node, world_size // shards, timeout, token, node_group
             )
     enter_job(store, name, found, replicas, node_key)
     return joining

@@ -15,7 +15,8 @@ from decent_optim_wrapper import DecentOptimWrapper, GossipCompression, Group, R
 from decent_optim_wrapper.engine.fleet.membership import connect_store
 from decent_optim_wrapper.engine.fleet.world import check_job_of_nodes, resolve_gossip_world
 from decent_optim_wrapper.engine.layout import check_pacing_composes
-from decent_optim_wrapper.engine.options import check_on_peer_failure
+from decent_optim_wrapper.engine.options import check_on_peer_failure, resolve_host_staging
+from decent_optim_wrapper.launch import plan_node_backend
 
 
 @pytest.mark.pure
@@ -73,6 +74,26 @@ REFUSED = {
     "continue on nccl": (
         lambda: check_on_peer_failure("continue", "ring", backend="nccl"),
         ['on_peer_failure="continue"', "'nccl'", 'use on_peer_failure="raise"'],
+    ),
+    "host staging on nccl": (
+        lambda: resolve_host_staging(True, [torch.device("cuda", 0)], "nccl"),
+        ["host_staging=True", "'nccl'", "pass host_staging=None"],
+    ),
+    "nccl node group without shards": (
+        lambda: plan_node_backend("nccl", None, {}, 8),
+        ['backend="nccl"', "shards=k", "backend=None"],
+    ),
+    "nccl node group without a GPU": (
+        lambda: plan_node_backend("nccl", 2, {}, 0),
+        ['backend="nccl"', "sees none", 'pass backend="gloo"'],
+    ),
+    "an unknown node backend": (
+        lambda: plan_node_backend("mpi", 2, {}, 0),
+        ["backend must be", "'mpi'", '"gloo" or "nccl"'],
+    ),
+    "LOCAL_RANK beyond the node's GPUs": (
+        lambda: plan_node_backend(None, 4, {"LOCAL_RANK": "3"}, 2),
+        ["LOCAL_RANK=3", "sees 2", "CUDA_VISIBLE_DEVICES"],
     ),
     "continue without a store": (
         lambda: connect_store(None, timedelta(seconds=1)),

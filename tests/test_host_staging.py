@@ -16,12 +16,12 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import batch, flat, train_steps
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.engine.exchange.staging import HostStaging, host_buffer
 from decent_optim_wrapper.engine.options import resolve_host_staging
-from tests.helpers import batch, flat, train_steps
 
 
 # -- the staging machinery alone (no process group) ------------------------------------------------

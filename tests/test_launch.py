@@ -219,3 +219,23 @@ def test_bad_environments_are_named(case):
         plan_launch(env, gpus)
     for fragment in fragments:
         assert fragment in str(info.value), (fragment, str(info.value))
+
+
+# -- the node's group of a job started with init_elastic ---------------------------------------------
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("backend", "shards", "env", "gpus", "planned"),
+    [
+        (None, None, {}, 8, ("gloo", None)),  # one process per node: the job's group, on gloo
+        ("gloo", None, {}, 8, ("gloo", None)),
+        (None, 4, {"LOCAL_RANK": "2"}, 4, ("nccl", 2)),  # GPU nodes: NCCL inside the node
+        (None, 4, {}, 4, ("nccl", 0)),
+        (None, 4, {"LOCAL_RANK": "2"}, 0, ("gloo", None)),  # CPU nodes
+        ("gloo", 4, {"LOCAL_RANK": "2"}, 4, ("gloo", None)),  # chosen
+        ("nccl", 1, {"LOCAL_RANK": "0"}, 1, ("nccl", 0)),  # processes sharing a GPU, a node each
+    ],
+)
+def test_a_node_group_is_nccl_when_its_processes_hold_gpus(backend, shards, env, gpus, planned):
+    from decent_optim_wrapper.launch import plan_node_backend
+
+    assert plan_node_backend(backend, shards, env, gpus) == planned

@@ -223,9 +223,13 @@ def check_on_peer_failure(
             f'on_peer_failure="continue" rebuilds the topology for the survivors, but topology={topology!r} '
             "is an instance built for one world size; pass its registered name or its class instead."
         )
+    if replicas:
+        return  # a job of nodes: the groups between nodes are the engine's gloo groups; the node may be NCCL
     backend = dist.get_backend() if backend is None else backend
     if backend != "gloo":
         raise ValueError(
-            f'on_peer_failure="continue" is supported on the gloo backend (CPU), but the default process '
-            f'group uses {backend!r}; use on_peer_failure="raise" there and resume from checkpoints.'
+            f'on_peer_failure="continue" re-forms the default process group on gloo, but it uses '
+            f"{backend!r}. On GPU nodes start the job with init_elastic (gloo between the processes, "
+            "the model on its GPU; or shards=k: NCCL inside each node, gloo between nodes), or keep "
+            'this group and use on_peer_failure="raise" with restarts from checkpoints.'
         )

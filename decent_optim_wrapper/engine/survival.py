@@ -179,7 +179,9 @@ class Survival:
         gathered = torch.empty(2 * self.membership.shards, dtype=torch.int64)
         cause: BaseException | None = None
         try:
-            work = dist.all_gather_into_tensor(gathered, mine, async_op=True)
+            node = self.membership.replicas
+            group = None if node is None else node.node_group  # the node's own gloo group
+            work = dist.all_gather_into_tensor(gathered, mine, group=group, async_op=True)
             done = work is None or work.wait(self._timeout)
         except (RuntimeError, dist.DistError) as err:
             done, cause = False, err

@@ -122,15 +122,16 @@ def agree(what: str, build_report: Callable[[], T]) -> list[T]:
     return [report for _, report in gathered]
 
 
-def all_gather_pickled(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (picklable), in rank order, over the job's group (:func:`job_group`).
+def all_gather_pickled(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` (picklable), in rank order, over ``group`` (default: the job's group,
+    :func:`job_group`).
 
     ``torch.distributed.all_gather_object`` needs NumPy, which this library does not depend on, so
     the bytes travel as uint8 tensors: first the lengths, then the payloads padded to the longest.
 
     .. warning:: This is a collective: all ranks must call it.
     """
-    group = job_group()
+    group = job_group() if group is None else group
     device = torch.device("cpu")
     if group is None and dist.get_backend() == "nccl":
         device = torch.device("cuda", torch.cuda.current_device())

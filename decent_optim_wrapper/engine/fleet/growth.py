@@ -50,6 +50,7 @@ from decent_optim_wrapper.engine.fleet.admission import (
     publish_job,
     run_prefix,
 )
+from decent_optim_wrapper.engine.fleet.comm import all_gather_pickled
 from decent_optim_wrapper.engine.fleet.membership import (
     Decision,
     Membership,
@@ -58,6 +59,7 @@ from decent_optim_wrapper.engine.fleet.membership import (
     group_prefix,
     nodes_of,
 )
+from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 from decent_optim_wrapper.engine.fleet.transfer import (
     TransferCorruptedError,
     pack,
@@ -227,7 +229,7 @@ class Growth:
                     'on_peer_failure="continue", as the job\'s members do.'
                 )
             return
-        signature = node_signature(signature, shards)
+        signature = node_signature(signature, job.replicas)
         if job.found is None:  # this process started the job: open it to joiners
             membership.signature = signature
             membership.watch.open = True
@@ -246,7 +248,7 @@ class Growth:
                 load(payload["front_end"])
         except Exception as err:
             error = err
-        if not node_agrees(error is None, shards, timeout):
+        if not node_agrees(error is None, job.replicas, timeout):
             joined.leave()  # the members go on without it (without its node) at once
             if error is not None:
                 raise error
@@ -300,7 +302,7 @@ class Growth:
             except (PeerLost, TransferCorruptedError, RuntimeError, dist.DistError) as err:
                 failure = err
             # A node joins whole: each of its ranks tries again, or none does.
-            if not node_agrees(failure is None, shards, timeout) and failure is None:
+            if not node_agrees(failure is None, job.replicas, timeout) and failure is None:
                 failure = PeerLost("another rank of this node did not receive its shard of the replica")
             if failure is not None:
                 # Leaving makes this rank a lost peer of the new world; the members go on without it.
@@ -358,24 +360,26 @@ def _join_record(
     )
 
 
-def node_signature(signature: tuple[tuple[str, object], ...], shards: int) -> tuple[tuple[str, object], ...]:
+def node_signature(
+    signature: tuple[tuple[str, object], ...], replicas: ReplicaWorld | None
+) -> tuple[tuple[str, object], ...]:
     """What a replica must match: this rank's ``signature``, or in a job of nodes every shard's, gathered
     over the node (its ranks hold different slices of the model). A collective of the node."""
-    if shards == 1:
+    if replicas is None or replicas.shards == 1:
         return signature
-    gathered: list[Any] = [None] * shards
-    dist.all_gather_object(gathered, signature)
+    gathered = all_gather_pickled(signature, replicas.node_group)
     return tuple((f"shard {s}", mine) for s, mine in enumerate(gathered))
 
 
-def node_agrees(ok: bool, shards: int, timeout: timedelta) -> bool:
-    """Whether ``ok`` holds on every rank of this node (a collective of the node; just ``ok`` outside a
-    job of nodes). A node-mate that is gone or silent for ``timeout`` counts as not ok."""
-    if shards == 1:
+def node_agrees(ok: bool, replicas: ReplicaWorld | None, timeout: timedelta) -> bool:
+    """Whether ``ok`` holds on every rank of this node (a collective of the node's own gloo group; just
+    ``ok`` outside a job of nodes). A node-mate that is gone or silent for ``timeout`` counts as not ok."""
+    if replicas is None or replicas.shards == 1:
         return ok
-    flags = torch.empty(shards, dtype=torch.int64)
+    flags = torch.empty(replicas.shards, dtype=torch.int64)
     try:
-        work = dist.all_gather_into_tensor(flags, torch.tensor([int(ok)], dtype=torch.int64), async_op=True)
+        mine = torch.tensor([int(ok)], dtype=torch.int64)
+        work = dist.all_gather_into_tensor(flags, mine, group=replicas.node_group, async_op=True)
         if work is not None and not work.wait(timeout):
             return False
     except (RuntimeError, dist.DistError):
@@ -401,7 +405,7 @@ def _applicant(
     if shard == 0:  # each attempt is a new node: a replica that left is never mistaken for a live one
         count = int(job.store.add(f"{run_prefix(info.run)}/joining-nodes", 1))
         drawn[0] = info.launch_world_size // shards + count - 1
-    dist.broadcast(drawn, group_src=0)
+    dist.broadcast(drawn, group=replicas.node_group, group_src=0)
     member = int(drawn[0]) * shards + shard
     node = (f"{job.node_key}/attempt/{attempt}/slot", shard == 0)
     return Applicant(job.store, info, signature, seconds, member=member, shards=shards, node=node)

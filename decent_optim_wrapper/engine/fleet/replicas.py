@@ -53,6 +53,9 @@ class ReplicaWorld:
         timeout: the groups' timeout.
         token: names the job's start in the store, the same on every rank of every shard world.
         group: a group spanning the shard world, for the engine's agreements (not gossip).
+        node_group: a gloo group over this node's processes, for the engine's agreements inside the
+            node (whether a node goes on or joins whole): the default group is the node too, but on
+            GPU nodes it is NCCL's, which moves device memory only and cannot time a wait out.
     """
 
     store: Store
@@ -63,20 +66,32 @@ class ReplicaWorld:
     timeout: timedelta
     token: str
     group: dist.ProcessGroup
+    node_group: dist.ProcessGroup | None = None
 
     @classmethod
     def form(
-        cls, store: Store, shards: int, shard: int, node: int, nodes: int, timeout: timedelta, token: str
+        cls,
+        store: Store,
+        shards: int,
+        shard: int,
+        node: int,
+        nodes: int,
+        timeout: timedelta,
+        token: str,
+        node_group: dist.ProcessGroup | None = None,
     ) -> ReplicaWorld:
         """Form the shard world's spanning group; a collective of its ``nodes`` members."""
         group = form_group(store, "world", node, nodes, timeout)
-        return cls(store, shards, shard, node, nodes, timeout, token, group)
+        return cls(store, shards, shard, node, nodes, timeout, token, group, node_group)
 
     def reformed(self, store: Store, node: int, nodes: int) -> ReplicaWorld:
         """This shard world after a change of the job: ``nodes`` nodes, this one ``node``-th, its
-        groups under ``store`` (the generation's keys); a collective of its new members."""
+        groups under ``store`` (the generation's keys); a collective of its new members. The node's
+        own group stays: the node is the same."""
         keys = PrefixStore(f"shard/{self.shard}", store)
-        return ReplicaWorld.form(keys, self.shards, self.shard, node, nodes, self.timeout, self.token)
+        return ReplicaWorld.form(
+            keys, self.shards, self.shard, node, nodes, self.timeout, self.token, self.node_group
+        )
 
     def new_group(self, ranks: tuple[int, ...], timeout: timedelta | None = None) -> dist.ProcessGroup:
         """A group over shard-world ``ranks`` (ascending, this node among them); a collective of them.
