@@ -8,7 +8,8 @@ user's objects registered for joiners (an LR scheduler, a sampler). It is serial
 ``torch.save`` into one byte tensor, and its SHA-256 digest travels ahead of it in a fixed-size
 header. The joiner recomputes the digest of what arrived; a mismatch raises
 :class:`TransferCorruptedError` (the joiner then applies again). What the joiner loads is therefore
-the donor's state bit for bit.
+the donor's state bit for bit. Tensors on a GPU travel through the host: ``torch.save`` copies them
+out, and the joiner loads them onto the host and from there onto its own devices.
 
 Transfers use the new default group's point-to-point operations (gloo ``send``/``recv``; in a job of
 nodes, those of the shard world's group, rank ``s`` of the donor node sending shard ``s``) in chunks of
@@ -62,7 +63,9 @@ def unpack(data: torch.Tensor, digest: bytes) -> dict[str, Any]:
             f"the replica received ({len(raw)} bytes) has SHA-256 {got.hex()[:16]}..., but its donor sent "
             f"{digest.hex()[:16]}...; the transfer is discarded and this worker applies again."
         )
-    loaded: dict[str, Any] = torch.load(io.BytesIO(raw), weights_only=False)
+    # Onto the host: a donor's cuda:3 tensors must load where the joiner has no cuda:3. The engine and the
+    # optimizers copy them onto the joiner's own devices as they load them.
+    loaded: dict[str, Any] = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=False)
     return loaded
 
 
