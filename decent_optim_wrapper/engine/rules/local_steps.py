@@ -224,7 +224,8 @@ class LocalSteps:
             process_groups.world,
             rank,
             topology.world_size,
-            device=self._anchors[0].device if self._anchors else None,
+            # Staged (gloo groups): the pace messages stay on the host, read there without a device sync.
+            device=self._anchors[0].device if self._anchors and staging is None else None,
             waiter=waiter,
             timeout=timeout,
             replica_max=self._replica_max,
