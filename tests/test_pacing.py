@@ -364,7 +364,9 @@ def test_global_avg_at_a_round_end_is_exact_and_revert_bitwise(pool):
 
 
 # -- measured pacing -----------------------------------------------------------------------------------
-def _measured(rounds: int, slow_rank, swap_at: int | None) -> tuple[list[int], list[float | None]]:
+def _measured(
+    rounds: int, slow_rank, swap_at: int | None, host_staging: bool = False
+) -> tuple[list[int], list[float | None]]:
     """Step times emulated by sleeping: 8 ms, and 24 ms on the slow rank (which changes at ``swap_at``)."""
 
     def step_s(rank: int, round_: int) -> float:
@@ -379,20 +381,24 @@ def _measured(rounds: int, slow_rank, swap_at: int | None) -> tuple[list[int], l
         sync_every=SYNC_EVERY,
         outer_optimizer=OUTER["nesterov"],
         pacing=Pacing(repace_every=2),
+        host_staging=host_staging,
     )
+    assert front.engine.host_staging is host_staging
     counts = _train_rounds(model, front, "optimizer", rounds, step_s)
     report = front.pace_report()
     assert report is not None
     return counts, [report.round_seconds, report.step_seconds, report.waited_seconds]
 
 
-def test_measured_pacing_gives_a_slow_rank_fewer_steps_and_follows_a_change(pool):
+@pytest.mark.parametrize("host_staging", [False, True], ids=["direct", "host-staged"])
+def test_measured_pacing_gives_a_slow_rank_fewer_steps_and_follows_a_change(pool, host_staging):
     # 3 ranks of 8, 8 and 24 ms per step: tau = 3 H / (1/8 + 1/8 + 1/24) ms = 41.1 ms, so 5.1 steps
     # per round on a fast rank and 1.7 on the slow one. Sleep-based timing on a shared 2-core
     # machine is noisy, so the bounds are wide; what must hold: the slow rank takes clearly fewer
     # steps, the counts follow when another rank becomes the slow one, and every rank computed the
     # same round length from the same message.
-    results = pool(3).run(_measured, 22, 0, 11)
+    # Host-staged: the rounds and the pace messages (kept on the host) launch from another thread.
+    results = pool(3).run(_measured, 22, 0, 11, host_staging)
     taus = {r[1][0] for r in results}
     assert len(taus) == 1 and next(iter(taus)) is not None
     counts = [r[0] for r in results]
