@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from failures import inject, request_worker, run_elastic
-from helpers import flat
+from helpers import flat as _flat
 from torch import nn
 
 from decent_optim_wrapper import (
@@ -33,6 +33,11 @@ pytestmark = pytest.mark.fleet
 TIMEOUT = timedelta(seconds=5)
 STEPS = 40
 GOSSIP_ONLY = 20
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """The flat parameters, on the host (results travel to the test process)."""
+    return _flat(model).cpu()
 
 
 def _model(width: int = 5) -> nn.Module:
@@ -52,7 +57,7 @@ def _optimizer_state(state: dict[str, Any]) -> list[torch.Tensor]:
     for key in sorted(state["state"]):
         for name in sorted(state["state"][key]):
             value = state["state"][key][name]
-            tensors.append(value.clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
+            tensors.append(value.cpu().clone() if isinstance(value, torch.Tensor) else torch.tensor(value))
     return tensors
 
 
@@ -62,11 +67,16 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    joining = init_elastic(store, index, world_size, job="test", timeout=timedelta(seconds=60))
+    # plan["node_backend"]: each process a node of its own (shards=1) whose group is on that backend,
+    # the groups between nodes the engine's gloo groups; plan["device"]: where the model lives (the
+    # GPU tier shares one GPU between the processes).
+    nodes = {} if "node_backend" not in plan else {"shards": 1, "backend": plan["node_backend"]}
+    joining = init_elastic(store, index, world_size, job="test", timeout=timedelta(seconds=60), **nodes)
     _inject_faults(plan, store, joining)  # before the front-end: a joiner joins inside its constructor
-    model = _model(plan.get("joiner_width", 5) if joining else 5)
-    teacher = torch.randn(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    probe = torch.randn(64, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    device = torch.device(plan.get("device", "cpu"))
+    model = _model(plan.get("joiner_width", 5) if joining else 5).to(device)
+    teacher = torch.randn(6, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64).to(device)
+    probe = torch.randn(64, 6, generator=torch.Generator().manual_seed(1), dtype=torch.float64).to(device)
     loss_fn = nn.MSELoss()
     common: dict[str, Any] = dict(timeout=TIMEOUT, on_peer_failure="continue", **plan.get("options", {}))
     if plan["front"] == "module":
@@ -140,7 +150,7 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
             # (the steps left after the request give them about 90 s: time for a joiner whose first
             # attempt failed, its group never forming, to apply again).
             time.sleep(2.5)
-        step(_inputs(index, t))
+        step(_inputs(index, t).to(device))
         scheduler.step()
         with torch.no_grad():
             losses.append(loss_fn(model(probe), probe @ teacher).item())
@@ -150,7 +160,7 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
         _load(front_end, saved[0])
         scheduler.load_state_dict(saved[1])
         for t in range(plan["checkpoint_at"], STEPS):
-            step(_inputs(index, t))
+            step(_inputs(index, t).to(device))
             scheduler.step()
         resumed = flat(model)
     # Gossip alone: zero gradients, no update (AdamW with lr 0); mixing keeps the sum of the replicas.
@@ -262,9 +272,13 @@ def _check_transfers(results: list[dict[str, Any]]) -> None:
         assert received["last_epoch"] == donor["step"]  # the scheduler came along
 
 
-def _check_world(results: list[dict[str, Any]], world_size: int, mixing_only: bool = True) -> None:
+def _check_world(
+    results: list[dict[str, Any]], world_size: int, mixing_only: bool = True, node_size: int | None = None
+) -> None:
+    """``node_size``: a job of nodes, whose default group is the node (of that many processes)."""
     for result in results:
-        assert result["world_size"] == result["dist_world_size"] == world_size
+        assert result["world_size"] == world_size
+        assert result["dist_world_size"] == (world_size if node_size is None else node_size)
     if mixing_only:  # (an outer optimizer's momentum keeps moving the anchors without gradients)
         # Gossip alone keeps the sum of the replicas: float64 parameters, GOSSIP_ONLY rounds each
         # rounding every element once per term (3 terms on a ring): well within 1e-12 of the largest.
@@ -426,3 +440,20 @@ def test_a_corrupted_transfer_is_refused_by_its_checksum_and_retried():
     for member in results:
         if not member["joining"]:
             assert len(member["joins"]) == 2 and len(member["failures"]) == 1
+
+
+@pytest.mark.timeout(200)
+def test_nodes_of_one_process_survive_a_kill_and_take_it_back():
+    # The GPU tier's fleet (test_gpu_fleet) on CPU: each process a node of its own, whose group (gloo
+    # here, NCCL on a GPU) is of one, and the groups between nodes the engine's own over the store.
+    plan = {"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": (), "node_backend": "gloo"}
+    outcome = run_elastic(_train, 3, (plan,), restart_killed=1, restart_delay_s=1.5 * TIMEOUT.total_seconds())
+    assert outcome.exitcodes[1] == -9
+    results = _by_rank(outcome)
+    assert len(results) == 3
+    _check_world(results, 3, node_size=1)
+    _check_transfers(results)
+    for member in results:
+        if not member["joining"]:
+            assert [f.world_size for f in member["failures"]] == [2]
+            assert [j.world_size for j in member["joins"]] == [3]

@@ -23,7 +23,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from failures import inject, join, request_worker, run_elastic, run_with_faults
-from helpers import flat, tiny_model
+from helpers import flat as _flat
+from helpers import tiny_model
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, Pacing, init_elastic
@@ -34,6 +35,11 @@ TIMEOUT = timedelta(seconds=3)
 SYNC_EVERY = 3
 ROUNDS = 14  # training rounds; then gossip alone for GOSSIP_ROUNDS more
 GOSSIP_ROUNDS = 10
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    """The flat parameters, on the host (results travel to the test process)."""
+    return _flat(model).cpu()
 
 
 def scheduled(rank: int, round_: int) -> int:
@@ -172,14 +178,19 @@ def _check_average(results: list[dict[str, Any]]) -> None:
 
 
 # -- a joiner ------------------------------------------------------------------------------------------
-def _grow(index: int, world_size: int, port: int, workdir: str, front: str) -> dict[str, Any]:
+def _grow(
+    index: int, world_size: int, port: int, workdir: str, front: str, device_type: str = "cpu"
+) -> dict[str, Any]:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    joining = init_elastic(store, index, world_size, job="paced", timeout=timedelta(seconds=60))
-    model = tiny_model()
-    teacher = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
-    probe = torch.randn(64, 6, generator=torch.Generator().manual_seed(1))
+    # On a GPU: processes sharing it, each a node of its own (an NCCL group of one), gloo between.
+    nodes = {} if device_type == "cpu" else {"shards": 1, "backend": "nccl"}
+    joining = init_elastic(store, index, world_size, job="paced", timeout=timedelta(seconds=60), **nodes)
+    device = torch.device(device_type)
+    model = tiny_model().to(device)
+    teacher = torch.randn(6, 3, generator=torch.Generator().manual_seed(0)).to(device)
+    probe = torch.randn(64, 6, generator=torch.Generator().manual_seed(1)).to(device)
     front_end = _build(model, front, on_peer_failure="continue", pacing=Pacing(schedule=scheduled))
     donated: list[dict[str, Any]] = []
     front_end.register_join_hook(
@@ -201,7 +212,7 @@ def _grow(index: int, world_size: int, port: int, workdir: str, front: str) -> d
             request_worker(workdir, "0")
         if not joining and front_end.round_count >= 2 and not front_end.peer_joins:
             time.sleep(0.6)  # until the joiner arrives: a process takes seconds to start
-        x = _inputs(index, front_end.step_count)
+        x = _inputs(index, front_end.step_count).to(device)
         _step(front_end, model, x, x @ teacher)
         if front_end.round_ended:
             with torch.no_grad():
