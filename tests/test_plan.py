@@ -13,12 +13,15 @@ import math
 import statistics
 
 import pytest
+import torch
 
 from decent_optim_wrapper import GossipCompression
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan, codec
 from decent_optim_wrapper.plan import (
     AllReduce,
     ComputeTimes,
     Gossip,
+    HostCopy,
     Link,
     LinkSharing,
     Network,
@@ -516,6 +519,8 @@ def test_low_communication_options_are_checked():
         Gossip(4, topology.phase, rounds, sync_every=8, sync_delay=9)
     with pytest.raises(ValueError, match="encode_s and fold_s"):
         Gossip(4, topology.phase, rounds, encode_s=-1.0)
+    with pytest.raises(ValueError, match="stage_out_s and stage_in_s"):
+        Gossip(4, topology.phase, rounds, stage_in_s=-1.0)
 
 
 def test_predict_names_low_communication_variants_and_charges_round_costs():
@@ -570,3 +575,47 @@ def test_plan_simulates_low_communication_and_measures_rounds(capsys):
     with pytest.raises(SystemExit):
         main([*argv, "--sync-every", "4", "--sync-delay", "5"])
     assert "--sync-delay 5" in capsys.readouterr().err
+
+
+# -- host staging of a GPU model's rounds ---------------------------------------------------------
+def test_host_staging_delays_the_round_by_the_copy_out_and_the_fold_by_the_copy_back():
+    # Zero jitter, an exchange slower than compute: a step takes the exchange, plus the copy out
+    # (before the round can start) and the copy back (on the compute stream, before the mix).
+    compute, exchange, out, back = 0.2, 0.3, 0.02, 0.03
+    topology = TopologyFactory.create("ring", 8)
+    staged = Gossip(
+        8,
+        topology.phase,
+        lambda step: [Transfer.fixed(exchange)] * len(topology.phase(step)),
+        0.01,
+        stage_out_s=out,
+        stage_in_s=back,
+    )
+    run = simulate(staged, ComputeTimes(compute), 30)
+    assert run.iteration_s(skip=2) == pytest.approx(out + exchange + back + 0.01, rel=EXACT)
+    # An exchange that hides behind the compute hides the copy out too; the copy back is always paid.
+    fast = Gossip(
+        8, topology.phase, lambda step: [Transfer.fixed(0.05)] * len(topology.phase(step)), 0.01,
+        stage_out_s=out, stage_in_s=back,
+    )  # fmt: skip
+    assert simulate(fast, ComputeTimes(compute), 30).iteration_s(skip=2) == pytest.approx(
+        compute + back + 0.01, rel=EXACT
+    )
+
+
+def test_host_copies_count_the_bytes_the_engine_stages():
+    copy = HostCopy(25e9)
+    pair, numel, fp32_sum = Group((0, 1)), 10**6, 4e6 / 25e9
+    assert copy.staged_seconds(pair, numel, None) == (fp32_sum, fp32_sum)  # the sum buffer both ways
+    assert copy.staged_seconds(pair, numel, None, torch.bfloat16) == (fp32_sum, fp32_sum)  # summed in fp32
+    ring = TopologyFactory.create("ring", 4)
+    group = max((g for phase in ring.schedule for g in phase), key=lambda g: g.size)
+    plan = CompressionPlan(ring, GossipCompression("int8"))
+    assert plan.compresses(group, torch.float32)
+    payload = codec("int8").payload_bytes(numel, torch.float32)
+    out, back = copy.staged_seconds(group, numel, plan)
+    assert (out, back) == (payload / 25e9, group.size * payload / 25e9)  # its own out, every member's back
+    scheme = gossip_scheme(ring, numel, Network(Link(1e9)), host_copy=copy)
+    assert (scheme.stage_out_s, scheme.stage_in_s) == (fp32_sum, fp32_sum)
+    with pytest.raises(ValueError, match="bytes_per_s > 0"):
+        HostCopy(0)

@@ -13,7 +13,7 @@ below imports it.
 
 from decent_optim_wrapper.plan.cli import main
 from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
-from decent_optim_wrapper.plan.costs import Link, Network, ddp_buckets, gossip_round_bytes
+from decent_optim_wrapper.plan.costs import HostCopy, Link, Network, ddp_buckets, gossip_round_bytes
 from decent_optim_wrapper.plan.predict import Prediction, predict
 from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
@@ -32,6 +32,7 @@ __all__ = [
     "AllReduce",
     "ComputeTimes",
     "Gossip",
+    "HostCopy",
     "Link",
     "LinkSharing",
     "Network",

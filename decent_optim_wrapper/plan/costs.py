@@ -14,6 +14,10 @@ Cost model (every assumption of the planner and the simulator about the network 
   for an uncompressed round and
   :meth:`~decent_optim_wrapper.engine.wire.compression.CompressionPlan.bytes_sent` for a compressed
   one (a compressed pair exchanges its two payloads in one all-reduce, so the hop carries one payload).
+* A model on a GPU gossiping over gloo stages every round through pinned host memory
+  (:class:`HostCopy`): the payload is copied out on a side stream after the launch (the round starts
+  that much later; the compute does not wait), and what arrives is copied back on the compute stream
+  before the mix (added to the fold, like decoding).
 * DDP all-reduces its gradient buckets (25 MB, the first 1 MB) in the order backward fills them,
   one after another, each as soon as every rank has filled it.
 """
@@ -26,7 +30,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from decent_optim_wrapper.engine.wire.compression import CompressionPlan
+from decent_optim_wrapper.engine.fleet.comm import reduction_dtype
+from decent_optim_wrapper.engine.wire.compression import CompressionPlan, codec
 from decent_optim_wrapper.plan.sharing import SharedLink, SharingModel, Transfer, transfer_seconds
 from decent_optim_wrapper.topo.group import Group
 from decent_optim_wrapper.topo.mixing import allreduce_models_sent
@@ -34,6 +39,7 @@ from decent_optim_wrapper.topo.mixing import allreduce_models_sent
 __all__ = [
     "DDP_BUCKET_BYTES",
     "DDP_FIRST_BUCKET_BYTES",
+    "HostCopy",
     "Link",
     "Network",
     "ddp_buckets",
@@ -43,6 +49,32 @@ __all__ = [
 #: ``DistributedDataParallel``'s defaults: ``bucket_cap_mb=25`` and a first bucket of 1 MiB.
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """Copies between a GPU and pinned host memory at ``bytes_per_s`` (each direction; PCIe 4.0 x16
+    moves about 25e9, 5.0 about 50e9: measure it with ``benchmarks/gpu/fleet_figures.py``)."""
+
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0:
+            raise ValueError(f"a host copy needs bytes_per_s > 0, got {self.bytes_per_s}")
+
+    def staged_seconds(
+        self, group: Group, numel: int, plan: CompressionPlan | None, dtype: torch.dtype = torch.float32
+    ) -> tuple[float, float]:
+        """Seconds to copy a member's part of ``group``'s round out, and what arrives back in.
+
+        Uncompressed, the staged sum buffer both ways (fp32 for 16-bit buckets); compressed, the
+        member's own payload out and every member's back (the engine gathers them all).
+        """
+        if plan is not None and plan.compresses(group, dtype):
+            payload = codec(plan.codec.name).payload_bytes(numel, dtype)
+            return payload / self.bytes_per_s, group.size * payload / self.bytes_per_s
+        staged = numel * reduction_dtype(dtype).itemsize / self.bytes_per_s
+        return staged, staged
 
 
 @dataclass(frozen=True)

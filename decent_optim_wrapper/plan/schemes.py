@@ -8,7 +8,7 @@ from functools import cache
 import torch
 
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan, GossipCompression
-from decent_optim_wrapper.plan.costs import Network, ddp_buckets, gossip_round_bytes
+from decent_optim_wrapper.plan.costs import HostCopy, Network, ddp_buckets, gossip_round_bytes
 from decent_optim_wrapper.plan.round_cost import RoundCost
 from decent_optim_wrapper.plan.sharing import Transfer
 from decent_optim_wrapper.plan.simulator import AllReduce, Gossip
@@ -31,13 +31,15 @@ def gossip_scheme(
     sync_delay: int = 1,
     round_cost: RoundCost | None = None,
     pacing: bool = False,
+    host_copy: HostCopy | None = None,
 ) -> Gossip:
     """Gossip on ``topology`` of a model of ``numel`` parameters of ``dtype``: a round every
     ``sync_every`` steps, folded in ``sync_delay`` steps later; ``blocking``: each round mixed in
     before the next forward (``sync_delay=0``); ``round_cost``: a round's own processor time on a
     member (:func:`~decent_optim_wrapper.plan.round_cost.measure_round_cost`), none if not given;
     ``pacing``: paced rounds, each rank taking as many steps per round as its speed allows (the
-    engine's ``pacing="measured"``)."""
+    engine's ``pacing="measured"``); ``host_copy``: the model is on a GPU and its rounds are staged
+    through host memory at that rate (the largest group of the schedule sets the copies' seconds)."""
     if network.local_world_size != topology.local_world_size:
         raise ValueError(
             f"network.local_world_size={network.local_world_size} differs from the topology's "
@@ -52,6 +54,10 @@ def gossip_scheme(
             for group in topology.schedule[index]
         )
 
+    stage_out_s = stage_in_s = 0.0
+    if host_copy is not None:
+        largest = max((g for phase in topology.schedule for g in phase), key=lambda g: g.size)
+        stage_out_s, stage_in_s = host_copy.staged_seconds(largest, numel, plan, dtype)
     return Gossip(
         world_size=topology.world_size,
         phase=topology.phase,
@@ -64,6 +70,8 @@ def gossip_scheme(
         encode_s=0.0 if round_cost is None else round_cost.encode_s,
         fold_s=0.0 if round_cost is None else round_cost.fold_s,
         pacing=pacing,
+        stage_out_s=stage_out_s,
+        stage_in_s=stage_in_s,
     )
 
 

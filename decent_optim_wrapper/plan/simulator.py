@@ -38,6 +38,9 @@ plus staging and mixing for gossip). Communication decides when a step may end:
   where ``e`` and ``f`` are a round's own CPU seconds on a member (``encode_s``: staging and
   encoding at the launch; ``fold_s``: decoding the members' payloads and folding them in), which
   grow with the wire format (a top-k selection, a quantization) rather than with the link.
+  A model on a GPU gossiping over gloo stages its rounds through host memory: the round starts
+  ``stage_out_s`` after its last member launched it (the copy out, beside the compute), and
+  ``stage_in_s`` (the copy back) is added to ``f``.
   ``D = 0`` blocks: the step after the launch starts ``f`` after the round has arrived.
   ``d_G`` is not fixed: a round is a :class:`~.sharing.Transfer`, and rounds in flight at the same
   time on the same link (two ranks of a node sending to other nodes, or a round of step ``t + 1``
@@ -124,6 +127,8 @@ class Gossip:
     sync_delay: int = 1  # steps a round has to arrive before it is folded in (0 blocks)
     encode_s: float = 0.0  # a round's CPU seconds on each member at its launch
     fold_s: float = 0.0  # and when it is folded in (decoding, summing)
+    stage_out_s: float = 0.0  # host staging: the copy out, after the launch, before the round starts
+    stage_in_s: float = 0.0  # and the copy back in, on the compute stream, before the fold
     pacing: bool = False  # paced rounds: n_i(k) steps per round, planned from each rank's step time
     max_share: float = 4.0  # the most steps a paced round takes, in units of sync_every
 
@@ -135,6 +140,10 @@ class Gossip:
             )
         if self.encode_s < 0 or self.fold_s < 0:
             raise ValueError(f"encode_s and fold_s must be >= 0, got {self.encode_s} and {self.fold_s}")
+        if self.stage_out_s < 0 or self.stage_in_s < 0:
+            raise ValueError(
+                f"stage_out_s and stage_in_s must be >= 0, got {self.stage_out_s} and {self.stage_in_s}"
+            )
         share = self.max_share
         if isinstance(share, bool) or not isinstance(share, int | float) or not 1 <= share < math.inf:
             raise ValueError(
@@ -383,6 +392,8 @@ class _GossipRun:
                 self.maybe_end(who, index)
             elif kind == "arrived":
                 self.arrived(who, index, at)
+            elif kind == "staged":  # every member's copy to the host is done: the round starts
+                self.links.start((index, who), self.scheme.rounds(index)[who], at)
             else:  # "ended"
                 self.end_step(who, index, at)
         ends = self.run.rank_ends
@@ -397,7 +408,7 @@ class _GossipRun:
                 launch_step = rounds.launch_step[r][round_index]
                 if launch_step + 1 < rounds.steps[r]:
                     self.run.waited[r] += at - self.run.rank_ends[r][launch_step]
-                    self.proceed(r, launch_step + 1, at + scheme.fold_s)
+                    self.proceed(r, launch_step + 1, at + scheme.stage_in_s + scheme.fold_s)
                 continue
             self.arrivals[(round_index, r)] = at
             if self.step_of[r] == rounds.fold_step[r][round_index]:
@@ -422,7 +433,7 @@ class _GossipRun:
                 return
             del self.arrivals[(folded, rank)]
             self.run.waited[rank] += max(0.0, arrival - computed)
-            end = max(computed, arrival) + scheme.overhead_s + scheme.fold_s
+            end = max(computed, arrival) + scheme.overhead_s + scheme.stage_in_s + scheme.fold_s
         if self.rounds.launches[rank][step] is not None:
             end += scheme.encode_s
         self.computed[rank] = None
@@ -440,7 +451,10 @@ class _GossipRun:
             launched.append(at)
             if len(launched) == phase[group].size:  # every member has launched: the round starts
                 del self.launched[(round_index, group)]
-                self.links.start((round_index, group), self.scheme.rounds(round_index)[group], at)
+                if self.scheme.stage_out_s > 0:  # once the last member's copy to the host is done
+                    self.push(at + self.scheme.stage_out_s, "staged", group, round_index)
+                else:
+                    self.links.start((round_index, group), self.scheme.rounds(round_index)[group], at)
             if self.scheme.delay == 0:
                 return  # the next step starts when the round arrives
         if step + 1 < self.rounds.steps[rank]:
