@@ -619,3 +619,20 @@ def test_host_copies_count_the_bytes_the_engine_stages():
     assert (scheme.stage_out_s, scheme.stage_in_s) == (fp32_sum, fp32_sum)
     with pytest.raises(ValueError, match="bytes_per_s > 0"):
         HostCopy(0)
+
+
+def test_the_command_line_charges_host_copies_to_gossip_only(capsys):
+    argv = ["--model-bytes", "4G", "--compute-ms", "1000", "--bandwidth", "100mbit", "--nodes", "4"]
+    argv += ["--topologies", "ring", "--compression", "int8"]
+
+    def ms_per_step(*extra: str) -> dict[str, float]:
+        assert main([*argv, *extra]) == 0
+        rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+        return {row[0]: float(row[1]) for row in rows if len(row) == 4 and row[0] != "method"}
+
+    plain, staged = ms_per_step(), ms_per_step("--host-copy", "25G")
+    for method in ("nocomm", "ddp", "ddp-bf16"):
+        assert staged[method] == plain[method]
+    # Uncompressed, each round copies 4 GB out and back at 25 GB/s: 160 ms each way, both on the path.
+    assert staged["ring"] - plain["ring"] == pytest.approx(320, abs=0.2)
+    assert staged["ring@int8"] > plain["ring@int8"]

@@ -23,7 +23,7 @@ from functools import cache
 
 from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan.compute import JITTERS, UNEVEN, ComputeTimes
-from decent_optim_wrapper.plan.costs import Link, Network
+from decent_optim_wrapper.plan.costs import HostCopy, Link, Network
 from decent_optim_wrapper.plan.predict import predict
 from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 from decent_optim_wrapper.plan.traffic import bytes_main
@@ -131,6 +131,13 @@ def _parser() -> argparse.ArgumentParser:
         "per second (needs --sync-every)",
     )
     parser.add_argument(
+        "--host-copy",
+        default=None,
+        metavar="BYTES",
+        help="a model on GPUs gossiping over gloo: its rounds are staged through pinned host memory at "
+        "BYTES per second each way, e.g. 25G (PCIe 4.0 x16); DDP is taken to run on NCCL (default: none)",
+    )
+    parser.add_argument(
         "--measure-rounds",
         action="store_true",
         help="time a round's encoding and decoding on this machine's CPU for every format and charge it "
@@ -162,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for name in args.compression:
             parse_compression(name)
+        host_copy = None if args.host_copy is None else HostCopy(parse_quantity(args.host_copy, "bytes"))
     except ValueError as err:
         parser.error(str(err))
     if args.nodes < 1 or args.workers_per_node < 1 or args.steps <= 10 or model_bytes < 4:
@@ -203,6 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             local_steps=[(h, args.sync_delay) for h in args.sync_every],
             round_costs=round_costs,
             paced=args.pacing,
+            host_copy=host_copy,
         )
     except ValueError as err:
         parser.error(str(err))
@@ -221,4 +230,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"fastest: {best.method} ({ddp.step_s / best.step_s:.2f}x faster than DDP)")
     if args.pacing:
         print("paced methods (p): ms/step of the fleet, ranks over the steps per second of all ranks")
+    if host_copy is not None:
+        print(f"gossip staged through host memory at {host_copy.bytes_per_s / 1e9:g} GB/s each way")
     return 0

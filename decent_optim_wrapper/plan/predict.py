@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 
 from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
 from decent_optim_wrapper.plan.compute import ComputeTimes
-from decent_optim_wrapper.plan.costs import Network, ddp_buckets
+from decent_optim_wrapper.plan.costs import HostCopy, Network, ddp_buckets
 from decent_optim_wrapper.plan.round_cost import RoundCost
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
 from decent_optim_wrapper.plan.simulator import UNPACED_ROUNDS, Gossip, NoComm, Scheme, simulate
@@ -46,6 +46,7 @@ def predict(
     local_steps: Sequence[tuple[int, int]] = (),
     round_costs: Callable[[GossipCompression | None, int], RoundCost] | None = None,
     paced: bool = False,
+    host_copy: HostCopy | None = None,
 ) -> list[Prediction]:
     """Simulate ``steps`` steps of no communication, DDP (fp32 and bf16 gradients) and gossip.
 
@@ -73,6 +74,9 @@ def predict(
             ``pacing="measured"``), named with a ``p`` after its period (``ring~h8d1p``,
             ``ring~h8d1p@int8``); its step time is the fleet's (:class:`Prediction`), timed after the
             rounds that cover ``warmup`` and at least the unpaced first rounds.
+        host_copy: the model is on GPUs and gossips over gloo, staging its rounds through host memory
+            at this rate (:class:`~decent_optim_wrapper.plan.costs.HostCopy`); DDP is taken to run on
+            NCCL, without the copies.
     """
     ranks = nodes * network.local_world_size
     numel = int(model_bytes // 4)
@@ -91,7 +95,14 @@ def predict(
             cost = None if round_costs is None or largest < 2 else round_costs(compression, largest)
             for blocks in (False, True) if blocking else (False,):
                 scheme = gossip_scheme(
-                    topology, numel, network, compression, overhead_s, blocking=blocks, round_cost=cost
+                    topology,
+                    numel,
+                    network,
+                    compression,
+                    overhead_s,
+                    blocking=blocks,
+                    round_cost=cost,
+                    host_copy=host_copy,
                 )
                 label = name + ("~h1d0" if blocks else "")
                 results.append(Prediction(label, _mean(scheme, compute, steps, warmup), sent))
@@ -105,6 +116,7 @@ def predict(
                     sync_every=every,
                     sync_delay=delay,
                     round_cost=cost,
+                    host_copy=host_copy,
                 )
                 suffix = f"@{wire_format}" if wire_format else ""
                 label = f"{topology.name}~h{every}d{delay}"
