@@ -1,0 +1,397 @@
+"""GPU fleets on one GPU: host-staged gossip, the Adam rule's step, the sparse codecs, the planner.
+
+Every figure is a ratio of numbers measured side by side in this run, on this GPU:
+
+(a) **Host staging per step.** 2 to 4 processes share the GPU, gloo between them (each a node of
+    its own), each training a GPT-2-style byte-level transformer (``--widths``/``--depths``: about
+    85M and 300M parameters) with AdamW. Per process and step, interleaved (the order rotates
+    every step): no communication (the bare AdamW), staged per-step gossip on a ring with the
+    default ``second_moment="average"`` and with ``"local"`` (target: ``average`` at most 1.03x
+    ``local``), and ``sync_every=8``. The staged bytes per step are set against the pinned-copy rate
+    measured here (``torch`` copies between a pinned host buffer and the GPU, each way).
+(b) **The Adam rule's step** (one process) against torch's fused and foreach AdamW on the same
+    parameters and gradients, at ``--step-params`` (124M and 1B). Target: at most 1.3x fused.
+(c) **The sparse codecs** at ``--codec-params`` (1B): encode and decode seconds and bytes per second
+    on the GPU, and their share of a step of (a)'s model scaled to that size.
+(d) **The planner**, given this run's measured compute, copy rate and loopback all-reduce rate,
+    predicts (a)'s staged step times (target: within 15%), then answers the slow-link case on paper:
+    a 1B-parameter model on 16 nodes joined by 100 Mbit/s (throughput against no communication,
+    bytes per node and step).
+
+Run on a GPU (about 8 minutes on an H200): ``uv run benchmarks/gpu/fleet_figures.py --json
+benchmarks/results/gpu/fleet_figures.json``. ``--smoke`` runs every part on the CPU at toy sizes with
+staging forced (a check that the script works, not a measurement; ``tests/test_gpu_figures_script.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.harness.common import collect_from_ranks
+from benchmarks.harness.lm_task import CONTEXT, VOCAB, TinyGPT
+from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
+from decent_optim_wrapper.engine.wire.compression import codec, parse_compression, round_seed
+from decent_optim_wrapper.plan import (
+    ComputeTimes,
+    HostCopy,
+    Link,
+    Network,
+    bytes_per_parameter,
+    gossip_scheme,
+    simulate,
+)
+from decent_optim_wrapper.topo import TopologyFactory
+
+GIB = 2**30
+METHODS = {
+    "nocomm": None,
+    "ring": {},
+    "ring-local": {"second_moment": "local"},
+    "ring~h8": {"sync_every": 8},
+}
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    return torch.device("cpu") if args.smoke else torch.device("cuda", 0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device) -> float:
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - start
+
+
+def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """The median of ``repeats`` timings after one untimed call (first calls allocate)."""
+    return statistics.median([timed(fn, device) for _ in range(repeats + 1)][1:])
+
+
+def ratio_summary(times: dict[str, list[float]], name: str, against: str) -> dict[str, float]:
+    paired = [a / b for a, b in zip(times[name], times[against], strict=True)]
+    return {
+        "ms": statistics.median(times[name]) * 1e3,
+        "vs": against,
+        "ratio_of_medians": statistics.median(times[name]) / statistics.median(times[against]),
+        "median_paired_ratio": statistics.median(paired),
+    }
+
+
+# -- (a) host staging per step -----------------------------------------------------------------------
+def pinned_copy_rate(numel: int, device: torch.device, repeats: int = 5) -> dict[str, float]:
+    """Bytes per second of copies between a pinned host buffer and ``device``, each way (medians)."""
+    on_device = torch.empty(numel, device=device)
+    host = torch.empty(numel, pin_memory=device.type == "cuda")
+    out = median_seconds(lambda: host.copy_(on_device, non_blocking=True), device, repeats)
+    back = median_seconds(lambda: on_device.copy_(host, non_blocking=True), device, repeats)
+    return {"to_host_bytes_s": numel * 4 / out, "to_device_bytes_s": numel * 4 / back}
+
+
+def staging_worker(rank: int, port: int, world: int, args: argparse.Namespace, results: Any) -> None:
+    torch.set_num_threads(1)
+    device = device_of(args)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        out = {}
+        for width, depth in zip(args.widths, args.depths, strict=True):
+            out[f"{width}x{depth}"] = staging_run(rank, width, depth, args, device)
+        results.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, device: torch.device) -> dict:
+    runs = {}
+    for name, options in METHODS.items():
+        torch.manual_seed(0)
+        model = TinyGPT(width=width, depth=depth, heads=max(1, width // 64)).to(device)
+        adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+        front = adamw
+        if options is not None:
+            front = DecentOptimWrapper(
+                adamw, topology="ring", host_staging=True if args.smoke else None, **options
+            )
+            assert front.engine.host_staging
+        runs[name] = (model, front)
+    g = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, VOCAB, (args.batch, CONTEXT + 1), generator=g).to(device)
+
+    def step(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad()
+        logits = model(tokens[:, :-1])
+        nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        optimizer.step()
+
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(args.warmup + args.iters):
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            seconds = timed(lambda name=name: step(*runs[name]), device)
+            if i >= args.warmup:
+                times[name].append(seconds)
+    params = sum(p.numel() for p in runs["nocomm"][0].parameters())
+    ring = runs["ring"][1]
+    assert isinstance(ring, DecentOptimWrapper)
+    return {
+        "params": params,
+        "staged_bytes_per_step": 2 * params * 4,  # the fp32 sum buffer out and back per step
+        "sent_bytes_per_step": ring.engine.bytes_sent_per_step(),
+        "nocomm": ratio_summary(times, "nocomm", "nocomm"),
+        "ring": ratio_summary(times, "ring", "nocomm"),
+        "ring-local": ratio_summary(times, "ring-local", "nocomm"),
+        "average_vs_local": ratio_summary(times, "ring", "ring-local"),
+        "ring~h8": ratio_summary(times, "ring~h8", "nocomm"),
+    }
+
+
+def loopback_allreduce_worker(rank: int, port: int, world: int, numel: int, results: Any) -> None:
+    """The rate gloo all-reduces host memory at between these processes (the planner's link)."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        buffer = torch.ones(numel)
+        seconds = []
+        for _ in range(4):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(buffer)
+            seconds.append(time.perf_counter() - start)
+        results.put((rank, statistics.median(seconds[1:])))
+    finally:
+        dist.destroy_process_group()
+
+
+# -- (b) the Adam rule's step --------------------------------------------------------------------------
+def adam_steps(args: argparse.Namespace) -> dict[str, Any]:
+    device = device_of(args)
+    out: dict[str, Any] = {}
+    for total in args.step_params:
+        chunk = min(total, 50_000_000)  # tensors of a model's layer size, not one giant tensor
+        sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
+        per_impl = {}
+        for impl, flags in (("foreach", {"foreach": True}), ("fused", {"fused": device.type == "cuda"})):
+            torch.manual_seed(0)
+            params = [torch.randn(n, device=device).requires_grad_() for n in sizes]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            torch_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
+            rule_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
+            rule = SecondMomentRule("average")
+            steps = {"torch": torch_opt.step, "rule": lambda opt=rule_opt, rule=rule: rule.step(opt, 2)}
+            times: dict[str, list[float]] = {name: [] for name in steps}
+            for i in range(args.warmup + args.iters):
+                for name in ("torch", "rule") if i % 2 else ("rule", "torch"):
+                    seconds = timed(steps[name], device)
+                    if i >= args.warmup:
+                        times[name].append(seconds)
+            per_impl[impl] = {
+                "torch_ms": statistics.median(times["torch"]) * 1e3,
+                **ratio_summary(times, "rule", "torch"),
+            }
+            del params, torch_opt, rule_opt
+        out[str(total)] = per_impl
+    return out
+
+
+# -- (c) the sparse codecs -----------------------------------------------------------------------------
+def codec_throughput(args: argparse.Namespace) -> dict[str, Any]:
+    device = device_of(args)
+    numel = args.codec_params
+    values = torch.randn(numel, device=device)
+    out = {}
+    for name in args.codecs:
+        coder = codec(parse_compression(name).name)
+        payload = torch.empty(coder.payload_bytes(numel, torch.float32), dtype=torch.uint8, device=device)
+        decoded = torch.empty_like(values)
+        seed = round_seed(1, 0)
+        enc = median_seconds(partial(coder.encode, values, payload, seed), device, args.iters)
+        dec = median_seconds(partial(coder.decode_into, payload, decoded, seed), device, args.iters)
+        out[name] = {
+            "encode_s": enc,
+            "decode_s": dec,
+            "encode_values_per_s": numel / enc,
+            "decode_values_per_s": numel / dec,
+            "payload_bytes": payload.numel(),
+        }
+    return out
+
+
+# -- (d) the planner -----------------------------------------------------------------------------------
+def planned(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The planner's step times for (a)'s staged runs from this run's measured rates, and the slow-link
+    case on paper."""
+    copy = HostCopy(min(results["copy_rate"]["to_host_bytes_s"], results["copy_rate"]["to_device_bytes_s"]))
+    world = args.world
+    out: dict[str, Any] = {"runs": {}}
+    for key, run in results["staging"][0].items():
+        numel = run["params"]
+        # The processes share one host: a ring all-reduce among them moved at the measured rate.
+        sent = 2 * (world - 1) / world * numel * 4
+        link = Link(8 * sent / results["loopback_allreduce_s"])
+        network = Network(link)
+        compute = ComputeTimes(run["nocomm"]["ms"] / 1e3)
+        topology = TopologyFactory.create("ring", world)
+        predictions = {}
+        for name, every in (("ring", 1), ("ring~h8", 8)):
+            scheme = gossip_scheme(topology, numel, network, sync_every=every, host_copy=copy)
+            predicted = simulate(scheme, compute, 40).iteration_s(10)
+            measured = run[name]["ms"] / 1e3
+            predictions[name] = {
+                "predicted_ms": predicted * 1e3,
+                "measured_ms": measured * 1e3,
+                "error": predicted / measured - 1,
+            }
+        out["runs"][key] = predictions
+    # On paper: a 1B-parameter model, 16 nodes, 100 Mbit/s, a second of compute per step.
+    numel, compute = 1_000_000_000, ComputeTimes(1.0)
+    network = Network(Link(100e6))
+    topology = TopologyFactory.create("ring", 16)
+    paper = {}
+    for wire, every in ((None, 8), ("int8", 8), ("topk:0.01:int4", 8), ("topk:0.01:int4", 32)):
+        compression = None if wire is None else parse_compression(wire)
+        scheme = gossip_scheme(topology, numel, network, compression, sync_every=every, host_copy=copy)
+        step_s = simulate(scheme, compute, max(40, 10 + 8 * every)).iteration_s(10)
+        label = f"ring~h{every}" + (f"@{wire}" if wire else "")
+        paper[label] = {
+            "throughput_vs_nocomm": 1.0 / step_s,
+            "bytes_per_node_step": bytes_per_parameter(topology, compression) * numel / every,
+        }
+    out["slow_link_1b_16_nodes_100mbit"] = paper
+    return out
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def report(results: dict[str, Any], args: argparse.Namespace) -> None:
+    print(f"torch {torch.__version__}, {results['device']}, {args.world} processes sharing it")
+    rate = results["copy_rate"]
+    print(
+        f"pinned copies: to host {rate['to_host_bytes_s'] / 1e9:.1f} GB/s, to the device "
+        f"{rate['to_device_bytes_s'] / 1e9:.1f} GB/s; gloo all-reduce between the processes "
+        f"{results['loopback_allreduce_s'] * 1e3:.1f} ms for the first model"
+    )
+    print("(a) step time against no communication (rank 0, median paired ratios)")
+    for key, run in results["staging"][0].items():
+        staged_s = run["staged_bytes_per_step"] / min(rate.values())
+        print(
+            f"  model {key}: {run['params'] / 1e6:.1f}M parameters, "
+            f"no communication {run['nocomm']['ms']:.1f} ms"
+        )
+        for name in ("ring", "ring-local", "ring~h8"):
+            r = run[name]
+            print(f"    {name:<12}{r['ms']:9.1f} ms  x{r['median_paired_ratio']:.3f}")
+        r = run["average_vs_local"]
+        print(f"    second_moment average vs local: x{r['median_paired_ratio']:.3f} (target 1.03)")
+        print(
+            f"    staged copies {run['staged_bytes_per_step'] / 1e6:.0f} MB/step: {1e3 * staged_s:.1f} ms "
+            f"at the pinned rate, {staged_s / (run['ring']['ms'] / 1e3):.1%} of a staged step"
+        )
+    print("(b) the Adam rule's step against torch's AdamW (one process)")
+    for total, per_impl in results["adam"].items():
+        for impl, r in per_impl.items():
+            print(
+                f"  {int(total) / 1e6:7.0f}M {impl:<8} torch {r['torch_ms']:8.2f} ms  rule "
+                f"{r['ms']:8.2f} ms  x{r['median_paired_ratio']:.3f} (target 1.3 against fused)"
+            )
+    print(f"(c) codecs at {args.codec_params / 1e6:.0f}M values")
+    for name, r in results["codecs"].items():
+        print(
+            f"  {name:<16} encode {r['encode_s'] * 1e3:8.1f} ms ({r['encode_values_per_s'] / 1e9:.2f} G/s)  "
+            f"decode {r['decode_s'] * 1e3:8.1f} ms ({r['decode_values_per_s'] / 1e9:.2f} G/s)"
+        )
+    print("(d) the planner")
+    for key, predictions in results["planned"]["runs"].items():
+        for name, p in predictions.items():
+            print(
+                f"  {key} {name:<9} predicted {p['predicted_ms']:8.1f} ms  measured "
+                f"{p['measured_ms']:8.1f} ms  error {p['error']:+.1%} (target within 15%)"
+            )
+    print("  on paper: 1B parameters, 16 nodes, 100 Mbit/s, 1 s of compute per step")
+    for label, p in results["planned"]["slow_link_1b_16_nodes_100mbit"].items():
+        print(
+            f"    {label:<22} throughput {p['throughput_vs_nocomm']:.3f} of no communication, "
+            f"{p['bytes_per_node_step'] / 1e6:.1f} MB per node and step"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=3, help="processes sharing the GPU (2 to 4)")
+    parser.add_argument("--widths", type=int, nargs="+", default=[768, 1024])
+    parser.add_argument("--depths", type=int, nargs="+", default=[12, 24])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--step-params", type=int, nargs="+", default=[124_000_000, 1_000_000_000])
+    parser.add_argument("--codec-params", type=int, default=1_000_000_000)
+    parser.add_argument("--codecs", nargs="+", default=["int8", "topk:0.01:int4", "randk:0.01:int4"])
+    parser.add_argument("--max-seconds", type=float, default=420.0)
+    parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: does the script run")
+    parser.add_argument("--json", default=None, help="write the results to this file")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.widths, args.depths, args.batch, args.iters, args.warmup = [32], [1], 2, 2, 1
+        args.step_params, args.codec_params, args.world = [100_000], 100_000, 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    device = device_of(args)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU (or --smoke to check the script on the CPU)")
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+    }
+    first = TinyGPT(width=args.widths[0], depth=args.depths[0], heads=max(1, args.widths[0] // 64))
+    numel = sum(p.numel() for p in first.parameters())
+    del first
+    results["copy_rate"] = pinned_copy_rate(numel, device)
+    results["loopback_allreduce_s"] = collect_from_ranks(
+        args.world,
+        loopback_allreduce_worker,
+        lambda rank, port, out: (rank, port, args.world, numel, out),
+        args.max_seconds,
+        "loopback all-reduce",
+    )[0]
+    results["staging"] = collect_from_ranks(
+        args.world,
+        staging_worker,
+        lambda rank, port, out: (rank, port, args.world, args, out),
+        args.max_seconds,
+        "staged training",
+    )
+    results["adam"] = adam_steps(args)
+    results["codecs"] = codec_throughput(args)
+    results["planned"] = planned(results, args)
+    report(results, args)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+        print(f"results written to {args.json}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
