@@ -333,7 +333,8 @@ def initialize_dist(*, elastic: bool = False) -> tuple[int, int]:
 
     With ``elastic=True`` the job may grow while it runs (:func:`init_elastic`, the store a client of
     ``MASTER_ADDR:MASTER_PORT``); a worker that joins a running job gets ``(0, 1)`` here and its
-    place from its front-end once built.
+    place from its front-end once built. The job's group is then gloo's even on GPU hosts (survival
+    and joins re-form it); the process still takes GPU ``LOCAL_RANK`` for its model.
 
     Under torchrun (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` set) the ranks meet at
     ``env://``. Under plain ``python`` (none of them set) the process is a world of one, on an
@@ -357,12 +358,14 @@ def initialize_dist(*, elastic: bool = False) -> tuple[int, int]:
         return dist.get_rank(), dist.get_world_size()
     plan = plan_launch(os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0)
     if elastic:
-        if not plan.rendezvous or plan.backend != "gloo":
+        if not plan.rendezvous:
             raise ValueError(
-                "initialize_dist(elastic=True) needs a CPU (gloo) job of more than one worker, with "
-                "MASTER_ADDR/MASTER_PORT naming a store hosted outside the workers; got backend "
-                f"{plan.backend!r}, WORLD_SIZE={plan.world_size}."
+                "initialize_dist(elastic=True) needs a job of more than one worker, with "
+                "MASTER_ADDR/MASTER_PORT naming a store hosted outside the workers; got "
+                f"WORLD_SIZE={plan.world_size}."
             )
+        if plan.device_index is not None:  # a GPU host: the model on GPU LOCAL_RANK, the job's group gloo
+            torch.cuda.set_device(torch.device("cuda", plan.device_index))
         client = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
         init_elastic(client, plan.rank, plan.world_size)
         return dist.get_rank(), dist.get_world_size()

@@ -77,10 +77,10 @@ def test_a_launch_that_fails_raises_on_the_waiting_thread_and_later_rounds_still
 
     failed = staging.start([(host, source)], broken, copy_back=None)
     fine = staging.start([(host, source)], _DoneWork, copy_back=None)
+    assert fine.wait(timedelta(seconds=10)) is True  # launched in order: the failed one came first
     assert failed.is_completed()  # completed with an error: a wait raises it
     with pytest.raises(RuntimeError, match="could not start: connection closed by peer"):
         failed.wait(timedelta(seconds=10))
-    assert fine.wait(timedelta(seconds=10)) is True
     staging.close()
 
 

@@ -239,3 +239,13 @@ def test_a_node_group_is_nccl_when_its_processes_hold_gpus(backend, shards, env,
     from decent_optim_wrapper.launch import plan_node_backend
 
     assert plan_node_backend(backend, shards, env, gpus) == planned
+
+
+@pytest.mark.pure
+def test_an_elastic_start_needs_a_store_outside_the_workers(monkeypatch):
+    from decent_optim_wrapper import initialize_dist
+
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"elastic=True\) needs a job of more than one worker.*WORLD_SIZE=1"):
+        initialize_dist(elastic=True)
