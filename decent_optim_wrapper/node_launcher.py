@@ -18,11 +18,18 @@ launcher runs ``--nproc-per-node`` copies of a command, one per GPU, each with t
 A process that exits with 0 is done. One that exits otherwise (a crash, a kill, an out-of-memory) is
 started again with the same command and variables after ``--restart-delay`` seconds, at most
 ``--max-restarts`` times; the job is running, so it joins. The launcher ends when every local rank is
-done (exit code 0) or has used up its restarts (exit code 1); SIGINT and SIGTERM are passed on to
-the processes.
+done (exit code 0) or has used up its restarts (exit code 1). The processes run in sessions of their
+own, so a terminal's Ctrl-C reaches them once, through the launcher: SIGINT and SIGTERM are passed on,
+and a process still running ``--stop-grace`` seconds later is killed.
+
+A process that exits after the job has ended (every member done) finds no running job when it comes
+back, and waits to start a new one: give ``--max-restarts 0`` to a last short stretch, or stop the
+launcher.
 
 The store must outlive every worker: ``--host-store`` makes this launcher host it (on the node that
 stays; the other nodes point ``--store`` at it), or host it yourself (the joining page of the docs).
+A store hosted here lives as long as this launcher, which ends when its own processes have: put it on
+a node that runs to the end.
 
 Example, two nodes of 4 GPUs, the store on the first::
 
@@ -64,6 +71,7 @@ class LaunchConfig:
     job: str | None = None
     max_restarts: int = 10
     restart_delay_s: float = 1.0
+    stop_grace_s: float = 30.0
 
     def check(self) -> None:
         """Raise ``ValueError`` naming the option, its value and the fix."""
@@ -83,6 +91,8 @@ class LaunchConfig:
             raise ValueError(f"--max-restarts={self.max_restarts} must be >= 0.")
         if self.restart_delay_s < 0:
             raise ValueError(f"--restart-delay={self.restart_delay_s} must be >= 0 seconds.")
+        if self.stop_grace_s < 0:
+            raise ValueError(f"--stop-grace={self.stop_grace_s} must be >= 0 seconds.")
 
 
 def worker_environment(config: LaunchConfig, local_rank: int, restarts: int) -> dict[str, str]:
@@ -122,33 +132,56 @@ class NodeLauncher:
         self._base_env = dict(os.environ if base_env is None else base_env)
         self.slots = [_Slot(local_rank) for local_rank in range(config.nproc_per_node)]
         self._stopping = False
+        self._stopped_at: float | None = None
+        self._signal = signal.SIGTERM
 
     def _log(self, message: str) -> None:
         print(f"[node_launcher node {self.config.node}] {message}", file=sys.stderr, flush=True)
 
     def _start(self, slot: _Slot) -> None:
         env = {**self._base_env, **worker_environment(self.config, slot.local_rank, slot.restarts)}
-        slot.process = subprocess.Popen(self.config.command, env=env)
+        # A session of its own: a terminal's signal reaches it once, forwarded by stop().
+        slot.process = subprocess.Popen(self.config.command, env=env, start_new_session=True)
         slot.pids.append(slot.process.pid)
+        if self._stopping:  # stop() came while it was starting
+            slot.process.send_signal(self._signal)
         rank = env["RANK"]
         again = f" again (restart {slot.restarts} of {self.config.max_restarts})" if slot.restarts else ""
         self._log(f"local rank {slot.local_rank} (RANK {rank}) started{again}: pid {slot.process.pid}")
 
     def stop(self, signum: int = signal.SIGTERM) -> None:
-        """Pass ``signum`` on to every running process; none is started again."""
+        """Pass ``signum`` on to every running process; none is started again, and any still running
+        ``stop_grace_s`` later is killed."""
+        self._signal = signal.Signals(signum)
         self._stopping = True
+        if self._stopped_at is None:
+            self._stopped_at = time.monotonic()
         for slot in self.slots:
             if slot.process is not None and slot.process.poll() is None:
                 slot.process.send_signal(signum)
+
+    def _kill_after_grace(self) -> None:
+        if self._stopped_at is None or time.monotonic() < self._stopped_at + self.config.stop_grace_s:
+            return
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is None:
+                self._log(f"local rank {slot.local_rank} (pid {slot.process.pid}) did not stop: killed")
+                slot.process.kill()
 
     def run(self) -> int:
         """Start every local rank and watch them; returns 0 if all finished cleanly, else 1."""
         for slot in self.slots:
             self._start(slot)
-        while any(slot.outcome is None for slot in self.slots):
-            time.sleep(_POLL_S)
+        try:
+            while any(slot.outcome is None for slot in self.slots):
+                time.sleep(_POLL_S)
+                for slot in self.slots:
+                    self._watch(slot)
+                self._kill_after_grace()
+        finally:  # the launcher failing must not leave its processes behind (they have sessions of their own)
             for slot in self.slots:
-                self._watch(slot)
+                if slot.process is not None and slot.process.poll() is None:
+                    slot.process.kill()
         failed = [slot.local_rank for slot in self.slots if slot.outcome == "failed"]
         if failed:
             self._log(f"local ranks {failed} failed; the others finished")
@@ -206,6 +239,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--job", default=None, help="the job's name in the store (TORCHELASTIC_RUN_ID)")
     parser.add_argument("--max-restarts", type=int, default=10, help="restarts per local rank")
     parser.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a restart")
+    parser.add_argument(
+        "--stop-grace", type=float, default=30.0, help="seconds a stopped process has before it is killed"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command each process runs")
     return parser
 
@@ -227,6 +263,7 @@ def parse_config(argv: Sequence[str]) -> tuple[LaunchConfig, bool]:
         args.job,
         args.max_restarts,
         args.restart_delay,
+        args.stop_grace,
     )
     config.check()
     return config, args.host_store

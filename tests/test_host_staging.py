@@ -20,7 +20,7 @@ from helpers import batch, flat, train_steps
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
-from decent_optim_wrapper.engine.exchange.staging import HostStaging, host_buffer
+from decent_optim_wrapper.engine.exchange.staging import HostStaging, HostStagingError, host_buffer
 from decent_optim_wrapper.engine.options import resolve_host_staging
 
 
@@ -79,7 +79,7 @@ def test_a_launch_that_fails_raises_on_the_waiting_thread_and_later_rounds_still
     fine = staging.start([(host, source)], _DoneWork, copy_back=None)
     assert fine.wait(timedelta(seconds=10)) is True  # launched in order: the failed one came first
     assert failed.is_completed()  # completed with an error: a wait raises it
-    with pytest.raises(RuntimeError, match="could not start: connection closed by peer"):
+    with pytest.raises(HostStagingError, match="could not start: connection closed by peer"):
         failed.wait(timedelta(seconds=10))
     staging.close()
 
@@ -98,7 +98,7 @@ def test_a_launch_held_back_times_out_instead_of_hanging_and_drain_waits_for_it(
     assert work.wait(timedelta(seconds=0.2)) is False
     assert not work.is_completed()
     assert time.monotonic() - start < 5
-    with pytest.raises(RuntimeError, match="not launched within"):
+    with pytest.raises(HostStagingError, match="not launched within"):
         staging.drain(timedelta(seconds=0.1))
     release.set()
     staging.drain(timedelta(seconds=10))
@@ -195,3 +195,17 @@ def test_a_staged_pair_gathers_compressed_rounds_by_xor_bit_for_bit(pool):
     for rank in range(2):
         for what in direct[rank]:
             assert torch.equal(staged[rank][what], direct[rank][what]), f"rank {rank}: {what}"
+
+
+@pytest.mark.pure
+def test_a_copy_to_the_host_that_never_completes_fails_with_a_named_error():
+    from decent_optim_wrapper.engine.exchange.staging import _wait_for_copy
+
+    class NeverDone:
+        def query(self) -> bool:
+            return False
+
+    start = time.monotonic()
+    with pytest.raises(HostStagingError, match="did not complete within 0 s: the device is stuck"):
+        _wait_for_copy(NeverDone(), None, 0.2)
+    assert time.monotonic() - start < 5

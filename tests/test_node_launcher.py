@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -144,3 +146,21 @@ def test_a_crashed_worker_under_the_launcher_comes_back_and_joins_the_running_jo
     assert f"local rank 1 (pid {restarted[0][1]}) finished" in err
     assert re.search(r"joined the running job at step \d+ as rank 2 of 3", out), out
     assert len(re.findall(r"finished at step 200 as rank \d of 3; lost \d, admitted \d", out)) == 3, out
+
+
+@pytest.mark.pure
+@pytest.mark.timeout(60)
+def test_stop_passes_the_signal_on_and_kills_what_ignores_it_after_the_grace():
+    # Local rank 0 stops on SIGTERM; local rank 1 ignores it and is killed after the grace period.
+    script = (
+        "import os, signal, time\n"
+        "if os.environ['LOCAL_RANK'] == '1': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "time.sleep(60)\n"
+    )
+    launcher = NodeLauncher(_config([sys.executable, "-c", script], stop_grace_s=1.0))
+    threading.Timer(1.5, launcher.stop).start()
+    start = time.monotonic()
+    assert launcher.run() == 1  # stopped before finishing: neither counts as done
+    assert time.monotonic() - start < 20
+    assert [slot.outcome for slot in launcher.slots] == ["failed", "failed"]
+    assert [len(slot.pids) for slot in launcher.slots] == [1, 1], "nothing is started again once stopping"

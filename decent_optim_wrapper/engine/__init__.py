@@ -29,6 +29,7 @@ from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, G
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.exchange.staging import HostStagingError
 from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
@@ -48,6 +49,7 @@ __all__ = [
     "GossipCompression",
     "GossipEngine",
     "GossipError",
+    "HostStagingError",
     "JoinRejectedError",
     "OuterFactory",
     "PaceReport",

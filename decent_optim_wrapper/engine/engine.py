@@ -215,7 +215,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
             built.second_moment,
         )
         self._join_signature = join_signature(built.layout)
-        self._staging = HostStaging() if built.layout.host_staging else None
+        self._staging = HostStaging(timeout) if built.layout.host_staging else None
         self._layouts = list(dict.fromkeys(r.groups for r in reports))  # every gossip world's groups
         self._averaging = GlobalAverage(self._buckets, self._shards)
 

@@ -254,6 +254,8 @@ class MemberChanges:
         # The trackers restart over the survivors (their mean would still hold the lost rank's share).
         self._averaging.forget_rounds()
         self._restart_rounds(decision.resume_step)
+        if self._staging is not None:  # no staged launch may reach the groups about to be shut down
+            self._staging.drain(self._timeout)
 
     def _rewire(self, decision: Decision | None, before: list[int]) -> None:
         """The topology, process groups and gossip over the new members (the new default group stands;

@@ -273,6 +273,9 @@ class Gossip:
             raise
         except BaseException:
             channel.round = None  # never mix or save a round that did not arrive
+            if self._staging is not None:
+                # Its collective may still write the host buffers: the next round gets fresh ones.
+                channel.host = channel.host_gathered = None
             raise
         if round_.xor_slot is not None:
             assert channel.gathered is not None

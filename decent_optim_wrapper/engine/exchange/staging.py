@@ -45,7 +45,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostStaging", "StagedWork", "host_buffer"]
+__all__ = ["HostStaging", "HostStagingError", "StagedWork", "host_buffer"]
 
 #: Polling the copy's event: first pause and longest pause, in seconds. A device-to-host copy of a
 #: bucket takes about a millisecond per 25 MB at PCIe rates, so the launch lags the copy by at most
@@ -59,6 +59,17 @@ def host_buffer(like: torch.Tensor) -> torch.Tensor:
     (asynchronous copies need page-locked memory), plain for CPU tensors."""
     pinned = like.device.type != "cpu"
     return torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=pinned)
+
+
+class HostStagingError(Exception):
+    """This rank could not launch a staged round: its copy to the host did not complete in time, or the
+    collective could not start. A local failure, not a lost peer (so not a ``RuntimeError``, which
+    the waits turn into one): it reaches the training loop as it is."""
+
+
+#: A staged round for the launcher: the copy's event (None: copied already), the device to poll it
+#: on, the collective to start, and the work that reports it.
+_Job = tuple[Any, "torch.device | None", Callable[[], "dist.Work | None"], "StagedWork"]
 
 
 class StagedWork:
@@ -89,17 +100,24 @@ class StagedWork:
         return bool(self._work.is_completed())
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        """Wait for the launch and the collective (each within ``timeout``), then queue the copy back.
+        """Wait for the launch and the collective (both within ``timeout``), then queue the copy back.
 
         Raises:
-            RuntimeError: the launch or the collective failed (e.g. a peer was lost).
+            HostStagingError: this rank could not launch the round.
+            RuntimeError: the collective failed (e.g. a peer was lost).
         """
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         if not self._launched.wait(None if timeout is None else timeout.total_seconds()):
             return False
         if self._error is not None:
-            raise RuntimeError(f"the staged round could not start: {self._error}") from self._error
+            if isinstance(self._error, HostStagingError):
+                raise self._error
+            raise HostStagingError(f"the staged round could not start: {self._error}") from self._error
         assert self._work is not None
-        done = self._work.wait(timeout) if timeout is not None else self._work.wait()
+        if deadline is None:
+            done = self._work.wait()
+        else:
+            done = self._work.wait(timedelta(seconds=max(0.0, deadline - time.monotonic())))
         if done is False:
             return False
         if self._copy_back is not None:
@@ -113,16 +131,16 @@ class HostStaging:
 
     One per engine (its gossip, trackers and anchors share it, so that their rounds keep the order
     they were launched in). The launcher thread starts lazily and is a daemon: it holds no state
-    a process needs at exit.
+    a process needs at exit. A copy to the host that does not complete within ``timeout`` fails its
+    round (and every round after it) with :class:`HostStagingError`.
     """
 
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Callable[[], dist.Work | None], StagedWork] | None] = (
-            queue.SimpleQueue()
-        )
+    def __init__(self, timeout: timedelta | None = None) -> None:
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._streams: dict[torch.device, Any] = {}
         self._lock = threading.Lock()
+        self._copy_timeout_s = None if timeout is None else timeout.total_seconds()
 
     def start(
         self,
@@ -153,7 +171,7 @@ class HostStaging:
 
         work = StagedWork(back)
         self._ensure_thread()
-        self._queue.put((ready, launch, work))
+        self._queue.put((ready, None if ready is None else device, launch, work))
         return cast(dist.Work, work)
 
     def _copy_out_async(
@@ -177,32 +195,44 @@ class HostStaging:
         return ready
 
     def drain(self, timeout: timedelta) -> None:
-        """Return once every round started so far has been launched (the launcher's queue is empty)."""
+        """Return once every round started so far has been launched (the launcher's queue is empty).
+
+        Called before the process groups change (a recovery, a join): no launch may then reach a
+        group that is being shut down.
+        """
         marker = StagedWork(None)
         self._ensure_thread()
-        self._queue.put((None, lambda: cast(dist.Work, _NoWork()), marker))
+        self._queue.put((None, None, lambda: cast(dist.Work, _NoWork()), marker))
         if not marker._launched.wait(timeout.total_seconds()):
-            raise RuntimeError(f"staged rounds were not launched within {timeout}: a device copy is stuck.")
+            raise HostStagingError(
+                f"staged rounds were not launched within {timeout}: a copy to the host is stuck."
+            )
 
     def _ensure_thread(self) -> None:
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
-                    target=_launcher, args=(self._queue,), name="decent-optim-wrapper-staging", daemon=True
+                    target=_launcher,
+                    args=(self._queue, self._copy_timeout_s),
+                    name="decent-optim-wrapper-staging",
+                    daemon=True,
                 )
                 self._thread.start()
 
-    def close(self) -> None:
-        """Stop the launcher thread once it has launched what it was given."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Stop the launcher thread once it has launched what it was given (waiting ``timeout_s``)."""
         with self._lock:
-            if self._thread is not None and self._thread.is_alive():
-                self._queue.put(None)
-            self._thread = None
+            thread, self._thread = self._thread, None
+            if thread is None or not thread.is_alive():
+                return
+            self._queue.put(None)
+        if thread is not threading.current_thread():
+            thread.join(timeout_s)
 
     def __del__(self) -> None:
         # At interpreter shutdown this may fail; the daemon thread ends with the process anyway.
         with contextlib.suppress(Exception):
-            self.close()
+            self.close(timeout_s=0.0)
 
 
 class _NoWork:
@@ -215,23 +245,57 @@ class _NoWork:
         return True
 
 
-def _launcher(jobs: queue.SimpleQueue[tuple[Any, Callable[[], dist.Work | None], StagedWork] | None]) -> None:
+def _launcher(jobs: queue.SimpleQueue[_Job | None], copy_timeout_s: float | None) -> None:
     """Launch each job's collective once its copy to the host is done, in the order given."""
+    stuck: HostStagingError | None = None  # once a copy is stuck, every later round fails too
     while True:
         job = jobs.get()
         if job is None:
             return
-        ready, launch, work = job
+        stuck = _launch_one(job, copy_timeout_s, stuck)
+        # Nothing of the job outlives its launch here: its collective holds the process group, which
+        # a recovery retires and must be able to release.
+        del job
+
+
+def _launch_one(
+    job: _Job, copy_timeout_s: float | None, stuck: HostStagingError | None
+) -> HostStagingError | None:
+    """Launch one job; returns the error that fails every later job (a copy that got stuck), if any."""
+    ready, device, launch, work = job
+    if stuck is not None:
+        work._started(None, stuck)
+        return stuck
+    if ready is not None:
         try:
-            if ready is not None:
-                pause = _FIRST_PAUSE_S
-                while not ready.query():
-                    time.sleep(pause)
-                    pause = min(2 * pause, _LONGEST_PAUSE_S)
-            started = launch()
-            if started is None:
-                raise RuntimeError("the collective returned no work to wait for (async_op must be True)")
-        except BaseException as err:  # handed to the training thread, which waits for this round
+            _wait_for_copy(ready, device, copy_timeout_s)
+        except HostStagingError as err:
             work._started(None, err)
-        else:
-            work._started(started, None)
+            return err
+    try:
+        started = launch()
+        if started is None:
+            raise HostStagingError("the collective returned no work to wait for (async_op must be True)")
+    except BaseException as err:  # handed to the training thread, which waits for this round
+        work._started(None, err)
+    else:
+        work._started(started, None)
+    return None
+
+
+def _wait_for_copy(ready: Any, device: torch.device | None, timeout_s: float | None) -> None:
+    """Poll the copy's event (a blocking ``Event.synchronize`` would count as a host sync under
+    ``torch.cuda.set_sync_debug_mode``), on the copy's device (a fresh thread's first CUDA call would
+    otherwise make a context on device 0)."""
+    if device is not None and device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pause = _FIRST_PAUSE_S
+    while not ready.query():
+        if deadline is not None and time.monotonic() > deadline:
+            raise HostStagingError(
+                f"a copy to the host did not complete within {timeout_s:.0f} s: the device is stuck or "
+                "far behind; this rank stops gossiping (restart it, or check the GPU)."
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, _LONGEST_PAUSE_S)
