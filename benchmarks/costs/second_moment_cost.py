@@ -122,6 +122,28 @@ def memory(args: argparse.Namespace, method: str) -> dict[str, float]:
     return {"peak_growth_mib": (peak - before) / MIB, "state_mib": state / MIB}
 
 
+def rule_against_torch(
+    params: list[torch.Tensor],
+    flags: dict[str, bool],
+    warmup: int,
+    iters: int,
+    timer: Callable[[Callable[[], object]], float] = timed,
+) -> dict[str, list[float]]:
+    """Seconds of torch's AdamW step (``"torch"``) and of the rule's step for n = 2 (``"rule"``) on the
+    same parameters and gradients, interleaved (the order alternates), after ``warmup`` untimed ones."""
+    torch_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
+    rule_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
+    rule = SecondMomentRule("average")
+    steps = {"torch": torch_opt.step, "rule": lambda: rule.step(rule_opt, 2)}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(warmup + iters):
+        for name in ("torch", "rule") if i % 2 else ("rule", "torch"):
+            seconds = timer(steps[name])
+            if i >= warmup:
+                times[name].append(seconds)
+    return times
+
+
 def optimizer_steps(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     """Part (b): torch's step against the rule's, same parameters and gradients, interleaved."""
     torch.set_num_threads(1)
@@ -138,16 +160,7 @@ def optimizer_steps(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         ]
         for p in params:
             p.grad = torch.randn_like(p)
-        torch_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
-        rule_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
-        rule = SecondMomentRule("average")
-        steps = {"torch": torch_opt.step, "rule": lambda opt=rule_opt, rule=rule: rule.step(opt, 2)}
-        times: dict[str, list[float]] = {name: [] for name in steps}
-        for i in range(args.warmup + args.iters):
-            for name in ("torch", "rule") if i % 2 else ("rule", "torch"):
-                seconds = timed(steps[name])
-                if i >= args.warmup:
-                    times[name].append(seconds)
+        times = rule_against_torch(params, flags, args.warmup, args.iters)
         out[impl] = {"torch_ms": statistics.median(times["torch"]) * 1e3, **paired(times, "rule", "torch")}
     return out
 

@@ -39,10 +39,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from benchmarks.costs.second_moment_cost import rule_against_torch
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, TinyGPT
 from decent_optim_wrapper import DecentOptimWrapper
-from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
 from decent_optim_wrapper.engine.wire.compression import codec, parse_compression, round_seed
 from decent_optim_wrapper.plan import (
     ComputeTimes,
@@ -79,6 +79,10 @@ def timed(fn: Callable[[], object], device: torch.device) -> float:
     fn()
     sync(device)
     return time.perf_counter() - start
+
+
+def _timed_on(device: torch.device, fn: Callable[[], object]) -> float:
+    return timed(fn, device)
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -193,21 +197,12 @@ def adam_steps(args: argparse.Namespace) -> dict[str, Any]:
             params = [torch.randn(n, device=device).requires_grad_() for n in sizes]
             for p in params:
                 p.grad = torch.randn_like(p)
-            torch_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
-            rule_opt = torch.optim.AdamW(params, lr=1e-4, **flags)
-            rule = SecondMomentRule("average")
-            steps = {"torch": torch_opt.step, "rule": lambda opt=rule_opt, rule=rule: rule.step(opt, 2)}
-            times: dict[str, list[float]] = {name: [] for name in steps}
-            for i in range(args.warmup + args.iters):
-                for name in ("torch", "rule") if i % 2 else ("rule", "torch"):
-                    seconds = timed(steps[name], device)
-                    if i >= args.warmup:
-                        times[name].append(seconds)
+            times = rule_against_torch(params, flags, args.warmup, args.iters, partial(_timed_on, device))
             per_impl[impl] = {
                 "torch_ms": statistics.median(times["torch"]) * 1e3,
                 **ratio_summary(times, "rule", "torch"),
             }
-            del params, torch_opt, rule_opt
+            del params
         out[str(total)] = per_impl
     return out
 
