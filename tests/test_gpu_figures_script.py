@@ -4,36 +4,19 @@ toy sizes, staging forced), so that a GPU session spends its minutes measuring, 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT, run_script
 
 pytestmark = pytest.mark.examples
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.timeout(300)
 def test_the_gpu_figures_script_runs_every_part_on_the_cpu(tmp_path):
-    out = tmp_path / "figures.json"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "gpu" / "fleet_figures.py"),
-            "--smoke",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    out, script = tmp_path / "figures.json", ROOT / "benchmarks" / "gpu" / "fleet_figures.py"
+    printed = run_script(str(script), "--smoke", "--json", str(out), deadline_s=280)
     for part in ("(a)", "(b)", "(c)", "(d)", "on paper"):
-        assert part in run.stdout, run.stdout
+        assert part in printed, printed
     results = json.loads(out.read_text())
     (model,) = results["staging"]["0"].values()
     for method in ("ring", "ring-local", "ring~h8"):

@@ -7,17 +7,15 @@ that crashes is started again, joins the running job, and the others keep their 
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 import socket
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+from helpers import run_script
 
 from decent_optim_wrapper.node_launcher import (
     LaunchConfig,
@@ -126,26 +124,20 @@ def test_a_crashed_worker_under_the_launcher_comes_back_and_joins_the_running_jo
         "--store", f"127.0.0.1:{_free_port()}", "--host-store", "--restart-delay", "0.5", "--",
         sys.executable, "examples/join.py", "--crash", "1:40", "--steps", "200", "--step-time", "0.1",
     ]  # fmt: skip
-    # A session of its own: on a timeout the launcher and its workers are killed together.
-    launcher = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    output = run_script(*command[1:], deadline_s=200)  # the launcher's log and the workers', merged
+    started = dict(re.findall(r"local rank (\d) \(RANK \d\) started: pid (\d+)", output))
+    restarted = re.findall(
+        r"local rank (\d) \(RANK \d\) started again \(restart 1 of 10\): pid (\d+)", output
     )
-    try:
-        out, err = launcher.communicate(timeout=200)
-    finally:
-        if launcher.poll() is None:
-            os.killpg(launcher.pid, signal.SIGKILL)
-            launcher.communicate()
-    assert launcher.returncode == 0, err[-3000:]
-    started = dict(re.findall(r"local rank (\d) \(RANK \d\) started: pid (\d+)", err))
-    restarted = re.findall(r"local rank (\d) \(RANK \d\) started again \(restart 1 of 10\): pid (\d+)", err)
-    assert sorted(started) == ["0", "1", "2"] and [r for r, _ in restarted] == ["1"], err
-    assert "local rank 1 (pid {}) exited with code 1".format(started["1"]) in err
+    assert sorted(started) == ["0", "1", "2"] and [r for r, _ in restarted] == ["1"], output
+    assert "local rank 1 (pid {}) exited with code 1".format(started["1"]) in output
     for rank in ("0", "2"):
-        assert f"local rank {rank} (pid {started[rank]}) finished" in err, "the others keep their processes"
-    assert f"local rank 1 (pid {restarted[0][1]}) finished" in err
-    assert re.search(r"joined the running job at step \d+ as rank 2 of 3", out), out
-    assert len(re.findall(r"finished at step 200 as rank \d of 3; lost \d, admitted \d", out)) == 3, out
+        assert f"local rank {rank} (pid {started[rank]}) finished" in output, (
+            "the others keep their processes"
+        )
+    assert f"local rank 1 (pid {restarted[0][1]}) finished" in output
+    assert re.search(r"joined the running job at step \d+ as rank 2 of 3", output), output
+    assert len(re.findall(r"finished at step 200 as rank \d of 3; lost \d, admitted \d", output)) == 3, output
 
 
 @pytest.mark.pure
