@@ -27,8 +27,10 @@ from decent_optim_wrapper.engine import (
     GossipCompression,
     GossipEngine,
     GossipError,
+    GuardEvent,
     HostStagingError,
     JoinRejectedError,
+    NonFiniteReplicaError,
     PaceReport,
     Pacing,
     PeerFailure,
@@ -64,8 +66,10 @@ from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 # Libraries stay silent unless the user opts in: logger.enable("decent_optim_wrapper").
 logger.disable("decent_optim_wrapper")
-# ... except the warning that a worker was lost and the others went on without it.
+# ... except the warnings that a worker was lost and the others went on without it, and that a
+# worker's values were not finite and were kept out of the replicas (once per kind and sender).
 logger.enable("decent_optim_wrapper.engine.survival")
+logger.enable("decent_optim_wrapper.engine.exchange.guard")
 
 __all__ = [
     "LR_SCHEDULER_FN_TYPE",
@@ -82,10 +86,12 @@ __all__ = [
     "GossipEngine",
     "GossipCompression",
     "GossipError",
+    "GuardEvent",
     "HostStagingError",
     "Group",
     "HierarchicalTopology",
     "JoinRejectedError",
+    "NonFiniteReplicaError",
     "OnePeerExpTopology",
     "PaceReport",
     "Pacing",

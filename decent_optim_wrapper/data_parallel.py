@@ -30,6 +30,7 @@ from decent_optim_wrapper.engine import (
     GossipEngine,
     OuterFactory,
     PacingSpec,
+    drop_state,
 )
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
@@ -179,6 +180,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         )
         self._state = BucketOptimizers(self._engine, model, optim_fn, lr_scheduler_fn, scaler)
         self._optimizers, self._schedulers = self._state.optimizers, self._state.schedulers
+        # A bucket healed from its peers drops the inner state that stepped it (it was not finite).
+        self._engine.on_bucket_healed(self._drop_optimizer_state)
         self._engine.open_to_joiners(
             self._state.state_dict,
             self._state.load_state_dict,
@@ -192,6 +195,10 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             self._grad_clip_norm,
             scaler,
         )
+
+    def _drop_optimizer_state(self, params: list[torch.Tensor]) -> None:
+        for optimizer in self._optimizers:
+            drop_state(optimizer, params)
 
     # -- facts ---------------------------------------------------------------------------------------
     @property

@@ -27,6 +27,7 @@ from decent_optim_wrapper.engine import (
     OuterFactory,
     PacingSpec,
     TopologySpec,
+    drop_state,
 )
 from decent_optim_wrapper.engine.exchange.shards import local_optimizer_state, placed_optimizer_state
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
@@ -183,6 +184,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             host_staging=host_staging,
             context="DecentOptimWrapper",
         )
+        # A bucket healed from its peers drops the inner state that stepped it (it was not finite).
+        self._engine.on_bucket_healed(lambda params: drop_state(optimizer, params))
         self._engine.open_to_joiners(
             lambda: local_optimizer_state(optimizer.state_dict()),
             self._load_inner_state,

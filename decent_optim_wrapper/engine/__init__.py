@@ -29,6 +29,7 @@ from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, G
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.exchange.guard import GuardEvent, NonFiniteReplicaError, drop_state
 from decent_optim_wrapper.engine.exchange.staging import HostStagingError
 from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
@@ -49,8 +50,10 @@ __all__ = [
     "GossipCompression",
     "GossipEngine",
     "GossipError",
+    "GuardEvent",
     "HostStagingError",
     "JoinRejectedError",
+    "NonFiniteReplicaError",
     "OuterFactory",
     "PaceReport",
     "Pacing",
@@ -59,4 +62,5 @@ __all__ = [
     "PeerFailureError",
     "PeerJoin",
     "TopologySpec",
+    "drop_state",
 ]

@@ -19,8 +19,10 @@ import torch.distributed as dist
 from loguru import logger
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
+from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.comm import agree, run_token
@@ -232,6 +234,8 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         self._tracking_requested = gradient_tracking
         self._step, self._in_step = 0, False
         self._launch_from = 0  # after a change of the world: the step whose rounds all launch first
+        self._guard = GuardLog(world.rank)  # guarded mixing's events, kept across changes of the world
+        self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
         self._wire(broadcast=True)
         logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._topology)
 
@@ -374,7 +378,36 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
             self._tracker.mix(bucket, self._mixing_factor)
         if self._gossip.pending(bucket) is not None:
             with current([self._buckets[bucket]], write=True):
-                self._gossip.mix(bucket, self._mixing_factor)
+                healed = self._gossip.mix(bucket, self._mixing_factor)
+            if healed:
+                self._bucket_healed(bucket)
+
+    # -- guarded mixing ----------------------------------------------------------------------------
+    def register_guard_hook(self, hook: Callable[[GuardEvent], None]) -> RemovableHandle:
+        """Call ``hook(event)`` whenever guarded mixing leaves a value that is not finite out of a round
+        (a :class:`~.guard.GuardEvent`: withheld, healed, a peer withheld, entries not finite).
+        Returns a handle whose ``remove()`` unregisters it."""
+        return self._guard.register_hook(hook)
+
+    @property
+    def guard_counts(self) -> dict[str, int]:
+        """How many times each kind of guard event happened on this rank (see :mod:`~.guard`)."""
+        return dict(self._guard.counts)
+
+    def on_bucket_healed(self, reset: Callable[[list[torch.Tensor]], None]) -> None:
+        """For front-ends: ``reset(params)`` is called with a bucket's parameters when the bucket healed
+        from its peers, to drop the optimizer state that stepped them (:func:`~.guard.drop_state`)."""
+        self._heal_hooks.append(reset)
+
+    def _bucket_healed(self, bucket: int) -> None:
+        """A bucket took its peers' values (its own were not finite): this step's gradients of it were
+        computed at those values, so they are dropped (the local update leaves the bucket alone), and
+        the front-end drops the optimizer state that stepped it."""
+        params = list(self._buckets[bucket].params)
+        for param in params:
+            param.grad = None
+        for reset in self._heal_hooks:
+            reset(params)
 
     @torch.no_grad()
     def _launch(self, bucket: int) -> None:

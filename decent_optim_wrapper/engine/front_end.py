@@ -6,11 +6,14 @@ consensus distance, so they answer alike and there is one place that says what e
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.engine import GossipEngine
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
+from decent_optim_wrapper.engine.exchange.guard import GuardEvent
 from decent_optim_wrapper.engine.fleet.growth import JoinHook, Stateful
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
 from decent_optim_wrapper.engine.rules.pacing import PaceReport
@@ -135,6 +138,21 @@ class EngineFrontEnd:
         call loads what its donor sent into ``obj`` at once.
         """
         self._engine.growth.register_state(name, obj)
+
+    def register_guard_hook(self, hook: Callable[[GuardEvent], None]) -> RemovableHandle:
+        """Call ``hook(event)`` whenever guarded mixing keeps a value that is not finite out of a replica.
+
+        ``event`` is a :class:`~decent_optim_wrapper.GuardEvent`: this rank withheld its own values
+        (they held inf/NaN), healed from its peers, kept the weight of a peer that withheld, or left
+        out received entries that were not finite. Returns a handle whose ``remove()`` unregisters it.
+        """
+        return self._engine.register_guard_hook(hook)
+
+    @property
+    def guard_counts(self) -> dict[str, int]:
+        """How many guard events of each kind (``"withheld"``, ``"healed"``, ``"peer_withheld"``,
+        ``"not_finite"``) happened on this rank."""
+        return self._engine.guard_counts
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average; the same on every rank.

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.exchange.guard import GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout
@@ -67,6 +68,8 @@ class MemberChanges:
     _gossip: Gossip
     _tracker: GradientTracker | None
     _staging: HostStaging | None
+    _guard: GuardLog
+    _bucket_healed: Callable[[int], None]
 
     @property
     def rank(self) -> int:
@@ -119,12 +122,20 @@ class MemberChanges:
         )
         tensors = [b.data for b in self._buckets]
         wiring = (self._topology, self.rank, self._process_groups, self._timeout, plan)
-        self._gossip = Gossip(tensors, *wiring, waiter, self._staging)
+        self._guard.rank = self.rank
+        self._gossip = Gossip(tensors, *wiring, waiter, self._staging, self._guard)
         if self._local is not None:
-            self._local.connect(*wiring, waiter, reset=broadcast, staging=self._staging)
+            self._local.connect(
+                *wiring,
+                waiter,
+                reset=broadcast,
+                staging=self._staging,
+                guard=self._guard,
+                on_healed=self._bucket_healed,
+            )
         self._tracker: GradientTracker | None = None
         if self._tracking_requested and self.world_size > 1:
-            self._tracker = GradientTracker(self._buckets, *wiring, waiter, self._staging)
+            self._tracker = GradientTracker(self._buckets, *wiring, waiter, self._staging, self._guard)
 
     def _group_timeout(self) -> timedelta:
         if self._survival is None:

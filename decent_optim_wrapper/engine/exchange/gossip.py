@@ -25,6 +25,13 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors, misfit
+from decent_optim_wrapper.engine.exchange.guard import (
+    GuardEvent,
+    GuardLog,
+    NonFiniteReplicaError,
+    all_finite,
+    withhold_if_nonfinite,
+)
 from decent_optim_wrapper.engine.exchange.staging import HostStaging, host_buffer
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, reduction_dtype, wait_all
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost, RoundState
@@ -50,6 +57,8 @@ class _Round:
     codec: str | None = None  # a gathered round's codec; None: an all-reduce of the weighted values
     xor_slot: int | None = None  # a pair gathered by XOR: this slot holds peer ^ own until waited for
     reference_applied: bool = False  # its update of the group's reference is done (see settle_references)
+    withheld: bool | None = False  # this rank's values were not finite and not sent (None: told by the flags)
+    staged: bool = False  # its sums arrived in the host copy (a round restored from a state did not)
 
 
 @dataclass
@@ -58,7 +67,10 @@ class _Channel:
 
     tensor: torch.Tensor  # read at launch, written at mix
     index: int  # the bucket's number, not its position (with the round's step, it seeds random-k's draws)
-    buffer: torch.Tensor | None = None  # staged values, then the group sum (allocated at first use)
+    flag_slots: int = 0  # the largest group's size: one withheld-flag slot per member after the values
+    buffer: torch.Tensor | None = (
+        None  # staged values and flags, then the group sums (allocated at first use)
+    )
     round: _Round | None = None  # launched (or restored) and not mixed yet
     gathered: torch.Tensor | None = None  # compressed rounds: every member's payload, rank order
     decoded: torch.Tensor | None = None  # compressed rounds: decoding scratch
@@ -69,12 +81,26 @@ class _Channel:
     host: torch.Tensor | None = None  # host staging: the buffer's host copy (allocated at first use)
     host_gathered: torch.Tensor | None = None  # host staging: the gathered payloads' host copy
 
-    def sum_buffer(self) -> torch.Tensor:
+    def _storage(self) -> torch.Tensor:
         if self.buffer is None:
+            numel = self.tensor.numel() + self.flag_slots
             self.buffer = torch.empty(
-                self.tensor.shape, dtype=reduction_dtype(self.tensor.dtype), device=self.tensor.device
+                numel, dtype=reduction_dtype(self.tensor.dtype), device=self.tensor.device
             )
         return self.buffer
+
+    def sum_buffer(self) -> torch.Tensor:
+        """The values part of the buffer: the staged values, then the group sum."""
+        return self._storage()[: self.tensor.numel()].view(self.tensor.shape)
+
+    def round_buffer(self, size: int) -> torch.Tensor:
+        """What a plain round of ``size`` members all-reduces: the values, then one flag per member."""
+        return self._storage()[: self.tensor.numel() + size]
+
+    def flags(self, size: int) -> torch.Tensor:
+        """The members' withheld flags of a plain round (in group order), after the values."""
+        numel = self.tensor.numel()
+        return self._storage()[numel : numel + size]
 
 
 class Gossip:
@@ -96,6 +122,8 @@ class Gossip:
         waiter: how rounds are waited for (default :func:`~.comm.wait_all`).
         staging: stage every round through host buffers (:mod:`~.staging`); None: collectives run on
             the buckets' own buffers.
+        guard: where guarded mixing's events go (:mod:`~.guard`); None: a log of this rank's own.
+        label: what these tensors are, for the guard's events (``"parameters"``, ``"anchors"``, ...).
     """
 
     def __init__(
@@ -108,7 +136,12 @@ class Gossip:
         plan: CompressionPlan | None = None,
         waiter: Waiter | None = None,
         staging: HostStaging | None = None,
+        guard: GuardLog | None = None,
+        label: str = "parameters",
     ) -> None:
+        self._guard = GuardLog(rank) if guard is None else guard
+        self._label = label
+        self._flag_slots = max((g.size for g in topology.distinct_groups()), default=1)
         self._waiter: Waiter = wait_all if waiter is None else waiter
         self._staging = staging
         self._topology = topology
@@ -131,7 +164,7 @@ class Gossip:
         """Gossip these tensors too, as new buckets at the end (nothing is in flight for them)."""
         for position, tensor in enumerate(tensors, start=len(self._channels)):
             number = position if self._plan is None else self._plan.bucket_number(position)
-            self._channels.append(_Channel(tensor, number))
+            self._channels.append(_Channel(tensor, number, flag_slots=self._flag_slots))
 
     def bytes_sent_per_step(self) -> float:
         """Bytes this rank sends per step for these buckets, averaged over one period of the schedule.
@@ -166,23 +199,28 @@ class Gossip:
         """
         return self._stage(self._channels[bucket], step)[0]
 
-    def _stage(self, channel: _Channel, step: int) -> tuple[Group, str | None]:
-        """Stage ``channel`` for ``step``: its group, and the codec of a gathered round (or None)."""
+    def _stage(self, channel: _Channel, step: int) -> tuple[Group, str | None, bool | None]:
+        """Stage ``channel`` for ``step``: its group, the codec of a gathered round (or None), and
+        whether this rank withheld its values (None: the flags will tell, see :mod:`~.guard`)."""
         group = self._topology.group(self._rank, step)
         if group.size == 1:
-            return group, None
+            return group, None, False
         tensor, buffer = channel.tensor, channel.sum_buffer()
         if self._plan is not None and self._plan.compresses(group, tensor.dtype):
-            return group, self._stage_gathered(channel, group, step)
+            name, gathered_withheld = self._stage_gathered(channel, group, step)
+            return group, name, gathered_withheld
         # Division by k is correctly rounded (exact for k a power of two); x * fl(1/k) would round
         # twice. Low-precision tensors are widened into their fp32 buffer here.
         if group.self_weight is None:
             torch.div(tensor, group.size, out=buffer)
         else:
             torch.mul(tensor, group.peer_weight, out=buffer)
-        return group, None
+        flags = channel.flags(group.size)
+        flags.zero_()
+        withheld = withhold_if_nonfinite(buffer, flags[group.ranks.index(self._rank)])
+        return group, None, withheld
 
-    def _stage_gathered(self, channel: _Channel, group: Group, step: int) -> str:
+    def _stage_gathered(self, channel: _Channel, group: Group, step: int) -> tuple[str, bool]:
         """Encode this member's part of a compressed round into its slot of the gathered payload."""
         assert self._plan is not None
         tensor = channel.tensor
@@ -196,12 +234,18 @@ class Gossip:
         slot = group.ranks.index(self._rank)
         own = channel.gathered[slot * size : (slot + 1) * size]
         if reference is None:
+            # A first round's values that are not finite are found by every member at the mix.
             coder.encode(tensor, own)
-        else:
-            scratch = channel.sum_buffer()  # free until the round arrives
-            torch.sub(tensor, reference, out=scratch)  # small: what changed since the group last met
-            coder.encode(scratch, own, round_seed(step, channel.index))
-        return name
+            return name, False
+        scratch = channel.sum_buffer()  # free until the round arrives
+        torch.sub(tensor, reference, out=scratch)  # small: what changed since the group last met
+        # Withheld: a zero difference (this rank counts as holding the reference). Checked before
+        # encoding: a sparse codec might not pick the bad entries, and then nobody would see them.
+        withheld = not all_finite(scratch)
+        if withheld:
+            scratch.zero_()
+        coder.encode(scratch, own, round_seed(step, channel.index))
+        return name, withheld
 
     def launch(self, bucket: int, step: int) -> None:
         """Stage bucket ``bucket`` and start its all-reduce in the rank's group at ``step`` (non-blocking).
@@ -214,20 +258,24 @@ class Gossip:
                 f"bucket {bucket}: the gossip round launched at step {channel.round.step} has not been mixed "
                 "yet; call mix() or discard() before launching it again."
             )
-        group, name = self._stage(channel, step)
+        group, name, withheld = self._stage(channel, step)
         if group.size == 1:
             return  # nothing to exchange: W_ii = 1
         handle = self._process_groups[group.ranks]
         channel.launched = step
+        if withheld:
+            self._guard.record(
+                GuardEvent("withheld", step, self._position(channel), self._label, group.ranks)
+            )
         if name is not None:
             work, xor_slot = self._start_gather(channel, group, handle)
-            channel.round = _Round(step, group, work, name, xor_slot)
+            channel.round = _Round(step, group, work, name, xor_slot, withheld=withheld)
             return
-        buffer = channel.sum_buffer()
+        buffer = channel.round_buffer(group.size)
         if self._staging is None:
             work = dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=handle, async_op=True)
         else:
-            if channel.host is None:
+            if channel.host is None or channel.host.numel() != buffer.numel():
                 channel.host = host_buffer(buffer)
             host = channel.host
             work = self._staging.start(
@@ -235,7 +283,10 @@ class Gossip:
                 lambda: dist.all_reduce(host, op=dist.ReduceOp.SUM, group=handle, async_op=True),
                 copy_back=(buffer, host),
             )
-        channel.round = _Round(step, group, work)
+        channel.round = _Round(step, group, work, withheld=withheld, staged=self._staging is not None)
+
+    def _position(self, channel: _Channel) -> int:
+        return next(i for i, c in enumerate(self._channels) if c is channel)
 
     def _start_gather(
         self, channel: _Channel, group: Group, handle: dist.ProcessGroup
@@ -285,50 +336,123 @@ class Gossip:
             peer.bitwise_xor_(own)  # (own ^ peer) ^ own = peer
             round_.xor_slot = None
 
-    def mix(self, bucket: int, factor: float = 1.0) -> None:
+    def mix(self, bucket: int, factor: float = 1.0) -> bool:
         """Finish bucket ``bucket``'s round (if any) and mix it in: ``x_i <- sum_j W_ij x_j``.
 
         With ``factor`` ``a`` below 1, only part of the way: ``x_i <- (1 - a) x_i + a sum_j W_ij x_j``,
-        i.e. the doubly stochastic ``(1 - a) I + a W``.
+        i.e. the doubly stochastic ``(1 - a) I + a W``. Guarded (:mod:`~.guard`): what a member
+        withheld or what is not finite is left out. Returns whether this rank *healed*: its own
+        values were not finite and it took its peers' instead (its caller resets what stepped them).
         """
         channel = self._channels[bucket]
         round_ = channel.round
         if round_ is None:
-            return
+            return False
         self.wait(bucket)
         channel.round = None
         if round_.codec is not None:
-            self._mix_gathered(channel, round_, factor)
-            return
+            return self._mix_gathered(channel, round_, factor, bucket)
         group, tensor, buffer = round_.group, channel.tensor, channel.sum_buffer()
-        own = group.own_weight - group.peer_weight
+        k, numel = group.size, tensor.numel()
+        # Staged: the sums and flags are read from the host copy (no device sync).
+        received = channel.host if round_.staged and channel.host is not None else channel.round_buffer(k)
+        raised = [j for j, flag in enumerate(received[numel : numel + k].tolist()) if flag != 0.0]
+        sent_with = 1.0 / k if group.self_weight is None else group.peer_weight  # each member's weight c
+        if group.ranks.index(self._rank) in raised:
+            return self._heal(
+                bucket, round_, raised, lambda: tensor.copy_(buffer).div_((k - len(raised)) * sent_with)
+            )
+        if raised:
+            senders = tuple(group.ranks[j] for j in raised)
+            self._guard.record(
+                GuardEvent("peer_withheld", round_.step, bucket, self._label, group.ranks, senders)
+            )
+        # The withheld members' weight stays here: (w - c) + m c.
+        own = group.own_weight - group.peer_weight + len(raised) * sent_with
+        if not all_finite(received[:numel]):
+            # Altered after its sender's check: every member sees the same sum, so all keep their own
+            # values at those entries (and the mean).
+            bad = torch.isfinite(buffer).logical_not_()
+            mixed = (
+                torch.add(buffer, tensor, alpha=own)
+                if factor == 1.0
+                else tensor.mul(1.0 - factor + factor * own).add_(buffer, alpha=factor)
+            )
+            tensor.copy_(torch.where(bad, tensor, mixed))
+            self._guard.record(
+                GuardEvent(
+                    "not_finite", round_.step, bucket, self._label, group.ranks, entries=int(bad.sum())
+                )
+            )
+            return False
         if factor != 1.0:
             # (1 - a) x + a ((w - c) x + S) = (1 - a + a (w - c)) x + a S
-            tensor.mul_(1.0 - factor + factor * (0.0 if group.self_weight is None else own))
+            tensor.mul_(1.0 - factor + factor * own)
             tensor.add_(buffer, alpha=factor)
-        elif group.self_weight is None or own == 0.0:
+        elif own == 0.0:
             tensor.copy_(buffer)
         else:
             torch.add(buffer, tensor, alpha=own, out=tensor)
+        return False
 
-    def _mix_gathered(self, channel: _Channel, round_: _Round, factor: float) -> None:
+    def _heal(self, bucket: int, round_: _Round, raised: Sequence[int], heal: Callable[[], object]) -> bool:
+        """This rank withheld: take its peers' values (``heal``), or raise if every member withheld."""
+        group = round_.group
+        if round_.withheld is None:  # decided on the device at launch: recorded now
+            self._guard.record(GuardEvent("withheld", round_.step, bucket, self._label, group.ranks))
+        if len(raised) == group.size:
+            raise NonFiniteReplicaError(
+                f"rank {self._rank}: the {self._label} of bucket {bucket} are not finite (inf/NaN) and every "
+                f"member of the round launched at step {round_.step} in group {list(group.ranks)} withheld "
+                "its values, so there is nothing finite to heal from. Look for the step that overflowed "
+                "(a loss or gradient that became inf/NaN: lower the learning rate, clip gradients, or use "
+                "GradScaler), then restart from the last checkpoint."
+            )
+        heal()
+        self._guard.record(GuardEvent("healed", round_.step, bucket, self._label, group.ranks))
+        return True
+
+    def _mix_gathered(self, channel: _Channel, round_: _Round, factor: float, bucket: int) -> bool:
         """``x_i <- x_i + a c (s - k q_i)`` and ``r <- r + s / k`` with ``s = sum_j q_j`` in rank order."""
         assert round_.codec is not None
         group = round_.group
-        total, scratch = self._gathered_sum(channel, round_)
-        slots = _slots(channel, round_)
-        seed = round_seed(round_.step, channel.index)
-        codec(round_.codec).decode_into(slots[group.ranks.index(self._rank)], scratch, seed)
-        # x <- x + a c (s - k q_i): one pass for s - k q_i, one for the update
-        channel.tensor.add_(
-            torch.add(total, scratch, alpha=-group.size, out=scratch), alpha=factor * group.peer_weight
-        )
+        reference = channel.references.get(group.ranks)
+        total, scratch, bad = self._gathered_sum(channel, round_)
+        slot = group.ranks.index(self._rank)
+        others_bad = tuple(group.ranks[j] for j in bad if j != slot)
+        if others_bad:
+            self._guard.record(
+                GuardEvent("not_finite", round_.step, bucket, self._label, group.ranks, others_bad)
+            )
+        if round_.withheld or slot in bad:
+            # Read as holding the reference (exact rounds: the good members' mean): x <- r + c s.
+            def heal() -> None:
+                if round_.codec == "exact" or reference is None:
+                    channel.tensor.copy_(total).div_(group.size)
+                    return
+                channel.tensor.copy_(reference).add_(total, alpha=group.peer_weight)
+                if round_.reference_applied:  # r already moved on by s / k
+                    channel.tensor.sub_(total, alpha=1.0 / group.size)
+
+            raised = [slot, *bad] if slot not in bad else list(bad)
+            healed = self._heal(bucket, round_, raised, heal)
+        else:
+            seed = round_seed(round_.step, channel.index)
+            codec(round_.codec).decode_into(_slots(channel, round_)[slot], scratch, seed)
+            # x <- x + a c (s - k q_i): one pass for s - k q_i, one for the update
+            channel.tensor.add_(
+                torch.add(total, scratch, alpha=-group.size, out=scratch), alpha=factor * group.peer_weight
+            )
+            healed = False
         if not round_.reference_applied:
             _update_reference(channel, round_, total)
+        return healed
 
     @staticmethod
-    def _gathered_sum(channel: _Channel, round_: _Round) -> tuple[torch.Tensor, torch.Tensor]:
-        """``s = sum_j q_j`` in rank order (identical on every member), and a scratch buffer.
+    def _gathered_sum(channel: _Channel, round_: _Round) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``s = sum_j q_j`` in rank order (identical on every member), a scratch buffer, and the slots
+        whose payload did not decode to finite values: read as zero (the member holds the reference),
+        or in a group's first, exact round as the mean of the others.
 
         Both live in buffers kept per bucket: fresh bucket-sized tensors every step would cost more
         (page faults) than the arithmetic.
@@ -343,7 +467,20 @@ class Gossip:
         coder.decode_into(slots[0], total, seed)
         for j in range(1, round_.group.size):
             coder.add_into(slots[j], total, scratch, seed)
-        return total, scratch
+        if all_finite(total):
+            return total, scratch, []
+        bad: list[int] = []  # rare: find the slots, one decode each, and sum the good ones again
+        total.zero_()
+        for j in range(round_.group.size):
+            coder.decode_into(slots[j], scratch, seed)
+            if all_finite(scratch):
+                total.add_(scratch)
+            else:
+                bad.append(j)
+        good = round_.group.size - len(bad)
+        if round_.codec == "exact" and good > 0:
+            total.mul_(round_.group.size / good)  # the missing members count as the good ones' mean
+        return total, scratch, bad
 
     def settle_references(self) -> None:
         """Apply every pending compressed round's reference update now, without mixing it.
@@ -451,18 +588,22 @@ class Gossip:
             return None
         self.wait_all()
         buffers: list[torch.Tensor | None] = []
+        flags: list[torch.Tensor | None] = []  # a plain round's withheld flags
         gathered: list[torch.Tensor | None] = []
         codecs: list[str | None] = []
         for channel in self._channels:
             round_ = channel.round
             plain = round_ is not None and round_.codec is None and channel.buffer is not None
-            buffers.append(channel.buffer.clone() if plain and channel.buffer is not None else None)
+            buffers.append(channel.sum_buffer().clone() if plain else None)
+            flags.append(channel.flags(round_.group.size).clone() if plain and round_ is not None else None)
             compressed = round_ is not None and round_.codec is not None and channel.gathered is not None
             gathered.append(channel.gathered.clone() if compressed and channel.gathered is not None else None)
             codecs.append(None if round_ is None else round_.codec)
         while buffers and buffers[-1] is None:
             buffers.pop()  # the layout checkpoints of version 1 used: a prefix of the buckets
         state: dict[str, Any] = {"step": steps.pop() if steps else None, "buffers": buffers}
+        if any(f is not None and bool(f.any()) for f in flags):  # only where a member withheld
+            state["flags"] = flags
         if any(c is not None for c in codecs) or saved_references:
             state.update(gathered=gathered, codecs=codecs, references=saved_references)
         return state
@@ -545,10 +686,16 @@ class Gossip:
         if step is None:
             return
         group = self._topology.group(self._rank, int(step))
-        for channel, saved in zip(self._channels, state["buffers"], strict=False):
+        saved_flags = state.get("flags", [])
+        for bucket, (channel, saved) in enumerate(zip(self._channels, state["buffers"], strict=False)):
             if saved is not None:
                 channel.sum_buffer().copy_(saved)
-                channel.round = _Round(int(step), group, None)
+                flags = saved_flags[bucket] if bucket < len(saved_flags) else None
+                channel.flags(group.size).copy_(flags) if flags is not None else channel.flags(
+                    group.size
+                ).zero_()
+                own = flags is not None and bool(flags[group.ranks.index(self._rank)])
+                channel.round = _Round(int(step), group, None, withheld=own)
         for channel, payload, name in zip(
             self._channels, state.get("gathered", []), state.get("codecs", []), strict=False
         ):

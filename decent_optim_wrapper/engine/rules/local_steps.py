@@ -56,6 +56,7 @@ import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors, current
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
+from decent_optim_wrapper.engine.exchange.guard import GuardLog, drop_state
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost
@@ -193,6 +194,7 @@ class LocalSteps:
         self._anchors: list[torch.Tensor] = []  # a_i, one flat tensor per bucket
         self._views: list[list[torch.Tensor]] = []  # per bucket: each parameter's slice of its anchor
         self._gossip: Gossip | None = None
+        self._on_healed: Callable[[int], None] | None = None
         self._add(buckets)
         views = [v for per_bucket in self._views for v in per_bucket]
         factory = spec.outer_optimizer
@@ -216,10 +218,26 @@ class LocalSteps:
         waiter: Waiter | None = None,
         reset: bool = True,
         staging: HostStaging | None = None,
+        guard: GuardLog | None = None,
+        on_healed: Callable[[int], None] | None = None,
     ) -> None:
         """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
-        broadcast parameters (without: the survivors of a lost peer keep their anchors)."""
-        self._gossip = Gossip(self._anchors, topology, rank, process_groups, timeout, plan, waiter, staging)
+        broadcast parameters (without: the survivors of a lost peer keep their anchors). ``on_healed``
+        is told which bucket's anchor healed (:mod:`~.guard`), so the inner optimizer's state of it
+        is dropped too."""
+        self._on_healed = on_healed
+        self._gossip = Gossip(
+            self._anchors,
+            topology,
+            rank,
+            process_groups,
+            timeout,
+            plan,
+            waiter,
+            staging,
+            guard,
+            label="anchors",
+        )
         self._clock.connect(
             process_groups.world,
             rank,
@@ -320,15 +338,26 @@ class LocalSteps:
                 self._fold(bucket, mixing_factor)
 
     def _fold(self, bucket: int, mixing_factor: float) -> None:
-        """``x <- x + (mixed - sent)``, ``a <- mixed``: two roundings, none when ``x`` is still ``a'``."""
+        """``x <- x + (mixed - sent)``, ``a <- mixed``: two roundings, none when ``x`` is still ``a'``.
+
+        An anchor healed from the peers (its own was not finite, :mod:`~.guard`) restarts the inner
+        steps from it, ``x <- a``, and the outer (and, through ``on_healed``, the inner) optimizer's
+        state of the bucket is dropped: all were computed from the values that were not finite.
+        """
         x, anchor = self._buckets[bucket].data, self._anchors[bucket]
         with self._clock.waiting():  # a paced rank's step time leaves out the wait for its peers
             self._channels.wait(bucket)  # before x changes: a round that fails leaves x as it was
         if self._channels.pending(bucket) is None:
             return
         x.sub_(anchor)  # the inner progress since the launch (exactly 0 with no delay)
-        self._channels.mix(bucket, mixing_factor)
-        x.add_(anchor)
+        if not self._channels.mix(bucket, mixing_factor):
+            x.add_(anchor)
+            return
+        x.copy_(anchor)
+        if self._outer is not None:
+            drop_state(self._outer, self._views[bucket])
+        if self._on_healed is not None:
+            self._on_healed(bucket)
 
     def _outer_step(self, bucket: int, scale: float = 1.0) -> None:
         """``a <- OuterStep(a, s (a - x))`` (or ``a <- a - s (a - x)`` without an outer optimizer), then

@@ -17,6 +17,7 @@ import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
+from decent_optim_wrapper.engine.exchange.guard import GuardLog
 from decent_optim_wrapper.engine.exchange.shards import local_tensor
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
@@ -45,17 +46,24 @@ class GradientTracker:
         plan: CompressionPlan | None,
         waiter: Waiter | None = None,
         staging: HostStaging | None = None,
+        guard: GuardLog | None = None,
     ) -> None:
         self._buckets: list[Bucket] = []
         self._trackers: list[torch.Tensor] = []  # y_i, one flat tensor per bucket
         self._previous: list[torch.Tensor] = []  # g_i^{t-1}
-        self._gossip = Gossip([], topology, rank, process_groups, timeout, plan, waiter, staging)
+        self._restart: set[int] = set()  # healed trackers: their previous gradient was not finite
+        self._gossip = Gossip(
+            [], topology, rank, process_groups, timeout, plan, waiter, staging, guard, label="trackers"
+        )
         self.add_buckets(buckets)
 
     # -- the trackers' gossip, with the parameters' schedule ------------------------------------------
     def mix(self, bucket: int, factor: float) -> None:
-        """Mix tracker ``bucket``'s round in (if one is pending): ``y <- sum_j W_ij y_j``."""
-        self._gossip.mix(bucket, factor)
+        """Mix tracker ``bucket``'s round in (if one is pending): ``y <- sum_j W_ij y_j``. A tracker
+        healed from its peers (:mod:`~.guard`) forgets its previous gradient too (it was not finite):
+        the next :meth:`track` keeps the healed tracker as it is (no innovation term)."""
+        if self._gossip.mix(bucket, factor):
+            self._restart.add(bucket)
 
     def launch(self, bucket: int, step: int) -> None:
         """Start tracker ``bucket``'s round for ``step`` (non-blocking)."""
@@ -95,6 +103,9 @@ class GradientTracker:
         grads = [local_tensor(owner.params[i].grad) for i in with_grad]  # type: ignore[arg-type]
         y = [trackers[i] for i in with_grad]
         prev = [previous[i] for i in with_grad]
+        if with_grad and bucket in self._restart:
+            torch._foreach_copy_(prev, grads)  # a healed tracker: g_prev := g, so y stays as healed
+        self._restart.discard(bucket)
         if with_grad:
             torch._foreach_sub_(prev, grads)  # g_prev - g
             torch._foreach_sub_(y, prev)  # y + (g - g_prev)
