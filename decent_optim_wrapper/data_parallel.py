@@ -106,6 +106,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             :class:`~decent_optim_wrapper.DecentOptimWrapper` instead (the big models page).
         host_staging: how gossip of GPU buckets crosses gloo groups (default: through pinned host
             buffers, overlapped); see :class:`~decent_optim_wrapper.engine.GossipEngine`.
+        nonfinite_guard: keep inf/NaN out of the replicas (default True): a rank whose values are not
+            finite withholds them and heals from its peers; see the bad workers page.
 
     Example::
 
@@ -142,6 +144,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         device_mesh: DeviceMesh | None = None,
         process_group: dist.ProcessGroup | None = None,
         host_staging: bool | None = None,
+        nonfinite_guard: bool = True,
     ) -> None:
         super().__init__()
         check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -176,6 +179,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             device_mesh=device_mesh,
             process_group=process_group,
             host_staging=host_staging,
+            nonfinite_guard=nonfinite_guard,
             context="DecentralizedDataParallel",
         )
         self._state = BucketOptimizers(self._engine, model, optim_fn, lr_scheduler_fn, scaler)

@@ -114,6 +114,8 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         host_staging: how gossip of GPU buckets crosses gloo groups (default: through pinned host
             buffers, overlapped); see :class:`~decent_optim_wrapper.engine.GossipEngine` and the GPU
             fleets page.
+        nonfinite_guard: keep inf/NaN out of the replicas (default True): a rank whose values are not
+            finite withholds them and heals from its peers; see the bad workers page.
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -152,6 +154,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         device_mesh: DeviceMesh | None = None,
         process_group: dist.ProcessGroup | None = None,
         host_staging: bool | None = None,
+        nonfinite_guard: bool = True,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -182,6 +185,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             device_mesh=device_mesh,
             process_group=process_group,
             host_staging=host_staging,
+            nonfinite_guard=nonfinite_guard,
             context="DecentOptimWrapper",
         )
         # A bucket healed from its peers drops the inner state that stepped it (it was not finite).

@@ -21,6 +21,10 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
     ``mix`` return at once: the engine rows show what that costs, the ops rows what a group would.
     With 2 local gloo processes on a ring every step exchanges with the other rank.
 
+    Guarded mixing (``nonfinite_guard``, on by default: a sum of what is sent and one of what
+    arrived) is inside those calls; the same calls on a ``Gossip`` with this rank's guard off run in
+    the same loop, and their difference is the guard's own work.
+
     With ``--compressions`` (default ``bf16 int8``), the 2-rank ring is measured again with each
     compressed wire format: staging then computes ``x - r`` and encodes it into this member's slot
     of the gathered payload, and the mix decodes both members' payloads, sums them, updates ``x``
@@ -35,6 +39,7 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
 (c) **Training step at world size 2, by feature.** The same step on a 2-rank ring with
     ``DecentOptimWrapper``: plain (``second_moment="local"``), with Adam's second moment of the
     average gradient (``second_moment="average"``, the default: the rule's own Adam step),
+    with this rank's non-finite guard off (``nonfinite_guard=False``: below 1 by what the guard costs),
     with gradient tracking (``gradient_tracking=True``: the tracker's own gossip and its update,
     ``y <- W y + g - g_prev``) and with bf16 compression, interleaved the same way; reported
     relative to the plain ring. AccumAdamW (``accum_iter=4``) is timed with ``"local"`` (against the
@@ -66,6 +71,7 @@ from torch import nn
 from benchmarks.harness.common import build_mlp, collect_from_ranks
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.exchange.guard import GuardLog
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout
 from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan, resolve_compression
@@ -100,13 +106,26 @@ def measure_gossip(
     world = resolve_gossip_world(rank, world_size, None)  # the whole job, as the wrapper's
     groups = ProcessGroups(world, [group_layout(wrapper.topology, world)])
     gossip = Gossip(tensors, wrapper.topology, rank, groups, plan=plan)
+    # the same engine calls with this rank's guard off (nonfinite_guard=False): the guard's own reads
+    unguarded = Gossip(
+        tensors, wrapper.topology, rank, groups, plan=plan, guard=GuardLog(rank, enabled=False)
+    )
     buckets = range(gossip.num_buckets)
     numel = sum(t.numel() for t in tensors)
     src, dst = torch.randn(numel), torch.empty(numel)
     send = [torch.empty_like(t) for t in tensors]
     received = [t.clone() for t in tensors]  # x.copy_(received) leaves x as it was, rep after rep
     samples: dict[str, list[float]] = {
-        k: [] for k in ("copy", "engine_stage", "engine_mix", "op_div", "op_copy")
+        k: []
+        for k in (
+            "copy",
+            "engine_stage",
+            "engine_mix",
+            "op_div",
+            "op_copy",
+            "unguarded_stage",
+            "unguarded_mix",
+        )
     }
     with torch.no_grad():
         for step in range(reps + 3):
@@ -116,12 +135,18 @@ def measure_gossip(
                 gossip.launch(b, step)
             gossip.wait_all()  # network time: not the wrapper's own work
             mix = sum(timed(lambda b=b: gossip.mix(b)) for b in buckets)
+            bare_stage = sum(timed(lambda b=b, s=step: unguarded.stage(b, s)) for b in buckets)
+            for b in buckets:
+                unguarded.launch(b, step)
+            unguarded.wait_all()
+            bare_mix = sum(timed(lambda b=b: unguarded.mix(b)) for b in buckets)
             div = sum(
                 timed(lambda x=x, b=b: torch.div(x, 2, out=b)) for x, b in zip(tensors, send, strict=True)
             )
             back = sum(timed(lambda x=x, b=b: x.copy_(b)) for x, b in zip(tensors, received, strict=True))
             if step >= 3:  # first rounds allocate buffers and fault pages in
-                for key, value in zip(samples, (copy, stage, mix, div, back), strict=True):
+                values = (copy, stage, mix, div, back, bare_stage, bare_mix)
+                for key, value in zip(samples, values, strict=True):
                     samples[key].append(value)
     med = {key: median_ms(values) for key, values in samples.items()}
     copies = samples["copy"]
@@ -129,6 +154,10 @@ def measure_gossip(
         (s + m) / c for s, m, c in zip(samples["engine_stage"], samples["engine_mix"], copies, strict=True)
     ]
     ops = [(d + b) / c for d, b, c in zip(samples["op_div"], samples["op_copy"], copies, strict=True)]
+    bare = [
+        (s + m) / c
+        for s, m, c in zip(samples["unguarded_stage"], samples["unguarded_mix"], copies, strict=True)
+    ]
     return {
         "world_size": world_size,
         "rank": rank,
@@ -139,6 +168,7 @@ def measure_gossip(
         # the median over repetitions of (staging + mix) / copy, each ratio from one repetition
         "engine_copy_equivalents": statistics.median(engine),
         "ops_copy_equivalents": statistics.median(ops),
+        "unguarded_copy_equivalents": statistics.median(bare),
     }
 
 
@@ -180,6 +210,7 @@ def measure_training_step(iters: int, batch: int, world_size: int = 1) -> dict[s
         for name, options in (
             ("ring", {"second_moment": "local"}),
             ("ring-average", {}),
+            ("ring-unguarded", {"nonfinite_guard": False, "second_moment": "local"}),
             ("ring-gt", {"gradient_tracking": True, "second_moment": "local"}),
             ("ring@bf16", {"compression": "bf16", "second_moment": "local"}),
         ):
@@ -275,6 +306,12 @@ def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:
             f"{m['engine_mix']:>7.2f} {g['engine_copy_equivalents']:>11.2f} {m['op_div']:>10.2f} "
             f"{m['op_copy']:>11.2f} {g['ops_copy_equivalents']:>9.2f}"
         )
+        if "unguarded_copy_equivalents" in g:
+            own = g["engine_copy_equivalents"] - g["unguarded_copy_equivalents"]
+            print(
+                f"{'':>5} the same with nonfinite_guard=False: {g['unguarded_copy_equivalents']:.2f} "
+                f"copy-equivalents; the guard's own work: {own:+.2f}"
+            )
         for rank, other in sorted(ranks.items())[1:]:
             print(
                 f"{'':>5} rank {rank}: engine {other['gossip']['engine_copy_equivalents']:.2f}, "
@@ -313,6 +350,7 @@ def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:
         )
         for name, label in (
             ("ring-average", "second_moment='average'"),
+            ("ring-unguarded", "nonfinite_guard=False"),
             ("ring-gt", "gradient_tracking=True"),
             ("ring@bf16", "compression='bf16'"),
             ("ring-accum", "AccumAdamW, 'local'"),

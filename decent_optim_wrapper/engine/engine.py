@@ -140,6 +140,12 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         host_staging: ``None`` (default): gossip rounds of buckets on a GPU travel through pinned host
             buffers when the gossip groups are gloo's (:mod:`~.exchange.staging`); ``True`` also for
             CPU buckets (the same path, for comparison); ``False``: device tensors go to the backend.
+        nonfinite_guard: guarded mixing (:mod:`~.exchange.guard`, default True): values that are not
+            finite never enter a replica through gossip; a rank whose own are withholds them and
+            heals from its peers. False skips this rank's checks of what it sends and of the sums it
+            receives (two reads of every bucket per round; compressed payloads are checked
+            always, so that every member reads them alike); the flags still travel, so ranks may
+            differ in it.
         reverse_buckets: list the buckets last first (a module front-end steps them as backward
             produces gradients); each is laid out, and compressed, as it is without.
     """
@@ -169,9 +175,15 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         context: str = "GossipEngine",
         reverse_buckets: bool = False,
         host_staging: bool | None = None,
+        nonfinite_guard: bool = True,
     ) -> None:
         if not isinstance(gradient_tracking, bool):
             raise TypeError(f"gradient_tracking must be True or False, got {gradient_tracking!r}.")
+        if not isinstance(nonfinite_guard, bool):
+            raise TypeError(
+                f"nonfinite_guard must be True or False, got {nonfinite_guard!r}; True (the default) keeps "
+                "inf/NaN out of the replicas."
+            )
         check_bucket_cap(bucket_cap_mb)
         check_timeout(timeout)
         self._topology_spec = topology
@@ -234,7 +246,8 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         self._tracking_requested = gradient_tracking
         self._step, self._in_step = 0, False
         self._launch_from = 0  # after a change of the world: the step whose rounds all launch first
-        self._guard = GuardLog(world.rank)  # guarded mixing's events, kept across changes of the world
+        # guarded mixing's switch and events, kept across changes of the world
+        self._guard = GuardLog(world.rank, enabled=nonfinite_guard)
         self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
         self._wire(broadcast=True)
         logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._topology)

@@ -217,6 +217,8 @@ class Gossip:
             torch.mul(tensor, group.peer_weight, out=buffer)
         flags = channel.flags(group.size)
         flags.zero_()
+        if not self._guard.enabled:
+            return group, None, False
         withheld = withhold_if_nonfinite(buffer, flags[group.ranks.index(self._rank)])
         return group, None, withheld
 
@@ -241,7 +243,7 @@ class Gossip:
         torch.sub(tensor, reference, out=scratch)  # small: what changed since the group last met
         # Withheld: a zero difference (this rank counts as holding the reference). Checked before
         # encoding: a sparse codec might not pick the bad entries, and then nobody would see them.
-        withheld = not all_finite(scratch)
+        withheld = self._guard.enabled and not all_finite(scratch)
         if withheld:
             scratch.zero_()
         coder.encode(scratch, own, round_seed(step, channel.index))
@@ -369,7 +371,7 @@ class Gossip:
             )
         # The withheld members' weight stays here: (w - c) + m c.
         own = group.own_weight - group.peer_weight + len(raised) * sent_with
-        if not all_finite(received[:numel]):
+        if self._guard.enabled and not all_finite(received[:numel]):
             # Altered after its sender's check: every member sees the same sum, so all keep their own
             # values at those entries (and the mean).
             bad = torch.isfinite(buffer).logical_not_()
@@ -467,6 +469,8 @@ class Gossip:
         coder.decode_into(slots[0], total, seed)
         for j in range(1, round_.group.size):
             coder.add_into(slots[j], total, scratch, seed)
+        # Checked whatever nonfinite_guard says: every member must read a bad payload alike, or the
+        # group's references would differ.
         if all_finite(total):
             return total, scratch, []
         bad: list[int] = []  # rare: find the slots, one decode each, and sum the good ones again

@@ -102,6 +102,7 @@ class GuardLog:
     """The events of one rank: counted, logged once per kind and sender, passed to the hooks."""
 
     rank: int
+    enabled: bool = True  # False: this rank checks nothing (its flags travel as zeros)
     counts: Counter[str] = field(default_factory=Counter)
     hooks: OrderedDict[int, Callable[[GuardEvent], None]] = field(default_factory=OrderedDict)
     _logged: set[tuple[str, str, tuple[int, ...]]] = field(default_factory=set)
