@@ -207,6 +207,7 @@ def _case(name: str):
         "not an optimizer": lambda: DecentOptimWrapper(model, topology="complete"),
         "double wrap": lambda: DecentOptimWrapper(DecentOptimWrapper(sgd, topology="complete")),
         "bucket_cap_mb": lambda: DecentOptimWrapper(sgd, bucket_cap_mb=0),
+        "nonfinite_guard": lambda: DecentOptimWrapper(sgd, nonfinite_guard="on"),  # type: ignore[arg-type]
         "empty optimizer": lambda: DecentOptimWrapper(torch.optim.SGD([{"params": []}], lr=0.1)),
         "sparse": lambda: DecentOptimWrapper(_sparse_optimizer()),
         "duplicate": lambda: DecentOptimWrapper(_duplicate_across_groups()),
@@ -291,6 +292,7 @@ EXPECTED = {
     "global_avg buffers": ("TypeError", ["buffers must be an nn.Module", "list"]),
     "revert without global_avg": ("RuntimeError", ["nothing to revert", "global_avg(may_revert=True)"]),
     "on_peer_failure": ("ValueError", ["on_peer_failure must be", '"continue"', "'retry'"]),
+    "nonfinite_guard": ("TypeError", ["nonfinite_guard must be True or False", "'on'"]),
     "second_moment": ("ValueError", ["second_moment must be one of", "'average'", "'local'", "'global'"]),
     "second_moment of wrong type": ("ValueError", ["second_moment must be one of", "True"]),
     "second_moment differs on one rank": ("ValueError", ["second_moment differs", "rank(s) [1]"]),

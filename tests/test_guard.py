@@ -280,6 +280,33 @@ def test_the_guard_holds_with_compression_local_steps_tracking_and_staging(pool,
     _check_fleet_survived(results, heal_within=3 if every == 1 else every + delay + 1)
 
 
+def _guard_off_on_rank_0() -> dict[str, Any]:
+    """Ranks may differ in nonfinite_guard: rank 0 checks nothing, rank 1 goes bad and heals."""
+    rank, model = dist.get_rank(), tiny_model()
+    front = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), topology="ring", nonfinite_guard=rank != 0
+    )
+    finite = []
+    for step in range(16):
+        x, y = batch(rank, step)
+        front.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), y)
+        (loss * math.inf if rank == 1 and step == 6 else loss).backward()
+        front.step()
+        finite.append(bool(torch.isfinite(flat(model)).all()))
+    return {"finite": finite, "counts": front.guard_counts}
+
+
+def test_ranks_may_differ_in_the_guard_and_a_bad_rank_still_heals(pool):
+    results = pool(4).run(_guard_off_on_rank_0)
+    for rank, result in enumerate(results):
+        assert all(result["finite"][9:]), (rank, result)
+        if rank != 1:
+            assert all(result["finite"]), (rank, result)
+    assert results[1]["counts"]["healed"] >= 1
+    assert results[0]["counts"].get("withheld", 0) == 0  # rank 0's weight-keeping still follows the flags
+
+
 def _corrupted_after_the_check(compression: str | None) -> dict[str, Any]:
     """Rank 1's payload altered after its check at every round (entry 3 of a plain round made NaN; the
     first four bytes of its payload set to a NaN pattern: the exact first round's first fp32 value, an
