@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError, current_job, enter_job, job_running
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld, form_group
+from decent_optim_wrapper.engine.fleet.sealing import Seal, resolve_secret
 
 __all__ = ["init_elastic", "initialize_dist", "node_mesh", "plan_node_backend"]
 
@@ -185,6 +186,7 @@ def init_elastic(
     timeout: timedelta = timedelta(minutes=10),
     shards: int | None = None,
     backend: str | None = None,
+    secret: str | bytes | None = None,
 ) -> bool:
     """Start a worker of a job that grows and shrinks: form the default group, or prepare to join.
 
@@ -214,6 +216,12 @@ def init_elastic(
             ``torch.cuda.set_device``), else gloo; or ``"gloo"``/``"nccl"``. The groups between nodes
             (gossip, survival, joins, pace messages) are the engine's own, on gloo, whatever it is.
             Without ``shards`` only gloo (the default group is the job's; the model may be on a GPU).
+        secret: the job secret (at least 16 bytes), the same on every worker; default
+            ``$DECENT_JOB_SECRET``, else none. With it, the job's entries in the store (applications,
+            verdicts, the survivors' reports and decisions) and the replicas handed to joiners are
+            authenticated (HMAC-SHA256): a worker without it, or with another job's, is refused, and
+            entries forged in the store are ignored. It never enters the store or the network. See
+            the bad workers page of the docs for what it does not protect.
 
     Returns:
         True if this worker joins a running job, False if it starts the job.
@@ -241,7 +249,8 @@ def init_elastic(
     if device_index is not None:
         device = torch.device("cuda", device_index)
         torch.cuda.set_device(device)
-    found = job_running(store, name)
+    seal = Seal(resolve_secret(secret))
+    found = job_running(store, name, seal)
     joining = found is not None
     if found is not None and found.shards != (shards or 1):
         raise JoinRejectedError(
@@ -309,7 +318,7 @@ def init_elastic(
             replicas = ReplicaWorld.form(
                 shard_keys, shards, shard, node, world_size // shards, timeout, token, node_group
             )
-    enter_job(store, name, found, replicas, node_key)
+    enter_job(store, name, found, replicas, node_key, seal)
     return joining
 
 

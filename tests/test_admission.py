@@ -23,8 +23,6 @@ from decent_optim_wrapper.engine.fleet.admission import (
     JoinRequest,
     SignatureEntry,
     admit,
-    decode,
-    encode,
     joiner_verdicts,
     mismatch,
     publish_job,
@@ -33,11 +31,13 @@ from decent_optim_wrapper.engine.fleet.admission import (
     write_verdicts,
 )
 from decent_optim_wrapper.engine.fleet.membership import Decision, Report
+from decent_optim_wrapper.engine.fleet.sealing import Seal
 from decent_optim_wrapper.engine.layout import join_signature
 
 pytestmark = pytest.mark.pure
 
 PREFIX = "decent-optim-wrapper/test-run"
+PLAIN = Seal()  # a job without a secret (tests/test_job_secret.py seals)
 SIGNATURE = (
     ("topology", "ring"),
     ("buckets", ((("float32", "cpu"), ((4, 3), (3,))),)),
@@ -50,7 +50,7 @@ def _apply(
 ) -> threading.Event:
     """Write an application into its slot (a node's, for ``shards`` ranks); with ``beating`` its (rank 0's)
     heartbeat moves until the event is set."""
-    request = encode(JoinRequest(number, member, signature, shards))
+    request = PLAIN.seal(JoinRequest(number, member, signature, shards), slot_key(PREFIX, number))
     assert store.compare_set(slot_key(PREFIX, number), "", request) == request.encode()
     return _heartbeat(store, member, beating)
 
@@ -137,7 +137,7 @@ def test_members_admit_live_applicants_in_order_spreading_donors_and_refuse_the_
         _apply(store, 4, 6, beating=False),  # applied, then died
     ]
     try:
-        admission = admit(store, PREFIX, 0, SIGNATURE, donors=[0, 2], blocked=False)
+        admission = admit(store, PREFIX, 0, SIGNATURE, donors=[0, 2], blocked=False, seal=PLAIN)
     finally:
         for stop in stops:
             stop.set()
@@ -157,7 +157,7 @@ def test_applicants_wait_while_nobody_can_donate_or_a_collective_of_the_whole_wo
     stop = _apply(store, 1, 3)
     try:
         for donors, blocked in (([], False), ([0], True)):
-            admission = admit(store, PREFIX, 0, SIGNATURE, donors=donors, blocked=blocked)
+            admission = admit(store, PREFIX, 0, SIGNATURE, donors=donors, blocked=blocked, seal=PLAIN)
             assert admission == Admission(handled=0, deferred=1)
     finally:
         stop.set()
@@ -186,7 +186,7 @@ def test_a_node_applies_once_for_its_ranks_and_is_refused_whole_if_one_of_them_i
     live = [_apply(store, 1, 8, shards=2), _heartbeat(store, 9)]
     half = [_apply(store, 2, 10, shards=2), _heartbeat(store, 11, beating=False)]
     try:
-        admission = admit(store, PREFIX, 0, SIGNATURE, donors=[0, 2], blocked=False)
+        admission = admit(store, PREFIX, 0, SIGNATURE, donors=[0, 2], blocked=False, seal=PLAIN)
     finally:
         for stop in live + half:
             stop.set()
@@ -221,12 +221,13 @@ def test_the_ranks_of_a_joining_node_follow_the_slot_their_rank_0_claims_and_sha
     try:
         while not store.check([f"{slot_key(prefix, 1)}"]):
             time.sleep(0.01)
-        request = decode(store.get(slot_key(prefix, 1)))
+        request = PLAIN.open(store.get(slot_key(prefix, 1)), slot_key(prefix, 1))
         assert (request.member, request.members, request.shards) == (8, (8, 9), 2)
-        admission = admit(store, prefix, 0, SIGNATURE, donors=[2], blocked=False)  # both ranks beat
+        # both ranks beat
+        admission = admit(store, prefix, 0, SIGNATURE, donors=[2], blocked=False, seal=PLAIN)
         assert [j.members for j in admission.joiners] == [(8, 9)]
         members = (0, 1, 2, 3, 8, 9)
-        write_verdicts(store, prefix, joiner_verdicts(admission, 0, members, 5))
+        write_verdicts(store, prefix, joiner_verdicts(admission, 0, members, 5), PLAIN)
         for thread in threads:
             thread.join(timeout=10)
     finally:
@@ -263,7 +264,7 @@ def test_init_elastic_checks_its_arguments_before_any_rendezvous():
 )
 def test_a_worker_whose_shards_differ_from_the_running_job_is_refused(job_shards, worker_shards, message):
     store = dist.HashStore()
-    publish_job(store, "x", JobInfo("run-x", 4, shards=job_shards))
+    publish_job(store, "x", JobInfo("run-x", 4, shards=job_shards), PLAIN)
     stop = threading.Event()
 
     def members_beat() -> None:  # the members' shared heartbeat, as a live job's

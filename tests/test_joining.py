@@ -71,7 +71,15 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
     # the groups between nodes the engine's gloo groups; plan["device"]: where the model lives (the
     # GPU tier shares one GPU between the processes).
     nodes = {} if "node_backend" not in plan else {"shards": 1, "backend": plan["node_backend"]}
-    joining = init_elastic(store, index, world_size, job="test", timeout=timedelta(seconds=60), **nodes)
+    # plan["secret"]: the job secret of every worker; plan["joiner_secret"]: a later worker's instead.
+    secret = plan.get("joiner_secret", plan.get("secret")) if index >= world_size else plan.get("secret")
+    try:
+        joining = init_elastic(
+            store, index, world_size, job="test", timeout=timedelta(seconds=60), secret=secret, **nodes
+        )
+    except JoinRejectedError:
+        store.set("refused", "1")  # the members stop waiting for this joiner
+        raise
     _inject_faults(plan, store, joining)  # before the front-end: a joiner joins inside its constructor
     device = torch.device(plan.get("device", "cpu"))
     model = _model(plan.get("joiner_width", 5) if joining else 5).to(device)
@@ -231,10 +239,10 @@ def _inject_faults(plan: dict[str, Any], store: dist.Store, joining: bool) -> No
     elif fault == "corrupted" and joining:
         unpack = growth.unpack
 
-        def corrupt_once(data: torch.Tensor, digest: bytes) -> dict[str, Any]:
+        def corrupt_once(data: torch.Tensor, digest: bytes, seal: Any) -> dict[str, Any]:
             if store.add("fault", 1) == 1:
                 data[len(data) // 2] ^= 1
-            return unpack(data, digest)
+            return unpack(data, digest, seal)
 
         growth.unpack = corrupt_once
 
@@ -336,6 +344,37 @@ def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
         if not member["joining"]:
             assert [f.world_size for f in member["failures"]] == [2]
             assert [j.world_size for j in member["joins"]] == [3]
+
+
+@pytest.mark.timeout(200)
+def test_a_job_with_a_secret_survives_a_kill_and_takes_the_worker_back():
+    # Every entry of the recovery and of the join sealed, the replica's digest an HMAC.
+    secret = "a-secret-of-the-test-job-0123"
+    outcome = run_elastic(
+        _train,
+        3,
+        ({"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": (), "secret": secret},),
+        restart_killed=1,
+        restart_delay_s=1.5 * TIMEOUT.total_seconds(),
+    )
+    assert outcome.exitcodes[1] == -9
+    results = _by_rank(outcome)
+    assert len(results) == 3
+    _check_world(results, 3)
+    _check_transfers(results)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("theirs", [None, "another-jobs-secret-9876543210"], ids=["none", "another"])
+def test_a_joiner_without_the_jobs_secret_is_refused_and_the_members_go_on(theirs):
+    plan = {"front": "optimizer", "request_at": 3, "give_up": True, "secret": "the-jobs-secret-0123456789"}
+    outcome = run_elastic(_train, 3, ({**plan, "joiner_secret": theirs},))
+    (refused,) = outcome.errors.values()
+    assert "JoinRejectedError" in refused and "cannot verify it" in refused, refused
+    results = sorted(outcome.results.values(), key=lambda r: r["rank"])
+    assert len(results) == 3
+    for result in results:
+        assert result["world_size"] == 3 and not result["joins"]
 
 
 @pytest.mark.timeout(200)

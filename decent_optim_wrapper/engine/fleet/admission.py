@@ -45,17 +45,18 @@ from __future__ import annotations
 
 import atexit
 import itertools
-import pickle
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeGuard
+from typing import TypeGuard
 
+from loguru import logger
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal, resolve_secret
 
 __all__ = [
     "Applicant",
@@ -67,10 +68,9 @@ __all__ = [
     "Verdict",
     "admit",
     "current_job",
-    "decode",
-    "encode",
     "enter_job",
     "job_running",
+    "process_seal",
     "publish_job",
 ]
 
@@ -164,6 +164,8 @@ class ElasticJob:
     replicas: ReplicaWorld | None = None
     #: The store prefix a joining node's ranks coordinate under (on a node started to join a job of nodes).
     node_key: str | None = None
+    #: Seals the job's store entries and replica digests with its secret (:mod:`~.sealing`).
+    seal: Seal = field(default_factory=Seal)
 
     @property
     def joining(self) -> bool:
@@ -179,17 +181,24 @@ def enter_job(
     found: JobInfo | None,
     replicas: ReplicaWorld | None = None,
     node_key: str | None = None,
+    seal: Seal | None = None,
 ) -> None:
     """Record this process's elastic job, the running job it found, if any, its shard world in a
-    decentralized-HSDP job, and where a joining node's ranks coordinate
+    decentralized-HSDP job, where a joining node's ranks coordinate, and the seal of its secret
     (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
     global _context
-    _context = ElasticJob(store, job, found, replicas, node_key)
+    _context = ElasticJob(store, job, found, replicas, node_key, Seal() if seal is None else seal)
 
 
 def current_job() -> ElasticJob | None:
     """The elastic job this process entered, or None (survival only, no joins)."""
     return _context
+
+
+def process_seal() -> Seal:
+    """The seal of this process's job secret: its elastic job's, else ``$DECENT_JOB_SECRET``'s (survival
+    without joins), else none (plain entries)."""
+    return _context.seal if _context is not None else Seal(resolve_secret())
 
 
 def _job_key(job: str) -> str:
@@ -200,21 +209,29 @@ def run_prefix(run: str) -> str:
     return f"decent-optim-wrapper/{run}"
 
 
-def publish_job(store: Store, job: str, info: JobInfo) -> None:
+def publish_job(store: Store, job: str, info: JobInfo, seal: Seal) -> None:
     """Make ``job`` findable by joiners (rank 0 of the members, once the engine is built)."""
-    store.set(_job_key(job), encode(info))
+    key = _job_key(job)
+    store.set(key, seal.seal(info, key))
 
 
-def job_running(store: Store, job: str) -> JobInfo | None:
+def job_running(store: Store, job: str, seal: Seal) -> JobInfo | None:
     """The job's info if ``job`` is published and its members are alive, else None.
 
     Alive: the run's shared heartbeat counter moves within :data:`STALE_AFTER_S` (a job that ended,
-    or a store left over from an earlier job, has a counter standing still).
+    or a store left over from an earlier job, has a counter standing still). A published entry that
+    does not verify with ``seal`` (:mod:`~.sealing`) raises :class:`JoinRejectedError`.
     """
     key = _job_key(job)
     if not store.check([key]):
         return None
-    info: JobInfo = decode(store.get(key))
+    try:
+        info: JobInfo = seal.open(store.get(key), key)
+    except ForgedEntryError as err:
+        raise JoinRejectedError(
+            f"job {job!r} is in the store, but this worker cannot verify it: {err} If that job is over, "
+            "start the new one under another name or with a fresh store."
+        ) from err
     alive = f"{run_prefix(info.run)}/alive"
     first = int(store.add(alive, 0))
     deadline = time.monotonic() + STALE_AFTER_S
@@ -320,19 +337,27 @@ def admit(
     signature: tuple[tuple[str, object], ...],
     donors: Sequence[int],
     blocked: bool,
+    seal: Seal,
 ) -> Admission:
     """Decide the applications after number ``handled`` (the winning proposer calls this).
 
     ``signature`` is the members' own; ``donors`` the members that can donate, in rank order;
     ``blocked`` says a member is inside a collective of the whole world. Applications whose request
-    is not written yet are left for a later decision, as are all of them when nobody can donate.
+    is not written yet are left for a later decision, as are all of them when nobody can donate. An
+    application whose seal does not verify (written without the job's secret) is rejected and logged.
     """
     requests: list[JoinRequest] = []
+    forged: list[tuple[int, str]] = []
     number = handled + 1
     while store.check([slot_key(prefix, number)]):  # slots are claimed in order, without gaps
-        requests.append(decode(store.get(slot_key(prefix, number))))
+        key = slot_key(prefix, number)
+        try:
+            requests.append(seal.open(store.get(key), key))
+        except ForgedEntryError as err:
+            logger.warning("application {} to join is refused: {}", number, err)
+            forged.append((number, "its application does not carry the job's secret"))
         number += 1
-    rejected = [(r.number, reason) for r in requests if (reason := mismatch(signature, r.signature))]
+    rejected = forged + [(r.number, reason) for r in requests if (reason := mismatch(signature, r.signature))]
     applicants = [r for r in requests if r.number not in dict(rejected)]
     applicants, dead = _alive(store, prefix, applicants)
     rejected += [(r.number, "its heartbeat stopped before it was admitted") for r in dead]
@@ -346,7 +371,7 @@ def admit(
         joiners=tuple(applicants),
         donors=tuple(next(cycle) for _ in applicants),
         rejected=tuple(rejected),
-        handled=handled + len(requests),
+        handled=handled + len(requests) + len(forged),
     )
 
 
@@ -441,10 +466,11 @@ def _alive(
     return live, [r for r in requests if r not in live]
 
 
-def write_verdicts(store: Store, prefix: str, verdicts: dict[int, Verdict]) -> None:
+def write_verdicts(store: Store, prefix: str, verdicts: dict[int, Verdict], seal: Seal) -> None:
     """Record each application's verdict (idempotent: every member writes the same bits)."""
     for number, verdict in verdicts.items():
-        store.set(f"{slot_key(prefix, number)}/verdict", encode(verdict))
+        key = f"{slot_key(prefix, number)}/verdict"
+        store.set(key, seal.seal(verdict, key))
 
 
 class Applicant:
@@ -463,6 +489,7 @@ class Applicant:
         member: this rank's identity, for a node's ranks (else drawn from the slot's number).
         shards: ranks the request stands for (a node's).
         node: where a node's rank 0 shares its slot's number, and whether this rank is rank 0.
+        seal: seals the request and opens the verdict with the job's secret (:mod:`~.sealing`).
     """
 
     def __init__(
@@ -475,7 +502,9 @@ class Applicant:
         member: int | None = None,
         shards: int = 1,
         node: tuple[str, bool] | None = None,
+        seal: Seal | None = None,
     ) -> None:
+        self._seal = Seal() if seal is None else seal
         self._store = store
         self._prefix = run_prefix(info.run)
         self._info = info
@@ -507,7 +536,13 @@ class Applicant:
             number = int(store.get(self._node[0]))
         verdict_key = f"{slot_key(prefix, number)}/verdict"
         self._await(verdict_key, deadline)
-        verdict: Verdict = decode(store.get(verdict_key))
+        try:
+            verdict: Verdict = self._seal.open(store.get(verdict_key), verdict_key)
+        except ForgedEntryError as err:
+            self.withdraw()
+            raise JoinRejectedError(
+                f"the running job's verdict on this worker does not verify: {err}"
+            ) from err
         if not verdict.admitted:
             self.withdraw()
             raise JoinRejectedError(f"the running job refused this worker: {verdict.reason}.")
@@ -521,8 +556,9 @@ class Applicant:
         given = self.member >= 0
         while True:
             member = self.member if given else self._info.launch_world_size + number - 1
-            request = encode(
-                JoinRequest(number, member - member % self._shards, self._signature, self._shards)
+            request = self._seal.seal(
+                JoinRequest(number, member - member % self._shards, self._signature, self._shards),
+                slot_key(prefix, number),
             )
             if store.compare_set(slot_key(prefix, number), "", request) == request.encode():
                 break
@@ -595,12 +631,3 @@ def joiner_verdicts(
             True, "", generation, members, donor, resume, admission.handled, joiners, admission.donors
         )
     return verdicts
-
-
-def encode(value: object) -> str:
-    """Pickled, as text: the store's Python API takes strings."""
-    return pickle.dumps(value).hex()
-
-
-def decode(raw: bytes) -> Any:
-    return pickle.loads(bytes.fromhex(raw.decode()))

@@ -158,7 +158,7 @@ class Growth:
         ]
         if not mine:
             return
-        data, digest = pack(self._payload(engine_state()))
+        data, digest = pack(self._payload(engine_state()), membership.seal)
         logger.debug("donating {} bytes to ranks {}", len(data), mine)
         group = None if membership.replicas is None else membership.replicas.group
         send_replica(data, digest, mine, _waiter("sending a replica to a joiner", timeout), group)
@@ -235,7 +235,7 @@ class Growth:
             membership.watch.open = True
             if membership.member == 0:
                 info = JobInfo(membership.run, len(membership.members), signature, shards)
-                publish_job(job.store, job.job, info)
+                publish_job(job.store, job.job, info, job.seal)
             return
         found, job.found = job.found, None  # one engine per process joins
         membership.close()
@@ -297,7 +297,7 @@ class Growth:
                 clock.append(time.perf_counter())
                 data = receive_payload(donor, length, wait, group)
                 clock.append(time.perf_counter())
-                payload = unpack(data, digest)
+                payload = unpack(data, digest, job.seal)
                 clock.append(time.perf_counter())
             except (PeerLost, TransferCorruptedError, RuntimeError, dist.DistError) as err:
                 failure = err
@@ -399,7 +399,7 @@ def _applicant(
     seconds = timeout.total_seconds()
     replicas = job.replicas
     if replicas is None:
-        return Applicant(job.store, info, signature, seconds)
+        return Applicant(job.store, info, signature, seconds, seal=job.seal)
     shards, shard = replicas.shards, replicas.shard
     drawn = torch.zeros(1, dtype=torch.int64)
     if shard == 0:  # each attempt is a new node: a replica that left is never mistaken for a live one
@@ -408,7 +408,9 @@ def _applicant(
     dist.broadcast(drawn, group=replicas.node_group, group_src=0)
     member = int(drawn[0]) * shards + shard
     node = (f"{job.node_key}/attempt/{attempt}/slot", shard == 0)
-    return Applicant(job.store, info, signature, seconds, member=member, shards=shards, node=node)
+    return Applicant(
+        job.store, info, signature, seconds, member=member, shards=shards, node=node, seal=job.seal
+    )
 
 
 def _enter(
@@ -439,6 +441,7 @@ def _enter(
         members=members,
         generation=verdict.generation + 1,
         replicas=replicas,
+        seal=job.seal,
     )
     membership.watch.handled = verdict.handled
     membership.watch.open = True

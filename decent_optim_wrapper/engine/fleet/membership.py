@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -55,15 +55,15 @@ from decent_optim_wrapper.engine.fleet.admission import (
     JoinerWatch,
     admit,
     current_job,
-    decode,
-    encode,
     joiner_verdicts,
+    process_seal,
     ready_key,
     run_prefix,
     start_heartbeat,
     write_verdicts,
 )
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
 
 __all__ = [
@@ -282,7 +282,10 @@ class Membership:
         members: Sequence[int] | None = None,
         generation: int = 0,
         replicas: ReplicaWorld | None = None,
+        seal: Seal | None = None,
     ) -> None:
+        self._seal = process_seal() if seal is None else seal  # the job secret's (:mod:`~.sealing`)
+        self._forged: set[str] = set()  # keys whose forged entries were logged
         self._replicas = replicas
         self.shards = 1 if replicas is None else replicas.shards
         self._store = store
@@ -315,6 +318,11 @@ class Membership:
             return cls(store, run, world.rank, world.world_size, timeout)
         me, size = replicas.node * replicas.shards + replicas.shard, replicas.nodes * replicas.shards
         return cls(store, run, me, size, timeout, replicas=replicas)
+
+    @property
+    def seal(self) -> Seal:
+        """Seals this job's store entries and replica digests (:mod:`~.sealing`)."""
+        return self._seal
 
     @property
     def run(self) -> str:
@@ -517,41 +525,56 @@ class Membership:
     def _agree(self, report: Report, cause: BaseException) -> Decision:
         store = self._store
         store.set(self._key("join" if isinstance(cause, MembershipChange) else "lost"), str(report.member))
-        store.set(self._key(f"report/{report.member}"), encode(report))
+        own_report = self._key(f"report/{report.member}")
+        store.set(own_report, self._seal.seal(report, own_report))
         logger.debug("rank {} (launch rank {}): recovering from: {}", report.rank, report.member, cause)
         decision_key = self._key("decision")
         clock = _AwakeClock(self._timeout)
         reported: dict[int, Report] = {}
         beats: dict[int, tuple[int, float]] = {}
-        while not store.check([decision_key]):
-            now = clock.tick()
-            if clock.starved:  # heartbeats that stood still while this rank was not watching prove nothing
-                beats.clear()
-            dead: set[int] = set()
-            for member in self._members:
-                if member in reported:
-                    continue
-                key = self._key(f"report/{member}")
-                if store.check([key]):
-                    reported[member] = decode(store.get(key))
-                    continue
-                if store.check([self._key(f"left/{member}")]):  # it said so: no need to wait for its beat
-                    dead.add(member)
-                    continue
-                beat = int(store.add(f"{self._prefix}/beat/{member}", 0))
-                last = beats.get(member)
-                if last is None or last[0] != beat:
-                    beats[member] = (beat, now)
-                elif now - last[1] > STALE_AFTER_S:
-                    dead.add(member)
-            if len(reported) + len(dead) == len(self._members) or clock.expired():
-                ordered = whole_nodes(list(reported.values()), self.shards)
-                admission = self._admission(ordered)
-                proposal = encode(Decision(self._generation, ordered, admission, self.shards))
-                store.compare_set(decision_key, "", proposal)
+        while True:
+            while not self._decided(decision_key):
+                now = clock.tick()
+                if (
+                    clock.starved
+                ):  # heartbeats that stood still while this rank was not watching prove nothing
+                    beats.clear()
+                dead: set[int] = set()
+                for member in self._members:
+                    if member in reported:
+                        continue
+                    key = self._key(f"report/{member}")
+                    if store.check([key]):
+                        found = self._open(key)
+                        if found is not None:
+                            reported[member] = found
+                            continue
+                    if store.check([self._key(f"left/{member}")]):  # it said so: no need to wait for its beat
+                        dead.add(member)
+                        continue
+                    beat = int(store.add(f"{self._prefix}/beat/{member}", 0))
+                    last = beats.get(member)
+                    if last is None or last[0] != beat:
+                        beats[member] = (beat, now)
+                    elif now - last[1] > STALE_AFTER_S:
+                        dead.add(member)
+                if len(reported) + len(dead) == len(self._members) or clock.expired():
+                    ordered = whole_nodes(list(reported.values()), self.shards)
+                    admission = self._admission(ordered)
+                    proposal = self._seal.seal(
+                        Decision(self._generation, ordered, admission, self.shards), decision_key
+                    )
+                    store.compare_set(decision_key, "", proposal)
+                    break
+                time.sleep(_POLL_S)
+            raw = store.get(decision_key)
+            if not raw:
+                continue  # a forged decision another member cleared: propose again
+            decision: Decision | None = self._open(decision_key, raw)
+            if decision is not None:
                 break
-            time.sleep(_POLL_S)
-        decision: Decision = decode(store.get(decision_key))
+            # Written without the job's secret: cleared (only those bits, atomically), then decided again.
+            store.compare_set(decision_key, raw.decode(errors="replace"), "")
         self._record_verdicts(decision)
         if report.member not in decision.members and self.shards > 1:
             raise PeerFailureError(
@@ -568,6 +591,22 @@ class Membership:
             )
         return decision
 
+    def _decided(self, decision_key: str) -> bool:
+        """Whether a decision is in the store (an entry cleared after a forgery is empty: not yet)."""
+        return bool(self._store.check([decision_key])) and bool(self._store.get(decision_key))
+
+    def _open(self, key: str, raw: bytes | None = None) -> Any:
+        """The sealed value at ``key`` (read now unless ``raw`` is given), or None if its seal does not
+        verify: written by a process without the job's secret, it is ignored and logged once."""
+        raw = self._store.get(key) if raw is None else raw
+        try:
+            return self._seal.open(raw, key)
+        except ForgedEntryError as err:
+            if key not in self._forged:
+                self._forged.add(key)
+                logger.warning("rank {}: a forged entry in the store is ignored: {}", self._me, err)
+            return None
+
     def _admission(self, reports: tuple[Report, ...]) -> Admission:
         """The joiners part of this rank's proposal (:func:`~.admission.admit`)."""
         if self.signature is None:
@@ -578,13 +617,15 @@ class Membership:
             r.member for r in reports if r.member % self.shards == 0 and r.member // self.shards not in busy
         ]
         blocked = any(r.phase == "collective" for r in reports)
-        return admit(self._store, self._prefix, self.watch.handled, self.signature, donors, blocked)
+        return admit(
+            self._store, self._prefix, self.watch.handled, self.signature, donors, blocked, self._seal
+        )
 
     def _record_verdicts(self, decision: Decision) -> None:
         """Write the verdicts of the decision's applications; defer the next announcement if some wait."""
         admission = decision.admission
         verdicts = joiner_verdicts(admission, decision.generation, decision.members, decision.resume_step)
-        write_verdicts(self._store, self._prefix, verdicts)
+        write_verdicts(self._store, self._prefix, verdicts, self._seal)
         self.watch.decided(self._store, self._prefix, admission)
 
     def leave(self) -> None:

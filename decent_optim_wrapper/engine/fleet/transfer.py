@@ -5,9 +5,10 @@ rank: the engine's part of a checkpoint (parameters, step count, low-communicati
 optimizer state, the mixing factor), the front-end's (the inner optimizer's state: Adam's moments and
 step, the second-moment rule's state; the module front-end's model, schedulers and scaler) and the
 user's objects registered for joiners (an LR scheduler, a sampler). It is serialized with
-``torch.save`` into one byte tensor, and its SHA-256 digest travels ahead of it in a fixed-size
-header. The joiner recomputes the digest of what arrived; a mismatch raises
-:class:`TransferCorruptedError` (the joiner then applies again). What the joiner loads is therefore
+``torch.save`` into one byte tensor, and its SHA-256 digest (with a job secret, its HMAC-SHA256 under
+the secret's key, :mod:`~.sealing`) travels ahead of it in a fixed-size header. The joiner recomputes
+the digest of what arrived; a mismatch raises :class:`TransferCorruptedError` (the joiner then applies
+again). What the joiner loads is therefore
 the donor's state bit for bit. Tensors on a GPU travel through the host: ``torch.save`` copies them
 out, and the joiner loads them onto the host and from there onto its own devices.
 
@@ -20,7 +21,7 @@ any other, however large the replica.
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 import io
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import DecentError
+from decent_optim_wrapper.engine.fleet.sealing import Seal
 
 __all__ = ["TransferCorruptedError", "pack", "receive_header", "receive_payload", "send_replica", "unpack"]
 
@@ -45,22 +47,23 @@ class TransferCorruptedError(DecentError):
     """The replica a joiner received does not match its donor's digest."""
 
 
-def pack(payload: dict[str, Any]) -> tuple[torch.Tensor, bytes]:
-    """``payload`` as one uint8 tensor and its SHA-256 digest."""
+def pack(payload: dict[str, Any], seal: Seal) -> tuple[torch.Tensor, bytes]:
+    """``payload`` as one uint8 tensor and its digest (SHA-256, or with a job secret its HMAC)."""
     buffer = io.BytesIO()
     torch.save(payload, buffer)
     raw = buffer.getbuffer()
-    digest = hashlib.sha256(raw).digest()
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8), digest
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8), seal.digest(bytes(raw))
 
 
-def unpack(data: torch.Tensor, digest: bytes) -> dict[str, Any]:
-    """The payload of ``data``, after checking its digest (:class:`TransferCorruptedError` if it differs)."""
+def unpack(data: torch.Tensor, digest: bytes, seal: Seal) -> dict[str, Any]:
+    """The payload of ``data``, after checking its digest (:class:`TransferCorruptedError` if it differs:
+    a corrupted transfer, or with a job secret a replica not sent by a member)."""
     raw = data.numpy().tobytes()
-    got = hashlib.sha256(raw).digest()
-    if got != digest:
+    got = seal.digest(raw)
+    if not hmac.compare_digest(got, digest):
+        kind = "HMAC" if seal.enabled else "SHA-256"
         raise TransferCorruptedError(
-            f"the replica received ({len(raw)} bytes) has SHA-256 {got.hex()[:16]}..., but its donor sent "
+            f"the replica received ({len(raw)} bytes) has {kind} {got.hex()[:16]}..., but its donor sent "
             f"{digest.hex()[:16]}...; the transfer is discarded and this worker applies again."
         )
     # Onto the host: a donor's cuda:3 tensors must load where the joiner has no cuda:3. The engine and the
