@@ -22,6 +22,7 @@ from loguru import logger
 
 from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import (
+    ClippedGossip,
     DecentError,
     GlobalAverageError,
     GossipCompression,
@@ -78,6 +79,7 @@ __all__ = [
     "AccumAdamW",
     "AlternatingExpRingTopology",
     "CompleteTopology",
+    "ClippedGossip",
     "DecentError",
     "DecentOptimWrapper",
     "DecentralizedDataParallel",

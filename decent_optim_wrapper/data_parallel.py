@@ -26,6 +26,7 @@ from decent_optim_wrapper.data_parallel_backward import BackwardUpdates, Scaler,
 from decent_optim_wrapper.data_parallel_state import TRAINING_STATE_VERSION, BucketOptimizers, check_arguments
 from decent_optim_wrapper.engine import (
     DEFAULT_TIMEOUT,
+    ClippedGossipSpec,
     CompressionSpec,
     GossipEngine,
     OuterFactory,
@@ -108,6 +109,9 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             buffers, overlapped); see :class:`~decent_optim_wrapper.engine.GossipEngine`.
         nonfinite_guard: keep inf/NaN out of the replicas (default True): a rank whose values are not
             finite withholds them and heals from its peers; see the bad workers page.
+        clipped_gossip: against a neighbour that sends finite but wrong values (opt-in): ``True`` or a
+            :class:`~decent_optim_wrapper.ClippedGossip`; each neighbour's difference is clipped to a
+            radius from the recent ones (the bad workers page).
 
     Example::
 
@@ -145,6 +149,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         process_group: dist.ProcessGroup | None = None,
         host_staging: bool | None = None,
         nonfinite_guard: bool = True,
+        clipped_gossip: ClippedGossipSpec = None,
     ) -> None:
         super().__init__()
         check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -180,6 +185,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             process_group=process_group,
             host_staging=host_staging,
             nonfinite_guard=nonfinite_guard,
+            clipped_gossip=clipped_gossip,
             context="DecentralizedDataParallel",
         )
         self._state = BucketOptimizers(self._engine, model, optim_fn, lr_scheduler_fn, scaler)

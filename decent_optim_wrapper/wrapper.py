@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 
 from decent_optim_wrapper.engine import (
     DEFAULT_TIMEOUT,
+    ClippedGossipSpec,
     CompressionSpec,
     GossipEngine,
     OuterFactory,
@@ -116,6 +117,9 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             fleets page.
         nonfinite_guard: keep inf/NaN out of the replicas (default True): a rank whose values are not
             finite withholds them and heals from its peers; see the bad workers page.
+        clipped_gossip: against a neighbour that sends finite but wrong values (opt-in): ``True`` or a
+            :class:`~decent_optim_wrapper.ClippedGossip`; each neighbour's difference is clipped to a
+            radius from the recent ones (the bad workers page).
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -155,6 +159,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         process_group: dist.ProcessGroup | None = None,
         host_staging: bool | None = None,
         nonfinite_guard: bool = True,
+        clipped_gossip: ClippedGossipSpec = None,
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -186,6 +191,7 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             process_group=process_group,
             host_staging=host_staging,
             nonfinite_guard=nonfinite_guard,
+            clipped_gossip=clipped_gossip,
             context="DecentOptimWrapper",
         )
         # A bucket healed from its peers drops the inner state that stepped it (it was not finite).

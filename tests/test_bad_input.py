@@ -238,6 +238,8 @@ def _case(name: str):
         "on_peer_failure": lambda: DecentOptimWrapper(sgd, on_peer_failure="retry"),
         "second_moment": lambda: DecentOptimWrapper(sgd, second_moment="global"),
         "second_moment of wrong type": lambda: DecentOptimWrapper(sgd, second_moment=True),
+        "clipped_gossip": lambda: DecentOptimWrapper(sgd, clipped_gossip="median"),  # type: ignore[arg-type]
+        "clipped_gossip differs on one rank": lambda: DecentOptimWrapper(sgd, clipped_gossip=rank == 1),
         "second_moment differs on one rank": lambda: DecentOptimWrapper(
             sgd, second_moment="local" if rank else "average"
         ),
@@ -295,6 +297,8 @@ EXPECTED = {
     "nonfinite_guard": ("TypeError", ["nonfinite_guard must be True or False", "'on'"]),
     "second_moment": ("ValueError", ["second_moment must be one of", "'average'", "'local'", "'global'"]),
     "second_moment of wrong type": ("ValueError", ["second_moment must be one of", "True"]),
+    "clipped_gossip": ("TypeError", ["clipped_gossip must be None, True or a ClippedGossip", "'median'"]),
+    "clipped_gossip differs on one rank": ("ValueError", ["clipped_gossip differs", "rank(s) [1]"]),
     "second_moment differs on one rank": ("ValueError", ["second_moment differs", "rank(s) [1]"]),
     "on_peer_failure differs on one rank": ("ValueError", ["on_peer_failure differs", "rank(s) [1]"]),
     "on_peer_failure with a topology instance": ("ValueError", ["rebuilds the topology", "registered name"]),

@@ -28,6 +28,7 @@ Coordination, at this level:
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip, ClippedGossipSpec
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, NonFiniteReplicaError, drop_state
 from decent_optim_wrapper.engine.exchange.staging import HostStagingError
@@ -42,6 +43,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "STATE_VERSION",
     "Bucket",
+    "ClippedGossip",
+    "ClippedGossipSpec",
     "CompressionSpec",
     "DecentError",
     "EngineFrontEnd",

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossipSpec
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.admission import current_job
@@ -146,6 +147,10 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
             receives (two reads of every bucket per round; compressed payloads are checked
             always, so that every member reads them alike); the flags still travel, so ranks may
             differ in it.
+        clipped_gossip: against a neighbour that sends finite but wrong values (opt-in,
+            :mod:`~.exchange.clipping`): ``True`` or a :class:`~.exchange.clipping.ClippedGossip`; each
+            neighbour's difference is clipped to a radius from the recent ones. Every round then gathers
+            the members' values (compressed, their differences). None (default): plain mixing.
         reverse_buckets: list the buckets last first (a module front-end steps them as backward
             produces gradients); each is laid out, and compressed, as it is without.
     """
@@ -176,6 +181,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         reverse_buckets: bool = False,
         host_staging: bool | None = None,
         nonfinite_guard: bool = True,
+        clipped_gossip: ClippedGossipSpec = None,
     ) -> None:
         if not isinstance(gradient_tracking, bool):
             raise TypeError(f"gradient_tracking must be True or False, got {gradient_tracking!r}.")
@@ -213,6 +219,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
                     second_moment=second_moment,
                     reverse_buckets=reverse_buckets,
                     host_staging=host_staging,
+                    clipped_gossip=clipped_gossip,
                 )
             )
             return parts[0].layout
@@ -230,6 +237,7 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         )
         self._join_signature = join_signature(built.layout)
         self._staging = HostStaging(timeout) if built.layout.host_staging else None
+        self._clipped = built.layout.clipped_gossip
         self._layouts = list(dict.fromkeys(r.groups for r in reports))  # every gossip world's groups
         self._averaging = GlobalAverage(self._buckets, self._shards)
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossipSpec, resolve_clipped_gossip
 from decent_optim_wrapper.engine.exchange.shards import ShardLayout
 from decent_optim_wrapper.engine.fleet.admission import SignatureEntry
 from decent_optim_wrapper.engine.fleet.comm import group_layout
@@ -77,6 +78,7 @@ def join_signature(layout: LocalLayout) -> tuple[tuple[str, object], ...]:
         ("low_communication", layout.local_steps),
         ("second_moment", layout.second_moment),
         ("host_staging", layout.host_staging),
+        ("clipped_gossip", layout.clipped_gossip),
     )
 
 
@@ -97,6 +99,7 @@ def build_parts(
     pacing: PacingSpec = None,
     reverse_buckets: bool = False,
     host_staging: bool | None = None,
+    clipped_gossip: ClippedGossipSpec = None,
 ) -> EngineParts:
     """Check the options and build the parts (the engine's docstring describes each option).
 
@@ -104,6 +107,7 @@ def build_parts(
     names its cause (:func:`check_tracking_composes`, :func:`check_pacing_composes`).
     """
     check_on_peer_failure(on_peer_failure, topology, world.subgroup, world.replicas is not None)
+    clipped = resolve_clipped_gossip(clipped_gossip)
     rule = SecondMomentRule(second_moment)
     wire = resolve_compression(compression)
     topo = resolve_topology(topology, world.world_size, world.local_world_size)
@@ -131,6 +135,7 @@ def build_parts(
         group_layout(topo, world),
         parameter_entries(params, names),
         staged,
+        clipped,
     )
     return EngineParts(topo, buckets, shards, local, wire, rule, layout)
 

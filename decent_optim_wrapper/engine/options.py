@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.fleet.admission import SignatureEntry
 from decent_optim_wrapper.engine.fleet.comm import GroupLayout, check_identical
 from decent_optim_wrapper.engine.wire.compression import GossipCompression
@@ -58,6 +59,7 @@ class LocalLayout:
     # across ranks (the buckets are), so that names alone never make ranks disagree.
     parameters: tuple[SignatureEntry, ...] = ()
     host_staging: bool = False  # whether gossip goes through host buffers (its groups are formed apart)
+    clipped_gossip: ClippedGossip | None = None  # clipped mixing's options (what travels differs)
 
 
 #: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
@@ -84,6 +86,7 @@ AGREEMENT = (
         "Host staging (host_staging, the buckets' devices and the backend)",
         "Pass the same host_staging, and put the model on the same kind of device, on every rank.",
     ),
+    ("clipped_gossip", "clipped_gossip", "Pass the same clipped_gossip on every rank."),
 )
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.exchange.guard import GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
@@ -69,6 +70,7 @@ class MemberChanges:
     _tracker: GradientTracker | None
     _staging: HostStaging | None
     _guard: GuardLog
+    _clipped: ClippedGossip | None
     _bucket_healed: Callable[[int], None]
 
     @property
@@ -123,7 +125,7 @@ class MemberChanges:
         tensors = [b.data for b in self._buckets]
         wiring = (self._topology, self.rank, self._process_groups, self._timeout, plan)
         self._guard.rank = self.rank
-        self._gossip = Gossip(tensors, *wiring, waiter, self._staging, self._guard)
+        self._gossip = Gossip(tensors, *wiring, waiter, self._staging, self._guard, clipped=self._clipped)
         if self._local is not None:
             self._local.connect(
                 *wiring,
@@ -132,10 +134,13 @@ class MemberChanges:
                 staging=self._staging,
                 guard=self._guard,
                 on_healed=self._bucket_healed,
+                clipped=self._clipped,
             )
         self._tracker: GradientTracker | None = None
         if self._tracking_requested and self.world_size > 1:
-            self._tracker = GradientTracker(self._buckets, *wiring, waiter, self._staging, self._guard)
+            self._tracker = GradientTracker(
+                self._buckets, *wiring, waiter, self._staging, self._guard, clipped=self._clipped
+            )
 
     def _group_timeout(self) -> timedelta:
         if self._survival is None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors, misfit
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip, RadiusWindow, clip_scale
 from decent_optim_wrapper.engine.exchange.guard import (
     GuardEvent,
     GuardLog,
@@ -59,6 +60,7 @@ class _Round:
     reference_applied: bool = False  # its update of the group's reference is done (see settle_references)
     withheld: bool | None = False  # this rank's values were not finite and not sent (None: told by the flags)
     staged: bool = False  # its sums arrived in the host copy (a round restored from a state did not)
+    tracks_reference: bool = True  # a compressed round (clipped gossip's uncompressed rounds have none)
 
 
 @dataclass
@@ -80,6 +82,8 @@ class _Channel:
     discarded: int | None = None  # the step of the latest round dropped unmixed
     host: torch.Tensor | None = None  # host staging: the buffer's host copy (allocated at first use)
     host_gathered: torch.Tensor | None = None  # host staging: the gathered payloads' host copy
+    radius: RadiusWindow | None = None  # clipped gossip: the recent difference norms
+    clip_buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # clipped gossip: a difference, the update
 
     def _storage(self) -> torch.Tensor:
         if self.buffer is None:
@@ -124,6 +128,8 @@ class Gossip:
             the buckets' own buffers.
         guard: where guarded mixing's events go (:mod:`~.guard`); None: a log of this rank's own.
         label: what these tensors are, for the guard's events (``"parameters"``, ``"anchors"``, ...).
+        clipped: clipped gossip's options (:mod:`~.clipping`): every round gathers the members' values
+            (or compressed differences) and mixes each neighbour's difference clipped; None: plain.
     """
 
     def __init__(
@@ -138,7 +144,9 @@ class Gossip:
         staging: HostStaging | None = None,
         guard: GuardLog | None = None,
         label: str = "parameters",
+        clipped: ClippedGossip | None = None,
     ) -> None:
+        self._clipped = clipped
         self._guard = GuardLog(rank) if guard is None else guard
         self._label = label
         self._flag_slots = max((g.size for g in topology.distinct_groups()), default=1)
@@ -164,7 +172,10 @@ class Gossip:
         """Gossip these tensors too, as new buckets at the end (nothing is in flight for them)."""
         for position, tensor in enumerate(tensors, start=len(self._channels)):
             number = position if self._plan is None else self._plan.bucket_number(position)
-            self._channels.append(_Channel(tensor, number, flag_slots=self._flag_slots))
+            channel = _Channel(tensor, number, flag_slots=self._flag_slots)
+            if self._clipped is not None:
+                channel.radius = RadiusWindow(self._clipped)
+            self._channels.append(channel)
 
     def bytes_sent_per_step(self) -> float:
         """Bytes this rank sends per step for these buckets, averaged over one period of the schedule.
@@ -180,7 +191,11 @@ class Gossip:
             for channel in self._channels:
                 numel, dtype = channel.tensor.numel(), channel.tensor.dtype
                 reduced = reduction_dtype(dtype).itemsize
-                if self._plan is not None:
+                if self._gathers_exact(group, dtype):
+                    total += (
+                        (group.size - 1) * codec("exact").payload_bytes(numel, dtype) if group.size > 1 else 0
+                    )
+                elif self._plan is not None:
                     total += self._plan.bytes_sent(group, numel, dtype, reduced)
                 else:
                     total += allreduce_models_sent(group.size) * numel * reduced
@@ -206,7 +221,9 @@ class Gossip:
         if group.size == 1:
             return group, None, False
         tensor, buffer = channel.tensor, channel.sum_buffer()
-        if self._plan is not None and self._plan.compresses(group, tensor.dtype):
+        if self._gathers_exact(group, tensor.dtype) or (
+            self._plan is not None and self._plan.compresses(group, tensor.dtype)
+        ):
             name, gathered_withheld = self._stage_gathered(channel, group, step)
             return group, name, gathered_withheld
         # Division by k is correctly rounded (exact for k a power of two); x * fl(1/k) would round
@@ -222,13 +239,20 @@ class Gossip:
         withheld = withhold_if_nonfinite(buffer, flags[group.ranks.index(self._rank)])
         return group, None, withheld
 
+    def _gathers_exact(self, group: Group, dtype: torch.dtype) -> bool:
+        """Whether ``group``'s rounds gather every member's values exactly: clipped gossip's rounds that
+        are not compressed (they need each member's part, not the sum)."""
+        compressed = self._plan is not None and self._plan.compresses(group, dtype)
+        return self._clipped is not None and not compressed
+
     def _stage_gathered(self, channel: _Channel, group: Group, step: int) -> tuple[str, bool]:
-        """Encode this member's part of a compressed round into its slot of the gathered payload."""
-        assert self._plan is not None
+        """Encode this member's part of a compressed (or clipped) round into its slot of the gathered
+        payload."""
         tensor = channel.tensor
         reference = channel.references.get(group.ranks)
-        # A group's first round (no reference yet) sends the values themselves, exactly.
-        name = "exact" if reference is None else self._plan.codec.name
+        # A group's first round (no reference yet), and every uncompressed clipped round, sends the values
+        # themselves, exactly.
+        name = "exact" if reference is None or self._plan is None else self._plan.codec.name
         coder = codec(name)
         size = coder.payload_bytes(tensor.numel(), tensor.dtype)
         if channel.gathered is None or channel.gathered.numel() != group.size * size:
@@ -271,7 +295,10 @@ class Gossip:
             )
         if name is not None:
             work, xor_slot = self._start_gather(channel, group, handle)
-            channel.round = _Round(step, group, work, name, xor_slot, withheld=withheld)
+            tracks = not self._gathers_exact(group, channel.tensor.dtype)
+            channel.round = _Round(
+                step, group, work, name, xor_slot, withheld=withheld, tracks_reference=tracks
+            )
             return
         buffer = channel.round_buffer(group.size)
         if self._staging is None:
@@ -438,6 +465,9 @@ class Gossip:
 
             raised = [slot, *bad] if slot not in bad else list(bad)
             healed = self._heal(bucket, round_, raised, heal)
+        elif self._clipped is not None:
+            self._mix_clipped(channel, round_, factor, bad)
+            healed = False
         else:
             seed = round_seed(round_.step, channel.index)
             codec(round_.codec).decode_into(_slots(channel, round_)[slot], scratch, seed)
@@ -446,9 +476,39 @@ class Gossip:
                 torch.add(total, scratch, alpha=-group.size, out=scratch), alpha=factor * group.peer_weight
             )
             healed = False
-        if not round_.reference_applied:
+        if round_.tracks_reference and not round_.reference_applied:
             _update_reference(channel, round_, total)
         return healed
+
+    def _mix_clipped(self, channel: _Channel, round_: _Round, factor: float, bad: Sequence[int]) -> None:
+        """``x_i <- x_i + a sum_j c clip(x^_j - x^_i, tau)`` over the members that sent finite values
+        (:mod:`~.clipping`; compressed: ``x^_j - x^_i = q_j - q_i``), then the radius learns the norms."""
+        assert round_.codec is not None and channel.radius is not None and channel.decoded is not None
+        group = round_.group
+        coder, slots, seed = (
+            codec(round_.codec),
+            _slots(channel, round_),
+            round_seed(round_.step, channel.index),
+        )
+        if channel.clip_buffers is None:
+            channel.clip_buffers = (torch.empty_like(channel.decoded), torch.empty_like(channel.decoded))
+        other, update = channel.clip_buffers
+        own = channel.decoded
+        slot = group.ranks.index(self._rank)
+        coder.decode_into(slots[slot], own, seed)
+        update.zero_()
+        radius, norms = channel.radius.radius(), []
+        sent_with = 1.0 / group.size if group.self_weight is None else group.peer_weight
+        for j in range(group.size):
+            if j == slot or j in bad:
+                continue
+            coder.decode_into(slots[j], other, seed)
+            other.sub_(own)
+            norm = float(torch.linalg.vector_norm(other))
+            norms.append(norm)
+            update.add_(other, alpha=factor * sent_with * clip_scale(norm, radius))
+        channel.tensor.add_(update)
+        channel.radius.add(norms)
 
     @staticmethod
     def _gathered_sum(channel: _Channel, round_: _Round) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
@@ -494,7 +554,12 @@ class Gossip:
         """
         for bucket, channel in enumerate(self._channels):
             round_ = channel.round
-            if round_ is None or round_.codec is None or round_.reference_applied:
+            if (
+                round_ is None
+                or round_.codec is None
+                or round_.reference_applied
+                or not round_.tracks_reference
+            ):
                 continue
             self.wait(bucket)
             if channel.round is round_:
@@ -588,7 +653,8 @@ class Gossip:
                 "steps (after step() / after backward), not in the middle of one."
             )
         saved_references = self._references_state() if references else []
-        if not steps and not saved_references:
+        clipping = references and self._clipped is not None  # a checkpoint keeps the radii's norms
+        if not steps and not saved_references and not clipping:
             return None
         self.wait_all()
         buffers: list[torch.Tensor | None] = []
@@ -608,6 +674,8 @@ class Gossip:
         state: dict[str, Any] = {"step": steps.pop() if steps else None, "buffers": buffers}
         if any(f is not None and bool(f.any()) for f in flags):  # only where a member withheld
             state["flags"] = flags
+        if clipping:
+            state["clip_norms"] = [[] if c.radius is None else c.radius.state() for c in self._channels]
         if any(c is not None for c in codecs) or saved_references:
             state.update(gathered=gathered, codecs=codecs, references=saved_references)
         return state
@@ -687,6 +755,10 @@ class Gossip:
                 for channel, saved in zip(self._channels, entry["tensors"], strict=False):
                     if saved is not None:
                         channel.references[tuple(entry["ranks"])] = saved.to(channel.tensor.device).clone()
+        norms = state.get("clip_norms")
+        if references and norms is not None and self._clipped is not None:
+            for channel, saved_norms in zip(self._channels, norms, strict=False):
+                channel.radius = RadiusWindow(self._clipped, [float(n) for n in saved_norms])
         if step is None:
             return
         group = self._topology.group(self._rank, int(step))
@@ -707,7 +779,14 @@ class Gossip:
                 continue
             channel.gathered = payload.to(channel.tensor.device).clone()
             # A global average's snapshot is restored after its references were settled.
-            channel.round = _Round(int(step), group, None, name, reference_applied=not references)
+            channel.round = _Round(
+                int(step),
+                group,
+                None,
+                name,
+                reference_applied=not references,
+                tracks_reference=not self._gathers_exact(group, channel.tensor.dtype),
+            )
 
 
 def _gather(

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors, current
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
 from decent_optim_wrapper.engine.exchange.guard import GuardLog, drop_state
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
@@ -220,6 +221,7 @@ class LocalSteps:
         staging: HostStaging | None = None,
         guard: GuardLog | None = None,
         on_healed: Callable[[int], None] | None = None,
+        clipped: ClippedGossip | None = None,
     ) -> None:
         """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
         broadcast parameters (without: the survivors of a lost peer keep their anchors). ``on_healed``
@@ -237,6 +239,7 @@ class LocalSteps:
             staging,
             guard,
             label="anchors",
+            clipped=clipped,
         )
         self._clock.connect(
             process_groups.world,

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
 from decent_optim_wrapper.engine.exchange.guard import GuardLog
 from decent_optim_wrapper.engine.exchange.shards import local_tensor
@@ -47,13 +48,14 @@ class GradientTracker:
         waiter: Waiter | None = None,
         staging: HostStaging | None = None,
         guard: GuardLog | None = None,
+        clipped: ClippedGossip | None = None,
     ) -> None:
         self._buckets: list[Bucket] = []
         self._trackers: list[torch.Tensor] = []  # y_i, one flat tensor per bucket
         self._previous: list[torch.Tensor] = []  # g_i^{t-1}
         self._restart: set[int] = set()  # healed trackers: their previous gradient was not finite
         self._gossip = Gossip(
-            [], topology, rank, process_groups, timeout, plan, waiter, staging, guard, label="trackers"
+            [], topology, rank, process_groups, timeout, plan, waiter, staging, guard, "trackers", clipped
         )
         self.add_buckets(buckets)
 

@@ -1,0 +1,121 @@
+r"""Clipped gossip: mixing that a Byzantine neighbour cannot drag far (opt-in, ``clipped_gossip=``).
+
+A neighbour that sends finite but wrong values (a model scaled by 100, random values, the negated
+model: on purpose or from a broken build) passes the non-finite guard (:mod:`~.guard`) and, under plain
+mixing, moves its receivers as far as it likes. Clipped gossip (after He, Karimireddy and Jaggi,
+"Byzantine-robust decentralized learning via ClippedGossip", 2022) mixes each neighbour's *difference*
+clipped to a radius:
+
+.. math::
+    x_i \leftarrow x_i + \sum_{j \in G(i),\, j \ne i} W_{ij}\,
+        \mathrm{clip}(\hat x_j - \hat x_i,\ \tau_i), \qquad
+    \mathrm{clip}(d, \tau) = d \cdot \min\Big(1, \frac{\tau}{\lVert d \rVert}\Big),
+
+where ``\hat x_j`` is what member ``j`` sent (its values, or with compression the reference plus its
+decoded difference, so that ``\hat x_j - \hat x_i = q_j - q_i``). A neighbour within the radius mixes
+exactly as under plain gossip; one beyond it moves ``x_i`` by at most ``W_{ij} \tau_i`` per round.
+
+**The radius** follows the recent differences: ``\tau_i = \text{factor} \cdot
+Q_q(\text{the last ``window`` norms } \lVert \hat x_j - \hat x_i \rVert \text{ this rank received for the
+bucket, before this round's})``, the ``q``-quantile (default: the lower quartile, which stays an honest
+neighbour's norm while at most three quarters of the samples are an attacker's; fewer samples than four
+give their minimum, and none a radius of 0: the bucket's first round mixes nothing of the neighbours, so
+an attacker's first difference is never taken whole). Honest differences shrink as the replicas
+agree, and the radius with them.
+
+Costs: every round gathers each member's values instead of all-reducing their sum (the same bytes in a
+pair, ``k - 1`` models per member in a group of ``k`` instead of ``2 (k - 1) / k``), two more
+bucket-sized buffers, one norm per neighbour and bucket read on the host (a device sync on GPUs). Every
+rank must agree on it (it changes what travels). The mean of the replicas is no longer kept exactly
+when a difference is clipped (clipping is not symmetric); global averaging stays exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["ClippedGossip", "ClippedGossipSpec", "RadiusWindow", "clip_scale", "resolve_clipped_gossip"]
+
+
+@dataclass(frozen=True)
+class ClippedGossip:
+    """The options of clipped gossip.
+
+    Args:
+        factor: the radius is ``factor`` times the quantile of the recent norms (> 0; default 0.5: an
+            attacker that pushes the same way every round, such as one sending the negated model,
+            drifts its receivers by about its weight times the radius a round, so a tight radius
+            matters more than mixing honest outliers whole).
+        quantile: which quantile, in ``[0, 1]`` (default 0.25: the lower quartile).
+        window: how many recent norms per bucket the quantile is taken over (>= 1; default 32).
+    """
+
+    factor: float = 0.5
+    quantile: float = 0.25
+    window: int = 32
+
+    def __post_init__(self) -> None:
+        if isinstance(self.factor, bool) or not isinstance(self.factor, int | float) or not self.factor > 0:
+            raise ValueError(
+                f"ClippedGossip(factor=...) must be a number > 0, got {self.factor!r}; e.g. 3.0."
+            )
+        if isinstance(self.quantile, bool) or not isinstance(self.quantile, int | float):
+            raise ValueError(f"ClippedGossip(quantile=...) must lie in [0, 1], got {self.quantile!r}.")
+        if not 0.0 <= self.quantile <= 1.0:
+            raise ValueError(f"ClippedGossip(quantile=...) must lie in [0, 1], got {self.quantile!r}.")
+        if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+            raise ValueError(f"ClippedGossip(window=...) must be an int >= 1, got {self.window!r}; e.g. 32.")
+
+
+ClippedGossipSpec = bool | ClippedGossip | None
+
+
+def resolve_clipped_gossip(spec: object) -> ClippedGossip | None:
+    """``clipped_gossip=`` as options: None/False (off), True (the defaults) or a :class:`ClippedGossip`."""
+    if spec is None or spec is False:
+        return None
+    if spec is True:
+        return ClippedGossip()
+    if isinstance(spec, ClippedGossip):
+        return spec
+    raise TypeError(
+        f"clipped_gossip must be None, True or a ClippedGossip(factor=..., quantile=..., window=...), got "
+        f"{spec!r}; True clips each neighbour's difference to half the lower quartile of the recent ones."
+    )
+
+
+class RadiusWindow:
+    """One bucket's recent difference norms and the radius they give."""
+
+    def __init__(self, options: ClippedGossip, norms: list[float] | None = None) -> None:
+        self._options = options
+        self._norms: deque[float] = deque(norms or (), maxlen=options.window)
+
+    def radius(self) -> float:
+        """``factor`` times the quantile of the recent norms; 0 before any was seen (the first round
+        mixes nothing of the neighbours: nobody can tell an attacker's first difference yet)."""
+        if not self._norms:
+            return 0.0
+        ordered = sorted(self._norms)
+        if len(ordered) < 4:
+            return self._options.factor * ordered[0]
+        position = self._options.quantile * (len(ordered) - 1)
+        low = math.floor(position)
+        high = min(low + 1, len(ordered) - 1)
+        value = ordered[low] + (position - low) * (ordered[high] - ordered[low])
+        return self._options.factor * value
+
+    def add(self, norms: list[float]) -> None:
+        self._norms.extend(norms)
+
+    def state(self) -> list[float]:
+        return list(self._norms)
+
+
+def clip_scale(norm: float, radius: float) -> float:
+    """``min(1, radius / norm)`` (1 for a zero difference)."""
+    if norm <= radius:
+        return 1.0
+    return radius / norm
