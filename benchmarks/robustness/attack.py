@@ -15,7 +15,9 @@ Methods: ``ddp`` (an all-reduce of the gradients, by hand so that the attacker's
 it), ``ring`` (plain gossip: the non-finite guard is on, but these values are finite) and
 ``ring-clipped`` (``clipped_gossip=True``). Reported per method and attack: the honest workers' test
 loss and accuracy (each honest worker's own replica, the worst of them: the attacker's replica is
-not averaged in), and the ratio of the loss to the same method's without the attacker. Target,
+not averaged in), and the ratio of the loss to the same method's without the attacker; a job the
+attack stopped (its values overflowed until no replica around it was finite:
+``NonFiniteReplicaError``) counts as an infinite loss. Target,
 marked met or MISSED: ``ring-clipped`` under every attack within 5% of its own loss without one.
 """
 
@@ -106,13 +108,16 @@ def worker(
 
 
 def run(method: str, attack: str | None, world: int, steps: int) -> dict[str, Any]:
-    by_rank = collect_from_ranks(
-        world,
-        worker,
-        lambda rank, port, results: (rank, port, world, method, attack, steps, results),
-        900,
-        f"{method} under {attack}",
-    )
+    try:
+        by_rank = collect_from_ranks(
+            world,
+            worker,
+            lambda rank, port, results: (rank, port, world, method, attack, steps, results),
+            900,
+            f"{method} under {attack}",
+        )
+    except RuntimeError as err:  # the job was lost (e.g. NonFiniteReplicaError once the attack overflowed)
+        return {"method": method, "attack": attack, "loss": math.inf, "accuracy": 0.0, "failed": str(err)}
     honest = [r for r in by_rank.values() if not r["attacker"]]
     losses = [r["loss"] for r in honest]
     return {
@@ -155,7 +160,11 @@ def main() -> None:
         ratio = row["loss"] / clean[row["method"]]
         row["ratio"] = ratio
         judged = row["method"] == "ring-clipped" and row["attack"] is not None
-        mark = ("met" if ratio <= TARGET_RATIO else "MISSED") if judged else "-"
+        mark = (
+            ("met" if ratio <= TARGET_RATIO else "MISSED")
+            if judged
+            else ("job lost" if "failed" in row else "-")
+        )
         print(
             f"{row['method']:>13} | {row['attack'] or 'none':>9} | {row['loss']:9.4f} | "
             f"{row['accuracy']:8.4f} | {ratio:12.3f} | {mark}"
