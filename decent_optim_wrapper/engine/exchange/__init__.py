@@ -6,6 +6,8 @@
   (GPU buckets over gloo), its collective launched in order from a thread of its own.
 * :mod:`~decent_optim_wrapper.engine.exchange.guard` -- guarded mixing: values that are not finite are
   withheld, left out, and healed from the peers; its events.
+* :mod:`~decent_optim_wrapper.engine.exchange.clipping` -- clipped gossip: each neighbour's difference
+  clipped to a radius from the recent ones (against a Byzantine neighbour, opt-in).
 * :mod:`~decent_optim_wrapper.engine.exchange.gossip` -- :class:`~decent_optim_wrapper.engine.Gossip`:
   stage, launch, wait and mix per bucket, one round in flight each, exact or compressed.
 

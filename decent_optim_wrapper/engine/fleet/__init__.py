@@ -8,6 +8,8 @@
   gossip world, and how to wait for a collective (timed on CPU, stream-ordered on CUDA).
 * :mod:`~decent_optim_wrapper.engine.fleet.membership` -- surviving a lost peer: heartbeats, the
   failure-aware wait, the survivors' agreement through the store.
+* :mod:`~decent_optim_wrapper.engine.fleet.sealing` -- the job secret: store entries and replica digests
+  only the job's members can have written.
 * :mod:`~decent_optim_wrapper.engine.fleet.transfer` -- a replica handed to a joiner, checked by its digest.
 * :mod:`~decent_optim_wrapper.engine.fleet.growth` -- a rank's side of joins: donating, joining, the record.
 

@@ -41,7 +41,7 @@ __all__ = ["SECRET_ENV", "ForgedEntryError", "Seal", "resolve_secret"]
 
 #: The environment variable a job secret may come from (``init_elastic(secret=...)`` takes precedence).
 SECRET_ENV = "DECENT_JOB_SECRET"
-#: Shortest secret accepted: 16 bytes leave no brute-force search in reach.
+#: The shortest secret accepted (16 bytes leave no brute-force search in reach).
 MIN_SECRET_BYTES = 16
 
 _SEALED, _PLAIN = "s", "p"
