@@ -2,6 +2,7 @@
 
     uv run benchmarks/robustness/attack.py                 # 8 local gloo workers, ~5 minutes on 2 cores
     uv run benchmarks/robustness/attack.py --json benchmarks/results/robustness/attack.json
+    uv run benchmarks/robustness/attack.py --task lm        # the language model, ~15 minutes
 
 Trains the main job's classification task (``synthetic_task.py``: 10 overlapping Gaussian clusters,
 the MLP, the iid split) on 8 workers with SGD (lr 0.05, momentum 0.9, batch 32), every method the same
@@ -10,6 +11,9 @@ steps, seeds and data, with no attacker and with worker 3 attacking in one of th
 - ``scaled``: after each local step its model is multiplied by 100 (DDP: its gradient by 100);
 - ``random``: its model is replaced by Gaussian noise of standard deviation 10 (DDP: its gradient);
 - ``negated``: its model is negated (DDP: its gradient).
+
+With ``--task lm``: the byte-level language model of ``lm_task.py`` (iid split, AdamW lr 3e-3, batch 16
+windows of 64 bytes), the validation loss in place of the test loss (no accuracy).
 
 Methods: ``ddp`` (an all-reduce of the gradients, by hand so that the attacker's gradient enters
 it), ``ring`` (plain gossip: the non-finite guard is on, but these values are finite) and
@@ -35,6 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness.common import collect_from_ranks
+from benchmarks.harness.lm_task import make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.synthetic_task import make_data, make_model, split_data
 from decent_optim_wrapper import DecentOptimWrapper
 
@@ -62,17 +67,48 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
         return loss, float((logits.argmax(1) == y).float().mean())
 
 
+def _task(task: str, rank: int, world: int) -> tuple[nn.Module, Any, Any, Any]:
+    """The model, its optimizer's factory, a batch drawer and the evaluation of ``task``."""
+    draws = torch.Generator().manual_seed(100 + rank)
+    if task == "lm":
+        tokens, validation = make_lm_data(world, rank, "iid")
+        lm = make_lm_model()
+
+        def lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
+            x, y = windows(tokens, torch.randint(0, len(tokens) - 65, (16,), generator=draws))
+            return x, y.reshape(-1)
+
+        return (
+            lm,
+            lambda params: torch.optim.AdamW(params, lr=3e-3),
+            lm_batch,
+            lambda: (validation_loss(lm, validation), math.nan),
+        )
+    x_train, y_train, x_test, y_test = make_data()
+    mine = split_data(y_train, world)[rank]
+    model = make_model()
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        pick = mine[torch.randint(0, len(mine), (32,), generator=draws)]
+        return x_train[pick], y_train[pick]
+
+    return (
+        model,
+        lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
+        batch,
+        lambda: _evaluate(model, x_test, y_test),
+    )
+
+
 def worker(
-    rank: int, port: int, world: int, method: str, attack: str | None, steps: int, results: Any
+    rank: int, port: int, world: int, method: str, attack: str | None, steps: int, task: str, results: Any
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        x_train, y_train, x_test, y_test = make_data()
-        mine = split_data(y_train, world)[rank]
-        model = make_model()
-        inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        model, make_optimizer, next_batch, evaluate = _task(task, rank, world)
+        inner = make_optimizer(model.parameters())
         attacker = attack is not None and rank == ATTACKER
         generator = torch.Generator().manual_seed(11)
         optimizer: torch.optim.Optimizer = inner
@@ -85,12 +121,12 @@ def worker(
             optimizer = DecentOptimWrapper(
                 inner, topology="ring", clipped_gossip=True if method == "ring-clipped" else None
             )
-        batches = torch.Generator().manual_seed(100 + rank)
         start = time.perf_counter()
         for _ in range(steps):
-            pick = mine[torch.randint(0, len(mine), (32,), generator=batches)]
+            x, y = next_batch()
             optimizer.zero_grad()
-            nn.functional.cross_entropy(model(x_train[pick]), y_train[pick]).backward()
+            logits = model(x)
+            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y).backward()
             if method == "ddp":
                 grads = [p.grad for p in model.parameters() if p.grad is not None]
                 if attacker:
@@ -101,18 +137,20 @@ def worker(
                     g.div_(world)
             optimizer.step()
         seconds = time.perf_counter() - start
-        loss, accuracy = _evaluate(model, x_test, y_test)
+        loss, accuracy = evaluate()
         results.put((rank, {"loss": loss, "accuracy": accuracy, "attacker": attacker, "seconds": seconds}))
     finally:
         dist.destroy_process_group()
 
 
-def run(method: str, attack: str | None, world: int, steps: int) -> dict[str, Any]:
+def run(
+    method: str, attack: str | None, world: int, steps: int, task: str = "classification"
+) -> dict[str, Any]:
     try:
         by_rank = collect_from_ranks(
             world,
             worker,
-            lambda rank, port, results: (rank, port, world, method, attack, steps, results),
+            lambda rank, port, results: (rank, port, world, method, attack, steps, task, results),
             900,
             f"{method} under {attack}",
         )
@@ -136,19 +174,21 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument("--task", choices=("classification", "lm"), default="classification")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     for method in args.methods:
         for attack in ATTACKS:
-            row = run(method, attack, args.workers, args.steps)
+            row = run(method, attack, args.workers, args.steps, args.task)
             rows.append(row)
             print(
                 f"[{method} / {attack or 'no attack'}] loss {row['loss']:.4f} accuracy {row['accuracy']:.4f}"
             )
     print(
-        f"\nOne attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps of SGD, the "
-        "main job's task; the worst honest worker's own replica"
+        f"\nOne attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, "
+        + ("the language model (validation loss)" if args.task == "lm" else "the main job's task (test loss)")
+        + "; the worst honest worker's own replica"
     )
     header = (
         f"{'method':>13} | {'attack':>9} | {'test loss':>9} | {'accuracy':>8} | {'vs no attack':>12} | target"
@@ -172,7 +212,9 @@ def main() -> None:
     print(f"Target: ring-clipped under every attack within {TARGET_RATIO}x its own loss without one.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"workers": args.workers, "steps": args.steps, "rows": rows}, f, indent=2)
+            json.dump(
+                {"task": args.task, "workers": args.workers, "steps": args.steps, "rows": rows}, f, indent=2
+            )
         print(f"results written to {args.json}")
 
 
