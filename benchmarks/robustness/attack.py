@@ -2,7 +2,7 @@
 
     uv run benchmarks/robustness/attack.py                 # 8 local gloo workers, ~5 minutes on 2 cores
     uv run benchmarks/robustness/attack.py --json benchmarks/results/robustness/attack.json
-    uv run benchmarks/robustness/attack.py --task lm        # the language model, ~15 minutes
+    uv run benchmarks/robustness/attack.py --task lm        # the language model, ~45 minutes on 2 cores
 
 Trains the main job's classification task (``synthetic_task.py``: 10 overlapping Gaussian clusters,
 the MLP, the iid split) on 8 workers with SGD (lr 0.05, momentum 0.9, batch 32), every method the same
