@@ -290,9 +290,7 @@ class Gossip:
         handle = self._process_groups[group.ranks]
         channel.launched = step
         if withheld:
-            self._guard.record(
-                GuardEvent("withheld", step, self._position(channel), self._label, group.ranks)
-            )
+            self._guard.record(GuardEvent("withheld", step, bucket, self._label, group.ranks))
         if name is not None:
             work, xor_slot = self._start_gather(channel, group, handle)
             tracks = not self._gathers_exact(group, channel.tensor.dtype)
@@ -313,9 +311,6 @@ class Gossip:
                 copy_back=(buffer, host),
             )
         channel.round = _Round(step, group, work, withheld=withheld, staged=self._staging is not None)
-
-    def _position(self, channel: _Channel) -> int:
-        return next(i for i, c in enumerate(self._channels) if c is channel)
 
     def _start_gather(
         self, channel: _Channel, group: Group, handle: dist.ProcessGroup
