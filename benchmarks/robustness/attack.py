@@ -32,6 +32,7 @@ import json
 import math
 import os
 import time
+import traceback
 from typing import Any
 
 import torch
@@ -139,8 +140,12 @@ def worker(
         seconds = time.perf_counter() - start
         loss, accuracy = evaluate()
         results.put((rank, {"loss": loss, "accuracy": accuracy, "attacker": attacker, "seconds": seconds}))
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # A lost job's rounds never complete, and tearing the group down would wait for them: report the
+        # failure and leave at once (the parent kills the ranks still waiting on this one).
+        traceback.print_exc()
+        os._exit(1)
+    dist.destroy_process_group()
 
 
 def run(
@@ -174,12 +179,15 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    parser.add_argument(
+        "--attacks", nargs="+", default=["none", *ATTACKS[1:]], choices=["none", *ATTACKS[1:]]
+    )
     parser.add_argument("--task", choices=("classification", "lm"), default="classification")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     for method in args.methods:
-        for attack in ATTACKS:
+        for attack in (None if name == "none" else name for name in args.attacks):
             row = run(method, attack, args.workers, args.steps, args.task)
             rows.append(row)
             print(
@@ -197,7 +205,7 @@ def main() -> None:
     print("-" * len(header))
     clean = {r["method"]: r["loss"] for r in rows if r["attack"] is None}
     for row in rows:
-        ratio = row["loss"] / clean[row["method"]]
+        ratio = row["loss"] / clean.get(row["method"], math.nan)
         row["ratio"] = ratio
         judged = row["method"] == "ring-clipped" and row["attack"] is not None
         mark = (

@@ -85,7 +85,8 @@ class GuardEvent:
         tensors: what was gossiped: ``"parameters"``, ``"anchors"`` or ``"trackers"``.
         group: the round's members.
         senders: the ranks whose payload was left out (empty when nobody can tell: a plain round's sum).
-        entries: for ``"not_finite"``, how many entries were left out.
+        entries: for ``"not_finite"`` in a plain round's sum, how many entries were left out (0 when
+            whole payloads were: a gathered round, ``senders`` names whose).
     """
 
     kind: str
@@ -140,7 +141,11 @@ def _describe(event: GuardEvent) -> str:
         "withheld": "own values not finite, withheld from the round",
         "healed": "healed from the peers' values of the round",
         "peer_withheld": "a peer withheld its values, its weight kept",
-        "not_finite": f"{event.entries} received entries not finite, left out",
+        "not_finite": (
+            f"{event.entries} received entries not finite, left out"
+            if event.entries
+            else "a received payload not finite, left out whole"
+        ),
     }.get(event.kind, event.kind)
 
 
