@@ -7,14 +7,16 @@ sends per parameter (:mod:`.traffic`). Underneath: compute-time distributions (:
 network and collective cost model (:mod:`.costs`), links shared in time between the transfers in
 flight (:mod:`.sharing`), a round's processor time timed on this machine (:mod:`.round_cost`),
 schemes built from them (:mod:`.schemes`) and the simulator of the step dependency graph
-(:mod:`.simulator`). It sits above the engine and the topologies, whose byte rules it uses; nothing
-below imports it.
+(:mod:`.simulator`); ``python -m decent_optim_wrapper.plan recommend`` picks the setting that sends the
+most while the exchange stays hidden (:mod:`.recommend`). It sits above the engine and the
+topologies, whose byte rules it uses; nothing below imports it.
 """
 
 from decent_optim_wrapper.plan.cli import main
 from decent_optim_wrapper.plan.compute import JITTERS, ComputeTimes
 from decent_optim_wrapper.plan.costs import HostCopy, Link, Network, ddp_buckets, gossip_round_bytes
 from decent_optim_wrapper.plan.predict import Prediction, predict
+from decent_optim_wrapper.plan.recommend import Candidate, Recommendation, recommend
 from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
 from decent_optim_wrapper.plan.sharing import (
@@ -30,6 +32,7 @@ from decent_optim_wrapper.plan.traffic import bytes_per_parameter
 __all__ = [
     "JITTERS",
     "AllReduce",
+    "Candidate",
     "ComputeTimes",
     "Gossip",
     "HostCopy",
@@ -38,6 +41,7 @@ __all__ = [
     "Network",
     "NoComm",
     "Prediction",
+    "Recommendation",
     "RoundCost",
     "Run",
     "Scheme",
@@ -53,6 +57,7 @@ __all__ = [
     "measure_round_cost",
     "paced_steps",
     "predict",
+    "recommend",
     "simulate",
     "transfer_seconds",
 ]

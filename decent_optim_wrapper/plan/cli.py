@@ -10,7 +10,9 @@ on this machine (:mod:`.round_cost`). ``--factors 2 2 1 1`` makes an uneven flee
 takes ``factors[r]`` times ``--compute-ms``) and ``--pacing`` adds each low-communication method with
 paced rounds (``ring~h8d1p``: each rank takes as many steps per round as its speed allows), timed by
 the fleet's throughput. ``python -m decent_optim_wrapper.plan bytes NAME -n N`` prints a
-topology's bytes per parameter (:mod:`.traffic`). The assumptions are those of :mod:`.costs` and
+topology's bytes per parameter (:mod:`.traffic`); ``python -m decent_optim_wrapper.plan recommend
+--model-bytes 4G --compute-ms 1000 --bandwidth 100mbit --nodes 16`` the setting that sends the most per
+step while the exchange stays hidden (:mod:`.recommend`). The assumptions are those of :mod:`.costs` and
 :mod:`.simulator`.
 """
 
@@ -25,10 +27,11 @@ from decent_optim_wrapper.engine.wire.compression import GossipCompression, pars
 from decent_optim_wrapper.plan.compute import JITTERS, UNEVEN, ComputeTimes
 from decent_optim_wrapper.plan.costs import HostCopy, Link, Network
 from decent_optim_wrapper.plan.predict import predict
+from decent_optim_wrapper.plan.recommend import recommend
 from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
 from decent_optim_wrapper.plan.traffic import bytes_main
 
-__all__ = ["main", "parse_quantity"]
+__all__ = ["main", "parse_quantity", "recommend_main"]
 
 _UNITS = {
     "bytes": {
@@ -65,20 +68,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m decent_optim_wrapper.plan",
         description="Predict the step time of DDP and of gossip on every topology (with and without "
         "compression) by simulating the step dependency graph; 'bytes NAME -n N' prints a topology's "
-        "bytes per parameter instead.",
+        "bytes per parameter instead, 'recommend ...' the setting that hides the exchange.",
     )
-    parser.add_argument("--model-bytes", required=True, help="bytes of the fp32 parameters: 500M, 4G, ...")
-    parser.add_argument("--compute-ms", type=float, required=True, help="forward + backward per step (ms)")
-    parser.add_argument("--bandwidth", required=True, help="per node and direction: 25gbit, 1gbit, 200mbit")
-    parser.add_argument("--latency", default="0", help="per message between nodes: 10us, 50ms (default 0)")
-    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
-    parser.add_argument("--workers-per-node", type=int, default=1, help="ranks per node (default 1)")
-    parser.add_argument(
-        "--intra-bandwidth", default="100gbit", help="between ranks of a node (default 100gbit)"
-    )
-    parser.add_argument(
-        "--overhead-ms", type=float, default=0.0, help="CPU/GPU work per step besides compute"
-    )
+    _cluster_arguments(parser)
     parser.add_argument("--forward-fraction", type=float, default=1 / 3, help="forward's share of compute")
     parser.add_argument(
         "--jitter",
@@ -131,19 +123,35 @@ def _parser() -> argparse.ArgumentParser:
         "per second (needs --sync-every)",
     )
     parser.add_argument(
-        "--host-copy",
-        default=None,
-        metavar="BYTES",
-        help="a model on GPUs gossiping over gloo: its rounds are staged through pinned host memory at "
-        "BYTES per second each way, e.g. 25G (PCIe 4.0 x16); DDP is taken to run on NCCL (default: none)",
-    )
-    parser.add_argument(
         "--measure-rounds",
         action="store_true",
         help="time a round's encoding and decoding on this machine's CPU for every format and charge it "
         "to the steps that launch and fold rounds (default: rounds cost no processor time)",
     )
     return parser
+
+
+def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and the cluster, as both commands take them."""
+    parser.add_argument("--model-bytes", required=True, help="bytes of the fp32 parameters: 500M, 4G, ...")
+    parser.add_argument("--compute-ms", type=float, required=True, help="forward + backward per step (ms)")
+    parser.add_argument("--bandwidth", required=True, help="per node and direction: 25gbit, 1gbit, 200mbit")
+    parser.add_argument("--latency", default="0", help="per message between nodes: 10us, 50ms (default 0)")
+    parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
+    parser.add_argument("--workers-per-node", type=int, default=1, help="ranks per node (default 1)")
+    parser.add_argument(
+        "--intra-bandwidth", default="100gbit", help="between ranks of a node (default 100gbit)"
+    )
+    parser.add_argument(
+        "--overhead-ms", type=float, default=0.0, help="CPU/GPU work per step besides compute"
+    )
+    parser.add_argument(
+        "--host-copy",
+        default=None,
+        metavar="BYTES",
+        help="a model on GPUs gossiping over gloo: its rounds are staged through pinned host memory at "
+        "BYTES per second each way, e.g. 25G (PCIe 4.0 x16); DDP is taken to run on NCCL (default: none)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -153,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bytes"]:
         return bytes_main(argv[1:])
+    if argv[:1] == ["recommend"]:
+        return recommend_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -232,4 +242,67 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("paced methods (p): ms/step of the fleet, ranks over the steps per second of all ranks")
     if host_copy is not None:
         print(f"gossip staged through host memory at {host_copy.bytes_per_s / 1e9:g} GB/s each way")
+    return 0
+
+
+def recommend_main(argv: Sequence[str]) -> int:
+    """``recommend``: the setting that sends the most per step while the exchange stays hidden."""
+    parser = argparse.ArgumentParser(
+        prog="python -m decent_optim_wrapper.plan recommend",
+        description="The gossip setting that sends the most per step while its predicted throughput stays "
+        "at least --target of training without communication (see decent_optim_wrapper.plan.recommend).",
+    )
+    _cluster_arguments(parser)
+    parser.add_argument("--topology", default="ring", help="a registered topology (default ring)")
+    parser.add_argument(
+        "--target", type=float, default=0.9, help="throughput against no communication (default 0.9)"
+    )
+    args = parser.parse_args(argv)
+    try:
+        model_bytes = parse_quantity(args.model_bytes, "bytes")
+        inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
+        intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
+        host_copy = None if args.host_copy is None else HostCopy(parse_quantity(args.host_copy, "bytes"))
+        if args.nodes < 1 or args.workers_per_node < 1 or model_bytes < 4 or args.compute_ms <= 0:
+            raise ValueError(
+                f"need --nodes >= 1, --workers-per-node >= 1, --model-bytes >= 4 and --compute-ms > 0, got "
+                f"{args.nodes}, {args.workers_per_node}, {args.model_bytes} and {args.compute_ms}"
+            )
+        network = Network(inter, intra, args.workers_per_node)
+        found = recommend(
+            model_bytes,
+            ComputeTimes(args.compute_ms / 1e3, "none"),
+            network,
+            args.nodes,
+            args.topology,
+            args.target,
+            overhead_s=args.overhead_ms / 1e3,
+            host_copy=host_copy,
+        )
+    except ValueError as err:
+        parser.error(str(err))
+    chosen = found.chosen
+    print(
+        f"{args.nodes * args.workers_per_node} ranks ({args.nodes} nodes x {args.workers_per_node}); model "
+        f"{model_bytes / 1e6:.1f} MB; compute {args.compute_ms:.1f} ms/step; links "
+        f"{inter.bandwidth / 1e9:g} Gbit/s, {inter.latency_s * 1e3:g} ms per message"
+    )
+    verdict = "hides the exchange" if found.hides else f"does NOT reach {found.target:g}: the fastest tried"
+    print(
+        f"recommended: {chosen.method} ({verdict}): {found.throughput:.3f} of no communication's speed, "
+        f"{chosen.sent_bytes / 1e6:.3g} MB sent per rank and step; DDP {found.ddp_throughput:.3f}"
+    )
+    keywords = ", ".join(f"{key}={value!r}" for key, value in chosen.options().items())
+    print(f"    DecentOptimWrapper(optimizer, {keywords})")
+    if chosen.sync_every > 1:
+        print("    (low-communication gossip: choose its outer optimizer as docs/low-communication.md says)")
+    if found.ruled_out:
+        print(
+            f"{found.ruled_out} setting{'s' if found.ruled_out > 1 else ''} sending more ruled out "
+            "unsimulated: their bytes alone take "
+            f"longer than compute / {found.target:g} over a node's link"
+        )
+    print(f"simulated, most bytes first:\n{'method':<28}{'MB/step/rank':>14}{'/ no-comm':>11}")
+    for candidate, throughput in found.tried:
+        print(f"{candidate.method:<28}{candidate.sent_bytes / 1e6:>14.3g}{throughput:>11.3f}")
     return 0
