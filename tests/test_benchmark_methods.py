@@ -17,7 +17,7 @@ import torch
 from helpers import load_script
 
 from benchmarks.convergence import convergence
-from benchmarks.harness import methods, runner, synthetic_task
+from benchmarks.harness import digits_task, methods, runner, synthetic_task
 from decent_optim_wrapper import Pacing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,6 +133,24 @@ def test_command_line_names_the_split():
     assert (args.splits, args.alpha) == (["dirichlet", "iid"], 0.5)  # each once, in the order given
     assert synthetic_task.split_label("dirichlet", 0.5) == "dirichlet(alpha=0.5)"
     assert synthetic_task.split_label("iid", None) == "iid"
+    assert (args.task, args.seeds) == ("synthetic", [0])
+    args = convergence.parse_args(["--task", "digits", "--seeds", "0", "1", "1", "2"])
+    assert (args.task, args.seeds) == ("digits", [0, 1, 2])
+
+
+def test_digits_task_is_a_fixed_stratified_split_scaled_to_one():
+    train_x, train_y, test_x, test_y = digits_task.make_digits()
+    assert train_x.shape == (1437, 64) and test_x.shape == (360, 64)
+    assert train_x.dtype == torch.float32 and float(train_x.min()) == 0.0 and float(train_x.max()) == 1.0
+    # stratified: every class keeps its share of the 1797 images in the test set (within one image)
+    counts = torch.bincount(test_y, minlength=10)
+    totals = counts + torch.bincount(train_y, minlength=10)
+    assert ((counts - 0.2 * totals).abs() <= 1).all()
+    again = digits_task.make_digits()
+    assert torch.equal(again[0], train_x) and torch.equal(again[3], test_y)
+    first, same, other = (digits_task.make_digits_model(s).state_dict() for s in (1, 1, 2))
+    assert all(torch.equal(first[k], same[k]) for k in first)
+    assert not torch.equal(first["0.weight"], other["0.weight"])
 
 
 def test_command_line_rejects_a_bad_method_before_starting_workers(capsys):
@@ -303,15 +321,40 @@ def test_convergence_judges_its_targets(split, name, vs_ddp, vs_uncompressed, vs
 def test_convergence_table_shows_the_difference_from_untracked(capsys):
     def result(method: str, accuracy: float, split: str = "dirichlet") -> SimpleNamespace:
         return SimpleNamespace(
-            method=method, accuracy=accuracy, final_loss=1.0, bytes_per_step=1.0, split=split, alpha=0.1
+            method=method,
+            accuracy=accuracy,
+            final_loss=1.0,
+            bytes_per_step=1.0,
+            split=split,
+            alpha=0.1,
+            accuracies=[],
         )
 
     results = [result("ring", 0.50), result("ring-gt", 0.55), result("ddp", 0.552)]
-    args = SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3)
+    args = SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
     convergence.report(results, 8, args)
     rows = {line.split("|")[0].strip(): line for line in capsys.readouterr().out.splitlines() if "|" in line}
-    assert [cell.strip() for cell in rows["ring-gt"].split("|")[4:]] == ["-0.20", "-", "+5.00", "met"]
-    assert [cell.strip() for cell in rows["ring"].split("|")[4:]] == ["-5.20", "-", "-", "-"]
+    assert [cell.strip() for cell in rows["ring-gt"].split("|")[5:]] == ["-0.20", "-", "+5.00", "met"]
+    assert [cell.strip() for cell in rows["ring"].split("|")[5:]] == ["-5.20", "-", "-", "-"]
+
+
+def test_convergence_averages_over_seeds_and_shows_their_spread(capsys):
+    runs = [
+        runner.Result(method, [], accuracy=accuracy, split="iid", seed=seed)
+        for seed, pair in enumerate([(0.95, 0.96), (0.96, 0.97), (0.94, 0.975)])
+        for method, accuracy in zip(("ring~h8n0.1", "ddp"), pair, strict=True)
+    ]
+    merged = convergence.mean_over_seeds(runs)
+    assert [r.method for r in merged] == ["ring~h8n0.1", "ddp"]  # the order the methods ran in
+    assert merged[0].accuracy == pytest.approx(0.95) and merged[1].accuracy == pytest.approx(2.905 / 3)
+    assert merged[0].accuracies == [0.95, 0.96, 0.94]
+    args = SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="digits")
+    convergence.report(merged, 8, args)
+    out = capsys.readouterr().out
+    assert "digits task" in out and "means over 3 seeds" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("ring~h8n0.1 |"))
+    cells = [cell.strip() for cell in row.split("|")]
+    assert cells[3] == "2.00" and cells[5] == "-1.83" and cells[-1] == "MISSED (vs DDP)"
 
 
 @pytest.mark.parametrize(
@@ -448,6 +491,7 @@ def test_convergence_table_reports_paced_rounds(capsys):
             split="iid",
             alpha=None,
             steps_per_rank=steps,
+            accuracies=[],
         )
 
     results = [
@@ -455,10 +499,11 @@ def test_convergence_table_reports_paced_rounds(capsys):
         result("ddp+adamw", 0.553, [600] * 4),
         result("ring~h8n0.1+adamw", 0.552, [600] * 4),
     ]
-    convergence.report(results, 4, SimpleNamespace(steps=600, batch_size=32, lr=0.05, adam_lr=3e-3))
+    args = SimpleNamespace(steps=600, batch_size=32, lr=0.05, adam_lr=3e-3, task="synthetic")
+    convergence.report(results, 4, args)
     out = capsys.readouterr().out
     rows = {line.split("|")[0].strip(): line for line in out.splitlines() if "|" in line}
-    assert [cell.strip() for cell in rows["ring~h8n0.1p+adamw"].split("|")[4:]] == ["-0.30", "-", "-", "met"]
+    assert [cell.strip() for cell in rows["ring~h8n0.1p+adamw"].split("|")[5:]] == ["-0.30", "-", "-", "met"]
     assert (
         "  ring~h8n0.1p+adamw: inner steps per worker 400 to 800, 2,400 in all; -0.30 points from ddp+adamw, "
         "-0.20 from ring~h8n0.1+adamw"

@@ -3,10 +3,13 @@
     uv run benchmarks/convergence/convergence.py      # 8 local gloo workers, both splits, ~20 min on 2 cores
     uv run benchmarks/convergence/convergence.py --splits iid --methods ring ring@bf16     # adds ddp itself
     uv run benchmarks/convergence/convergence.py --splits dirichlet --methods ring-gt   # adds ring and ddp
+    uv run benchmarks/convergence/convergence.py --task digits --splits iid --seeds 0 1 2 --methods ring~h8
 
 Trains the main job's task (``synthetic_task.py``: 10 overlapping Gaussian clusters, an MLP; the
 same as examples/quickstart.py's) with ``runner.py``, methods named as in ``methods.py``, with the
-same steps, seeds and hyper-parameters for every method, once per split of the training set:
+same steps, seeds and hyper-parameters for every method (``--task digits``: scikit-learn's handwritten
+digits instead, ``digits_task.py``; ``--seeds 0 1 2``: every method from three initial models and
+batch sequences, the table giving means and the seeds' spread), once per split of the training set:
 ``iid`` (points dealt out in turn) and ``dirichlet`` (each class divided among the workers in
 proportions drawn from Dirichlet(``--alpha``), 0.1 by default: most workers see mostly one or two
 classes). The test set is the same balanced one for both. It prints one table per split: final
@@ -174,23 +177,45 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     try:
         results = []
         for split in args.splits:
-            results += run(
-                args.methods,
-                args.steps,
-                args.batch_size,
-                args.lr,
-                log_every=args.steps,
-                adam_lr=args.adam_lr,
-                split=split,
-                alpha=args.alpha,
-            )
+            for seed in args.seeds:
+                results += run(
+                    args.methods,
+                    args.steps,
+                    args.batch_size,
+                    args.lr,
+                    log_every=args.steps,
+                    adam_lr=args.adam_lr,
+                    split=split,
+                    alpha=args.alpha,
+                    task=args.task,
+                    seed=seed,
+                )
         if rank == 0:
             for split in args.splits:
-                report([r for r in results if r.split == split], world, args)
+                report(mean_over_seeds([r for r in results if r.split == split]), world, args)
             if args.json:
                 Path(args.json).write_text(json.dumps([asdict(r) for r in results]))
     finally:
         dist.destroy_process_group()
+
+
+def mean_over_seeds(results: list[Result]) -> list[Result]:
+    """One result per method: final loss and accuracy averaged over its seeds (in the order the
+    methods ran), the seeds' accuracies kept in ``accuracies`` for the spread."""
+    by_method: dict[str, list[Result]] = {}
+    for r in results:
+        by_method.setdefault(r.method, []).append(r)
+    merged = []
+    for runs in by_method.values():
+        merged.append(
+            replace(
+                runs[0],
+                final_loss=sum(r.final_loss for r in runs) / len(runs),
+                accuracy=sum(r.accuracy for r in runs) / len(runs),
+                accuracies=[r.accuracy for r in runs],
+            )
+        )
+    return merged
 
 
 def verdict(
@@ -231,12 +256,14 @@ def report(results: list[Result], world: int, args: argparse.Namespace) -> None:
     """One table: the results of one split."""
     by_method = {r.method: r for r in results}
     split = results[0].split
+    seeds = len(results[0].accuracies) or 1
     print(
-        f"\nConvergence, {split_label(split, results[0].alpha)} split: {world} workers, "
+        f"\nConvergence, {args.task} task, {split_label(split, results[0].alpha)} split: {world} workers, "
         f"{args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, adam lr {args.adam_lr}"
+        + (f"; means over {seeds} seeds, spread = max - min accuracy (points)" if seeds > 1 else "")
     )
     header = (
-        f"{'method':>28} | {'final loss':>10} | {'avg-model acc':>13} | {'bytes/step':>12} | "
+        f"{'method':>28} | {'final loss':>10} | {'avg-model acc':>13} | {'spread':>6} | {'bytes/step':>12} | "
         f"{'vs DDP (points)':>15} | {'vs uncompressed':>15} | {'vs untracked':>12} | target"
     )
     print(header)
@@ -255,8 +282,10 @@ def report(results: list[Result], world: int, args: argparse.Namespace) -> None:
             )
             columns = ["-" if d is None else f"{d:+.2f}" for d in (vs_ddp, vs_uncompressed, vs_untracked)]
             status = verdict(split, parse_method(r.method), vs_ddp, vs_uncompressed, vs_untracked)
+        spread = f"{100 * (max(r.accuracies) - min(r.accuracies)):.2f}" if len(r.accuracies) > 1 else "-"
         print(
-            f"{r.method:>28} | {r.final_loss:>10.4f} | {r.accuracy:>13.4f} | {r.bytes_per_step:>12,.0f} | "
+            f"{r.method:>28} | {r.final_loss:>10.4f} | {r.accuracy:>13.4f} | {spread:>6} | "
+            f"{r.bytes_per_step:>12,.0f} | "
             f"{columns[0]:>15} | {columns[1]:>15} | {columns[2]:>12} | {status}"
         )
     paced = [r for r in results if parse_method(r.method).paced]
@@ -300,9 +329,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--adam-lr", type=float, default=3e-3)
-    parser.add_argument("--json", default=None, help="write every result (each names its split) here")
+    parser.add_argument(
+        "--task",
+        choices=("synthetic", "digits"),
+        default="synthetic",
+        help="synthetic (the main job's task) or digits (scikit-learn's handwritten digits)",
+    )
+    parser.add_argument(
+        "--seeds", type=int, nargs="+", default=[0], help="initial models and batches to average over"
+    )
+    parser.add_argument(
+        "--json", default=None, help="write every result (each names its split and seed) here"
+    )
     args = parser.parse_args(argv)
     args.splits = list(dict.fromkeys(args.splits))  # each split once, in the order given
+    args.seeds = list(dict.fromkeys(args.seeds))
     try:  # a misspelt method fails here, before eight workers start
         args.methods = with_references(args.methods)
     except ValueError as error:

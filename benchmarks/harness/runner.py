@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.harness.digits_task import make_digits, make_digits_model
 from benchmarks.harness.methods import HalfFastSchedule, Method, optimizer_factory, parse_method
 from benchmarks.harness.synthetic_task import describe_split, make_data, make_model, split_data, split_label
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
@@ -47,6 +48,9 @@ class Result:
     split: str = "iid"
     alpha: float | None = None  # the Dirichlet concentration; None for the iid split
     steps_per_rank: list[int] = field(default_factory=list)  # inner steps each rank took (paced: uneven)
+    task: str = "synthetic"
+    seed: int = 0
+    accuracies: list[float] = field(default_factory=list)  # per seed, where results were averaged over seeds
 
 
 def model_bytes(model: nn.Module) -> int:
@@ -120,24 +124,28 @@ def train_one_method(
     adam_lr: float = 3e-3,
     split: str = "iid",
     alpha: float = 0.1,
+    task: str = "synthetic",
+    seed: int = 0,
 ) -> Result | None:
     """Train from scratch with ``method``; every rank calls this; rank 0 gets the Result.
 
     Each rank trains on its part of the ``split`` of the training set (``split_data``); a
     Dirichlet split gives every worker at least ``batch_size`` points, so no batch repeats a point
-    for want of data.
+    for want of data. ``task``: ``"synthetic"`` (``synthetic_task.py``) or ``"digits"``
+    (``digits_task.py``); ``seed`` draws the initial model and the batches (seed 0: the runs of
+    before seeds existed).
     """
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = parse_method(method)
     make_optimizer = optimizer_factory(spec.optimizer or "sgd", lr, adam_lr)
-    train_x, train_y, test_x, test_y = make_data()
-    shard = split_data(train_y, world, split, alpha, min_size=batch_size)[rank]
+    train_x, train_y, test_x, test_y = task_data(task)
+    shard = split_data(train_y, world, split, alpha, min_size=batch_size, seed=seed)[rank]
     shard_x, shard_y = train_x[shard], train_y[shard]
-    model = make_model()
+    model = make_digits_model(seed) if task == "digits" else make_model(seed)
     schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
     net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps)
     loss_fn = nn.CrossEntropyLoss()
-    sampler = torch.Generator().manual_seed(100 + rank)
+    sampler = torch.Generator().manual_seed(100 + rank + 1000 * seed)
     losses = torch.zeros(rounds if schedule is not None else steps, dtype=torch.float64)
     distance_steps, distances = [], []
     train_seconds = 0.0
@@ -228,7 +236,18 @@ def train_one_method(
         split=split,
         alpha=alpha if split == "dirichlet" else None,
         steps_per_rank=per_rank.tolist(),
+        task=task,
+        seed=seed,
     )
+
+
+def task_data(task: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Train and test sets of ``task`` (``"synthetic"`` or ``"digits"``)."""
+    if task == "digits":
+        return make_digits()
+    if task == "synthetic":
+        return make_data()
+    raise ValueError(f"unknown task {task!r}; choose synthetic or digits")
 
 
 def run(
@@ -240,14 +259,17 @@ def run(
     adam_lr: float = 3e-3,
     split: str = "iid",
     alpha: float = 0.1,
+    task: str = "synthetic",
+    seed: int = 0,
 ) -> list[Result]:
-    """Train every method in turn on the ``split`` of the data (all ranks); rank 0 returns the results."""
+    """Train every method in turn on the ``split`` of ``task``'s data (all ranks), from ``seed``'s
+    model and batches; rank 0 returns the results."""
     for method in methods:  # a misspelt method fails now, not after the ones before it have trained
         parse_method(method)
     world = dist.get_world_size()
     if dist.get_rank() == 0:
-        labels = make_data()[1]
-        shards = split_data(labels, world, split, alpha, min_size=batch_size)
+        labels = task_data(task)[1]
+        shards = split_data(labels, world, split, alpha, min_size=batch_size, seed=seed)
         print(f"Split {split_label(split, alpha)}: {describe_split(shards, labels)}", flush=True)
     results = []
     for method in methods:
@@ -255,7 +277,7 @@ def run(
             spec = parse_method(method)
             paced = f" ({steps // spec.sync_every} paced rounds)" if spec.paced else ""
             print(f"[{method}] training {steps} steps{paced} on {world} workers", flush=True)
-        result = train_one_method(method, steps, batch_size, lr, log_every, adam_lr, split, alpha)
+        result = train_one_method(method, steps, batch_size, lr, log_every, adam_lr, split, alpha, task, seed)
         if result is not None:
             results.append(result)
         dist.barrier()

@@ -34,9 +34,10 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
     return points[:TRAIN_POINTS], labels[:TRAIN_POINTS], points[TRAIN_POINTS:], labels[TRAIN_POINTS:]
 
 
-def make_model() -> nn.Module:
-    """The MLP every method starts from (32 -> 128 -> 128 -> 10, the same weights each time)."""
-    torch.manual_seed(0)
+def make_model(seed: int = 0) -> nn.Module:
+    """The MLP every method starts from (32 -> 128 -> 128 -> 10, the same weights each time for a
+    ``seed``)."""
+    torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(FEATURES, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, CLASSES)
     )
