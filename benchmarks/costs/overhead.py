@@ -40,6 +40,8 @@ Two measurements, each printed as a ratio of numbers taken side by side in the s
     ``DecentOptimWrapper``: plain (``second_moment="local"``), with Adam's second moment of the
     average gradient (``second_moment="average"``, the default: the rule's own Adam step),
     with this rank's non-finite guard off (``nonfinite_guard=False``: below 1 by what the guard costs),
+    a second plain ring (the control: identical to the reference, so its distance from 1 is the
+    measurement's own spread, what a feature's cost must exceed to be measurable),
     with gradient tracking (``gradient_tracking=True``: the tracker's own gossip and its update,
     ``y <- W y + g - g_prev``) and with bf16 compression, interleaved the same way; reported
     relative to the plain ring. AccumAdamW (``accum_iter=4``) is timed with ``"local"`` (against the
@@ -209,6 +211,7 @@ def measure_training_step(iters: int, batch: int, world_size: int = 1) -> dict[s
         # The reference is the plain ring: every feature, the second-moment rule included, is off.
         for name, options in (
             ("ring", {"second_moment": "local"}),
+            ("ring-again", {"second_moment": "local"}),  # the control: what the spread alone gives
             ("ring-average", {}),
             ("ring-unguarded", {"nonfinite_guard": False, "second_moment": "local"}),
             ("ring-gt", {"gradient_tracking": True, "second_moment": "local"}),
@@ -349,6 +352,7 @@ def print_report(by_world: dict[int, dict[int, dict[str, Any]]]) -> None:
             f"{t['iters']} interleaved steps each, relative to the plain ring ({t['ring_ms']:.3f} ms)"
         )
         for name, label in (
+            ("ring-again", "the plain ring again"),
             ("ring-average", "second_moment='average'"),
             ("ring-unguarded", "nonfinite_guard=False"),
             ("ring-gt", "gradient_tracking=True"),

@@ -295,7 +295,7 @@ def recommend_main(argv: Sequence[str]) -> int:
     keywords = ", ".join(f"{key}={value!r}" for key, value in chosen.options().items())
     print(f"    DecentOptimWrapper(optimizer, {keywords})")
     if chosen.sync_every > 1:
-        print("    (low-communication gossip: choose its outer optimizer as docs/low-communication.md says)")
+        print("    (low-communication gossip: start without an outer optimizer, docs/low-communication.md)")
     if found.ruled_out:
         print(
             f"{found.ruled_out} setting{'s' if found.ruled_out > 1 else ''} sending more ruled out "
