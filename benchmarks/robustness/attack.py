@@ -42,7 +42,7 @@ from torch import nn
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.lm_task import make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.synthetic_task import make_data, make_model, split_data
-from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper import ClippedGossip, DecentOptimWrapper
 
 ATTACKER = 3
 ATTACKS = (None, "scaled", "random", "negated")
@@ -102,7 +102,15 @@ def _task(task: str, rank: int, world: int) -> tuple[nn.Module, Any, Any, Any]:
 
 
 def worker(
-    rank: int, port: int, world: int, method: str, attack: str | None, steps: int, task: str, results: Any
+    rank: int,
+    port: int,
+    world: int,
+    method: str,
+    attack: str | None,
+    steps: int,
+    task: str,
+    clipping: ClippedGossip,
+    results: Any,
 ) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -120,7 +128,7 @@ def worker(
                     lambda opt, args, kwargs: _corrupt(list(model.parameters()), attack, generator)
                 )
             optimizer = DecentOptimWrapper(
-                inner, topology="ring", clipped_gossip=True if method == "ring-clipped" else None
+                inner, topology="ring", clipped_gossip=clipping if method == "ring-clipped" else None
             )
         start = time.perf_counter()
         for _ in range(steps):
@@ -149,13 +157,19 @@ def worker(
 
 
 def run(
-    method: str, attack: str | None, world: int, steps: int, task: str = "classification"
+    method: str,
+    attack: str | None,
+    world: int,
+    steps: int,
+    task: str = "classification",
+    clipping: ClippedGossip | None = None,
 ) -> dict[str, Any]:
+    clipping = clipping or ClippedGossip()
     try:
         by_rank = collect_from_ranks(
             world,
             worker,
-            lambda rank, port, results: (rank, port, world, method, attack, steps, task, results),
+            lambda rank, port, results: (rank, port, world, method, attack, steps, task, clipping, results),
             900,
             f"{method} under {attack}",
         )
@@ -183,12 +197,19 @@ def main() -> None:
         "--attacks", nargs="+", default=["none", *ATTACKS[1:]], choices=["none", *ATTACKS[1:]]
     )
     parser.add_argument("--task", choices=("classification", "lm"), default="classification")
+    parser.add_argument(
+        "--clip-factor", type=float, default=ClippedGossip.factor, help="ring-clipped's radius factor"
+    )
+    parser.add_argument(
+        "--clip-quantile", type=float, default=ClippedGossip.quantile, help="ring-clipped's quantile"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     for method in args.methods:
         for attack in (None if name == "none" else name for name in args.attacks):
-            row = run(method, attack, args.workers, args.steps, args.task)
+            clipping = ClippedGossip(factor=args.clip_factor, quantile=args.clip_quantile)
+            row = run(method, attack, args.workers, args.steps, args.task, clipping)
             rows.append(row)
             print(
                 f"[{method} / {attack or 'no attack'}] loss {row['loss']:.4f} accuracy {row['accuracy']:.4f}"
@@ -196,7 +217,8 @@ def main() -> None:
     print(
         f"\nOne attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, "
         + ("the language model (validation loss)" if args.task == "lm" else "the main job's task (test loss)")
-        + "; the worst honest worker's own replica"
+        + f"; the worst honest worker's own replica; ring-clipped: ClippedGossip(factor={args.clip_factor}, "
+        + f"quantile={args.clip_quantile})"
     )
     header = (
         f"{'method':>13} | {'attack':>9} | {'test loss':>9} | {'accuracy':>8} | {'vs no attack':>12} | target"
@@ -221,7 +243,16 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
-                {"task": args.task, "workers": args.workers, "steps": args.steps, "rows": rows}, f, indent=2
+                {
+                    "task": args.task,
+                    "workers": args.workers,
+                    "steps": args.steps,
+                    "clip_factor": args.clip_factor,
+                    "clip_quantile": args.clip_quantile,
+                    "rows": rows,
+                },
+                f,
+                indent=2,
             )
         print(f"results written to {args.json}")
 
