@@ -37,6 +37,11 @@ def test_the_radius_is_factor_times_a_quantile_of_the_recent_norms():
     window.add([100.0] * 6)  # the window keeps the last 8: 3 4 2 100 x 6 -> sorted 2 3 4 100 ...
     assert window.radius() == pytest.approx(2.0 * (4.0 + 0.75 * 96.0))
     assert clip_scale(1.0, 2.0) == 1.0 and clip_scale(8.0, 2.0) == 0.25 and clip_scale(0.0, 0.0) == 1.0
+    assert (
+        clip_scale(5.0, 2.0, 3.0) == 0.4
+        and clip_scale(8.0, 2.0, 3.0) == 0.0
+        and clip_scale(1.0, 2.0, 3.0) == 1.0
+    )
 
 
 @pytest.mark.pure
@@ -51,6 +56,9 @@ def test_clipped_gossip_options_are_checked_with_the_fix():
         ClippedGossip(quantile=1.5)
     with pytest.raises(ValueError, match=r"window=...\) must be an int >= 1, got 0"):
         ClippedGossip(window=0)
+    for bad in (0.5, True, math.inf, "10"):
+        with pytest.raises(ValueError, match=r"drop_beyond=\.\.\.\) must be None or a number >= 1"):
+            ClippedGossip(drop_beyond=bad)
 
 
 # -- the rule against a simulation ---------------------------------------------------------------------
@@ -69,10 +77,10 @@ class _Scaled(torch.optim.Optimizer):
 
 
 ROUNDS = 6
-OPTIONS = ClippedGossip(factor=2.0, quantile=0.25, window=8)
+OPTIONS = ClippedGossip(factor=2.0, quantile=0.25, window=8, drop_beyond=None)
 
 
-def _clipped_rounds(topology: str) -> tuple[torch.Tensor, torch.Tensor]:
+def _clipped_rounds(topology: str, options: ClippedGossip = OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
     """Distinct dyadic replicas; honest ranks take no steps (lr 0), rank 3 sends 100x its start."""
     rank, model = dist.get_rank(), tiny_model(dtype=torch.float64)
     set_distinct(model, rank, dyadic=True)
@@ -82,7 +90,7 @@ def _clipped_rounds(topology: str) -> tuple[torch.Tensor, torch.Tensor]:
         if rank == 3
         else torch.optim.SGD(model.parameters(), lr=0.0)
     )
-    front = DecentOptimWrapper(inner, topology=topology, clipped_gossip=OPTIONS)
+    front = DecentOptimWrapper(inner, topology=topology, clipped_gossip=options)
     set_distinct(model, rank, dyadic=True)  # the wrapper broadcast rank 0's values
     start = gather(flat(model))
     for _ in range(ROUNDS + 1):  # the last step mixes the last round
@@ -90,14 +98,15 @@ def _clipped_rounds(topology: str) -> tuple[torch.Tensor, torch.Tensor]:
     return start, flat(model)
 
 
-def _simulate(start: torch.Tensor, topology: str) -> torch.Tensor:
-    """Every honest rank's replica after ``ROUNDS`` rounds of the clipped rule, from the mixing matrices."""
+def _simulate(start: torch.Tensor, topology: str, options: ClippedGossip = OPTIONS) -> torch.Tensor:
+    """Every honest rank's replica after ``ROUNDS`` rounds of the clipped rule, from the mixing matrices
+    (with ``drop_beyond``: a difference longer than that many radii left out, written out here)."""
     from decent_optim_wrapper.topo import TopologyFactory
 
     topo = TopologyFactory.create(topology, 4)
     x = start.clone()
     sent_attacker = 100.0 * start[3]
-    windows = [RadiusWindow(OPTIONS) for _ in range(4)]
+    windows = [RadiusWindow(options) for _ in range(4)]
     for r in range(ROUNDS):
         w = topo.mixing_matrix(r)
         sent = x.clone()
@@ -112,6 +121,8 @@ def _simulate(start: torch.Tensor, topology: str) -> torch.Tensor:
                 d = sent[j] - sent[i]
                 norm = float(torch.linalg.vector_norm(d))
                 norms.append(norm)
+                if options.drop_beyond is not None and norm > options.drop_beyond * radius:
+                    continue  # left out: its weight stays with rank i
                 update.add_(d, alpha=float(w[i, j]) * clip_scale(norm, radius))
             new[i] = x[i] + update
             windows[i].add(norms)
@@ -119,11 +130,17 @@ def _simulate(start: torch.Tensor, topology: str) -> torch.Tensor:
     return x
 
 
+DROPPING = ClippedGossip(factor=2.0, quantile=0.25, window=8, drop_beyond=3.0)
+
+
+@pytest.mark.parametrize("options", [OPTIONS, DROPPING], ids=["clipped", "dropping"])
 @pytest.mark.parametrize("topology", ["complete", "ring"])
-def test_clipped_mixing_follows_the_simulation(pool, topology):
-    results = pool(4).run(_clipped_rounds, topology)
+def test_clipped_mixing_follows_the_simulation(pool, topology, options):
+    results = pool(4).run(_clipped_rounds, topology, options)
     start = results[0][0]
-    want = _simulate(start, topology)
+    want = _simulate(start, topology, options)
+    if options is DROPPING:  # the attacker's 100x is far beyond 3 radii once there is a radius
+        assert not torch.equal(want, _simulate(start, topology, OPTIONS))
     for rank in range(3):
         got = results[rank][1]
         # the same operations in the same order; the norms alike: a few u of the largest entry
@@ -215,12 +232,13 @@ def test_an_attacker_drags_plain_gossip_away_but_not_clipped_gossip(pool, attack
     clipped = pool(4).run(_under_attack, "optimizer", attack, True, steps)
     plain = _honest_loss(pool(4).run(_under_attack, "optimizer", attack, False, steps))
     assert all(r["finite"] for r in clipped)
-    # Plain gossip is dragged to 4x the clean loss or more (scaled: to inf). Clipped: within 15% of
-    # the clean run for the scaled and random attacks; the negated model pushes the same way every
-    # round, and the drift it leaves (about its weight times the radius a round) ends within 1.5x
-    # (measured 1.37x with the default factor on this run; 1.65x with factor 1).
+    # Plain gossip is dragged to 4x the clean loss or more (scaled: to inf). Clipped gossip with its
+    # defaults (differences beyond ten radii dropped): within 15% of the clean run for the scaled and
+    # random attacks. On this tiny model the honest replicas differ by a good fraction of their norm,
+    # so the negated model (twice the norm away) is sometimes within ten radii and clipped rather than
+    # dropped: 1.16x the clean loss (measured), bound 1.25.
     assert not math.isfinite(plain) or plain >= 3 * clean, (plain, clean)
-    bound = 1.5 if attack == "negated" else 1.15
+    bound = 1.25 if attack == "negated" else 1.15
     assert _honest_loss(clipped) <= bound * clean, (_honest_loss(clipped), clean)
 
 
@@ -274,3 +292,16 @@ def _resume_pair() -> tuple[torch.Tensor, torch.Tensor]:
 def test_a_checkpoint_with_clipped_gossip_resumes_bit_for_bit(pool):
     for plain, resumed in pool(4).run(_resume_pair):
         assert torch.equal(plain, resumed)
+
+
+@pytest.mark.parametrize("attack", ["scaled", "negated"])
+def test_clipping_alone_bounds_the_pull_of_an_attacker(pool, attack):
+    # The published rule (drop_beyond=None) on the same ring: every difference clipped, none dropped.
+    # The negated model pushes the same way every round, and the drift it leaves (about its weight
+    # times the radius a round) ends within 1.5x the clean loss (measured 1.37x; 1.65x with factor 1).
+    steps, clipping = 60, ClippedGossip(drop_beyond=None)
+    clean = _honest_loss(pool(4).run(_under_attack, "optimizer", None, clipping, steps))
+    attacked = pool(4).run(_under_attack, "optimizer", attack, clipping, steps)
+    assert all(r["finite"] for r in attacked)
+    bound = 1.5 if attack == "negated" else 1.15
+    assert _honest_loss(attacked) <= bound * clean, (_honest_loss(attacked), clean)

@@ -203,12 +203,21 @@ def main() -> None:
     parser.add_argument(
         "--clip-quantile", type=float, default=ClippedGossip.quantile, help="ring-clipped's quantile"
     )
+    parser.add_argument(
+        "--clip-drop",
+        type=lambda text: None if text.lower() == "none" else float(text),
+        default=ClippedGossip.drop_beyond,
+        help="ring-clipped's drop_beyond: leave out differences longer than this many radii (default "
+        f"{ClippedGossip.drop_beyond}; none: clip them all)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     rows = []
     for method in args.methods:
         for attack in (None if name == "none" else name for name in args.attacks):
-            clipping = ClippedGossip(factor=args.clip_factor, quantile=args.clip_quantile)
+            clipping = ClippedGossip(
+                factor=args.clip_factor, quantile=args.clip_quantile, drop_beyond=args.clip_drop
+            )
             row = run(method, attack, args.workers, args.steps, args.task, clipping)
             rows.append(row)
             print(
@@ -218,7 +227,7 @@ def main() -> None:
         f"\nOne attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, "
         + ("the language model (validation loss)" if args.task == "lm" else "the main job's task (test loss)")
         + f"; the worst honest worker's own replica; ring-clipped: ClippedGossip(factor={args.clip_factor}, "
-        + f"quantile={args.clip_quantile})"
+        + f"quantile={args.clip_quantile}, drop_beyond={args.clip_drop})"
     )
     header = (
         f"{'method':>13} | {'attack':>9} | {'test loss':>9} | {'accuracy':>8} | {'vs no attack':>12} | target"
@@ -249,6 +258,7 @@ def main() -> None:
                     "steps": args.steps,
                     "clip_factor": args.clip_factor,
                     "clip_quantile": args.clip_quantile,
+                    "clip_drop": args.clip_drop,
                     "rows": rows,
                 },
                 f,

@@ -15,6 +15,14 @@ where ``\hat x_j`` is what member ``j`` sent (its values, or with compression th
 decoded difference, so that ``\hat x_j - \hat x_i = q_j - q_i``). A neighbour within the radius mixes
 exactly as under plain gossip; one beyond it moves ``x_i`` by at most ``W_{ij} \tau_i`` per round.
 
+**Dropping** (``drop_beyond=c``, default 10): a difference longer than ``c \tau_i`` is left out of the
+round instead of clipped (its weight stays with ``x_i``), a redescending rule: an attacker far outside
+the honest spread (a scaled, random or negated model) then moves its receivers not at all, where
+clipping alone still lets it push ``W_{ij} \tau_i`` a round, the same way every round for the negated
+model. An honest neighbour that far out is left out for those rounds only: its norms still enter the
+window, so a spread that grows for everyone raises the radius within half a window of rounds and
+readmits it. ``drop_beyond=None`` clips every difference (the published rule).
+
 **The radius** follows the recent differences: ``\tau_i = \text{factor} \cdot
 Q_q(\text{the last ``window`` norms } \lVert \hat x_j - \hat x_i \rVert \text{ this rank received for the
 bucket, before this round's})``, the ``q``-quantile (default: the lower quartile, which stays an honest
@@ -50,11 +58,14 @@ class ClippedGossip:
             matters more than mixing honest outliers whole).
         quantile: which quantile, in ``[0, 1]`` (default 0.25: the lower quartile).
         window: how many recent norms per bucket the quantile is taken over (>= 1; default 32).
+        drop_beyond: ``c >= 1`` (default 10): a difference longer than ``c`` radii is left out of the
+            round, its weight kept by the receiver; None clips every difference.
     """
 
     factor: float = 0.5
     quantile: float = 0.25
     window: int = 32
+    drop_beyond: float | None = 10.0
 
     def __post_init__(self) -> None:
         if isinstance(self.factor, bool) or not isinstance(self.factor, int | float) or not self.factor > 0:
@@ -67,6 +78,14 @@ class ClippedGossip:
             raise ValueError(f"ClippedGossip(quantile=...) must lie in [0, 1], got {self.quantile!r}.")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"ClippedGossip(window=...) must be an int >= 1, got {self.window!r}; e.g. 32.")
+        drop = self.drop_beyond
+        if drop is not None and (
+            isinstance(drop, bool) or not isinstance(drop, int | float) or not 1.0 <= drop < math.inf
+        ):
+            raise ValueError(
+                f"ClippedGossip(drop_beyond=...) must be None or a number >= 1 (radii), got {drop!r}; "
+                "e.g. 10.0 leaves out differences longer than ten radii."
+            )
 
 
 ClippedGossipSpec = bool | ClippedGossip | None
@@ -82,7 +101,8 @@ def resolve_clipped_gossip(spec: object) -> ClippedGossip | None:
         return spec
     raise TypeError(
         f"clipped_gossip must be None, True or a ClippedGossip(factor=..., quantile=..., window=...), got "
-        f"{spec!r}; True clips each neighbour's difference to half the lower quartile of the recent ones."
+        f"{spec!r}; True clips each neighbour's difference to half the lower quartile of the recent ones "
+        "and leaves it out beyond ten radii."
     )
 
 
@@ -114,8 +134,10 @@ class RadiusWindow:
         return list(self._norms)
 
 
-def clip_scale(norm: float, radius: float) -> float:
-    """``min(1, radius / norm)`` (1 for a zero difference)."""
+def clip_scale(norm: float, radius: float, drop_beyond: float | None = None) -> float:
+    """``min(1, radius / norm)`` (1 for a zero difference); 0 beyond ``drop_beyond`` radii."""
     if norm <= radius:
         return 1.0
+    if drop_beyond is not None and norm > drop_beyond * radius:
+        return 0.0
     return radius / norm

@@ -492,7 +492,8 @@ class Gossip:
         slot = group.ranks.index(self._rank)
         coder.decode_into(slots[slot], own, seed)
         update.zero_()
-        radius, norms = channel.radius.radius(), []
+        assert self._clipped is not None
+        radius, norms, drop = channel.radius.radius(), [], self._clipped.drop_beyond
         sent_with = 1.0 / group.size if group.self_weight is None else group.peer_weight
         for j in range(group.size):
             if j == slot or j in bad:
@@ -501,7 +502,9 @@ class Gossip:
             other.sub_(own)
             norm = float(torch.linalg.vector_norm(other))
             norms.append(norm)
-            update.add_(other, alpha=factor * sent_with * clip_scale(norm, radius))
+            scale = clip_scale(norm, radius, drop)
+            if scale > 0.0:
+                update.add_(other, alpha=factor * sent_with * scale)
         channel.tensor.add_(update)
         channel.radius.add(norms)
 
