@@ -49,7 +49,7 @@ class Candidate:
 
     @property
     def method(self) -> str:
-        """The planner's and the benchmarks' name: ``ring``, ``ring@int8``, ``ring~h8d1@int8``."""
+        """Its name as the planner and the benchmarks write it (``ring``, ``ring~h8d1@int8``)."""
         period = "" if self.sync_every == 1 else f"~h{self.sync_every}d{self.sync_delay}"
         return f"{self.topology}{period}" + (f"@{self.compression}" if self.compression else "")
 
