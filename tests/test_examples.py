@@ -101,7 +101,9 @@ def test_benchmark_runner_trains_compressed_gossip_on_a_label_skewed_split(pool,
         assert 0.0 <= r.accuracy <= 1.0
     # the engine counts what bf16 gossip sends: fewer bytes than the same topology uncompressed
     assert 0 < by_method["ring@bf16"].bytes_per_step < by_method["ring"].bytes_per_step
-    convergence.report(results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3))
+    convergence.report(
+        results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
+    )
     out = capsys.readouterr().out
     assert "dirichlet(alpha=0.1) split" in out and "ring@bf16" in out
 
@@ -124,7 +126,9 @@ def test_benchmark_runner_trains_with_gradient_tracking_on_both_front_ends(pool,
     # the tracker travels beside the parameters, compressed like them: twice the bytes
     assert by_method["ring-gt"].bytes_per_step == 2 * by_method["ring"].bytes_per_step
     assert by_method["ring-gt@bf16"].bytes_per_step == 2 * by_method["ring@bf16"].bytes_per_step
-    convergence.report(results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3))
+    convergence.report(
+        results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
+    )
     assert "ring-module-gt" in capsys.readouterr().out
 
 
@@ -167,6 +171,6 @@ def test_benchmark_runner_trains_paced_rounds_on_both_front_ends(pool, capsys):
     convergence.report(
         [SimpleNamespace(**r) for r in results],
         2,
-        SimpleNamespace(steps=16, batch_size=16, lr=0.05, adam_lr=3e-3),
+        SimpleNamespace(steps=16, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic"),
     )
     assert "ring~h4n0.1p+adamw: inner steps per worker 11 to 21, 32 in all" in capsys.readouterr().out

@@ -258,8 +258,9 @@ def report(results: list[Result], world: int, args: argparse.Namespace) -> None:
     split = results[0].split
     seeds = len(results[0].accuracies) or 1
     print(
-        f"\nConvergence, {args.task} task, {split_label(split, results[0].alpha)} split: {world} workers, "
-        f"{args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, adam lr {args.adam_lr}"
+        f"\nConvergence, {split_label(split, results[0].alpha)} split: {world} workers, "
+        f"{args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, adam lr {args.adam_lr}; "
+        f"{args.task} task"
         + (f"; means over {seeds} seeds, spread = max - min accuracy (points)" if seeds > 1 else "")
     )
     header = (
