@@ -154,6 +154,16 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _cluster(args: argparse.Namespace) -> tuple[float, Link, Link, HostCopy | None]:
+    """The model's bytes, the links between and inside nodes and the host copy of
+    :func:`_cluster_arguments`' values (a ValueError names a value that does not parse)."""
+    model_bytes = parse_quantity(args.model_bytes, "bytes")
+    inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
+    intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
+    host_copy = None if args.host_copy is None else HostCopy(parse_quantity(args.host_copy, "bytes"))
+    return model_bytes, inter, intra, host_copy
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (argument errors exit with status 2)."""
     import sys
@@ -166,9 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        model_bytes = parse_quantity(args.model_bytes, "bytes")
-        inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
-        intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
+        model_bytes, inter, intra, host_copy = _cluster(args)
         jitter = args.jitter or (UNEVEN if args.factors else "none")
         compute = ComputeTimes(
             args.compute_ms / 1e3,
@@ -179,7 +187,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         for name in args.compression:
             parse_compression(name)
-        host_copy = None if args.host_copy is None else HostCopy(parse_quantity(args.host_copy, "bytes"))
     except ValueError as err:
         parser.error(str(err))
     if args.nodes < 1 or args.workers_per_node < 1 or args.steps <= 10 or model_bytes < 4:
@@ -259,10 +266,7 @@ def recommend_main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        model_bytes = parse_quantity(args.model_bytes, "bytes")
-        inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
-        intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
-        host_copy = None if args.host_copy is None else HostCopy(parse_quantity(args.host_copy, "bytes"))
+        model_bytes, inter, intra, host_copy = _cluster(args)
         if args.nodes < 1 or args.workers_per_node < 1 or model_bytes < 4 or args.compute_ms <= 0:
             raise ValueError(
                 f"need --nodes >= 1, --workers-per-node >= 1, --model-bytes >= 4 and --compute-ms > 0, got "
