@@ -92,8 +92,12 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         remove_namespaces()
 
-    def shape(self, rate: str | None) -> None:
-        """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping."""
+    def shape(self, rate: str | None, burst: int | None = None) -> None:
+        """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping.
+
+        ``burst``: the token bucket's bytes (default: 4 ms at the rate, at least 64 KiB, a GSO
+        packet). A link of tens of kbit/s wants a few packets' worth instead: 64 KiB would pass
+        seconds of its traffic at the bridge's speed (tbf splits a larger GSO packet itself)."""
         for node in range(self.nodes):
             for ns, dev in ((self.namespace(node), self.ifname(node)), (BRIDGE_NS, f"dow{node}br")):
                 subprocess.run(
@@ -102,7 +106,8 @@ class Cluster:
                     timeout=20,
                 )
                 if rate is not None:
-                    burst = max(64 * 1024, rate_bits(rate) // 8 // 250)  # 4 ms at the rate, >= a GSO packet
+                    if burst is None:
+                        burst = max(64 * 1024, rate_bits(rate) // 8 // 250)  # 4 ms at the rate, a GSO packet
                     sh(
                         "ip",
                         "netns",
@@ -150,8 +155,9 @@ conn.sendall(bytes(int(sys.argv[3]))); conn.close()
 """
 
 
-def measure_link(cluster: Cluster, megabytes: int, port: int) -> float:
-    """Mbit/s of one TCP stream from node 1 to node 0 (checks that the shaping works)."""
+def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float = 60.0) -> float:
+    """Mbit/s of one TCP stream from node 1 to node 0 (checks that the shaping works); the stream of
+    ``megabytes`` must pass within ``timeout_s``."""
     addr = cluster.address(0)
     receiver = subprocess.Popen(
         ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", LINK_RECEIVER, addr, str(port)],
@@ -169,8 +175,8 @@ def measure_link(cluster: Cluster, megabytes: int, port: int) -> float:
             LINK_SENDER,
             addr,
             str(port),
-            str(megabytes * 10**6),
-            timeout=60,
+            str(int(megabytes * 10**6)),
+            timeout=timeout_s,
         )
         out, _ = receiver.communicate(timeout=30)
         return float(out)

@@ -3,7 +3,8 @@
 Run by ``low_communication/time_to_loss_cluster.py`` and ``uneven_fleet/time_to_loss.py``, inside a
 node's network namespace (``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``, ``NODE_ADDR`` set).
 Trains ``lm_task.py``'s transformer on this rank's iid windows, AdamW with the language-model
-benchmark's learning rate and a cosine schedule over ``--steps``, for at most ``--stop-at`` steps, and
+benchmark's learning rate and a cosine schedule over ``--steps`` (after ``--warmup`` steps of linear
+warmup, ``runner.warmup_cosine``), for at most ``--stop-at`` steps, and
 every ``--eval-every`` steps writes its parameters (one flat fp32 tensor) and the seconds of training so
 far to ``--outdir``; the driver averages the ranks' files and evaluates them afterwards, so evaluating
 costs the run nothing (writing the file is left out of the clock). Each step starts with ``--pad-ms`` of
@@ -34,6 +35,7 @@ import argparse
 import math
 import re
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -44,6 +46,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as power_s
 from benchmarks.harness.cluster_worker import COLLECTIVE_TIMEOUT, write_atomically
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, windows
 from benchmarks.harness.methods import optimizer_factory, parse_method
+from benchmarks.harness.runner import warmup_cosine
 from benchmarks.harness.torchft_peer import TorchftDiLoCo
 from decent_optim_wrapper import DecentOptimWrapper
 
@@ -80,7 +83,8 @@ def build(
         inner = adamw(params)
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.0)
         alpha = float(torchft["alpha"] or 0.0)
-        diloco = TorchftDiLoCo(model, inner, outer, every, delay, args.rank, args.world_size, alpha)
+        timeout = timedelta(seconds=args.timeout_s)
+        diloco = TorchftDiLoCo(model, inner, outer, every, delay, args.rank, args.world_size, alpha, timeout)
         return model, inner, allreduce * model_bytes / every, diloco
     spec = parse_method(method)
     if spec.paced:  # a fixed schedule of counts: measured pacing is --pacing measured
@@ -91,7 +95,7 @@ def build(
     options = spec.engine_options()
     if args.pacing != "none":
         options["pacing"] = args.pacing
-    wrapper = DecentOptimWrapper(adamw(params), timeout=COLLECTIVE_TIMEOUT, **options)
+    wrapper = DecentOptimWrapper(adamw(params), timeout=timedelta(seconds=args.timeout_s), **options)
     return model, wrapper, wrapper.engine.bytes_sent_per_step(), None
 
 
@@ -128,7 +132,7 @@ def train(args: argparse.Namespace) -> None:
         )
     if args.pacing != "none" and not by_rounds:
         raise ValueError("--pacing measured: ranks take different steps; train by --rounds")
-    scheduler = None if by_rounds else torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+    scheduler = None if by_rounds else warmup_cosine(optimizer, args.steps, args.warmup)
     sampler = torch.Generator().manual_seed(100 + rank)
     outdir = Path(args.outdir)
     points: list[tuple[int, float]] = []
@@ -209,6 +213,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--method", required=True)
     parser.add_argument("--steps", type=int, default=600, help="the cosine schedule's length")
+    parser.add_argument("--warmup", type=int, default=0, help="linear warmup steps before the cosine")
     parser.add_argument("--stop-at", type=int, default=600, help="steps actually taken")
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--batch", type=int, default=16)
@@ -220,6 +225,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=0, help="train by rounds (0: by --stop-at steps)")
     parser.add_argument("--eval-rounds", type=int, default=2, help="with --rounds: write every so many")
     parser.add_argument("--pacing", choices=("none", "measured"), default="none")
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=COLLECTIVE_TIMEOUT.total_seconds(),
+        help="collectives' timeout: raise it where one exchange takes minutes (a very slow link)",
+    )
     parser.add_argument("--outdir", required=True)
     return parser.parse_args()
 
@@ -228,7 +239,8 @@ def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
-    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size, timeout=COLLECTIVE_TIMEOUT)
+    timeout = timedelta(seconds=args.timeout_s)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world_size, timeout=timeout)
     try:
         train(args)
     finally:

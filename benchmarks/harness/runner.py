@@ -57,11 +57,28 @@ def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def warmup_cosine(
+    optimizer: torch.optim.Optimizer, steps: int, warmup: int = 0
+) -> torch.optim.lr_scheduler.LRScheduler:
+    """torch's own schedules: a linear warmup from 1/``warmup`` of the learning rate over ``warmup``
+    steps, then a cosine down to 0 over the rest of ``steps`` (``CosineAnnealingLR`` alone when
+    ``warmup`` is 0, as every benchmark before warmup existed)."""
+    if warmup <= 0:
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+    if warmup >= steps:
+        raise ValueError(f"warmup={warmup} must be shorter than the run's {steps} steps")
+    lr = torch.optim.lr_scheduler
+    ramp = lr.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
+    decay = lr.CosineAnnealingLR(optimizer, T_max=steps - warmup)
+    return lr.SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
+
+
 def build_training(
     spec: Method,
     model: nn.Module,
     make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
     steps: int,
+    warmup: int = 0,
 ) -> tuple[
     nn.Module,
     torch.optim.Optimizer | None,
@@ -70,7 +87,8 @@ def build_training(
 ]:
     """What trains ``model`` with ``spec``: the module to call, the optimizer to step (None for the
     module front-end, which steps inside backward), what gossips (None for DDP), and a cosine
-    schedule over ``steps`` (None for the module front-end, which steps its own per bucket). For a
+    schedule over ``steps`` after ``warmup`` steps of linear warmup (:func:`warmup_cosine`; None for the
+    module front-end, which steps its own per bucket). For a
     paced method ``steps`` is this rank's own total (:func:`paced_plan`)."""
     optimizer: torch.optim.Optimizer | None = None
     replicas: DecentOptimWrapper | DecentralizedDataParallel | None = None
@@ -81,7 +99,7 @@ def build_training(
         net = replicas = DecentralizedDataParallel(
             model,
             make_optimizer,
-            lr_scheduler_fn=lambda opt: torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps),
+            lr_scheduler_fn=lambda opt: warmup_cosine(opt, steps, warmup),
             **spec.engine_options(),
         )
     else:
@@ -91,7 +109,7 @@ def build_training(
         )
     scheduler = None
     if optimizer is not None:
-        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        scheduler = warmup_cosine(optimizer, steps, warmup)
     return net, optimizer, replicas, scheduler
 
 

@@ -25,7 +25,8 @@ class TorchftDiLoCo:
     """torchft's DiLoCo over ``model``: ``inner`` steps locally, ``outer`` every ``every`` steps over
     the replica groups (``delay``: torchft's ``fragment_sync_delay``, the exchange overlapped with
     that many inner steps; ``update_alpha``: its ``fragment_update_alpha``, how much of those inner
-    steps the synced parameters keep). ``NODE_ADDR`` and ``MASTER_ADDR`` (rank 0's node) come from
+    steps the synced parameters keep; ``timeout``: its group's and manager's, longer than one exchange
+    takes on the link). ``NODE_ADDR`` and ``MASTER_ADDR`` (rank 0's node) come from
     the environment.
     """
 
@@ -39,6 +40,7 @@ class TorchftDiLoCo:
         rank: int,
         world_size: int,
         update_alpha: float = 0.0,
+        timeout: timedelta = timedelta(seconds=120),
     ) -> None:
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
@@ -55,7 +57,7 @@ class TorchftDiLoCo:
         self.store = TCPStore(host, port, 1, True)
         self.inner = inner
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
+            pg=ProcessGroupGloo(timeout=timeout),
             min_replica_size=world_size,
             load_state_dict=lambda state: model.load_state_dict(state["model"]),
             state_dict=lambda: {"model": model.state_dict()},
@@ -67,7 +69,7 @@ class TorchftDiLoCo:
             lighthouse_addr=f"http://{lighthouse}:{TORCHFT_PORTS}",
             port=port + 1,
             hostname=host,
-            timeout=timedelta(seconds=120),
+            timeout=timeout,
             use_async_quorum=False,
             init_sync=False,
         )

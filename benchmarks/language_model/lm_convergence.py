@@ -102,6 +102,7 @@ def train_lm(
     width: int = 64,
     depth: int = 2,
     seed: int = 0,
+    warmup: int = 0,
 ) -> LMResult | None:
     """Train one method on this rank's part of ``split`` (every rank calls this); rank 0 gets the result."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -112,7 +113,7 @@ def train_lm(
     model = make_lm_model(width, depth, seed)
     make_optimizer = optimizer_factory(spec.optimizer, lr=0.0, adam_lr=adam_lr)
     schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
-    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps)
+    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps, warmup)
     sampler = torch.Generator().manual_seed(100 + rank + 1000 * seed)
     losses = torch.zeros(steps if schedule is None else rounds, dtype=torch.float64)
     curve: list[tuple[int, float]] = []
@@ -210,7 +211,9 @@ def report(results: list[LMResult], args: argparse.Namespace, world: int) -> Non
     print(
         f"\nLanguage model ({describe_corpus()}), {split} split: {world} workers, {args.steps} steps, "
         f"batch {args.batch_size} x {CONTEXT} bytes/worker, AdamW lr {args.adam_lr}, "
-        f"{reference.parameters:,} parameters" + (f", seed {args.seed}" if args.seed else "")
+        f"{reference.parameters:,} parameters"
+        + (f", seed {args.seed}" if args.seed else "")
+        + (f", {args.warmup} warmup steps" if args.warmup else "")
     )
     header = (
         f"{'method':>30} | {'val loss':>8} | {'train loss':>10} | {'bytes/step':>10} | {'vs DDP':>7} | "
@@ -292,6 +295,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                     args.width,
                     args.depth,
                     args.seed,
+                    args.warmup,
                 )
                 if result is not None:
                     results.append(result)
@@ -320,6 +324,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--adam-lr", type=float, default=3e-3)
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate the average every K steps")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=0,
+        help="linear warmup steps before the cosine (default 0: cosine alone)",
+    )
     parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
     parser.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
     parser.add_argument(

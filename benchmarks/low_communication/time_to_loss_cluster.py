@@ -117,8 +117,18 @@ def engine_overhead_seconds(args: argparse.Namespace, method: str = "ring~h8d1",
     return max(0.0, means[1] - means[0])
 
 
-def run_method(cluster: Cluster, method: str, stop_at: int, pad_ms: float, args: argparse.Namespace) -> Path:
-    """Train ``method`` on every node; returns the folder of the ranks' files (raises if a rank failed)."""
+def run_method(
+    cluster: Cluster,
+    method: str,
+    stop_at: int,
+    pad_ms: float,
+    args: argparse.Namespace,
+    deadline_s: float | None = None,
+) -> Path:
+    """Train ``method`` on every node; returns the folder of the ranks' files (raises if a rank failed).
+
+    ``args`` carries the worker's flags (``--warmup`` and ``--timeout-s`` too); the run is stopped
+    after ``deadline_s`` (default: 1.5 times ``args.budget_s`` and a minute)."""
     outdir = Path(tempfile.mkdtemp(prefix="dow-ttl-"))
     procs = []
     args.port_offset = (args.port_offset + 1) % 16  # a fresh port per run: the last run's may linger
@@ -135,12 +145,14 @@ def run_method(cluster: Cluster, method: str, stop_at: int, pad_ms: float, args:
             "--pad-ms": pad_ms,
             "--width": args.width,
             "--depth": args.depth,
+            "--warmup": args.warmup,
+            "--timeout-s": args.timeout_s,
             "--outdir": outdir,
         }
         argv = [str(WORKER), *[str(item) for pair in flags.items() for item in pair]]
         env = node_env(cluster, rank, 29681 + args.port_offset)
         procs.append(start_in_node(cluster, rank, argv, env, outdir / f"rank{rank}.log"))
-    deadline = time.monotonic() + args.budget_s * 1.5 + 60
+    deadline = time.monotonic() + (args.budget_s * 1.5 + 60 if deadline_s is None else deadline_s)
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs):
@@ -342,7 +354,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    args.port_offset = 0
+    args.port_offset, args.warmup, args.timeout_s = 0, 0, 120.0
     if "nocomm" not in args.methods:
         args.methods = ["nocomm", *args.methods]
     args.methods = ["nocomm", *[m for m in args.methods if m != "nocomm"]]  # first: the planner's input
