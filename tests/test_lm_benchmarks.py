@@ -59,7 +59,7 @@ def test_report_judges_targets_and_prints_the_uncorrected_twin(capsys):
         _result("ring~h8@int8+adamw", 2.14, [(20, 2.14)]),  # 1.07 DDP (missed), 1.0094 its twin (met)
         _result("ring@topk:0.03:int4+adamw", 2.1, [(20, 2.1)]),  # 1.05 DDP, 1.0345 its twin: both missed
     ]
-    args = SimpleNamespace(steps=20, batch_size=16, adam_lr=3e-3, seed=0)
+    args = SimpleNamespace(steps=20, batch_size=16, adam_lr=3e-3, seed=0, warmup=0)
     lm_convergence.report(results, args, 4)
     lines = {line.split("|")[0].strip(): line for line in capsys.readouterr().out.splitlines() if "|" in line}
     ring = [cell.strip() for cell in lines["ring+adamw"].split("|")]
@@ -90,7 +90,7 @@ def test_a_paced_method_brings_its_unpaced_twin_and_is_judged_at_two_percent(cap
         _result("ring~h8d1+adamw", 2.08, [(20, 2.08)]),  # 1.04: met (5%, sync_every 8)
     ]
     paced[1].steps_per_rank = [27, 27, 13, 13]
-    lm_convergence.report(paced, SimpleNamespace(steps=20, batch_size=16, adam_lr=3e-3, seed=0), 4)
+    lm_convergence.report(paced, SimpleNamespace(steps=20, batch_size=16, adam_lr=3e-3, seed=0, warmup=0), 4)
     out = capsys.readouterr().out
     lines = {line.split("|")[0].strip(): line for line in out.splitlines() if "|" in line}
     assert [cell.strip() for cell in lines["ring~h8d1p+adamw"].split("|")][4:] == [

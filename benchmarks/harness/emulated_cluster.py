@@ -92,12 +92,14 @@ class Cluster:
     def __exit__(self, *exc: object) -> None:
         remove_namespaces()
 
-    def shape(self, rate: str | None, burst: int | None = None) -> None:
+    def shape(self, rate: str | None, burst: int | None = None, latency: str = "100ms") -> None:
         """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping.
 
         ``burst``: the token bucket's bytes (default: 4 ms at the rate, at least 64 KiB, a GSO
         packet). A link of tens of kbit/s wants a few packets' worth instead: 64 KiB would pass
-        seconds of its traffic at the bridge's speed (tbf splits a larger GSO packet itself)."""
+        seconds of its traffic at the bridge's speed (tbf splits a larger GSO packet itself).
+        ``latency``: how long a packet may wait in the bucket's queue before it is dropped (tc's
+        ``latency``); at tens of kbit/s 100 ms queue a few KB, less than one start-up burst."""
         for node in range(self.nodes):
             for ns, dev in ((self.namespace(node), self.ifname(node)), (BRIDGE_NS, f"dow{node}br")):
                 subprocess.run(
@@ -125,7 +127,7 @@ class Cluster:
                         "burst",
                         str(burst),
                         "latency",
-                        "100ms",
+                        latency,
                     )
 
 

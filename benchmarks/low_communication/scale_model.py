@@ -160,7 +160,7 @@ def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
                 flush=True,
             )
         rate_bits = model_bytes * 8 / (args.link_steps * nocomm_s)
-        cluster.shape(f"{int(rate_bits)}bit", burst=4 * MTU_FRAME)
+        cluster.shape(f"{int(rate_bits)}bit", burst=4 * MTU_FRAME, latency=f"{args.queue_s:g}s")
         probe_mb = rate_bits / 8 * 20 / 1e6  # 20 s of the link
         megabits = measure_link(cluster, probe_mb, 29669, timeout_s=120)
         print(
@@ -327,6 +327,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--topology", default="one-peer-exp", help="the planner's topology for --ours")
     parser.add_argument("--baselines", nargs="*", default=BASELINES)
     parser.add_argument("--timed-steps", type=int, default=2, help="baselines' steps timed on the slow links")
+    parser.add_argument(
+        "--queue-s",
+        type=float,
+        default=10.0,
+        help="seconds a packet may queue at a shaped link (a 100 ms queue at 47 kbit/s dropped the start-up)",
+    )
     parser.add_argument("--compute-ms", type=float, default=150.0, help="a step's compute, topped up")
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--warmup", type=int, default=60)
