@@ -96,6 +96,16 @@ def set_distinct(model: nn.Module, rank: int, dyadic: bool = False) -> None:
             p.copy_(values)
 
 
+def forget_start_point(front: Any) -> None:
+    """Reload an optimizer front-end's own state without its gossip's common starting point, as from a
+    checkpoint saved without one: each compressed group then first meets with an exact round."""
+    state = front.state_dict()
+    gossip = state["decent"]["gossip"]
+    assert gossip is not None and "start" in gossip, "a fresh compressed run keeps the broadcast point"
+    del gossip["start"]
+    front.load_state_dict(state)
+
+
 def gather(t: torch.Tensor) -> torch.Tensor:
     """All ranks' ``t`` stacked along dim 0."""
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]

@@ -1,9 +1,10 @@
 """Multi-process: compressed gossip follows its update rule, keeps the mean, resumes bit for bit, and is
 the same on both front-ends.
 
-The update rule (decent_optim_wrapper.engine.wire.compression): a group's first round is exact; later a
-member sends ``q_i = Q(x_i - r)`` and mixes ``x_i <- x_i + c (sum_j q_j - k q_i)``, and every member
-moves the shared reference ``r <- r + sum_j q_j / k``.
+The update rule (decent_optim_wrapper.engine.wire.compression): every group's reference starts at the
+common point the replicas were broadcast to (``r = x_0``); a member sends ``q_i = Q(x_i - r)`` and mixes
+``x_i <- x_i + c (sum_j q_j - k q_i)``, and every member moves the shared reference
+``r <- r + sum_j q_j / k``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import bare_and_wrapped, batch, flat, gather, set_distinct, tiny_model, train_steps
+from helpers import (
+    bare_and_wrapped,
+    batch,
+    flat,
+    forget_start_point,
+    gather,
+    set_distinct,
+    tiny_model,
+    train_steps,
+)
 from resume import Resumable, assert_resume_is_bitwise
 from simulation import Simulation, sgd_replicas
 from torch import nn
@@ -50,14 +60,14 @@ def _quantize(values: torch.Tensor, wire: str, step: int) -> torch.Tensor:
 
 
 class _CompressedGossip(Simulation):
-    """The rule above: a group's first round is exact; later rounds send Q(x_i - r) and move r."""
+    """The rule above: references start at the broadcast point; rounds send Q(x_i - r) and move r."""
 
     def __init__(self, topology: str, world_size: int, wire: str) -> None:
         super().__init__(topology, *sgd_replicas(world_size, torch.float64))
         self.wire = wire
+        self.start = self.vector(0).clone()  # every replica's, after the broadcast
         self.references: dict[tuple[int, ...], torch.Tensor] = {}
         self.sent: dict[int, torch.Tensor] = {}  # per rank, what it sent
-        self.first: set[tuple[int, ...]] = set()  # groups whose pending round is their first (exact)
 
     def mix(self, step: int) -> None:
         for group in self.topo.phase(step):
@@ -66,19 +76,16 @@ class _CompressedGossip(Simulation):
             total = sum(self.sent[j] for j in group.ranks)
             for i in group.ranks:
                 self.set_vector(i, self.vector(i) + group.peer_weight * (total - group.size * self.sent[i]))
-            mean_q = total / group.size
-            ranks = group.ranks
-            self.references[ranks] = mean_q if ranks in self.first else self.references[ranks] + mean_q
+            self.references[group.ranks] = self.reference(group.ranks) + total / group.size
+
+    def reference(self, ranks: tuple[int, ...]) -> torch.Tensor:
+        return self.references.get(ranks, self.start)
 
     def launch(self, step: int) -> None:
-        self.sent, self.first = {}, set()
+        self.sent = {}
         for group in self.topo.phase(step):
             for i in group.ranks:
-                if group.ranks not in self.references:
-                    self.sent[i] = self.vector(i)
-                    self.first.add(group.ranks)
-                else:
-                    self.sent[i] = _quantize(self.vector(i) - self.references[group.ranks], self.wire, step)
+                self.sent[i] = _quantize(self.vector(i) - self.reference(group.ranks), self.wire, step)
 
 
 def _compressed_training(topology: str, wire: str, steps: int) -> torch.Tensor:
@@ -106,6 +113,36 @@ def test_compressed_training_equals_the_independent_simulation(pool, world_size,
     # wrong reference, a missing error feedback or a mis-ordered mix would show.
     for rank in range(world_size):
         torch.testing.assert_close(got[rank], expected[rank], rtol=0, atol=1e-12)
+
+
+def _first_rounds(wire: str, forget: bool) -> list[tuple[list[str | None], bool]]:
+    """Per step of one-peer-exp on 4 ranks (groups {0,1} then {0,2}, then {0,1} again): the codec of
+    the round in flight and whether the common starting point is still kept."""
+    rank, model = dist.get_rank(), tiny_model()
+    opt = DecentOptimWrapper(
+        torch.optim.SGD(model.parameters(), lr=0.1), topology="one-peer-exp", compression=wire
+    )
+    if forget:
+        forget_start_point(opt)
+    seen = []
+    for step in range(3):
+        train_steps(model, opt, rank, range(step, step + 1))
+        gossip = opt.state_dict()["decent"]["gossip"]
+        seen.append((gossip["codecs"], "start" in gossip))
+    return seen
+
+
+@pytest.mark.parametrize("wire", ["int8", "topk:0.05:int4"])
+def test_a_groups_first_round_is_compressed_from_the_broadcast_point(pool, wire):
+    # The replicas start where rank 0's parameters were broadcast: every group's reference starts there,
+    # so no round of a fresh job sends exact values; the point is kept until both groups have met.
+    for seen in pool(4).run(_first_rounds, wire, False):
+        assert seen == [([wire], True), ([wire], True), ([wire], False)]
+
+
+def test_without_a_common_starting_point_a_groups_first_round_is_exact(pool):
+    for seen in pool(4).run(_first_rounds, "int8", True):
+        assert seen == [(["exact"], False), (["exact"], False), (["int8"], False)]
 
 
 # -- the guarantees --------------------------------------------------------------------------------------
@@ -231,10 +268,10 @@ def test_global_avg_is_exact_and_revert_continues_bit_for_bit(pool, wire):
 
 
 # -- checkpoints --------------------------------------------------------------------------------------
-def _wrapper_run(wire: str, seed: int = 0):
+def _wrapper_run(wire: str, seed: int = 0, topology: str = "ring"):
     model = tiny_model(seed=seed)
     opt = DecentOptimWrapper(
-        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), topology="ring", compression=wire
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), topology=topology, compression=wire
     )
     return model, opt
 
@@ -242,9 +279,10 @@ def _wrapper_run(wire: str, seed: int = 0):
 @dataclass(frozen=True)
 class _WrapperRun(Resumable):
     wire: str
+    early: bool = False  # saved before every group has met: one-peer-exp, the broadcast point still kept
 
     def build(self, seed: int):
-        return _wrapper_run(self.wire, seed)
+        return _wrapper_run(self.wire, seed, "one-peer-exp" if self.early else "ring")
 
     def train(self, run, steps: range) -> None:
         train_steps(*run, dist.get_rank(), steps)
@@ -254,6 +292,7 @@ class _WrapperRun(Resumable):
         saved = opt.state_dict()
         gossip = saved["decent"]["gossip"]
         assert gossip["references"] and any(c == self.wire for c in gossip["codecs"])  # saved mid-compression
+        assert ("start" in gossip) == self.early
         return {"model": model.state_dict(), "optimizer": saved}
 
     def load_state_dict(self, run, state: dict) -> None:
@@ -268,6 +307,13 @@ class _WrapperRun(Resumable):
 @pytest.mark.parametrize("wire", ["bf16", "fp16", "int8", *SPARSE])
 def test_wrapper_resumes_bit_for_bit_with_compression(pool, resume_pool, tmp_path, wire):
     assert_resume_is_bitwise(pool, resume_pool, 4, _WrapperRun(wire), tmp_path, total=11, save_at=6)
+
+
+def test_a_resume_before_every_group_has_met_keeps_the_broadcast_point(pool, resume_pool, tmp_path):
+    # Saved after step 1 of one-peer-exp: group {0,1} has a reference, {0,2} still starts at the
+    # broadcast point, which the checkpoint must keep for the resumed run to send the same bytes.
+    run = _WrapperRun("int8", early=True)
+    assert_resume_is_bitwise(pool, resume_pool, 4, run, tmp_path, total=6, save_at=2)
 
 
 def _module_run(wire: str, seed: int = 0) -> DecentralizedDataParallel:

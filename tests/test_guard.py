@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, flat, gather, set_distinct, tiny_model
+from helpers import batch, flat, forget_start_point, gather, set_distinct, tiny_model
 from loguru import logger
 from torch import nn
 
@@ -307,15 +307,17 @@ def test_ranks_may_differ_in_the_guard_and_a_bad_rank_still_heals(pool):
     assert results[0]["counts"].get("withheld", 0) == 0  # rank 0's weight-keeping still follows the flags
 
 
-def _corrupted_after_the_check(compression: str | None) -> dict[str, Any]:
+def _corrupted_after_the_check(compression: str | None, exact_first: bool = False) -> dict[str, Any]:
     """Rank 1's payload altered after its check at every round (entry 3 of a plain round made NaN; the
-    first four bytes of its payload set to a NaN pattern: the exact first round's first fp32 value, an
-    int4 round's first bf16 scales)."""
+    first four bytes of its payload set to a NaN pattern: an exact first round's first fp32 value (with
+    ``exact_first``: no common starting point), an int4 round's first bf16 scales)."""
     rank, model = dist.get_rank(), tiny_model(dtype=torch.float64 if compression is None else torch.float32)
     set_distinct(model, rank, dyadic=True)
     front = DecentOptimWrapper(
         torch.optim.SGD(model.parameters(), lr=0.0), topology="complete", compression=compression
     )
+    if exact_first:
+        forget_start_point(front)
     set_distinct(model, rank, dyadic=True)
     real_all_reduce, real_gather = dist.all_reduce, dist.all_gather_into_tensor
 
@@ -354,8 +356,9 @@ def test_a_plain_payload_altered_after_its_check_is_left_out_where_it_is_not_fin
     assert all(torch.equal(r["averaged"], results[0]["averaged"]) for r in results)
 
 
-def test_a_compressed_payload_that_decodes_to_nan_is_read_as_the_reference_by_everyone(pool):
-    results = pool(4).run(_corrupted_after_the_check, "int4")
+@pytest.mark.parametrize("exact_first", [False, True])
+def test_a_compressed_payload_that_decodes_to_nan_is_read_as_the_reference_by_everyone(pool, exact_first):
+    results = pool(4).run(_corrupted_after_the_check, "int4", exact_first)
     for result in results:
         assert torch.isfinite(result["after"]).all()
         assert torch.isfinite(result["averaged"]).all()

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -119,3 +120,38 @@ def test_worker_trains_on_loopback_and_the_driver_evaluates_it(tmp_path):
         if method == driver.SPARSE:  # the engine's count: a payload of 1/73 of fp32's bytes every 8 steps
             numel = sum(p.numel() for p in make_lm_model().parameters())
             assert 0 < result["bytes_sent_per_step"] < 4 * numel / 64 / 8
+
+
+@pytest.mark.examples
+@pytest.mark.timeout(180)
+def test_lm_worker_waits_at_the_gate_until_the_driver_says_go(tmp_path):
+    """With ``--gate`` both ranks are built (process groups, broadcast) and take no step before ``go``:
+    what lets a driver shape the links after the start-up."""
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(driver.WORKER), "--rank", str(rank), "--world-size", "2", "--gate"]
+        cmd += ["--method", "ring~h2@int8", "--steps", "4", "--stop-at", "4", "--eval-every", "4"]
+        cmd += ["--batch", "2", "--width", "32", "--depth", "1", "--outdir", str(tmp_path)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True))
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"ready-{r}").exists() for r in range(2)):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "never ready"
+            time.sleep(0.2)
+        time.sleep(2.0)  # held at the gate: nothing written, nobody finished
+        assert all(p.poll() is None for p in procs)
+        assert not list(tmp_path.glob("rank*-step*.pt"))
+        gone = time.time()
+        (tmp_path / "go").touch()
+        for proc in procs:
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["start"] >= gone - 1.0  # the clock starts after the gate (1 s: the poll's period)
+        assert len(record["ends"]) == 4

@@ -7,7 +7,10 @@ benchmark's learning rate and a cosine schedule over ``--steps`` (after ``--warm
 warmup, ``runner.warmup_cosine``), for at most ``--stop-at`` steps, and
 every ``--eval-every`` steps writes its parameters (one flat fp32 tensor) and the seconds of training so
 far to ``--outdir``; the driver averages the ranks' files and evaluates them afterwards, so evaluating
-costs the run nothing (writing the file is left out of the clock). Each step starts with ``--pad-ms`` of
+costs the run nothing (writing the file is left out of the clock). With ``--gate``, a rank that has
+built everything (process groups, the start-up broadcast) writes ``ready-{rank}`` to ``--outdir`` and
+waits for the driver's ``go`` there before its first step, so that a driver may shape the links between
+the two: start-up traffic is not what a run on a slow link measures. Each step starts with ``--pad-ms`` of
 sleep: compute of a chosen length besides the model's own (few cores emulate many nodes; a sleep leaves
 the core to the others; a driver emulates a slower worker by giving its rank a longer pad).
 
@@ -150,6 +153,8 @@ def train(args: argparse.Namespace) -> None:
         torch.save(flat, outdir / f"rank{rank}-step{label}.pt")
         points.append((label, clock))
 
+    if args.gate:
+        wait_at_the_gate(outdir, rank, args.timeout_s)
     dist.barrier()
     clock, resumed = 0.0, time.perf_counter()
     start = time.time()
@@ -207,6 +212,16 @@ def train(args: argparse.Namespace) -> None:
     )
 
 
+def wait_at_the_gate(outdir: Path, rank: int, timeout_s: float) -> None:
+    """Tell the driver this rank is built, then wait for its ``go`` (at most ``timeout_s``)."""
+    (outdir / f"ready-{rank}").touch()
+    deadline = time.monotonic() + timeout_s
+    while not (outdir / "go").exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no 'go' from the driver in {outdir} within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rank", type=int, required=True)
@@ -230,6 +245,9 @@ def parse_args() -> argparse.Namespace:
         type=float,
         default=COLLECTIVE_TIMEOUT.total_seconds(),
         help="collectives' timeout: raise it where one exchange takes minutes (a very slow link)",
+    )
+    parser.add_argument(
+        "--gate", action="store_true", help="wait for the driver's 'go' in --outdir once built (see above)"
     )
     parser.add_argument("--outdir", required=True)
     return parser.parse_args()

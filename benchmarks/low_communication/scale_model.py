@@ -53,6 +53,7 @@ import shutil
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,12 +125,30 @@ def sent_bytes(cluster: Cluster) -> int:
 
 
 def train(
-    cluster: Cluster, method: str, stop_at: int, pad_ms: float, args: argparse.Namespace, deadline_s: float
+    cluster: Cluster,
+    method: str,
+    stop_at: int,
+    pad_ms: float,
+    args: argparse.Namespace,
+    deadline_s: float,
+    shape: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """One run of ``method``: its evaluated curve and the folder's step times."""
-    began, before = time.monotonic(), sent_bytes(cluster)
-    outdir = run_method(cluster, method, stop_at, pad_ms, args, deadline_s)
-    wire = (sent_bytes(cluster) - before) / cluster.nodes / stop_at
+    """One run of ``method``: its evaluated curve and the folder's step times. With ``shape``, the
+    workers start on fast links, which ``shape`` slows once all are built (the start-up's broadcast
+    and connections are not what the run measures); the links' counters start there too."""
+    began, counted = time.monotonic(), [sent_bytes(cluster)]
+
+    def at_the_gate() -> None:
+        assert shape is not None
+        shape()
+        counted[0] = sent_bytes(cluster)
+
+    outdir = run_method(
+        cluster, method, stop_at, pad_ms, args, deadline_s, None if shape is None else at_the_gate
+    )
+    wire = (sent_bytes(cluster) - counted[0]) / cluster.nodes / stop_at
+    if shape is not None:
+        cluster.shape(None)  # the next run starts on fast links again
     try:
         result = evaluate(outdir, cluster.nodes, args) if stop_at >= args.eval_every else {}
         result["timed_s"] = step_seconds(outdir, cluster.nodes, timed_steps(method, args)[1])
@@ -160,9 +179,14 @@ def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
                 flush=True,
             )
         rate_bits = model_bytes * 8 / (args.link_steps * nocomm_s)
-        cluster.shape(f"{int(rate_bits)}bit", burst=4 * MTU_FRAME, latency=f"{args.queue_s:g}s")
+
+        def shape() -> None:
+            cluster.shape(f"{int(rate_bits)}bit", burst=4 * MTU_FRAME, latency=f"{args.queue_s:g}s")
+
+        shape()
         probe_mb = rate_bits / 8 * 20 / 1e6  # 20 s of the link
         megabits = measure_link(cluster, probe_mb, 29669, timeout_s=120)
+        cluster.shape(None)
         print(
             f"  links shaped to {rate_bits / 1e3:.1f} kbit/s ({megabits * 1e3:.1f} kbit/s measured): "
             f"one fp32 model per {args.link_steps:g} steps",
@@ -170,7 +194,7 @@ def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
         )
         chosen = args.ours or recommended(model_bytes, nocomm_s, megabits, nodes, args.topology)
         method = chosen if "+" not in chosen else chosen.partition("+")[0]
-        runs[method] = train(cluster, method, args.steps, pad_ms, args, unshaped_s * 2)
+        runs[method] = train(cluster, method, args.steps, pad_ms, args, unshaped_s * 2, shape)
         r = runs[method]
         print(
             f"  {method} (shaped): {r['step_ms']:.1f} ms/step, final loss {r['curve'][-1][2]:.4f} "
@@ -180,7 +204,7 @@ def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
         for baseline in args.baselines:
             steps, _ = timed_steps(baseline, args)
             unhidden = wire_bytes(baseline, model, nodes) * 8 / (megabits * 1e6) + nocomm_s
-            timing = train(cluster, baseline, steps, pad_ms, args, steps * unhidden * 3 + 900)
+            timing = train(cluster, baseline, steps, pad_ms, args, steps * unhidden * 3 + 900, shape)
             runs[baseline]["shaped_step_s"] = timing["timed_s"]
             print(
                 f"  {baseline} (shaped): {1e3 * timing['timed_s']:.0f} ms/step over {steps} steps "

@@ -42,6 +42,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,11 +125,14 @@ def run_method(
     pad_ms: float,
     args: argparse.Namespace,
     deadline_s: float | None = None,
+    at_the_gate: Callable[[], None] | None = None,
 ) -> Path:
     """Train ``method`` on every node; returns the folder of the ranks' files (raises if a rank failed).
 
     ``args`` carries the worker's flags (``--warmup`` and ``--timeout-s`` too); the run is stopped
-    after ``deadline_s`` (default: 1.5 times ``args.budget_s`` and a minute)."""
+    after ``deadline_s`` (default: 1.5 times ``args.budget_s`` and a minute). ``at_the_gate`` runs
+    once every rank is built and before any trains (``lm_worker.py --gate``): e.g. shaping the links
+    that the start-up crossed at full speed."""
     outdir = Path(tempfile.mkdtemp(prefix="dow-ttl-"))
     procs = []
     args.port_offset = (args.port_offset + 1) % 16  # a fresh port per run: the last run's may linger
@@ -150,13 +154,21 @@ def run_method(
             "--outdir": outdir,
         }
         argv = [str(WORKER), *[str(item) for pair in flags.items() for item in pair]]
+        if at_the_gate is not None:
+            argv.append("--gate")
         env = node_env(cluster, rank, 29681 + args.port_offset)
         procs.append(start_in_node(cluster, rank, argv, env, outdir / f"rank{rank}.log"))
     deadline = time.monotonic() + (args.budget_s * 1.5 + 60 if deadline_s is None else deadline_s)
+    gated = at_the_gate is None
     try:
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs):
                 break
+            if not gated and all((outdir / f"ready-{r}").exists() for r in range(cluster.nodes)):
+                assert at_the_gate is not None
+                at_the_gate()
+                (outdir / "go").touch()
+                gated = True
             time.sleep(0.5)
     finally:
         stop(procs)

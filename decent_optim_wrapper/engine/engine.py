@@ -505,8 +505,10 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         with self._unbroken():
             check_buckets_agree(agree(context, local_layout))
             self._bind_and_broadcast(built)
+        known_buckets = len(self._buckets)
         self._buckets.extend(built)
         self._gossip.add_tensors([b.data for b in built])
+        self._gossip.start_from_common_point(range(known_buckets, len(self._buckets)))  # just broadcast
         if self._local is not None:
             self._local.add_buckets(built)
         if self._tracker is not None:

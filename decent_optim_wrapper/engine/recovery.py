@@ -126,6 +126,8 @@ class MemberChanges:
         wiring = (self._topology, self.rank, self._process_groups, self._timeout, plan)
         self._guard.rank = self.rank
         self._gossip = Gossip(tensors, *wiring, waiter, self._staging, self._guard, clipped=self._clipped)
+        if broadcast:
+            self._gossip.start_from_common_point()  # compressed groups meet first without an exact round
         if self._local is not None:
             self._local.connect(
                 *wiring,

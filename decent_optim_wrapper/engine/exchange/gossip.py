@@ -78,6 +78,9 @@ class _Channel:
     decoded: torch.Tensor | None = None  # compressed rounds: decoding scratch
     # group ranks -> the reference every member of that group holds bit for bit
     references: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    # the point every rank held when the buckets were broadcast: the reference of a group that has not
+    # met yet (dropped once all this rank's groups have references; None: such a group meets exactly)
+    start: torch.Tensor | None = None
     launched: int | None = None  # the step of the latest round launched (recovery compares them)
     discarded: int | None = None  # the step of the latest round dropped unmixed
     host: torch.Tensor | None = None  # host staging: the buffer's host copy (allocated at first use)
@@ -182,8 +185,9 @@ class Gossip:
 
         Cost model: an all-reduce in a group of ``k`` is a ring, in which each member sends
         ``2 (k - 1) / k`` buckets (in fp32 for 16-bit buckets); a compressed round is a gather, in
-        which each member sends its payload ``k - 1`` times. A group's first compressed round
-        (exact) is left out: it happens once per group.
+        which each member sends its payload ``k - 1`` times. The exact first round of a group that
+        has no common starting point (after a membership change or a checkpoint without references) is
+        left out: it happens once per group.
         """
         total = 0.0
         for step in range(self._topology.period):
@@ -200,6 +204,36 @@ class Gossip:
                 else:
                     total += allreduce_models_sent(group.size) * numel * reduced
         return total / self._topology.period
+
+    def start_from_common_point(self, buckets: Sequence[int] | None = None) -> None:
+        """Declare ``buckets`` (default: all) bit-identical on every rank right now (they were just
+        broadcast): each compressed group's first round then sends differences from this point,
+        compressed like every later round, instead of the values themselves exactly.
+
+        The common point ``x_0`` is every group's reference until it first meets (``r_G = x_0``); an
+        exact first round would cost one uncompressed bucket per group, which on a slow link can
+        exceed hundreds of compressed rounds. A collective promise: every rank must call it for the
+        same buckets at the same point. Without compression there are no references, and nothing is
+        kept.
+        """
+        if self._plan is None:
+            return
+        for bucket in range(self.num_buckets) if buckets is None else buckets:
+            channel = self._channels[bucket]
+            channel.start = channel.tensor.to(reduction_dtype(channel.tensor.dtype), copy=True)
+            self._release_start(channel)
+
+    def _release_start(self, channel: _Channel) -> None:
+        """Drop the common point once every compressed group of this rank holds its own reference.
+
+        Consistent across a group: its members gain its reference at the same round."""
+        if channel.start is None:
+            return
+        plan, dtype = self._plan, channel.tensor.dtype
+        groups = (self._topology.group(self._rank, step) for step in range(self._topology.period))
+        compressed = [g for g in groups if plan is not None and plan.compresses(g, dtype)]
+        if all(g.ranks in channel.references for g in compressed):
+            channel.start = None
 
     def pending(self, bucket: int) -> int | None:
         """The step bucket ``bucket``'s unmixed round was launched at, or None."""
@@ -249,9 +283,9 @@ class Gossip:
         """Encode this member's part of a compressed (or clipped) round into its slot of the gathered
         payload."""
         tensor = channel.tensor
-        reference = channel.references.get(group.ranks)
-        # A group's first round (no reference yet), and every uncompressed clipped round, sends the values
-        # themselves, exactly.
+        reference = _reference(channel, group)
+        # A group's first round without a common starting point, and every uncompressed clipped round,
+        # sends the values themselves, exactly.
         name = "exact" if reference is None or self._plan is None else self._plan.codec.name
         coder = codec(name)
         size = coder.payload_bytes(tensor.numel(), tensor.dtype)
@@ -440,7 +474,7 @@ class Gossip:
         """``x_i <- x_i + a c (s - k q_i)`` and ``r <- r + s / k`` with ``s = sum_j q_j`` in rank order."""
         assert round_.codec is not None
         group = round_.group
-        reference = channel.references.get(group.ranks)
+        reference = _reference(channel, group)
         total, scratch, bad = self._gathered_sum(channel, round_)
         slot = group.ranks.index(self._rank)
         others_bad = tuple(group.ranks[j] for j in bad if j != slot)
@@ -473,6 +507,7 @@ class Gossip:
             healed = False
         if round_.tracks_reference and not round_.reference_applied:
             _update_reference(channel, round_, total)
+            self._release_start(channel)
         return healed
 
     def _mix_clipped(self, channel: _Channel, round_: _Round, factor: float, bad: Sequence[int]) -> None:
@@ -562,6 +597,7 @@ class Gossip:
             self.wait(bucket)
             if channel.round is round_:
                 _update_reference(channel, round_, self._gathered_sum(channel, round_)[0])
+                self._release_start(channel)
 
     def discard(self, bucket: int) -> None:
         """Finish and drop bucket ``bucket``'s round without mixing it (its values are stale)."""
@@ -637,6 +673,7 @@ class Gossip:
                 "gathered": [uint8 tensor or None per bucket],  # compressed rounds' payloads
                 "codecs": [str or None per bucket],  # their codecs
                 "references": [{"ranks": [...], "tensors": [tensor or None per bucket]}, ...],
+                "start": [tensor or None per bucket],  # the common starting point, while a group has not met
             }
 
         ``None`` marks a bucket with nothing pending. Every pending round must have been launched at
@@ -651,8 +688,10 @@ class Gossip:
                 "steps (after step() / after backward), not in the middle of one."
             )
         saved_references = self._references_state() if references else []
+        starts = [_cloned(c.start) for c in self._channels] if references else []
+        saved_start = starts if any(t is not None for t in starts) else []
         clipping = references and self._clipped is not None  # a checkpoint keeps the radii's norms
-        if not steps and not saved_references and not clipping:
+        if not steps and not saved_references and not saved_start and not clipping:
             return None
         self.wait_all()
         buffers: list[torch.Tensor | None] = []
@@ -676,6 +715,8 @@ class Gossip:
             state["clip_norms"] = [[] if c.radius is None else c.radius.state() for c in self._channels]
         if any(c is not None for c in codecs) or saved_references:
             state.update(gathered=gathered, codecs=codecs, references=saved_references)
+        if saved_start:
+            state["start"] = saved_start
         return state
 
     def _references_state(self) -> list[dict[str, Any]]:
@@ -732,19 +773,22 @@ class Gossip:
                     f"of rank {self._rank}'s groups in this topology; resume with the same topology."
                 )
             check_saved_tensors(f"references of group {list(ranks)}", entry["tensors"], layout, optional=True)
+        if "start" in state:
+            check_saved_tensors("gossip start", state["start"], layout, optional=True)
 
     def load_state_dict(self, state: dict[str, Any] | None, references: bool = True) -> None:
         """Restore rounds from :meth:`state_dict` as received-but-not-mixed (drops any pending round).
 
-        With ``references`` (a checkpoint), the references are replaced by the state's (none if it
-        has none, so that every member of a group starts it again with an exact round); without (a
-        global average's snapshot), the current references are kept.
+        With ``references`` (a checkpoint), the references and the common starting point are
+        replaced by the state's (none if it has none, so that every member of a group starts it again
+        with an exact round); without (a global average's snapshot), the current ones are kept.
         """
         self.check_state_dict(state)
         self.discard_all()
         if references:
             for channel in self._channels:
                 channel.references.clear()
+                channel.start = None
         if state is None:
             return
         step = state["step"]
@@ -753,6 +797,9 @@ class Gossip:
                 for channel, saved in zip(self._channels, entry["tensors"], strict=False):
                     if saved is not None:
                         channel.references[tuple(entry["ranks"])] = saved.to(channel.tensor.device).clone()
+            for channel, saved in zip(self._channels, state.get("start", []), strict=False):
+                if saved is not None:
+                    channel.start = saved.to(channel.tensor.device).clone()
         norms = state.get("clip_norms")
         if references and norms is not None and self._clipped is not None:
             for channel, saved_norms in zip(self._channels, norms, strict=False):
@@ -809,13 +856,23 @@ def _slots(channel: _Channel, round_: _Round) -> torch.Tensor:
     return channel.gathered.view(round_.group.size, -1)
 
 
+def _reference(channel: _Channel, group: Group) -> torch.Tensor | None:
+    """The reference ``group``'s members share: their own, or before they first met the common
+    starting point; None if neither (the group's next round is exact)."""
+    return channel.references.get(group.ranks, channel.start)
+
+
 def _update_reference(channel: _Channel, round_: _Round, total: torch.Tensor) -> None:
-    """``r <- r + s / k`` (a first, exact round: ``r <- s / k``), the same on every member."""
+    """``r <- r + s / k`` (a first, exact round: ``r <- s / k``; a first compressed round from the
+    common starting point: ``r <- x_0 + s / k``), the same on every member."""
     k, ranks = round_.group.size, round_.group.ranks
     if round_.codec == "exact":
         channel.references[ranks] = total.div(k)  # the members' average: the group's first reference
-    elif ranks in channel.references:  # dropped by a load without references: the next round is exact
+    elif ranks in channel.references:
         channel.references[ranks].add_(total.div_(k))
+    elif channel.start is not None:
+        channel.references[ranks] = channel.start.add(total.div_(k))
+    # else: dropped by a checkpoint without references while in flight; the next round is exact
     round_.reference_applied = True
 
 

@@ -253,6 +253,7 @@ class LocalSteps:
         )
         if reset:
             self.reset_anchors()
+            self._gossip.start_from_common_point()  # the anchors are the broadcast parameters
 
     @property
     def spec(self) -> LocalStepsSpec:
@@ -392,6 +393,8 @@ class LocalSteps:
         """Anchor new buckets at their current values; the outer optimizer gets them as a new group."""
         views = self._add(buckets)
         self._channels.add_tensors(self._anchors[-len(buckets) :])
+        # New buckets are broadcast before they are anchored: their anchors are a common point.
+        self._channels.start_from_common_point(range(len(self._anchors) - len(buckets), len(self._anchors)))
         if self._outer is not None and views:
             self._outer.add_param_group({"params": views})
 

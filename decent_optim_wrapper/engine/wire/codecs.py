@@ -2,8 +2,9 @@ r"""The dense wire formats of compressed gossip: what one member's difference be
 
 A :class:`Codec` turns a flat floating tensor into a uint8 payload and back, deterministically, so
 that every member of a group decodes a round to the same values bit for bit. This module holds the
-interface and the dense formats: ``exact`` (a group's first round), ``bf16``/``fp16`` and blockwise
-``int8``. The sparse and low-bit formats live in :mod:`~decent_optim_wrapper.engine.wire.chunk_codec`;
+interface and the dense formats: ``exact`` (a group's first round where no common starting point is
+known), ``bf16``/``fp16`` and blockwise ``int8``. The sparse and low-bit formats live in
+:mod:`~decent_optim_wrapper.engine.wire.chunk_codec`;
 :mod:`~decent_optim_wrapper.engine.wire.compression` names them all.
 """
 
@@ -60,7 +61,7 @@ class Codec:
 
 
 class _ExactCodec(Codec):
-    """The values' own bytes (a group's first round)."""
+    """The values' own bytes (a group's first round without a common starting point)."""
 
     name = "exact"
 
