@@ -223,6 +223,14 @@ class Gossip:
             channel.start = channel.tensor.to(reduction_dtype(channel.tensor.dtype), copy=True)
             self._release_start(channel)
 
+    def _reference(self, channel: _Channel, group: Group) -> torch.Tensor | None:
+        """The reference ``group``'s members share: their own, or before they first met the common
+        starting point; None if neither (the next round is exact) or if the group does not compress
+        (clipped gossip's uncompressed rounds send the values)."""
+        if self._plan is None or not self._plan.compresses(group, channel.tensor.dtype):
+            return None
+        return channel.references.get(group.ranks, channel.start)
+
     def _release_start(self, channel: _Channel) -> None:
         """Drop the common point once every compressed group of this rank holds its own reference.
 
@@ -283,7 +291,7 @@ class Gossip:
         """Encode this member's part of a compressed (or clipped) round into its slot of the gathered
         payload."""
         tensor = channel.tensor
-        reference = _reference(channel, group)
+        reference = self._reference(channel, group)
         # A group's first round without a common starting point, and every uncompressed clipped round,
         # sends the values themselves, exactly.
         name = "exact" if reference is None or self._plan is None else self._plan.codec.name
@@ -474,7 +482,7 @@ class Gossip:
         """``x_i <- x_i + a c (s - k q_i)`` and ``r <- r + s / k`` with ``s = sum_j q_j`` in rank order."""
         assert round_.codec is not None
         group = round_.group
-        reference = _reference(channel, group)
+        reference = self._reference(channel, group)
         total, scratch, bad = self._gathered_sum(channel, round_)
         slot = group.ranks.index(self._rank)
         others_bad = tuple(group.ranks[j] for j in bad if j != slot)
@@ -854,12 +862,6 @@ def _gather(
 def _slots(channel: _Channel, round_: _Round) -> torch.Tensor:
     assert channel.gathered is not None  # a pending gathered round has its payloads
     return channel.gathered.view(round_.group.size, -1)
-
-
-def _reference(channel: _Channel, group: Group) -> torch.Tensor | None:
-    """The reference ``group``'s members share: their own, or before they first met the common
-    starting point; None if neither (the group's next round is exact)."""
-    return channel.references.get(group.ranks, channel.start)
 
 
 def _update_reference(channel: _Channel, round_: _Round, total: torch.Tensor) -> None:
