@@ -143,12 +143,14 @@ def train(
         shape()
         counted[0] = sent_bytes(cluster)
 
-    outdir = run_method(
-        cluster, method, stop_at, pad_ms, args, deadline_s, None if shape is None else at_the_gate
-    )
-    wire = (sent_bytes(cluster) - counted[0]) / cluster.nodes / stop_at
-    if shape is not None:
-        cluster.shape(None)  # the next run starts on fast links again
+    try:
+        outdir = run_method(
+            cluster, method, stop_at, pad_ms, args, deadline_s, None if shape is None else at_the_gate
+        )
+        wire = (sent_bytes(cluster) - counted[0]) / cluster.nodes / stop_at
+    finally:
+        if shape is not None:
+            cluster.shape(None)  # the next run starts on fast links again, also after a failed one
     try:
         result = evaluate(outdir, cluster.nodes, args) if stop_at >= args.eval_every else {}
         result["timed_s"] = step_seconds(outdir, cluster.nodes, timed_steps(method, args)[1])
