@@ -99,6 +99,29 @@ def test_ring_allreduce_closed_form(k):
     assert tree == [pytest.approx(2 * math.ceil(math.log2(k)) * 1e-4, rel=EXACT)]
 
 
+@pytest.mark.parametrize("k", [2, 3, 16])
+def test_each_message_adds_the_links_message_bytes_to_the_hop(k):
+    # a ring all-reduce's 2 (k - 1) messages each carry message_bytes more over the link
+    link = Link(1e6, 1e-3, message_bytes=900.0)
+    sent = 2 * (k - 1) / k * 2714.0  # a sparse round's payload
+    seconds = Network(link).allreduce_seconds([Group(tuple(range(k)))], [sent])
+    messages = 2 * (k - 1)
+    assert seconds == [pytest.approx(8 * (sent + messages * 900.0) / 1e6 + messages * 1e-3, rel=EXACT)]
+    # nothing sent, nothing charged but the latencies; inside a node the intra link's cost applies
+    assert Network(link).allreduce_seconds([Group(tuple(range(k)))], [0.0]) == [
+        pytest.approx(messages * 1e-3, rel=EXACT)
+    ]
+    inside = Network(link, Link(1e6, message_bytes=100.0), local_world_size=k)
+    assert inside.allreduce_seconds([Group(tuple(range(k)))], [sent]) == [
+        pytest.approx(8 * (sent + messages * 100.0) / 1e6, rel=EXACT)
+    ]
+
+
+def test_links_reject_a_negative_message_cost():
+    with pytest.raises(ValueError, match="message_bytes >= 0.*message_bytes=-1"):
+        Link(1e6, message_bytes=-1.0)
+
+
 def test_ranks_of_a_node_share_its_link_and_talk_fast_inside_it():
     # hierarchical on 2 nodes x 2: phase 0 averages inside each node, phase 1 pairs local rank l of
     # node 0 with local rank l of node 1, so both of a node's ranks send on its one link at once
@@ -371,6 +394,7 @@ def test_quantities(text, kind, value):
         (["--bandwidth", "fast"], "'fast' is not a bandwidth"),
         (["--latency", "5 parsecs"], "is not a latency"),
         (["--nodes", "0"], "need --nodes >= 1"),
+        (["--message-bytes", "lots"], "'lots' is not a bytes"),
         (["--topologies", "torus"], "Unknown topology 'torus'"),
     ],
 )
@@ -405,6 +429,23 @@ def test_plan_simulates_the_named_formats(capsys):
     assert list(rows)[3:] == ["ring", "ring@int8", "ring@topk:0.01:int2"]
     # 10^7 elements: 39063 chunks of 2 + 3 + 0.75 bytes, 224612 bytes a member sends per step
     assert rows["ring@topk:0.01:int2"][2] == "0.22"
+
+
+def test_the_command_line_charges_every_message_its_bytes(capsys):
+    # 1.2 MB over 0.5 Mbit/s: a sparse round of a pair every step, 2 messages of 900 bytes each
+    argv = ["--model-bytes", "1.2M", "--compute-ms", "100", "--bandwidth", "0.5mbit", "--nodes", "8"]
+    argv += ["--topologies", "one-peer-exp", "--compression", "topk:0.01:int2", "--jitter", "none"]
+    steps = {}
+    for extra in ([], ["--message-bytes", "900"]):
+        assert main([*argv, *extra]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("one-peer-exp@"))
+        steps[bool(extra)] = float(row.split()[1])
+    assert "0 ms and 900 bytes per message" in out
+    # 300k elements: 1172 chunks of 6 bytes, 7032 bytes a round, 112 ms at 0.5 Mbit/s: the link sets
+    # the pace, so the step grows by the 1800 bytes' 28.8 ms (to the printed 0.1 ms)
+    assert steps[False] > 100.0
+    assert steps[True] - steps[False] == pytest.approx(8 * 1800 / 0.5e6 * 1e3, abs=0.2)
 
 
 @pytest.mark.parametrize(

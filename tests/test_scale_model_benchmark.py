@@ -60,7 +60,7 @@ def test_step_seconds_is_the_slowest_ranks_mean_after_the_skipped_steps(tmp_path
 def test_the_recommended_method_hides_the_exchange_on_the_scaled_link_and_at_full_size():
     model_bytes, step_s, nodes = 482_304.0, 0.15, 16
     megabits = model_bytes * 8 / (320 * step_s) / 1e6  # one fp32 model per 320 steps
-    method = driver.recommended(model_bytes, step_s, megabits, nodes, "one-peer-exp")
+    method = driver.recommended(model_bytes, step_s, megabits, 0.0, nodes, "one-peer-exp")
     assert method.startswith("one-peer-exp~h") and "@" in method
     args = SimpleNamespace(full_size=["4G", "1000", "100mbit", "16"])
     full = driver.full_size(driver.planner_label(method), args)
@@ -70,7 +70,10 @@ def test_the_recommended_method_hides_the_exchange_on_the_scaled_link_and_at_ful
     assert full["ddp_throughput"] == pytest.approx(found[0].step_s / found[1].step_s)
     assert [p.method for p in found[:2]] == ["nocomm", "ddp"]
     with pytest.raises(RuntimeError, match="pass --ours"):
-        driver.recommended(model_bytes, step_s, megabits / 1e4, nodes, "one-peer-exp")
+        driver.recommended(model_bytes, step_s, megabits / 1e4, 0.0, nodes, "one-peer-exp")
+    # what each message costs beyond its payload makes rounds of the same bytes dearer: fewer of them
+    costly = driver.recommended(model_bytes, step_s, megabits, 900.0, nodes, "one-peer-exp")
+    assert driver.parse_method(costly).sync_every > driver.parse_method(method).sync_every
 
 
 def _run(step_ms: float, curve: list[tuple[int, float, float]], sent: float, shaped_s: float | None = None):

@@ -3,10 +3,11 @@
 :class:`Cluster` builds ``nodes`` Linux network namespaces (``dow-n0``, ``dow-n1``, ...), each with one
 veth link to a bridge that lives in a namespace of its own (``dow-br``), addresses ``10.213.7.0/24``,
 and removes them on exit, error or Ctrl-C; :meth:`Cluster.shape` sets every link to one rate in both
-directions and :func:`measure_link` checks it with one TCP stream. :func:`run_workers` starts one
-process per rank inside its node's namespace (``cluster_worker.py``, or a script that takes its
-flags), waits for them within a deadline and :func:`summarize` pools their step times. Building it
-needs root: :func:`ready_to_emulate` says whether this process can.
+directions and :func:`measure_link` checks it with one TCP stream; :func:`measure_message_bytes`
+measures what a small all-reduce costs beyond its payload (the planner's ``Link.message_bytes``).
+:func:`run_workers` starts one process per rank inside its node's namespace (``cluster_worker.py``,
+or a script that takes its flags), waits for them within a deadline and :func:`summarize` pools
+their step times. Building it needs root: :func:`ready_to_emulate` says whether this process can.
 """
 
 from __future__ import annotations
@@ -91,6 +92,15 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         remove_namespaces()
+
+    def sent_bytes(self, nodes: Sequence[int] | None = None) -> int:
+        """Bytes the links of ``nodes`` (default: all) have sent so far, by the kernel's counters:
+        every header and acknowledgement included, which a count of payloads leaves out."""
+        total = 0
+        for node in range(self.nodes) if nodes is None else nodes:
+            out = sh("ip", "-n", self.namespace(node), "-s", "-j", "link", "show", self.ifname(node))
+            total += int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
+        return total
 
     def shape(self, rate: str | None, burst: int | None = None, latency: str = "100ms") -> None:
         """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping.
@@ -188,6 +198,70 @@ def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float
     finally:
         if receiver.poll() is None:
             receiver.kill()
+
+
+MESSAGE_PROBE = """
+import os, pathlib, sys, time
+from datetime import timedelta
+import torch, torch.distributed as dist
+rank, size, rounds, gate = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), pathlib.Path(sys.argv[4])
+dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=300))
+words = torch.zeros(max(1, size // 4), dtype=torch.int32)
+def wait_for(name):
+    while not (gate / name).exists(): time.sleep(0.02)
+for _ in range(3): dist.all_reduce(words, op=dist.ReduceOp.BXOR)
+(gate / f"ready{rank}").touch(); wait_for("go")
+for _ in range(rounds): dist.all_reduce(words, op=dist.ReduceOp.BXOR)
+(gate / f"done{rank}").touch(); wait_for("exit")
+os._exit(0)  # no teardown traffic
+"""
+
+
+def measure_message_bytes(
+    cluster: Cluster,
+    payload_bytes: int,
+    port: int,
+    goodput_fraction: float = 1.0,
+    rounds: int = 20,
+    timeout_s: float = 300.0,
+) -> float:
+    """Bytes one message of a gloo all-reduce costs on a link beyond its payload, at the goodput's rate.
+
+    Nodes 0 and 1 run ``rounds`` all-reduces of ``payload_bytes`` (a pair's gossip round: each node
+    sends one payload, in the all-reduce's two messages) and the links' counters are read around them,
+    after a warm-up that the counters leave out. ``goodput_fraction``: the measured goodput over the
+    shaped rate (:func:`measure_link` against :meth:`Cluster.shape`'s rate), so that the answer is in
+    bytes at the rate the planner's ``Link.bandwidth`` is given in. Returns
+    ``(wire bytes per node and round * goodput_fraction - payload_bytes) / 2``.
+    """
+    gate = Path(tempfile.mkdtemp(prefix=PREFIX))
+    procs = []
+    try:
+        for node in (0, 1):
+            argv = ["-c", MESSAGE_PROBE, str(node), str(payload_bytes), str(rounds), str(gate)]
+            env = node_env(cluster, node, port)
+            procs.append(start_in_node(cluster, node, argv, env, gate / f"{node}.log"))
+        deadline = time.monotonic() + timeout_s
+
+        def wait_for(*names: str) -> None:
+            while not all((gate / name).exists() for name in names):
+                failed = [p for p in procs if p.poll() not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    tail = (gate / "0.log").read_text()[-800:]
+                    raise RuntimeError(f"the message probe failed or timed out; node 0's log:\n{tail}")
+                time.sleep(0.05)
+
+        wait_for("ready0", "ready1")
+        before = cluster.sent_bytes((0, 1))
+        (gate / "go").touch()
+        wait_for("done0", "done1")
+        time.sleep(1.0)  # the last acknowledgements (TCP delays them up to 40 ms; a slow link queues them)
+        wire = (cluster.sent_bytes((0, 1)) - before) / 2 / rounds
+        (gate / "exit").touch()
+    finally:
+        stop(procs)
+        shutil.rmtree(gate, ignore_errors=True)
+    return max(0.0, (wire * goodput_fraction - payload_bytes) / 2)
 
 
 def worker_command(

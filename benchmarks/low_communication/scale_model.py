@@ -10,8 +10,13 @@ second per step, joined by 100 Mbit/s links, over which one fp32 copy of the mod
 node, iid windows) trains on ``--nodes`` network namespaces on a bridge (``emulated_cluster.py``), one
 worker per node, every rank from the same model. A step's compute is ``--compute-ms`` (the model's
 own forward and backward topped up by sleep, ``harness/lm_worker.py``, so that 16 nodes fit on two
-cores). The no-communication run comes first; then every link is shaped so that one fp32 model takes
-``--link-steps`` (320) of its steps, the same ratio as the full-size job.
+cores): 400 ms by default, where the 16 workers' real compute (about 27 ms each) leaves the two cores
+about a quarter busy; at 150 ms they are 84% busy and every round's encoding competes with the
+compute, which a GPU node's CPU does not. The no-communication run comes first; then every link is
+shaped so that one fp32 model takes ``--link-steps`` (320) of its steps, the same ratio as the
+full-size job, and two probes measure it: its goodput (one TCP stream) and what a small all-reduce's
+message costs beyond its payload (``measure_message_bytes``: headers, acknowledgements, gloo's own
+messages), both handed to the planner.
 
 What runs where:
 
@@ -51,13 +56,12 @@ import itertools
 import json
 import shutil
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.emulated_cluster import Cluster, measure_link, ready_to_emulate
+from benchmarks.harness.emulated_cluster import Cluster, measure_link, measure_message_bytes, ready_to_emulate
 from benchmarks.harness.lm_snapshots import evaluate, reached, real_step_seconds
 from benchmarks.harness.lm_task import make_lm_model
 from benchmarks.harness.lm_worker import POWER_SGD, TORCHFT
@@ -79,9 +83,12 @@ TARGET_THROUGHPUT, TARGET_LOSS, TARGET_PREDICTION = 0.90, 1.02, 0.15
 MTU_FRAME = 1514  # bytes of one Ethernet frame: the shaped links' token bucket holds four
 
 
-def recommended(model_bytes: float, step_s: float, megabits: float, nodes: int, topology: str) -> str:
+def recommended(
+    model_bytes: float, step_s: float, megabits: float, message_bytes: float, nodes: int, topology: str
+) -> str:
     """The planner's recommendation for this cluster, in the benchmarks' method grammar."""
-    found = recommend(model_bytes, ComputeTimes(step_s), Network(Link(megabits * 1e6)), nodes, topology)
+    link = Link(megabits * 1e6, message_bytes=message_bytes)
+    found = recommend(model_bytes, ComputeTimes(step_s), Network(link), nodes, topology)
     if not found.hides:
         raise RuntimeError(f"the planner hides no setting on {megabits * 1e3:.1f} kbit/s: pass --ours")
     return found.chosen.method
@@ -108,22 +115,6 @@ def timed_steps(method: str, args: argparse.Namespace) -> tuple[int, int]:
     return args.timed_steps, 0
 
 
-def sent_bytes(cluster: Cluster) -> int:
-    """Bytes every node's link has sent so far (the kernel's counters: headers, the store's traffic and
-    rounds the engine does not count per step included)."""
-    total = 0
-    for node in range(cluster.nodes):
-        out = subprocess.run(
-            ["ip", "-n", cluster.namespace(node), "-s", "-j", "link", "show", cluster.ifname(node)],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-        total += int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
-    return total
-
-
 def train(
     cluster: Cluster,
     method: str,
@@ -136,18 +127,18 @@ def train(
     """One run of ``method``: its evaluated curve and the folder's step times. With ``shape``, the
     workers start on fast links, which ``shape`` slows once all are built (the start-up's broadcast
     and connections are not what the run measures); the links' counters start there too."""
-    began, counted = time.monotonic(), [sent_bytes(cluster)]
+    began, counted = time.monotonic(), [cluster.sent_bytes()]
 
     def at_the_gate() -> None:
         assert shape is not None
         shape()
-        counted[0] = sent_bytes(cluster)
+        counted[0] = cluster.sent_bytes()
 
     try:
         outdir = run_method(
             cluster, method, stop_at, pad_ms, args, deadline_s, None if shape is None else at_the_gate
         )
-        wire = (sent_bytes(cluster) - counted[0]) / cluster.nodes / stop_at
+        wire = (cluster.sent_bytes() - counted[0]) / cluster.nodes / stop_at
     finally:
         if shape is not None:
             cluster.shape(None)  # the next run starts on fast links again, also after a failed one
@@ -188,13 +179,19 @@ def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
         shape()
         probe_mb = rate_bits / 8 * 20 / 1e6  # 20 s of the link
         megabits = measure_link(cluster, probe_mb, 29669, timeout_s=120)
+        # a round of what the link moves in one step, as a pair's all-reduce sends it
+        round_bytes = int(model_bytes / args.link_steps)
+        message_bytes = measure_message_bytes(cluster, round_bytes, 29670, megabits * 1e6 / rate_bits)
         cluster.shape(None)
         print(
             f"  links shaped to {rate_bits / 1e3:.1f} kbit/s ({megabits * 1e3:.1f} kbit/s measured): "
-            f"one fp32 model per {args.link_steps:g} steps",
+            f"one fp32 model per {args.link_steps:g} steps; an all-reduce's message costs "
+            f"{message_bytes:.0f} bytes beyond its payload ({round_bytes} bytes per round)",
             flush=True,
         )
-        chosen = args.ours or recommended(model_bytes, nocomm_s, megabits, nodes, args.topology)
+        chosen = args.ours or recommended(
+            model_bytes, nocomm_s, megabits, message_bytes, nodes, args.topology
+        )
         method = chosen if "+" not in chosen else chosen.partition("+")[0]
         runs[method] = train(cluster, method, args.steps, pad_ms, args, unshaped_s * 2, shape)
         r = runs[method]
@@ -213,12 +210,15 @@ def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
                 f"({timing['wall_s']:.0f} s)",
                 flush=True,
             )
-        planned = predictions([method], model_bytes, nocomm_s, megabits, nodes, numel, args.overhead_s)
+        planned = predictions(
+            [method], model_bytes, nocomm_s, megabits, nodes, numel, args.overhead_s, message_bytes
+        )
     return {
         "nodes": nodes,
         "parameters": numel,
         "rate_bits": rate_bits,
         "megabits": megabits,
+        "message_bytes": message_bytes,
         "ours": method,
         "planned_s": planned.get(planner_label(method)),
         "full_size": full_size(method, args),
@@ -359,7 +359,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=10.0,
         help="seconds a packet may queue at a shaped link (a 100 ms queue at 47 kbit/s dropped the start-up)",
     )
-    parser.add_argument("--compute-ms", type=float, default=150.0, help="a step's compute, topped up")
+    parser.add_argument(
+        "--compute-ms", type=float, default=400.0, help="a step's compute, topped up (default 400)"
+    )
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=50)

@@ -218,8 +218,10 @@ def predictions(
     nodes: int,
     numel: int,
     overhead_s: float,
+    message_bytes: float = 0.0,
 ) -> dict[str, float]:
-    """Planner step times (seconds) of DDP and of our methods among ``methods`` on this cluster."""
+    """Planner step times (seconds) of DDP and of our methods among ``methods`` on this cluster
+    (``message_bytes``: the links' cost per message beyond its payload, ``measure_message_bytes``)."""
     costs: dict[str | None, RoundCost] = {}  # one group size per run
 
     def round_cost(compression: GossipCompression | None, group_size: int) -> RoundCost:
@@ -232,7 +234,7 @@ def predictions(
     found = predict(
         model_bytes,
         ComputeTimes(nocomm_s),
-        Network(Link(megabits * 1e6)),
+        Network(Link(megabits * 1e6, message_bytes=message_bytes)),
         nodes,
         sorted({str(spec.topology) for spec in specs}),
         compressions=sorted({spec.compression for spec in specs if spec.compression}),

@@ -137,6 +137,13 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-ms", type=float, required=True, help="forward + backward per step (ms)")
     parser.add_argument("--bandwidth", required=True, help="per node and direction: 25gbit, 1gbit, 200mbit")
     parser.add_argument("--latency", default="0", help="per message between nodes: 10us, 50ms (default 0)")
+    parser.add_argument(
+        "--message-bytes",
+        default="0",
+        help="bytes each message between nodes costs beyond its payload, --bandwidth being the link's "
+        "goodput: headers, acknowledgements, the collective's control traffic (gloo over TCP: about "
+        "900; default 0). Small rounds, such as sparse formats', pay more for it than for their payload",
+    )
     parser.add_argument("--nodes", type=int, required=True, help="number of nodes")
     parser.add_argument("--workers-per-node", type=int, default=1, help="ranks per node (default 1)")
     parser.add_argument(
@@ -158,7 +165,11 @@ def _cluster(args: argparse.Namespace) -> tuple[float, Link, Link, HostCopy | No
     """The model's bytes, the links between and inside nodes and the host copy of
     :func:`_cluster_arguments`' values (a ValueError names a value that does not parse)."""
     model_bytes = parse_quantity(args.model_bytes, "bytes")
-    inter = Link(parse_quantity(args.bandwidth, "bandwidth"), parse_quantity(args.latency, "latency"))
+    inter = Link(
+        parse_quantity(args.bandwidth, "bandwidth"),
+        parse_quantity(args.latency, "latency"),
+        parse_quantity(args.message_bytes, "bytes"),
+    )
     intra = Link(parse_quantity(args.intra_bandwidth, "bandwidth"))
     host_copy = None if args.host_copy is None else HostCopy(parse_quantity(args.host_copy, "bytes"))
     return model_bytes, inter, intra, host_copy
@@ -236,7 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"{ranks} ranks ({args.nodes} nodes x {args.workers_per_node}); model {model_bytes / 1e6:.1f} MB; "
         f"compute {args.compute_ms:.1f} ms/step ({jitter} jitter); links "
-        f"{inter.bandwidth / 1e9:g} Gbit/s, {inter.latency_s * 1e3:g} ms per message"
+        f"{inter.bandwidth / 1e9:g} Gbit/s, {inter.latency_s * 1e3:g} ms and {inter.message_bytes:g} bytes "
+        "per message"
     )
     base = predictions[0].step_s
     print(f"{'method':<28}{'ms/step':>10}{'/ no-comm':>11}{'MB sent/step/rank':>19}")
@@ -289,7 +301,8 @@ def recommend_main(argv: Sequence[str]) -> int:
     print(
         f"{args.nodes * args.workers_per_node} ranks ({args.nodes} nodes x {args.workers_per_node}); model "
         f"{model_bytes / 1e6:.1f} MB; compute {args.compute_ms:.1f} ms/step; links "
-        f"{inter.bandwidth / 1e9:g} Gbit/s, {inter.latency_s * 1e3:g} ms per message"
+        f"{inter.bandwidth / 1e9:g} Gbit/s, {inter.latency_s * 1e3:g} ms and {inter.message_bytes:g} bytes "
+        "per message"
     )
     verdict = "hides the exchange" if found.hides else f"does NOT reach {found.target:g}: the fastest tried"
     print(

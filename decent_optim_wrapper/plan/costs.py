@@ -2,14 +2,17 @@
 
 Cost model (every assumption of the planner and the simulator about the network is here):
 
-* Every node has one full-duplex link to a non-blocking switch (:class:`Link`: bandwidth per direction
-  and a latency per message); ranks of the same node talk over ``Network.intra`` (shared memory or
-  loopback). Each direction of a node's link is shared by the transfers crossing it while they run
-  (max-min fair shares, recomputed whenever one starts or ends: :mod:`.sharing`).
+* Every node has one full-duplex link to a non-blocking switch (:class:`Link`: bandwidth per direction,
+  a latency per message and the bytes a message costs beyond its payload); ranks of the same node
+  talk over ``Network.intra`` (shared memory or loopback). Each direction of a node's link is shared
+  by the transfers crossing it while they run (max-min fair shares, recomputed whenever one starts or
+  ends: :mod:`.sharing`).
 * An all-reduce among ``k`` ranks is a ring (what gloo runs): every member sends ``2 (k - 1) / k``
   of the payload to the next member in rank order, the hops running in parallel, in ``2 (k - 1)``
   messages one after another. It takes ``sent / rate`` of its slowest hop plus ``2 (k - 1)``
   latencies. With ``tree`` latency (what NCCL does at scale) the messages are ``2 ceil(log2 k)``.
+  Every message adds the link's ``message_bytes`` to what the hop carries (the transport's and the
+  collective's own traffic: tiny rounds pay more for it than for their payload).
 * Bytes come from the engine's own rule: :func:`~decent_optim_wrapper.topo.mixing.allreduce_models_sent`
   for an uncompressed round and
   :meth:`~decent_optim_wrapper.engine.wire.compression.CompressionPlan.bytes_sent` for a compressed
@@ -79,21 +82,34 @@ class HostCopy:
 
 @dataclass(frozen=True)
 class Link:
-    """One direction of a link: ``bandwidth`` in bits per second, ``latency_s`` per message."""
+    """One direction of a link.
+
+    Args:
+        bandwidth: bits per second a long transfer's payload moves at (its goodput: what a bulk
+            transfer measures, headers of full packets already paid).
+        latency_s: seconds per message, after its last byte.
+        message_bytes: bytes each message costs on the link beyond its payload at ``bandwidth``: the
+            transport's headers and acknowledgements and the collective library's own control
+            messages. Negligible for megabyte messages, it is most of a small one's cost: gloo over
+            TCP on the project's emulated cluster pays about 900 bytes per message of an all-reduce
+            (``benchmarks/harness/emulated_cluster.py``'s ``measure_message_bytes`` measures it).
+    """
 
     bandwidth: float
     latency_s: float = 0.0
+    message_bytes: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.bandwidth > 0 or self.latency_s < 0:
+        if not self.bandwidth > 0 or self.latency_s < 0 or self.message_bytes < 0:
             raise ValueError(
-                f"a link needs bandwidth > 0 bit/s and latency >= 0 s, got bandwidth={self.bandwidth}, "
-                f"latency_s={self.latency_s}"
+                f"a link needs bandwidth > 0 bit/s, latency >= 0 s and message_bytes >= 0, got "
+                f"bandwidth={self.bandwidth}, latency_s={self.latency_s}, message_bytes={self.message_bytes}"
             )
 
     def seconds(self, nbytes: float, messages: int, sharing: int = 1) -> float:
         """Time to send ``nbytes`` in ``messages`` sequential messages, the rate split ``sharing`` ways."""
-        return 8.0 * nbytes * sharing / self.bandwidth + messages * self.latency_s
+        wire = nbytes + messages * self.message_bytes
+        return 8.0 * wire * sharing / self.bandwidth + messages * self.latency_s
 
 
 @dataclass(frozen=True)
@@ -126,7 +142,8 @@ class Network:
 
         Its hops (member to the next in rank order) run in lock step; a hop between nodes crosses the
         sender's outgoing and the receiver's incoming link (:meth:`links`), a hop inside a node only
-        the node's own ``intra`` link, which nothing else is taken to share.
+        the node's own ``intra`` link, which nothing else is taken to share. Each of the all-reduce's
+        messages adds its link's ``message_bytes`` to the hop.
         """
         ranks = group.ranks
         hops = list(zip(ranks, ranks[1:] + ranks[:1], strict=True)) if group.size > 1 else []
@@ -140,10 +157,12 @@ class Network:
             crossings[out] = crossings.get(out, 0) + 1
             crossings[into] = crossings.get(into, 0) + 1
         cap = self.intra.bandwidth if inside else math.inf
-        latency = self.inter.latency_s if crossings else self.intra.latency_s
+        link = self.inter if crossings else self.intra
         if crossings:
             cap = min(cap, self.inter.bandwidth)
-        return Transfer(sent, tuple(crossings.items()), cap, self.messages(group.size) * latency)
+        messages = self.messages(group.size)
+        wire = sent + messages * link.message_bytes if sent else 0.0
+        return Transfer(wire, tuple(crossings.items()), cap, messages * link.latency_s)
 
     def links(self, node: int) -> tuple[SharedLink, SharedLink]:
         """Node ``node``'s outgoing and incoming directions of its link to the switch."""
