@@ -118,7 +118,7 @@ def test_each_message_adds_the_links_message_bytes_to_the_hop(k):
 
 
 def test_links_reject_a_negative_message_cost():
-    with pytest.raises(ValueError, match="message_bytes >= 0.*message_bytes=-1"):
+    with pytest.raises(ValueError, match=r"message_bytes >= 0.*message_bytes=-1"):
         Link(1e6, message_bytes=-1.0)
 
 

@@ -117,3 +117,41 @@ def test_verdicts_compare_throughput_loss_and_time_to_ddps_loss():
     assert not found[f"{ours} reaches DDP's loss before the best ddp-psgd run"]  # it never does
     assert not found[f"{ours} reaches DDP's loss before the best torchft run"]  # neither did torchft
     assert found[f"{ours} step time predicted within 15%"]  # 150 ms planned for 170: -11.8%
+
+
+@pytest.mark.pure
+def test_a_reused_curve_needs_the_same_training_flags_and_keeps_its_times_only_in_the_same_units(tmp_path):
+    earlier = vars(driver.parse_args(["--compute-ms", "150", "--baselines"]))
+    ddp = _run(480.0, [(550, 266.0, 1.7252), (600, 290.0, 1.7223)], 904_320.0, shaped_s=247.6)
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps({"args": earlier, "runs": {"ddp": ddp}}, default=str))
+    # another step length (400 ms by default): the loss curve carries over, the times do not
+    args = driver.parse_args(["--baselines", "--reuse", str(path), "ddp"])
+    reused = args.reused["ddp"]
+    assert (
+        reused["curve"] == [list(point) for point in ddp["curve"]]
+        and reused["bytes_sent_per_step"] == 904_320.0
+    )
+    assert "shaped_step_s" not in reused and "step_ms" not in reused
+    assert reused["reused_from"] == str(path)
+    same = driver.parse_args(["--compute-ms", "150", "--baselines", "--reuse", str(path), "ddp"])
+    assert same.reused["ddp"]["shaped_step_s"] == 247.6
+    # the report takes a run without times: its loss counts, its time to DDP's loss is unknown
+    ours = "one-peer-exp~h4d4@topk:0.01:int2"
+    full = {"model_bytes": 4e9, "step_s": 1.0, "link_bits": 1e8, "nodes": 16, "throughput": 1.0}
+    runs = {"nocomm": _run(440.0, [(100, 44.0, 2.9)], 0.0), "ddp": reused}
+    runs[ours] = _run(456.0, [(550, 250.0, 2.36), (600, 273.0, 2.3478)], 678.0)
+    result = {"runs": runs, "ours": ours, "nodes": 16, "parameters": 120_576, "megabits": 0.0275}
+    result |= {"planned_s": 0.44, "full_size": full | {"ddp_throughput": 0.002}}
+    found = {v["target"].split(" (")[0]: v["met"] for v in driver.report(result, args)}
+    rows = {row["method"]: row for row in result["rows"]}
+    assert math.isnan(rows["ddp"]["step_ms"]) and rows["ddp"]["seconds_to_ddp"] is None
+    assert rows[ours]["vs_ddp"] == pytest.approx(2.3478 / 1.7223)
+    assert not found[f"{ours} final loss at most 1.02x DDP's"]
+    # another training flag: refused, naming the flag and both values
+    with pytest.raises(SystemExit):
+        driver.parse_args(["--steps", "300", "--baselines", "--reuse", str(path), "ddp"])
+    with pytest.raises(ValueError, match=r"--steps 600 \(here 300\)"):
+        driver.reused_run(path, "ddp", driver.parse_args(["--steps", "300", "--baselines"]))
+    with pytest.raises(ValueError, match="no run of 'ddp-psgd4'; it has ddp"):
+        driver.reused_run(path, "ddp-psgd4", args)

@@ -54,6 +54,7 @@ import argparse
 import importlib.util
 import itertools
 import json
+import math
 import shutil
 import statistics
 import time
@@ -152,6 +153,32 @@ def train(
     return result
 
 
+#: The flags a loss curve depends on: an earlier run's curve is reused only if they are the same.
+TRAINING_FLAGS = ("nodes", "steps", "warmup", "eval_every", "batch", "adam_lr", "width", "depth")
+#: What a run's timing is measured in: an earlier run's times are kept only if these are the same.
+TIMING_FLAGS = ("compute_ms", "link_steps")
+TIMES = ("shaped_step_s", "step_ms", "timed_s", "wall_s", "wire_bytes_per_step")
+
+
+def reused_run(path: Path, method: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``method``'s run from the JSON of an earlier run at ``path`` (a ValueError says why not)."""
+    earlier = json.loads(path.read_text())
+    if method not in earlier["runs"]:
+        raise ValueError(f"{path} has no run of {method!r}; it has {', '.join(earlier['runs'])}")
+    differ = [
+        f"--{key.replace('_', '-')} {earlier['args'].get(key)} (here {getattr(args, key)})"
+        for key in TRAINING_FLAGS
+        if earlier["args"].get(key) != getattr(args, key)
+    ]
+    if differ:
+        raise ValueError(f"{path} trained with {', '.join(differ)}: its curve is not this run's")
+    record = dict(earlier["runs"][method], reused_from=str(path))
+    if any(earlier["args"].get(k) != getattr(args, k) for k in TIMING_FLAGS):
+        for key in TIMES:
+            record.pop(key, None)
+    return record
+
+
 def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
     nodes = args.nodes
     model = make_lm_model(args.width, args.depth)
@@ -164,6 +191,7 @@ def run(args: argparse.Namespace, pad_ms: float) -> dict[str, Any]:
         runs["nocomm"] = train(cluster, "nocomm", min(100, args.steps), pad_ms, args, unshaped_s)
         nocomm_s = runs["nocomm"]["step_ms"] / 1e3
         print(f"  nocomm: {1e3 * nocomm_s:.1f} ms/step ({runs['nocomm']['wall_s']:.0f} s)", flush=True)
+        runs.update(args.reused)
         for method in args.baselines:  # their loss does not depend on the link: curves on fast links
             runs[method] = train(cluster, method, args.steps, pad_ms, args, unshaped_s)
             print(
@@ -272,9 +300,10 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
     for name, r in runs.items():
         if name == "nocomm":
             continue
-        shaped_ms = 1e3 * r["shaped_step_s"] if "shaped_step_s" in r else r["step_ms"]
+        # a reused run measured in other units of time has none
+        shaped_ms = 1e3 * r["shaped_step_s"] if "shaped_step_s" in r else r.get("step_ms", math.nan)
         hit = reached(r["curve"], ddp_final)
-        if hit is None:
+        if hit is None or math.isnan(shaped_ms):
             seconds = None
         elif "shaped_step_s" in r:
             seconds = hit[0] * r["shaped_step_s"]
@@ -297,8 +326,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> list[dict[str, A
             "wire_bytes_per_step": r.get("wire_bytes_per_step"),
         }
         rows.append(row)
+        label = f"{name} (reused)" if "reused_from" in r else name
         print(
-            f"  {name:<36}{shaped_ms:>10.1f}{row['throughput']:>9.3f}{final:>11.4f}{row['vs_ddp']:>8.4f}"
+            f"  {label:<36}{shaped_ms:>10.1f}{row['throughput']:>9.3f}{final:>11.4f}{row['vs_ddp']:>8.4f}"
             f"{(hit[0] if hit else 'never'):>12}{(f'{seconds:.0f}' if seconds is not None else '-'):>10}"
             f"{bytes_step:>9.0f}{r.get('wire_bytes_per_step', float('nan')):>9.0f}"
         )
@@ -376,8 +406,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar=("BYTES", "STEP_MS", "LINK", "NODES"),
         help="the job the run scales down, for the planner's extrapolation",
     )
+    parser.add_argument(
+        "--reuse",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("JSON", "METHOD"),
+        help="METHOD's loss curve from an earlier run's JSON with the same training flags, neither trained "
+        "nor timed here (its step time kept only if that run had the same --compute-ms and --link-steps)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    try:
+        args.reused = {method: reused_run(Path(path), method, args) for path, method in args.reuse}
+    except ValueError as err:
+        parser.error(f"--reuse: {err}")
     args.port_offset, args.budget_s = 0, 0.0
     args.timeout_s = 1800.0  # one DDP all-reduce takes minutes on these links
     if importlib.util.find_spec("torchft") is None:
