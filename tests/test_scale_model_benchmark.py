@@ -109,13 +109,20 @@ def test_verdicts_compare_throughput_loss_and_time_to_ddps_loss():
     assert rows["torchft~h8"]["seconds_to_ddp"] is None
     assert rows[ours]["seconds_to_ddp"] == 48.0  # ours: the run's own clock on the shaped links
     assert rows[ours]["throughput"] == pytest.approx(150 / 160)
-    assert all(found.values()) and len(found) == 5  # throughput, loss, two baselines, the planner (-6%)
+    # throughput, loss, two baselines to DDP's loss and to 2.1 (torchft's, the highest final), the planner
+    assert all(found.values()) and len(found) == 7
+    assert rows[ours]["seconds_to_common"] == 32.0  # 2.1 at step 200 of its own clock
+    assert rows["ddp-psgd4"]["seconds_to_common"] == pytest.approx(300 * 9.0)  # 2.2 at 200, 1.99 at 300
+    assert rows["torchft~h8"]["seconds_to_common"] == pytest.approx(300 * 11.0)
 
     found, rows = verdicts(170.0, [(200, 34.0, 2.1), (300, 51.0, 2.05)])  # slower, 1.025x DDP's loss
     assert not found[f"{ours} at least 0.90 of no communication"]  # 150 / 170 = 0.88
     assert not found[f"{ours} final loss at most 1.02x DDP's"]
     assert not found[f"{ours} reaches DDP's loss before the best ddp-psgd run"]  # it never does
     assert not found[f"{ours} reaches DDP's loss before the best torchft run"]  # neither did torchft
+    # but it is first to the loss every method reaches: 2.1 at its step 200, 34 s against 2700 and 3300
+    assert found[f"{ours} reaches every method's final loss, 2.1000, before the best ddp-psgd run"]
+    assert found[f"{ours} reaches every method's final loss, 2.1000, before the best torchft run"]
     assert found[f"{ours} step time predicted within 15%"]  # 150 ms planned for 170: -11.8%
 
 
