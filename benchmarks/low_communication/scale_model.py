@@ -33,15 +33,18 @@ What runs where:
 Every ``--eval-every`` steps each rank writes its parameters; the replicas' average is evaluated
 afterwards (256 fixed validation windows), so the curve costs a run nothing. Reported: each method's
 step time on the shaped links, its throughput against ``nocomm``, its final validation loss at equal
-samples against DDP's, its time to DDP's final loss and the bytes a node sends per step: counted (the
-engine's ``bytes_sent_per_step``, the all-reduce cost model for the baselines) and on the wire (the
-node's link counters over the whole run, divided by its steps: headers, the rendezvous and rounds a
-per-step count leaves out, such as a compressed group's first, exact round, included). Targets,
+samples against DDP's, its time to DDP's final loss and to the loss every method reaches (the highest
+final loss among them), and the bytes a node sends per step: counted (the engine's
+``bytes_sent_per_step``, the all-reduce cost model for the baselines) and on the wire (the node's link
+counters from the gate on, divided by its steps: headers, acknowledgements and gloo's own messages
+included). Targets,
 marked met or MISSED: ours at least 0.90 of no communication's throughput, its final loss at most 1.02x
-DDP's, ahead of the best PowerSGD and the best torchft run in time to DDP's loss, and its step time
-predicted by the planner (``decent_optim_wrapper.plan.predict`` with the measured link, the ``nocomm``
-step and this machine's round costs) within 15%. The planner's throughput of the same setting on the
-full-size job is printed beside it (``--full-size``: bytes, step ms, link, nodes).
+DDP's, ahead of the best PowerSGD and the best torchft run in time to DDP's loss (and, reported
+beside it, in time to the loss every method reaches), and its step time predicted by the planner
+(``decent_optim_wrapper.plan.predict`` with the measured link and message cost, the ``nocomm`` step
+and this machine's round costs) within 15%. ``--reuse JSON METHOD`` takes a method's curve from an
+earlier run with the same training flags instead of training it. The planner's throughput of the
+same setting on the full-size job is printed beside it (``--full-size``: bytes, step ms, link, nodes).
 
 Needs root (network namespaces); without it, it says so and exits 0. torchft comes with the
 ``bench`` group; without it the torchft methods are skipped. Hold the shared lock
