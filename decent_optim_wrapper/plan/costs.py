@@ -91,7 +91,7 @@ class Link:
         message_bytes: bytes each message costs on the link beyond its payload at ``bandwidth``: the
             transport's headers and acknowledgements and the collective library's own control
             messages. Negligible for megabyte messages, it is most of a small one's cost: gloo over
-            TCP on the project's emulated cluster pays about 900 bytes per message of an all-reduce
+            TCP on the project's emulated cluster pays 700 to 900 bytes per message of an all-reduce
             (``benchmarks/harness/emulated_cluster.py``'s ``measure_message_bytes`` measures it).
     """
 
