@@ -24,9 +24,9 @@ saves the results.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import multiprocessing as mp
-import os
 import platform
 import statistics
 import time
@@ -96,8 +96,9 @@ def training_steps(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def high_water_bytes() -> int:
-    """This process's resident-set high-water mark (``VmHWM``). Not ``ru_maxrss``: a spawned
-    process inherits its parent's from the fork, and the parent holds part (a)'s models."""
+    """This process's resident-set high-water mark (``VmHWM``), read after the model is built and after
+    the steps: their difference is what the steps added (a forked rank starts from the fork server's
+    mark, its imports, below the built model's)."""
     with open("/proc/self/status") as status:
         for line in status:
             if line.startswith("VmHWM:"):
@@ -165,8 +166,22 @@ def optimizer_steps(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     return out
 
 
+def map_large_allocations() -> None:
+    """Have glibc map every allocation of 64 KiB or more on its own and unmap it when freed, so that the
+    high-water mark follows the tensors alive at once, not what glibc's heap keeps cached.
+
+    ``mallopt(M_MMAP_THRESHOLD)``, what ``MALLOC_MMAP_THRESHOLD_`` sets at start-up: a rank forked from
+    the fork server (``collect_from_ranks``) starts with the server's allocator, not a new environment.
+    """
+    m_mmap_threshold = -3  # <malloc.h>
+    if ctypes.CDLL(None).mallopt(m_mmap_threshold, 64 * 1024) != 1:
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: glibc is required for the memory part")
+
+
 def worker(rank: int, port: int, part: str, args: argparse.Namespace, results: Any) -> None:
     torch.set_num_threads(1)
+    if part != "time":
+        map_large_allocations()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         results.put((rank, training_steps(args) if part == "time" else memory(args, part)))
@@ -235,13 +250,7 @@ def main() -> None:
     results: dict[str, Any] = {"args": vars(args), "cpus": mp.cpu_count(), "torch": torch.__version__}
     results["time"] = on_two_ranks("time", args)
     results["step"] = optimizer_steps(args)
-    # Every allocation of 64 KiB or more is mapped on its own and unmapped when freed, so the
-    # high-water mark follows the tensors alive at once, not what glibc's heap keeps cached.
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
-    try:
-        results["memory"] = {name: on_two_ranks(name, args) for name in METHODS}
-    finally:
-        del os.environ["MALLOC_MMAP_THRESHOLD_"]
+    results["memory"] = {name: on_two_ranks(name, args) for name in METHODS}
     report(results)
     if args.json:
         with open(args.json, "w") as f:
