@@ -248,7 +248,9 @@ def _lose_a_node(
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    init_elastic(store, rank, world_size, job="nodes", shards=2, timeout=timedelta(seconds=60))
+    # The node group's timeout is how long a hung victim's node-mate waits in FSDP2's all-gather before
+    # it fails: 20 s, still far above forming the groups of 6 forked processes.
+    init_elastic(store, rank, world_size, job="nodes", shards=2, timeout=timedelta(seconds=20))
     mesh = node_mesh("cpu")
     model = _model()
     for layer in (model[0], model[2]):
