@@ -24,7 +24,7 @@ def test_grow_back_against_no_failure_and_a_restart_from_checkpoint(tmp_path):
         "--workers",
         "4",
         "--steps",
-        "300",
+        "150",
         "--lose-at",
         "25",
     ]

@@ -87,9 +87,9 @@ def worker(args: argparse.Namespace) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         if elastic and opt.world_size < world and t >= args.steps - 10:
             # Do not finish before the lost workers are back (a restart takes seconds): slow the
-            # last steps down until they are admitted. Counted, and printed with the figures.
-            time.sleep(0.25)
-            waited += 0.25
+            # last steps down until they are admitted (up to 10 s). Counted, and printed with the figures.
+            time.sleep(1.0)
+            waited += 1.0
         if args.scenario == "restart" and (t + 1) % args.checkpoint_every == 0:
             path = out / f"ckpt-{rank}-{t + 1}.pt"
             torch.save(opt.state_dict(), path.with_suffix(".part"))
