@@ -25,7 +25,7 @@ ENGINE_LAYERS = {
     "engine.exchange": 2,
     "engine.rules": 3,
     "engine.state": 4,
-    "engine": 5,  # coordination at the engine's top: options, layout, survival, recovery, engine, front_end
+    "engine": 5,  # coordination at the engine's top: options, layout, survival, recovery, checkpointing, engine, front_end
 }
 
 # The package's layers: topologies <- engine <- front-ends <- the rest. optim depends on torch alone.
@@ -159,3 +159,14 @@ def test_no_room_imports_another_rooms_private_names():
         if private:
             wrong.append(f"{source} imports {private} from {target}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_engine_module_keeps_coordination_only():
+    # Budgets of the engine's coordinating module: past them, what is not coordination moves into a
+    # room or a mixin of its own (as recovery.py and checkpointing.py did).
+    path = PACKAGE / "engine" / "engine.py"
+    lines = path.read_text().splitlines()
+    (engine,) = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)]
+    assert len(lines) <= 600, f"engine/engine.py has {len(lines)} lines (at most 600)"
+    class_lines = engine.end_lineno - engine.lineno + 1
+    assert class_lines <= 500, f"GossipEngine has {class_lines} lines (at most 500)"

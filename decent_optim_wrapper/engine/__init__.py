@@ -21,6 +21,8 @@ Coordination, at this level:
 * :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop.
 * :mod:`~decent_optim_wrapper.engine.recovery` -- the engine's side of a change of members: recovering,
   settling rounds, rewiring, opening to joiners.
+* :mod:`~decent_optim_wrapper.engine.checkpointing` -- the engine's part of a checkpoint: saving,
+  loading bit for bit, resuming at another world size.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
 * :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.
 """

@@ -4,7 +4,7 @@ It owns everything decentralized training needs besides the local update: cross-
 flat buckets, the process groups, the step protocol (:meth:`GossipEngine.step` for a whole model,
 :meth:`GossipEngine.step_bucket` for one bucket inside backward), exact global averaging with its
 snapshot (:mod:`~decent_optim_wrapper.engine.state.averaging`), and its part of a checkpoint
-(:mod:`~decent_optim_wrapper.engine.state.checkpoint`). The architecture page of the docs shows a step's
+(:mod:`~decent_optim_wrapper.engine.checkpointing`). The architecture page of the docs shows a step's
 data flow.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -21,6 +21,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
+from decent_optim_wrapper.engine.checkpointing import EngineCheckpoint
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossipSpec
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
@@ -28,10 +29,7 @@ from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.comm import agree, run_token
 from decent_optim_wrapper.engine.fleet.growth import Growth
-from decent_optim_wrapper.engine.fleet.membership import (
-    Membership,
-    connect_store,
-)
+from decent_optim_wrapper.engine.fleet.membership import Membership, connect_store
 from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
 from decent_optim_wrapper.engine.layout import (
     EngineParts,
@@ -53,20 +51,8 @@ from decent_optim_wrapper.engine.options import (
 from decent_optim_wrapper.engine.recovery import MemberChanges
 from decent_optim_wrapper.engine.rules.local_steps import LowCommunicationFacts, OuterFactory
 from decent_optim_wrapper.engine.rules.pacing import PacingSpec
-from decent_optim_wrapper.engine.state.averaging import (
-    GlobalAverage,
-    floating_buffers,
-    restore_buckets,
-)
-from decent_optim_wrapper.engine.state.checkpoint import (
-    STATE_VERSION,
-    RunIdentity,
-    check_engine_state,
-    plain,
-    snapshot_from_state,
-    snapshot_state,
-)
-from decent_optim_wrapper.engine.state.resize import averaged_engine_state, check_saved_world
+from decent_optim_wrapper.engine.state.averaging import GlobalAverage, floating_buffers
+from decent_optim_wrapper.engine.state.checkpoint import STATE_VERSION
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival
 from decent_optim_wrapper.engine.wire.compression import CompressionSpec, GossipCompression
 from decent_optim_wrapper.topo import Topology
@@ -76,7 +62,7 @@ __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook"
 _T = TypeVar("_T")
 
 
-class GossipEngine(MemberChanges, LowCommunicationFacts):
+class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
     r"""Buckets, topology schedule, process groups and gossip of one rank.
 
     Built from ``(name, parameter)`` pairs in a given order (the optimizer front-end passes its
@@ -567,76 +553,6 @@ class GossipEngine(MemberChanges, LowCommunicationFacts):
         member is out of it: :meth:`~.fleet.membership.Membership.try_announce`)."""
         if self._survival is not None:
             self._survival.membership.collective_done()
-
-    # -- checkpoints -----------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """This replica's engine state: the ``"decent"`` entry of a front-end's checkpoint (layout in
-        :mod:`~.checkpoint`). Waits for gossip in flight (no collective), so it holds the received
-        rounds the next step mixes in, and a run resumed from it continues bit for bit."""
-        self.check_buckets()
-        self._survive(self.wait_all)  # a peer lost now is survived before anything is saved
-        with current(self._buckets, write=False):
-            params = [b.data.clone() for b in self._buckets]
-        return {
-            **self._identity().as_state(),
-            "step": self._step,
-            "params": params,
-            "gossip": self._gossip.state_dict(),
-            "snapshot": snapshot_state(self._averaging.snapshot),
-            "mixing_factor": self._mixing_factor,
-            "compression": None if self._compression is None else self._compression.wire,
-            "tracking": None if self._tracker is None else self._tracker.state_dict(),
-            "local_steps": None if self._local is None else self._local.state_dict(),
-        }
-
-    def check_state_dict(self, state: Any) -> None:
-        """Raise ``ValueError`` naming the mismatch if ``state`` cannot be loaded into this engine.
-
-        Checks everything :meth:`load_state_dict` will use, so a front-end can check the engine's
-        part before it changes anything of its own.
-        """
-        check_engine_state(state, self._identity(), self._buckets, self._gossip, self._tracker, self._local)
-
-    @torch.no_grad()
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict` of the same rank, world size, topology and layout.
-
-        Everything is checked (:meth:`check_state_dict`) before anything changes. Local.
-        """
-        self.check_state_dict(state)
-        restore_buckets(self._buckets, state["params"])
-        self._gossip.load_state_dict(state.get("gossip"))
-        if self._tracker is not None:  # a checkpoint without tracking starts the trackers afresh
-            self._tracker.load_state_dict(state.get("tracking"))
-        self._step = int(state["step"])
-        self._mixing_factor = float(state.get("mixing_factor", 1.0))  # absent in the oldest checkpoints
-        if self._local is not None:
-            self._local.load_state_dict(state["local_steps"], self._step)
-        self._averaging.snapshot = snapshot_from_state(state, self._buckets)
-
-    # -- resuming at another world size ----------------------------------------------------------------
-    def resume_state(self, states: Sequence[Any]) -> dict[str, Any] | None:
-        """What this rank loads from a checkpoint's engine entries (every saved rank's, in order).
-
-        None when this run has the saved world size and topology: rank ``r`` then loads ``states[r]``
-        with :meth:`load_state_dict` and continues bit for bit. Otherwise the state every rank starts
-        from: the average of the saved replicas, the same bits on every rank (the rule, and what is
-        reset, in :mod:`~decent_optim_wrapper.engine.state.resize`). Raises ``ValueError`` if the entries
-        are not one checkpoint of this parameter layout. Local.
-        """
-        if check_saved_world(states, self._identity()):
-            return None
-        return averaged_engine_state(states, self._identity())
-
-    def _identity(self) -> RunIdentity:
-        return RunIdentity(
-            rank=self.rank,
-            world_size=self.world_size,
-            local_world_size=self.local_world_size,
-            topology=self._topology.name,
-            schedule=plain(self._topology.fingerprint()),
-            buckets=plain(signatures(self._buckets)),
-        )
 
     def __repr__(self) -> str:
         return (
