@@ -25,7 +25,8 @@ ENGINE_LAYERS = {
     "engine.exchange": 2,
     "engine.rules": 3,
     "engine.state": 4,
-    "engine": 5,  # coordination at the engine's top: options, layout, survival, recovery, checkpointing, engine, front_end
+    # coordination at the engine's top: options, layout, survival, recovery, checkpointing, engine, front_end
+    "engine": 5,
 }
 
 # The package's layers: topologies <- engine <- front-ends <- the rest. optim depends on torch alone.

@@ -5,7 +5,8 @@ differ. When a job comes back with another number of workers (an elastic restart
 larger allocation), each of the ``M`` new ranks needs one state to start from. The rule:
 
 * **Same world size and topology** (``M = N``): new rank ``r`` loads saved rank ``r``'s state as it
-  is, and the run continues bit for bit (:meth:`~.GossipEngine.load_state_dict`).
+  is, and the run continues bit for bit
+  (:meth:`~decent_optim_wrapper.engine.GossipEngine.load_state_dict`).
 * **Otherwise every new rank starts from the exact average of the saved replicas**,
 
   .. math::
@@ -249,7 +250,8 @@ def averaged_engine_state(states: Sequence[Mapping[str, Any]], run: RunIdentity)
     world size, topology, schedule), the saved step, the averaged parameters and, with
     low-communication gossip, the averaged anchors and outer optimizer state; no gossip in flight,
     no compression references, no gradient trackers and no global-average snapshot (the module
-    docstring says why). It passes :meth:`~.GossipEngine.check_state_dict` of the run.
+    docstring says why). It passes
+    :meth:`~decent_optim_wrapper.engine.GossipEngine.check_state_dict` of the run.
     """
     check_saved_world(states, run)
     first = states[0]
