@@ -5,8 +5,12 @@ printed as ratios of numbers taken in the same run:
 
 (a) **Training step**, 2 gloo ranks on loopback, one torch thread each (as ``torchrun`` sets):
     forward + backward + step with the bare AdamW (no gossip), and with ``DecentOptimWrapper`` on a
-    ring with ``second_moment="local"`` and with the default ``"average"``, interleaved (the order
-    rotates every step). Target: ``average`` within 1.08x of ``local`` (median paired ratio).
+    ring with ``second_moment="local"``, with the default ``"average"`` and with the default and
+    this rank's non-finite guard off (``nonfinite_guard=False``), interleaved (the order rotates
+    every step). With ``--seed-path`` the seed release (decent-optim-wrapper 0.1.1, whose ranks each
+    run their own AdamW: ``"local"``'s rule, without a guard) runs in the same loop
+    (``benchmarks/harness/seed_release.py`` says how to install it). Targets (median paired
+    ratios): the default at most 1.0x the seed's step and at most 1.08x ``"local"``.
 (b) **Optimizer step alone**, one process: torch's AdamW step against the rule's step for n = 2 on
     the same parameters and gradients, interleaved; for torch's single-tensor, foreach and fused
     AdamW.
@@ -29,6 +33,7 @@ import json
 import multiprocessing as mp
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,10 +43,27 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness.common import build_mlp, collect_from_ranks
+from benchmarks.harness.seed_release import load_seed_wrapper, seed_wrapper
 from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
 
-METHODS = {"bare": None, "local": {"second_moment": "local"}, "average": {}}
+#: The wrappers part (c) measures (``None``: the bare optimizer) ...
+METHODS: dict[str, dict[str, Any] | None] = {
+    "bare": None,
+    "local": {"second_moment": "local"},
+    "average": {},
+}
+#: ... and part (a) times, with the guard's own cost and, given ``--seed-path``, the seed release.
+TIMED = {**METHODS, "guard_off": {"nonfinite_guard": False}}
+SEED = "seed"
+#: (method, the method it is compared with) for part (a)'s ratios.
+RATIOS = (
+    ("local", "bare"),
+    ("average", "local"),
+    ("average", SEED),
+    ("local", SEED),
+    ("guard_off", "average"),
+)
 MIB = 2**20
 
 
@@ -49,7 +71,9 @@ def build(args: argparse.Namespace, method: str) -> tuple[nn.Module, torch.optim
     torch.manual_seed(0)
     model = build_mlp(args.width, args.width, args.depth, 10)
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    options = METHODS[method]
+    if method == SEED:
+        return model, seed_wrapper(load_seed_wrapper(args.seed_path), adamw, "ring")
+    options = TIMED[method]
     return model, adamw if options is None else DecentOptimWrapper(adamw, topology="ring", **options)
 
 
@@ -77,8 +101,8 @@ def paired(times: dict[str, list[float]], name: str, against: str) -> dict[str, 
 
 
 def training_steps(args: argparse.Namespace) -> dict[str, Any]:
-    """Part (a) on one rank: the three methods interleaved."""
-    runs = {name: build(args, name) for name in METHODS}
+    """Part (a) on one rank: every timed method interleaved."""
+    runs = {name: build(args, name) for name in [*TIMED, *([SEED] if args.seed_path else [])]}
     batch = (torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,)))
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -89,9 +113,12 @@ def training_steps(args: argparse.Namespace) -> dict[str, Any]:
                 times[name].append(seconds)
     return {
         "params": sum(p.numel() for p in runs["bare"][0].parameters()),
-        "bare": paired(times, "bare", "bare"),
-        "local": paired(times, "local", "bare"),
-        "average": paired(times, "average", "local"),
+        "ms": {name: statistics.median(seconds) * 1e3 for name, seconds in times.items()},
+        "ratios": {
+            f"{name}/{against}": paired(times, name, against)
+            for name, against in RATIOS
+            if name in times and against in times
+        },
     }
 
 
@@ -197,19 +224,29 @@ def on_two_ranks(part: str, args: argparse.Namespace) -> dict[int, Any]:
 
 def report(results: dict[str, Any]) -> None:
     t = results["time"][0]
-    print(f"torch {torch.__version__}, {platform.machine()}, {results['cpus']} CPUs, 1 thread per rank")
+    print(
+        f"commit {results['commit']}, torch {torch.__version__}, {platform.machine()}, "
+        f"{results['cpus']} CPUs, 1 thread per rank"
+    )
     print(
         f"(a) 2 ranks, ring, AdamW, MLP {t['params'] / 1e6:.2f}M params, batch {results['args']['batch']}, "
         f"{results['args']['iters']} interleaved steps each (rank 0)"
     )
-    print(f"    bare AdamW (no gossip)        {t['bare']['ms']:8.2f} ms")
-    for name, against in (("local", "bare"), ("average", "local")):
-        r = t[name]
+    labels = {
+        "bare": "bare AdamW (no gossip)",
+        "local": "second_moment='local'",
+        "average": "second_moment='average' (default)",
+        "guard_off": "default, nonfinite_guard=False",
+        SEED: "seed release 0.1.1",
+    }
+    for name, ms in t["ms"].items():
+        print(f"    {labels[name]:<36} {ms:8.2f} ms")
+    for pair, r in t["ratios"].items():
         print(
-            f"    second_moment={name!r:<10} {r['ms']:8.2f} ms   vs {against}: ratio of medians "
-            f"{r['ratio_of_medians']:.3f}, median paired ratio {r['median_paired_ratio']:.3f}"
+            f"    {pair:<18} ratio of medians {r['ratio_of_medians']:.3f}, "
+            f"median paired ratio {r['median_paired_ratio']:.3f}"
         )
-    print("    target: 'average' within 1.08x of 'local'")
+    print("    targets: average/seed at most 1.0, average/local at most 1.08 (median paired)")
     print("(b) optimizer step alone (one process): the rule's step (n=2) against torch's AdamW step")
     for impl, r in results["step"].items():
         print(
@@ -241,13 +278,40 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--memory-steps", type=int, default=5)
     parser.add_argument("--max-seconds", type=float, default=600.0)
+    parser.add_argument(
+        "--seed-path",
+        default=None,
+        help="a folder holding decent-optim-wrapper 0.1.1, to time beside the others "
+        "(benchmarks/harness/seed_release.py)",
+    )
     parser.add_argument("--json", default=None, help="write the results to this file")
     return parser.parse_args()
 
 
+def commit() -> str | None:
+    """The checkout's commit (with ``+dirty`` for uncommitted changes), recorded with the figures."""
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        ).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head + ("+dirty" if dirty.strip() else "")
+
+
 def main() -> None:
     args = parse_args()
-    results: dict[str, Any] = {"args": vars(args), "cpus": mp.cpu_count(), "torch": torch.__version__}
+    if args.seed_path:
+        load_seed_wrapper(args.seed_path)  # a wrong folder fails here, before any rank starts
+    results: dict[str, Any] = {
+        "args": vars(args),
+        "cpus": mp.cpu_count(),
+        "torch": torch.__version__,
+        "commit": commit(),
+    }
     results["time"] = on_two_ranks("time", args)
     results["step"] = optimizer_steps(args)
     results["memory"] = {name: on_two_ranks(name, args) for name in METHODS}
