@@ -16,6 +16,8 @@ from torch import nn
 
 from decent_optim_wrapper import JoinRejectedError, init_elastic, node_mesh
 from decent_optim_wrapper.engine.fleet.admission import (
+    ADMITTED,
+    WITHDRAWN,
     Admission,
     Applicant,
     JobInfo,
@@ -23,10 +25,12 @@ from decent_optim_wrapper.engine.fleet.admission import (
     JoinRequest,
     SignatureEntry,
     admit,
+    claim_fate,
     joiner_verdicts,
     mismatch,
     publish_job,
     run_prefix,
+    settle_fates,
     slot_key,
     write_verdicts,
 )
@@ -158,7 +162,7 @@ def test_applicants_wait_while_nobody_can_donate_or_a_collective_of_the_whole_wo
     try:
         for donors, blocked in (([], False), ([0], True)):
             admission = admit(store, PREFIX, 0, SIGNATURE, donors=donors, blocked=blocked, seal=PLAIN)
-            assert admission == Admission(handled=0, deferred=1)
+            assert admission == Admission(handled=0, deferred=1, after_collective=blocked)
     finally:
         stop.set()
 
@@ -280,3 +284,31 @@ def test_a_worker_whose_shards_differ_from_the_running_job_is_refused(job_shards
         stop.set()
         beat.join()
     assert not dist.is_initialized()
+
+
+def test_an_applications_fate_is_claimed_once_whoever_comes_first():
+    store = dist.HashStore()
+    # The members claim it first: the applicant, at its deadline, learns it is admitted and waits on.
+    assert claim_fate(store, PREFIX, 1, ADMITTED, PLAIN) == ADMITTED
+    assert claim_fate(store, PREFIX, 1, WITHDRAWN, PLAIN) == ADMITTED
+    # The applicant withdraws first: every member reads it withdrawn.
+    assert claim_fate(store, PREFIX, 2, WITHDRAWN, PLAIN) == WITHDRAWN
+    assert claim_fate(store, PREFIX, 2, ADMITTED, PLAIN) == WITHDRAWN
+    # A fate written without the job's secret counts as withdrawn on both sides.
+    sealed = Seal(b"the job's secret")
+    store.set(f"{slot_key(PREFIX, 3)}/fate", PLAIN.seal(ADMITTED, f"{slot_key(PREFIX, 3)}/fate"))
+    assert claim_fate(store, PREFIX, 3, ADMITTED, sealed) == WITHDRAWN
+
+
+def test_every_member_drops_the_joiners_that_withdrew_before_it_re_forms():
+    store = dist.HashStore()
+    joiners = (JoinRequest(1, 3, SIGNATURE), JoinRequest(2, 4, SIGNATURE), JoinRequest(3, 5, SIGNATURE))
+    admission = Admission(joiners=joiners, donors=(0, 1, 2), handled=3)
+    assert claim_fate(store, PREFIX, 2, WITHDRAWN, PLAIN) == WITHDRAWN  # joiner 4 gave up first
+    settled = [settle_fates(store, PREFIX, admission, PLAIN) for _ in range(3)]  # three members
+    assert settled[0] == settled[1] == settled[2]
+    assert [j.member for j in settled[0].joiners] == [3, 5] and settled[0].donors == (0, 2)
+    assert settled[0].rejected == ((2, "it gave up waiting before it was admitted"),)
+    assert settled[0].handled == 3
+    decision = Decision(0, (), settled[0])
+    assert decision.members == (3, 5)

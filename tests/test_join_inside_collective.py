@@ -36,6 +36,7 @@ from helpers import flat
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, init_elastic
+from decent_optim_wrapper.engine.fleet.admission import Admission
 from decent_optim_wrapper.engine.fleet.membership import Membership, MembershipChange
 
 TIMEOUT = timedelta(seconds=5)
@@ -224,4 +225,65 @@ def test_a_rank_entering_while_a_member_decides_to_announce_waits_for_the_decisi
     first.enter_unbroken()
     assert time.monotonic() - start >= 0.15
     first.leave_unbroken()
+    first.close(), second.close()
+
+
+def _deferred_by_a_collective(membership: Membership, store: dist.Store) -> None:
+    """What a member's watch holds after a decision that deferred one applicant because a member was
+    inside a collective of the whole world (the decision's admission says so, on every member)."""
+    store.set("decent-optim-wrapper/test/joiner/1", "pending")
+    membership.watch.decided(store, "decent-optim-wrapper/test", Admission(deferred=1, after_collective=True))
+
+
+@pytest.mark.pure
+def test_applicants_deferred_by_a_collective_are_due_at_the_first_boundary_after_one_not_before():
+    first, second, store = _pair()
+    for membership in (first, second):
+        _deferred_by_a_collective(membership, store)
+        # Not announced again before the members complete a collective (the redone one) ...
+        assert membership.watch.waiting and not membership.watch.due()
+        assert not membership.admission_due()
+    # ... nor after a timed wait: the deferral holds until this rank completes one.
+    first.collective_done()
+    assert first.admission_due() and not second.admission_due()
+    second.collective_done()
+    assert second.admission_due()
+    first.close(), second.close()
+
+
+@pytest.mark.pure
+def test_after_the_collective_every_member_announces_or_follows_at_its_boundary():
+    first, second, store = _pair()
+    for membership in (first, second):
+        _deferred_by_a_collective(membership, store)
+    first.collective_done()
+    # The second member is still receiving that all-reduce's last bytes: the first waits for it
+    # (a bounded wait: it is inside the collective), then announces.
+    threading.Timer(0.3, second.collective_done).start()
+    start = time.monotonic()
+    assert first.announce_deferred() and _announced(store)
+    assert time.monotonic() - start >= 0.25
+    # The second, at its own boundary, follows the announcement.
+    assert second.admission_due() and second.announce_deferred()
+    first.close(), second.close()
+
+
+@pytest.mark.pure
+def test_a_member_that_stays_inside_the_collective_past_timeout_is_not_announced_over():
+    first, second, store = _pair()  # timeout 0.5 s
+    _deferred_by_a_collective(first, store)
+    first.collective_done()
+    assert not first.announce_deferred() and not _announced(store)
+    assert first.admission_due()  # the next boundary tries again
+    first.close(), second.close()
+
+
+@pytest.mark.pure
+def test_a_deferral_for_want_of_a_donor_waits_a_while_then_announces_as_before():
+    first, second, store = _pair()
+    store.set("decent-optim-wrapper/test/joiner/1", "pending")
+    first.watch.decided(store, "decent-optim-wrapper/test", Admission(deferred=1))
+    assert not first.admission_due() and not first.watch.due()
+    first.watch.not_before = time.monotonic()
+    assert first.watch.due()
     first.close(), second.close()

@@ -138,7 +138,11 @@ class Survival:
     def joins_checked_at(self, step: int) -> bool:
         """Whether the step boundary of ``step`` looks for applicants (:meth:`raise_if_joins_due`): when
         one waits (attributes only), or in a job of nodes every :data:`NODE_JOIN_CHECK_EVERY` steps,
-        where the ranks of a node must all look, so that they go into the admission together."""
+        where the ranks of a node must all look, so that they go into the admission together; and at
+        the first boundary after a collective of the whole world that deferred applicants, on every
+        rank of every node alike (:meth:`~.membership.Membership.admission_due`)."""
+        if self.membership.admission_due():
+            return True
         if self.membership.shards == 1:
             return self.membership.watch.due()
         return step % NODE_JOIN_CHECK_EVERY == 0
@@ -147,8 +151,15 @@ class Survival:
         """Announce the applicants waiting for a decision, if any and if no member may still be inside a
         collective of the whole world (:meth:`~.membership.Membership.try_announce`), and raise
         :class:`~.membership.MembershipChange` (run it under :meth:`attempt`, so that a node's ranks
-        follow each other)."""
-        if self.membership.watch.due() and self.membership.try_announce():
+        follow each other). Applicants deferred by a collective are due at the first boundary after
+        one, on every member: each announces or follows there
+        (:meth:`~.membership.Membership.announce_deferred`)."""
+        membership = self.membership
+        if membership.admission_due():
+            if membership.announce_deferred():
+                raise MembershipChange("workers deferred by a collective of the whole world apply to join")
+            return
+        if membership.watch.due() and membership.try_announce():
             raise MembershipChange("workers apply to join")
 
     def attempt(self, action: Callable[[], _T]) -> _T:

@@ -19,6 +19,17 @@ live, the worker builds its model and front-end in a world of its own, and the e
    in it) and the collective is redone over the same members. No change is announced while the
    latest admission's joiners do not hold their replicas yet, nor while a member may still be inside
    a collective of the whole world (:meth:`~.membership.Membership.try_announce`).
+
+   *Deferred by a collective.* Such a deferral is recorded in the decision
+   (:attr:`Admission.after_collective`), so every member knows it, and it is decided once: nobody
+   announces the applicants again until they have completed a collective of the whole world (the
+   redone one); then every member goes into the agreement at its first step boundary after it, the
+   first there announcing (once every member is out of that collective), the others following.
+   At a boundary nobody is inside a collective, and the announcer has not updated yet, so it can
+   donate: the applicants are admitted there. Whatever the members' speeds and evaluation rhythm,
+   an applicant announced inside a collective is admitted at the first boundary after it, one
+   deferral and one redone collective later (a loop that runs two collectives of the whole world
+   back to back, with no step between them, defers once per collective).
 3. *Decide.* The member whose proposal wins the agreement also decides the applicants
    (:func:`admit`): one whose signature differs from the members' is rejected with the entry that
    differs; one whose heartbeat does not move is dropped; the others are admitted if some member
@@ -26,7 +37,14 @@ live, the worker builds its model and front-end in a world of its own, and the e
    count agree) and no member is inside a collective of the whole world. Otherwise they wait for a
    later boundary. Donors are spread over the members that can donate, one joiner each in turn, so
    no member carries every transfer.
-4. *Verdict.* Every member writes each applicant's :class:`Verdict` from the decision (the same bits
+4. *Fate.* Before anyone acts on a decision that admits an applicant, the members claim its fate,
+   "admitted", with one ``compare_set`` on the application's fate key; an applicant whose deadline
+   passes claims it "withdrawn" the same way. Whoever comes first wins, and everyone reads the same
+   value: an applicant that gave up is never admitted (every member takes it out of the decision
+   before it re-forms its groups), and an admitted applicant never gives up (it waits for its
+   verdict while the members are alive). An applicant that withdrew applies again, with a new
+   application, up to :data:`~.growth.JOIN_ATTEMPTS` times.
+5. *Verdict.* Every member writes each applicant's :class:`Verdict` from the decision (the same bits
    whoever writes); an admitted joiner forms the new default group with the members under the
    decision's generation and receives its donor's state (:mod:`~.transfer`).
 
@@ -48,7 +66,7 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TypeGuard
 
 from loguru import logger
@@ -59,6 +77,7 @@ from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal, resolve_secret
 
 __all__ = [
+    "AdmissionTimeoutError",
     "Applicant",
     "ElasticJob",
     "JobInfo",
@@ -79,9 +98,12 @@ HEARTBEAT_S = 0.2
 #: A counter standing still this long means its process is gone.
 STALE_AFTER_S = 3.0
 _POLL_S = 0.05
-#: After joiners were deferred (no member could donate, or one was inside global_avg), members wait
-#: this long before announcing them again, so that a long collective is not interrupted in a loop.
+#: After joiners were deferred because no member could donate, members wait this long before
+#: announcing them again. (Joiners deferred by a collective of the whole world are announced at the
+#: first step boundary after it instead: see "Deferred by a collective" above.)
 RETRY_AFTER_S = 1.0
+#: An application's fate, claimed once by whoever comes first (see "Fate" above).
+ADMITTED, WITHDRAWN = "admitted", "withdrawn"
 
 
 class JoinRejectedError(DecentError, ValueError):
@@ -150,6 +172,9 @@ class Admission:
     rejected: tuple[tuple[int, str], ...] = ()  # (application number, reason)
     handled: int = 0  # applications up to this number have a verdict
     deferred: int = 0  # applicants left for a later boundary (nobody could donate, or a collective ran)
+    #: Deferred because a member was inside a collective of the whole world: they are announced again
+    #: at the first step boundary after the members complete one (not after a wait of RETRY_AFTER_S).
+    after_collective: bool = False
 
 
 @dataclass
@@ -266,10 +291,18 @@ class JoinerWatch:
         self.transfers: tuple[str, ...] = ()  # ready keys of the latest admission's joiners still missing
         self.not_before = 0.0  # monotonic time before which deferred applicants are not announced
         self.waiting = False
+        #: Applicants were deferred by a collective of the whole world: announced again only at the
+        #: first step boundary after one completes (:meth:`~.membership.Membership.admission_due`).
+        self.after_collective = False
 
     def due(self) -> bool:
         """Whether an application waits for a decision (read at every step boundary: attributes only)."""
-        return self.waiting and not self.transfers and time.monotonic() >= self.not_before
+        return (
+            self.waiting
+            and not self.after_collective
+            and not self.transfers
+            and time.monotonic() >= self.not_before
+        )
 
     def refresh(self, store: Store, prefix: str) -> None:
         with self._lock:
@@ -283,7 +316,8 @@ class JoinerWatch:
             self.handled = admission.handled
             self.transfers = tuple(ready_key(prefix, m) for j in admission.joiners for m in j.members)
             self.waiting = store.check([slot_key(prefix, self.handled + 1)])
-            if admission.deferred:
+            self.after_collective = bool(admission.deferred and admission.after_collective)
+            if admission.deferred and not admission.after_collective:
                 self.not_before = time.monotonic() + RETRY_AFTER_S
 
 
@@ -365,7 +399,9 @@ def admit(
         # Deferred: handled stops below the first deferred application, so it is decided again.
         first = applicants[0].number
         early = tuple((n, w) for n, w in rejected if n < first)
-        return Admission(rejected=early, handled=first - 1, deferred=len(applicants))
+        return Admission(
+            rejected=early, handled=first - 1, deferred=len(applicants), after_collective=blocked
+        )
     cycle = itertools.cycle(donors)
     return Admission(
         joiners=tuple(applicants),
@@ -473,6 +509,59 @@ def write_verdicts(store: Store, prefix: str, verdicts: dict[int, Verdict], seal
         store.set(key, seal.seal(verdict, key))
 
 
+def fate_key(prefix: str, number: int) -> str:
+    return f"{slot_key(prefix, number)}/fate"
+
+
+def claim_fate(store: Store, prefix: str, number: int, fate: str, seal: Seal) -> str:
+    """Claim application ``number``'s fate (:data:`ADMITTED` by the members, :data:`WITHDRAWN` by its
+    applicant at its deadline) unless it is claimed already; returns the fate that holds.
+
+    One ``compare_set``: the first claim stands and everyone reads it. A fate that does not verify
+    (written without the job's secret) counts as withdrawn for members and applicant alike, so that
+    nobody waits for the other.
+    """
+    key = fate_key(prefix, number)
+    sealed = seal.seal(fate, key)
+    held = store.compare_set(key, "", sealed)
+    if held == sealed.encode():
+        return fate
+    try:
+        value = seal.open(held, key)
+    except ForgedEntryError as err:
+        logger.warning(
+            "application {}: its fate in the store is forged and counts as withdrawn: {}", number, err
+        )
+        return WITHDRAWN
+    return value if value in (ADMITTED, WITHDRAWN) else WITHDRAWN
+
+
+def settle_fates(store: Store, prefix: str, admission: Admission, seal: Seal) -> Admission:
+    """``admission`` without the joiners that withdrew before the members claimed them (every member
+    calls it on the same decision and reads the same fates, so all drop the same joiners)."""
+    kept, donors, withdrawn = [], [], []
+    for joiner, donor in zip(admission.joiners, admission.donors, strict=True):
+        if claim_fate(store, prefix, joiner.number, ADMITTED, seal) == ADMITTED:
+            kept.append(joiner)
+            donors.append(donor)
+        else:
+            withdrawn.append((joiner.number, "it gave up waiting before it was admitted"))
+    if not withdrawn:
+        return admission
+    logger.warning("applications {} withdrew before they were admitted", [n for n, _ in withdrawn])
+    return replace(
+        admission,
+        joiners=tuple(kept),
+        donors=tuple(donors),
+        rejected=admission.rejected + tuple(withdrawn),
+    )
+
+
+class AdmissionTimeoutError(PeerFailureError):
+    """No member admitted this applicant before its deadline; it withdrew its application (it may
+    apply again: :meth:`~.growth.Growth.join` does, a bounded number of times)."""
+
+
 class Applicant:
     """A worker applying to join a running job: its request, its heartbeat, its wait for a verdict.
 
@@ -535,7 +624,7 @@ class Applicant:
             self._await(self._node[0], deadline, lead)
             number = int(store.get(self._node[0]))
         verdict_key = f"{slot_key(prefix, number)}/verdict"
-        self._await(verdict_key, deadline)
+        self._await(verdict_key, deadline, number=number)
         try:
             verdict: Verdict = self._seal.open(store.get(verdict_key), verdict_key)
         except ForgedEntryError as err:
@@ -574,9 +663,11 @@ class Applicant:
         self._store.add(key, 1)
         start_heartbeat(self._store, key, self._prefix, self._stopped)
 
-    def _await(self, key: str, deadline: float, lead: int | None = None) -> None:
+    def _await(self, key: str, deadline: float, lead: int | None = None, number: int | None = None) -> None:
         """Wait until ``key`` is in the store while the job's members (and the node's rank ``lead``,
-        whose slot this rank follows) are alive; raise past ``deadline``."""
+        whose slot this rank follows) are alive; past ``deadline``, raise, unless this is the wait for
+        application ``number``'s verdict and the members claimed it admitted first (:func:`claim_fate`):
+        then wait on, while they are alive."""
         store = self._store
         watched = {"alive": f"{self._prefix}/alive"}
         if lead is not None:
@@ -600,14 +691,18 @@ class Applicant:
                         f"heartbeat for {STALE_AFTER_S:.0f} s); start the job afresh (it is over, or its "
                         "store is stale)."
                     )
-            if now > deadline:
+            if now > deadline and (
+                number is None or claim_fate(store, self._prefix, number, WITHDRAWN, self._seal) == WITHDRAWN
+            ):
                 self.withdraw()
-                raise PeerFailureError(
+                raise AdmissionTimeoutError(
                     f"no member of the running job admitted this worker within "
                     f"{2 * self._timeout + 2 * STALE_AFTER_S:.0f} s "
-                    "(members admit joiners at a step boundary, not inside global_avg); raise timeout, "
+                    "(members admit joiners at a step boundary); raise timeout, "
                     "or check that the members train with on_peer_failure='continue'."
                 )
+            if now > deadline:
+                deadline = float("inf")  # admitted: the verdict follows while the members are alive
             time.sleep(_POLL_S)
 
     def withdraw(self) -> None:

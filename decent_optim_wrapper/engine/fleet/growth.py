@@ -43,6 +43,7 @@ from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.fleet.admission import (
+    AdmissionTimeoutError,
     Applicant,
     ElasticJob,
     JobInfo,
@@ -273,7 +274,8 @@ class Growth:
 
         Returns the new membership, the verdict and the donor's payload (its ``"user"`` part is kept
         here for :meth:`register_state`). Retries an aborted join (the donor lost, a corrupted
-        transfer) up to :data:`JOIN_ATTEMPTS` times; raises
+        transfer) or an application no member admitted before its deadline (withdrawn, logged) up to
+        :data:`JOIN_ATTEMPTS` times in all; raises
         :class:`~.admission.JoinRejectedError` if the job refuses this worker.
         """
         # init_elastic saw the members alive moments ago; if they are gone since, the applicant sees
@@ -282,7 +284,14 @@ class Growth:
         for attempt in range(1, JOIN_ATTEMPTS + 1):
             clock = [time.perf_counter()]
             applicant = _applicant(job, info, signature, timeout, attempt)
-            verdict = applicant.apply()
+            try:
+                verdict = applicant.apply()
+            except AdmissionTimeoutError as err:
+                # Withdrawn before any member claimed it (the fate), so nobody waits for it: apply anew.
+                if attempt == JOIN_ATTEMPTS:
+                    raise
+                logger.warning("{}; applying again (attempt {} of {})", err, attempt + 1, JOIN_ATTEMPTS)
+                continue
             clock.append(time.perf_counter())
             membership = None
             failure: BaseException | None = None

@@ -39,7 +39,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -59,6 +59,7 @@ from decent_optim_wrapper.engine.fleet.admission import (
     process_seal,
     ready_key,
     run_prefix,
+    settle_fates,
     start_heartbeat,
     write_verdicts,
 )
@@ -467,6 +468,36 @@ class Membership:
         except Exception as err:
             raise self._store_gone(err) from err
 
+    def admission_due(self) -> bool:
+        """Whether applicants deferred by a collective of the whole world are due at this step boundary:
+        this rank has completed a collective since (the redone one; counts restart with each
+        generation) and no admitted joiner is still without its replica. Attributes only."""
+        watch = self.watch
+        return watch.after_collective and self._collectives > 0 and not watch.transfers
+
+    def announce_deferred(self) -> bool:
+        """At the first step boundary after a collective of the whole world that deferred applicants:
+        follow the announcement another member made, or make it once every member completed the
+        latest collective this rank completed (they are all inside it or past it: a bounded wait).
+        Returns whether this rank goes into the agreement (False only if a member stays inside a
+        collective past ``timeout``, or inside one that cannot be redone: the next boundary tries again).
+        """
+        if self.joins_announced():
+            return True
+        counter = self._key(f"collective/{self._collectives}")
+        clock = _AwakeClock(self._timeout)
+        try:
+            while int(self._store.add(counter, 0)) < len(self._members):
+                clock.tick()
+                if clock.expired() or self.joins_announced():
+                    break
+                time.sleep(_POLL_S / 5)
+        except PeerFailureError:
+            raise
+        except Exception as err:
+            raise self._store_gone(err) from err
+        return self.joins_announced() or self.try_announce()
+
     def enter_unbroken(self) -> None:
         """Enter a collective of the whole world that cannot be redone over new groups (``add_param_group``).
 
@@ -575,6 +606,10 @@ class Membership:
                 break
             # Written without the job's secret: cleared (only those bits, atomically), then decided again.
             store.compare_set(decision_key, raw.decode(errors="replace"), "")
+        # Joiners that gave up before the members claimed them are out, on every member alike.
+        decision = replace(
+            decision, admission=settle_fates(store, self._prefix, decision.admission, self._seal)
+        )
         self._record_verdicts(decision)
         if report.member not in decision.members and self.shards > 1:
             raise PeerFailureError(
