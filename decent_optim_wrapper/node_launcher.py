@@ -20,7 +20,8 @@ started again with the same command and variables after ``--restart-delay`` seco
 ``--max-restarts`` times; the job is running, so it joins. The launcher ends when every local rank is
 done (exit code 0) or has used up its restarts (exit code 1). The processes run in sessions of their
 own, so a terminal's Ctrl-C reaches them once, through the launcher: SIGINT and SIGTERM are passed on,
-and a process still running ``--stop-grace`` seconds later is killed.
+a process still running ``--stop-grace`` seconds later is killed, and the launcher exits with 128 + the
+signal's number.
 
 A process that exits after the job has ended (every member done) finds no running job when it comes
 back, and waits to start a new one: give ``--max-restarts 0`` to a last short stretch, or stop the
@@ -37,12 +38,26 @@ Example, two nodes of 4 GPUs, the store on the first::
         --store head:29500 --host-store -- python train.py
     python -m decent_optim_wrapper.node_launcher --nproc-per-node 4 --node 1 --nodes 2 \\
         --store head:29500 -- python train.py
+
+The command follows ``--``, or starts at the first argument that is neither an option nor an option's
+value. torchrun's spellings of these options, with underscores (``--nproc_per_node``,
+``--max_restarts``), are accepted.
+
+Exit codes::
+
+    0       every local rank finished (its process exited with 0)
+    1       a local rank used up its --max-restarts (the others ran to their end)
+    2       bad input, found before any process started: an unknown option or a bad value,
+            a command that is not found, a --host-store port already in use
+    128+N   stopped by signal N, passed on to the processes (130: Ctrl-C, 143: SIGTERM)
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,7 +65,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["LaunchConfig", "NodeLauncher", "main", "worker_environment"]
 
@@ -169,7 +184,8 @@ class NodeLauncher:
                 slot.process.kill()
 
     def run(self) -> int:
-        """Start every local rank and watch them; returns 0 if all finished cleanly, else 1."""
+        """Start every local rank and watch them; returns the launcher's exit code: 0 if all finished
+        cleanly, 1 if one used up its restarts, 128 + the signal's number if :meth:`stop` was called."""
         for slot in self.slots:
             self._start(slot)
         try:
@@ -182,6 +198,12 @@ class NodeLauncher:
             for slot in self.slots:
                 if slot.process is not None and slot.process.poll() is None:
                     slot.process.kill()
+        if self._stopping:
+            # The shell's code for a process ended by a signal: whoever runs the launcher (a scheduler,
+            # systemd) sees the job was stopped, not finished, however its processes exited.
+            code = 128 + self._signal
+            self._log(f"stopped by {self._signal.name}: exit code {code}")
+            return code
         failed = [slot.local_rank for slot in self.slots if slot.outcome == "failed"]
         if failed:
             self._log(f"local ranks {failed} failed; the others finished")
@@ -217,24 +239,49 @@ class NodeLauncher:
         self._log(f"local rank {slot.local_rank} (pid {pid}) {how}; starting it again with the same command")
 
 
-def _host_store(port: int) -> Any:
-    """A TCPStore server on ``port``, kept for as long as the launcher runs."""
+def _host_store(host: str, port: int) -> Any:
+    """A TCPStore server on ``port``, kept for as long as the launcher runs; ``ValueError`` (bad input,
+    exit code 2) if it cannot listen there."""
     # Only the launcher that hosts the store needs torch.
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+    from torch.distributed import DistNetworkError, TCPStore  # type: ignore[attr-defined]
 
-    return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False)
+    try:
+        return TCPStore("0.0.0.0", port, is_master=True, wait_for_workers=False)
+    except DistNetworkError as err:
+        if "EADDRINUSE" in str(err):
+            raise ValueError(
+                f"--host-store cannot listen on port {port} (--store {host}:{port}): the port is already in "
+                "use on this machine; give --store a free port, or drop --host-store and point --store at "
+                "the store already running there."
+            ) from None
+        reason = str(err).splitlines()[0]  # torch's first line says why; the rest is its C++ stack
+        raise ValueError(
+            f"--host-store cannot listen on port {port} (--store {host}:{port}): {reason}"
+        ) from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's errors raised as ``ValueError``: :func:`main` prints each on one line, exit code 2,
+    like the launcher's own checks (argparse would print the whole usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(f"{message} (see --help)")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    # --help: the module's docstring, its part on the command line and the exit codes after the options.
+    description, marker, epilog = (__doc__ or "").partition("\nThe command follows")
+    parser = _Parser(
         prog="python -m decent_optim_wrapper.node_launcher",
-        description=__doc__,
+        usage="%(prog)s [options] --store HOST:PORT [--host-store] [--] COMMAND ...",
+        description=description,
+        epilog=(marker + epilog).strip(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--nproc-per-node", type=int, default=1, help="processes on this node (one per GPU)")
     parser.add_argument("--node", type=int, default=0, help="this node's place among the starting nodes")
     parser.add_argument("--nodes", type=int, default=1, help="how many nodes start the job")
-    parser.add_argument("--store", required=True, help="HOST:PORT of the job's store")
+    parser.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's store")
     parser.add_argument("--host-store", action="store_true", help="host the store here, on PORT")
     parser.add_argument("--job", default=None, help="the job's name in the store (TORCHELASTIC_RUN_ID)")
     parser.add_argument("--max-restarts", type=int, default=10, help="restarts per local rank")
@@ -242,19 +289,78 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stop-grace", type=float, default=30.0, help="seconds a stopped process has before it is killed"
     )
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the command each process runs")
     return parser
+
+
+#: torchrun's options that have another name here (underscores read as dashes).
+_TORCHRUN_NAMES = {
+    "--nnodes": "--nodes",
+    "--node-rank": "--node",
+    "--master-addr": "--store HOST:PORT",
+    "--master-port": "--store HOST:PORT",
+    "--rdzv-endpoint": "--store HOST:PORT",
+    "--rdzv-id": "--job",
+    "--standalone": "--store 127.0.0.1:PORT --host-store",
+}
+
+
+def _split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The launcher's options and the command, which follows ``--`` or starts at the first argument that
+    is neither an option nor an option's value.
+
+    The options are split off here, not by an argparse REMAINDER: that took an unknown option for the
+    start of the command (``--nproc_per_node 2 --store ...`` then asked for ``--store``). Here an unknown
+    option before the command is named, with the right spelling.
+    """
+    known = parser._option_string_actions  # every option string: argparse keeps no public map
+    options: list[str] = []
+    i = 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        name, equals, value = argv[i].partition("=")
+        name = name.replace("_", "-")  # torchrun's spelling: --nproc_per_node, --max_restarts
+        # An exact name, else a prefix of long ones (argparse's abbreviations; it names an ambiguous one).
+        long = name.startswith("--")
+        exact = known.get(name)
+        actions = [exact] if exact else [a for s, a in known.items() if long and s.startswith(name)]
+        if not actions:
+            raise _unknown_option(argv[i], name, [s for s in known if s.startswith("--")])
+        options.append(name + equals + value)
+        i += 1
+        if not equals and any(action.nargs != 0 for action in actions) and i < len(argv):
+            options.append(argv[i])  # the option's value, whatever it looks like (--max-restarts -1)
+            i += 1
+    command = argv[i + 1 :] if argv[i : i + 1] == ["--"] else argv[i:]
+    return options, list(command)
+
+
+def _unknown_option(option: str, name: str, known: Sequence[str]) -> ValueError:
+    if name in _TORCHRUN_NAMES:
+        fix = f"torchrun's {option} is {_TORCHRUN_NAMES[name]} here"
+    else:
+        fix = f"did you mean {close}?" if (close := _closest(name, known)) else "see --help for the options"
+    return ValueError(f"unknown option {option!r}: {fix} (the options go before '--', the command after it)")
+
+
+def _closest(name: str, known: Sequence[str]) -> str | None:
+    """The option ``name`` was likely meant to be: the closest of those that start with the same 4
+    letters (--nprocs), else a close spelling (--mx-restarts)."""
+    words = {option.removeprefix("--"): option for option in known}  # the dashes would count as alike
+    typed = name.lstrip("-")
+    same_start = [word for word in words if word[:4] == typed[:4]] if len(typed) >= 4 else []
+    close = difflib.get_close_matches(typed, same_start or words, n=1, cutoff=0.0 if same_start else 0.6)
+    return words[close[0]] if close else None
 
 
 def parse_config(argv: Sequence[str]) -> tuple[LaunchConfig, bool]:
     """The launch configuration and whether to host the store, from the command line."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    options, command = _split_command(parser, argv)
+    args = parser.parse_args(options)
     host, sep, port = args.store.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--store={args.store!r} must be HOST:PORT, e.g. head-node:29500.")
-    command = tuple(args.command[1:] if args.command[:1] == ["--"] else args.command)
     config = LaunchConfig(
-        command,
+        tuple(command),
         args.nproc_per_node,
         args.node,
         args.nodes,
@@ -266,16 +372,24 @@ def parse_config(argv: Sequence[str]) -> tuple[LaunchConfig, bool]:
         args.stop_grace,
     )
     config.check()
+    # Found here, before a store or a process starts; Popen would raise it from the first start instead.
+    # shutil.which searches the PATH the processes get (the launcher's own) as Popen does.
+    if shutil.which(command[0]) is None:
+        raise ValueError(
+            f"command {command[0]!r} is neither a program on PATH nor an executable file: check its "
+            "spelling, or start it with the program that runs it, e.g. -- python train.py"
+        )
     return config, args.host_store
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the launcher on the command line ``argv``; returns its exit code (the module's docstring)."""
     try:
         config, host_store = parse_config(sys.argv[1:] if argv is None else argv)
+        store = _host_store(config.store_host, config.store_port) if host_store else None
     except ValueError as err:
         print(f"node_launcher: {err}", file=sys.stderr)
         return 2
-    store = _host_store(config.store_port) if host_store else None
     launcher = NodeLauncher(config)
 
     def forward(signum: int, frame: FrameType | None) -> None:

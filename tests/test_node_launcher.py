@@ -8,7 +8,9 @@ that crashes is started again, joins the running job, and the others keep their 
 from __future__ import annotations
 
 import re
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -103,9 +105,146 @@ def test_bad_options_are_named_with_the_fix(argv, message, capfd):
 @pytest.mark.pure
 def test_the_command_follows_the_double_dash():
     config, host_store = parse_config(
-        ["--store", "h:29500", "--host-store", "--", "python", "train.py", "--lr", "1"]
+        ["--store", "h:29500", "--host-store", "--", sys.executable, "train.py", "--lr", "1"]
     )
-    assert config.command == ("python", "train.py", "--lr", "1") and host_store
+    assert config.command == (sys.executable, "train.py", "--lr", "1") and host_store
+
+
+@pytest.mark.pure
+def test_without_a_double_dash_the_command_starts_at_the_first_argument_that_is_no_option_or_value():
+    # Option values that look like options or commands stay with their option; the command keeps its `--`.
+    config, host_store = parse_config(
+        ["--job", "python", "--max-restarts", "0", "--store=h:29500", sys.executable, "x.py", "--", "-v"]
+    )
+    assert config.command == (sys.executable, "x.py", "--", "-v") and not host_store
+    assert (config.job, config.max_restarts, config.store_port) == ("python", 0, 29500)
+
+
+@pytest.mark.pure
+def test_torchruns_underscore_spellings_and_abbreviations_are_read_as_the_options():
+    # torchrun's spelling first: argparse's REMAINDER took it for the command, then asked for --store.
+    argv = ["--nproc_per_node", "2", "--max_restarts=3", "--stop_grace", "5", "--store", "h:1", "--"]
+    config, _ = parse_config([*argv, sys.executable])
+    assert (config.nproc_per_node, config.max_restarts, config.stop_grace_s) == (2, 3, 5.0)
+    config, _ = parse_config(["--nproc", "4", "--store", "h:1", sys.executable])  # argparse's abbreviation
+    assert config.nproc_per_node == 4
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (
+            ["--nprocs", "2", "--store", "h:1", "--", "x"],
+            "unknown option '--nprocs': did you mean --nproc-per-node? (the options go before '--', "
+            "the command after it)",
+        ),
+        (
+            ["--nnodes", "2", "--store", "h:1", "--", "x"],
+            "unknown option '--nnodes': torchrun's --nnodes is --nodes here",
+        ),
+        (
+            ["--store", "h:1", "--master_port", "1", "--", "x"],
+            "torchrun's --master_port is --store HOST:PORT here",
+        ),
+        (
+            ["--store", "h:1", "--bogus", "python", "x.py"],
+            "unknown option '--bogus': see --help for the options",
+        ),
+        (
+            ["--nproc-per-node", "two", "--store", "h:1", "--", "x"],
+            "argument --nproc-per-node: invalid int value: 'two'",
+        ),
+        (["--", sys.executable], "the following arguments are required: --store (see --help)"),
+        (
+            ["--store", "h:1", "--", "no-such-command"],
+            "command 'no-such-command' is neither a program on PATH",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_value_and_the_fix(argv, line, capfd):
+    assert main(argv) == 2
+    err = capfd.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("node_launcher: ") and line in err, err
+
+
+def _launch(*argv: str) -> subprocess.CompletedProcess[str]:
+    """The launcher run as a user runs it; a deadline only against a hang (it imports torch: seconds)."""
+    command = [sys.executable, "-m", "decent_optim_wrapper.node_launcher", *argv]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.pure
+@pytest.mark.timeout(300)
+def test_an_unknown_option_before_the_command_is_named_not_taken_for_the_command():
+    # argparse's REMAINDER took `--nprocs 2 ...` for the command and asked for --store.
+    result = _launch("--nprocs", "2", "--store", "127.0.0.1:1", "--", sys.executable, "-c", "")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "node_launcher: unknown option '--nprocs': did you mean --nproc-per-node? (the options go before "
+        "'--', the command after it)"
+    ]
+
+
+@pytest.mark.pure
+@pytest.mark.timeout(300)
+def test_a_command_that_does_not_exist_is_one_line_not_a_traceback():
+    result = _launch("--store", "127.0.0.1:1", "--", "no-such-command", "--lr", "1")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        "node_launcher: command 'no-such-command' is neither a program on PATH nor an executable file: "
+        "check its spelling, or start it with the program that runs it, e.g. -- python train.py"
+    ]
+
+
+@pytest.mark.pure
+@pytest.mark.timeout(300)
+def test_hosting_the_store_on_a_port_in_use_is_one_line_naming_the_port_and_the_fix():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = _launch("--store", f"127.0.0.1:{port}", "--host-store", "--", sys.executable, "-c", "")
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [
+        f"node_launcher: --host-store cannot listen on port {port} (--store 127.0.0.1:{port}): the port is "
+        "already in use on this machine; give --store a free port, or drop --host-store and point --store "
+        "at the store already running there."
+    ]
+
+
+@pytest.mark.pure
+@pytest.mark.timeout(300)
+def test_a_launcher_stopped_by_a_signal_exits_with_128_plus_its_number(tmp_path):
+    # The process exits 0 on the SIGINT passed on; the launcher still says it was stopped, not done.
+    started = tmp_path / "started"
+    script = (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGINT, lambda *_: sys.exit(0))\n"
+        f"open({str(started)!r}, 'w').close()\n"
+        "time.sleep(120)\n"
+    )
+    command = [sys.executable, "-m", "decent_optim_wrapper.node_launcher", "--store", "127.0.0.1:1"]
+    with subprocess.Popen(
+        [*command, "--", sys.executable, "-c", script], cwd=ROOT, stderr=subprocess.PIPE, text=True
+    ) as launcher:
+        deadline = time.monotonic() + 240  # against a hang only: the launcher imports torch first
+        while not started.exists() and launcher.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert started.exists(), "the launcher did not start its process"
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 130, err
+    assert "stopped by SIGINT: exit code 130" in err
+
+
+@pytest.mark.pure
+def test_help_ends_with_the_exit_codes(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert out.index("options:") < out.index("Exit codes") and "128+N   stopped by signal N" in out
 
 
 def _free_port() -> int:
@@ -152,7 +291,7 @@ def test_stop_passes_the_signal_on_and_kills_what_ignores_it_after_the_grace():
     launcher = NodeLauncher(_config([sys.executable, "-c", script], stop_grace_s=1.0))
     threading.Timer(1.5, launcher.stop).start()
     start = time.monotonic()
-    assert launcher.run() == 1  # stopped before finishing: neither counts as done
+    assert launcher.run() == 128 + signal.SIGTERM  # stopped before finishing: the signal's exit code
     assert time.monotonic() - start < 20
     assert [slot.outcome for slot in launcher.slots] == ["failed", "failed"]
     assert [len(slot.pids) for slot in launcher.slots] == [1, 1], "nothing is started again once stopping"
