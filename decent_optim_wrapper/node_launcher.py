@@ -262,13 +262,23 @@ def _host_store(host: str, port: int) -> Any:
 
 class _Parser(argparse.ArgumentParser):
     """argparse's errors raised as ``ValueError``: :func:`main` prints each on one line, exit code 2,
-    like the launcher's own checks (argparse would print the whole usage first)."""
+    like the launcher's own checks (argparse would print the whole usage first). ``options`` maps every
+    option string to its action, for :func:`_split_command` (argparse keeps no public map)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.options: dict[str, argparse.Action] = {}  # before argparse adds --help through add_argument
+        super().__init__(**kwargs)
+
+    def add_argument(self, *args: Any, **kwargs: Any) -> argparse.Action:
+        action = super().add_argument(*args, **kwargs)
+        self.options.update(dict.fromkeys(action.option_strings, action))
+        return action
 
     def error(self, message: str) -> NoReturn:
         raise ValueError(f"{message} (see --help)")
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parser() -> _Parser:
     # --help: the module's docstring, its part on the command line and the exit codes after the options.
     description, marker, epilog = (__doc__ or "").partition("\nThe command follows")
     parser = _Parser(
@@ -304,7 +314,7 @@ _TORCHRUN_NAMES = {
 }
 
 
-def _split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
+def _split_command(parser: _Parser, argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """The launcher's options and the command, which follows ``--`` or starts at the first argument that
     is neither an option nor an option's value.
 
@@ -312,7 +322,7 @@ def _split_command(parser: argparse.ArgumentParser, argv: Sequence[str]) -> tupl
     start of the command (``--nproc_per_node 2 --store ...`` then asked for ``--store``). Here an unknown
     option before the command is named, with the right spelling.
     """
-    known = parser._option_string_actions  # every option string: argparse keeps no public map
+    known = parser.options
     options: list[str] = []
     i = 0
     while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
