@@ -68,9 +68,11 @@ from decent_optim_wrapper.wrapper import DecentOptimWrapper
 # Libraries stay silent unless the user opts in: logger.enable("decent_optim_wrapper").
 logger.disable("decent_optim_wrapper")
 # ... except the warnings that a worker was lost and the others went on without it, and that a
-# worker's values were not finite and were kept out of the replicas (once per kind and sender).
+# worker's values were not finite and were kept out of the replicas (once per kind and sender), and
+# that someone without the job's secret wrote into its store (once per key).
 logger.enable("decent_optim_wrapper.engine.survival")
 logger.enable("decent_optim_wrapper.engine.exchange.guard")
+logger.enable("decent_optim_wrapper.engine.fleet.refusals")
 
 __all__ = [
     "LR_SCHEDULER_FN_TYPE",

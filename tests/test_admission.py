@@ -26,6 +26,7 @@ from decent_optim_wrapper.engine.fleet.admission import (
     SignatureEntry,
     admit,
     claim_fate,
+    fate_key,
     joiner_verdicts,
     mismatch,
     publish_job,
@@ -294,10 +295,15 @@ def test_an_applications_fate_is_claimed_once_whoever_comes_first():
     # The applicant withdraws first: every member reads it withdrawn.
     assert claim_fate(store, PREFIX, 2, WITHDRAWN, PLAIN) == WITHDRAWN
     assert claim_fate(store, PREFIX, 2, ADMITTED, PLAIN) == WITHDRAWN
-    # A fate written without the job's secret counts as withdrawn on both sides.
-    sealed = Seal(b"the job's secret")
-    store.set(f"{slot_key(PREFIX, 3)}/fate", PLAIN.seal(ADMITTED, f"{slot_key(PREFIX, 3)}/fate"))
-    assert claim_fate(store, PREFIX, 3, ADMITTED, sealed) == WITHDRAWN
+    # With a secret the fate's key is one an outsider cannot compute; a value there that does not
+    # carry the secret (it could only be guessed) counts as withdrawn on both sides.
+    sealed = Seal(b"the job's secret 0123")
+    key = fate_key(PREFIX, 3, sealed)
+    assert key.startswith(f"{slot_key(PREFIX, 3)}/fate/") and key != fate_key(PREFIX, 3, Seal(b"x" * 16))
+    store.set(f"{slot_key(PREFIX, 3)}/fate", PLAIN.seal(WITHDRAWN, f"{slot_key(PREFIX, 3)}/fate"))
+    assert claim_fate(store, PREFIX, 3, ADMITTED, sealed) == ADMITTED  # the predictable key is not it
+    store.set(fate_key(PREFIX, 4, sealed), PLAIN.seal(ADMITTED, fate_key(PREFIX, 4, sealed)))
+    assert claim_fate(store, PREFIX, 4, ADMITTED, sealed) == WITHDRAWN
 
 
 def test_every_member_drops_the_joiners_that_withdrew_before_it_re_forms():

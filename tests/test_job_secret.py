@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -158,3 +159,51 @@ def test_a_decision_forged_in_the_store_is_ignored_and_the_members_agree_on_thei
     finally:
         for membership in members:
             membership.close()
+
+
+def test_a_joiner_passes_over_verdicts_that_do_not_verify_and_waits_for_the_members():
+    from decent_optim_wrapper.engine.fleet.admission import (
+        Applicant,
+        JobInfo,
+        Verdict,
+        verdict_key,
+        write_verdicts,
+    )
+    from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
+
+    store, seal = dist.HashStore(), Seal(SECRET)
+    prefix = run_prefix("run-x")
+    key = verdict_key(prefix, 1, seal)
+    genuine = Verdict(True, "", 0, (0, 1, 2, 3), 0, 5, 1, (3,), (0,))
+    stop = threading.Event()
+
+    def members() -> None:
+        while not store.check([slot_key(prefix, 1)]):  # the job is alive until the joiner applied
+            store.add(f"{prefix}/alive", 1)
+            time.sleep(0.05)
+        # A genuine verdict of another run replayed here, then a plain one (the worst case: at the
+        # private key, which an outsider cannot compute), then the members' own.
+        other = verdict_key(run_prefix("run-y"), 1, seal)
+        store.set(key, seal.seal(Verdict(False, "replayed"), other))
+        for value in (None, Seal().seal(Verdict(False, "forged"), key), None):
+            if value is not None:
+                store.set(key, value)
+            for _ in range(6):
+                store.add(f"{prefix}/alive", 1)
+                time.sleep(0.05)
+        write_verdicts(store, prefix, {1: genuine}, seal)
+        while not stop.is_set():
+            store.add(f"{prefix}/alive", 1)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=members)
+    thread.start()
+    before = REFUSALS.counts["forged_verdict"]
+    applicant = Applicant(store, JobInfo("run-x", 3, SIGNATURE), SIGNATURE, 5.0, seal=seal)
+    try:
+        assert applicant.apply() == genuine
+    finally:
+        applicant.withdraw()
+        stop.set()
+        thread.join()
+    assert REFUSALS.counts["forged_verdict"] - before == 1  # logged and counted once per key

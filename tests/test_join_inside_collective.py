@@ -36,8 +36,9 @@ from helpers import flat
 from torch import nn
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel, init_elastic
-from decent_optim_wrapper.engine.fleet.admission import Admission
+from decent_optim_wrapper.engine.fleet.admission import Admission, JoinRequest
 from decent_optim_wrapper.engine.fleet.membership import Membership, MembershipChange
+from decent_optim_wrapper.engine.fleet.sealing import Seal
 
 TIMEOUT = timedelta(seconds=5)
 EVAL_AT = 4  # the step after which every member calls the collective
@@ -228,10 +229,16 @@ def test_a_rank_entering_while_a_member_decides_to_announce_waits_for_the_decisi
     first.close(), second.close()
 
 
+def _applied(store: dist.Store) -> None:
+    """An application in slot 1 (plain: the pair's job has no secret)."""
+    key = "decent-optim-wrapper/test/joiner/1"
+    store.set(key, Seal().seal(JoinRequest(1, 2, ()), key))
+
+
 def _deferred_by_a_collective(membership: Membership, store: dist.Store) -> None:
     """What a member's watch holds after a decision that deferred one applicant because a member was
     inside a collective of the whole world (the decision's admission says so, on every member)."""
-    store.set("decent-optim-wrapper/test/joiner/1", "pending")
+    _applied(store)
     membership.watch.decided(store, "decent-optim-wrapper/test", Admission(deferred=1, after_collective=True))
 
 
@@ -281,7 +288,7 @@ def test_a_member_that_stays_inside_the_collective_past_timeout_is_not_announced
 @pytest.mark.pure
 def test_a_deferral_for_want_of_a_donor_waits_a_while_then_announces_as_before():
     first, second, store = _pair()
-    store.set("decent-optim-wrapper/test/joiner/1", "pending")
+    _applied(store)
     first.watch.decided(store, "decent-optim-wrapper/test", Admission(deferred=1))
     assert not first.admission_due() and not first.watch.due()
     first.watch.not_before = time.monotonic()

@@ -10,6 +10,7 @@ that the joiner (seconds to start) arrives mid-run; every worker stops at the sa
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -27,6 +28,7 @@ from decent_optim_wrapper import (
     JoinRejectedError,
     init_elastic,
 )
+from decent_optim_wrapper.engine.fleet.sealing import Seal
 
 pytestmark = pytest.mark.fleet
 
@@ -142,6 +144,8 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
         if t == plan.get("checkpoint_at"):
             assert front_end.peer_joins or joining, "the join came too late for this test's checkpoint"
             saved = (_state(front_end), scheduler.state_dict())
+        if not joining and t == plan.get("request_at") and index == 0 and plan.get("forge"):
+            _forge(store, front_end.engine.survival.membership.run)  # an outsider without the secret
         if not joining and t == plan.get("request_at") and index in plan.get("requesters", (0,)):
             for k in range(plan.get("joiners", 1)):
                 request_worker(workdir, f"{index}-{k}")
@@ -203,7 +207,34 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
         "after_gossip": after_gossip,
         "averaged": flat(model),
         "last_epoch": scheduler.last_epoch,
+        "recoveries": len(front_end.engine.survival.pauses),
+        "guard_counts": front_end.guard_counts,
     }
+
+
+FORGE_S = 20.0  # how long the outsider writes forged applications, 10 a second
+FORGED_VERDICTS = 40  # verdicts written ahead of time at the slots' predictable keys
+
+
+def _forge(store: dist.Store, run: str) -> None:
+    """An outsider that reaches the store but has no secret: plain verdicts refusing whoever applies
+    next, ahead of time, at every predictable verdict key, then a stream of plain applications."""
+    from decent_optim_wrapper.engine.fleet.admission import JoinRequest, Verdict, run_prefix, slot_key
+
+    plain, prefix = Seal(), run_prefix(run)
+    for number in range(1, FORGED_VERDICTS + 1):
+        key = f"{slot_key(prefix, number)}/verdict"
+        store.set(key, plain.seal(Verdict(False, "refused by an outsider"), key))
+
+    def applications() -> None:
+        deadline, number = time.monotonic() + FORGE_S, 1
+        while time.monotonic() < deadline:
+            request = plain.seal(JoinRequest(number, 1000 + number, ()), slot_key(prefix, number))
+            store.compare_set(slot_key(prefix, number), "", request)  # a taken slot: try the next
+            number += 1
+            time.sleep(0.1)
+
+    threading.Thread(target=applications, daemon=True).start()
 
 
 def _state(front_end: Any) -> dict[str, Any]:
@@ -375,6 +406,21 @@ def test_a_joiner_without_the_jobs_secret_is_refused_and_the_members_go_on(their
     assert len(results) == 3
     for result in results:
         assert result["world_size"] == 3 and not result["joins"]
+
+
+@pytest.mark.timeout(200)
+def test_an_outsider_without_the_secret_keeps_nobody_out_and_stalls_nothing():
+    # Forged verdicts written ahead at every predictable key, and forged applications 10 a second,
+    # while a worker with the secret joins.
+    plan = {"front": "optimizer", "request_at": 3, "secret": "the-jobs-secret-0123456789", "forge": True}
+    results = _by_rank(run_elastic(_train, 3, (plan,)))
+    assert len(results) == 4
+    _check_world(results, 4)
+    _check_transfers(results)
+    for member in (r for r in results if not r["joining"]):
+        # One change of membership, the admission: the forged applications cost no agreement.
+        assert member["recoveries"] == 1, member["recoveries"]
+        assert member["guard_counts"].get("forged_application", 0) >= 1, member["guard_counts"]
 
 
 @pytest.mark.timeout(200)

@@ -20,8 +20,11 @@ the end of every step. Parts:
   first step, split into start-up (interpreter, torch, model), waiting for admission, forming the
   group, waiting for the donor to pack its replica, receiving it, checking it, and the first step.
 - *overhead* (``--overhead-ranks``): the same job without joins, ``on_peer_failure="raise"``,
-  ``"continue"`` without ``init_elastic``, and ``"continue"`` open to joiners, interleaved
-  ``--rounds`` times: median step time of each over that of ``"raise"``.
+  ``"continue"`` without ``init_elastic``, ``"continue"`` open to joiners, the same with a job
+  secret (``sealed``), and with the secret while an outsider without it writes ``--forged-per-s``
+  forged applications a second into the store (``forged``: it reads the job's run from the store, as
+  anyone who reaches it can), interleaved ``--rounds`` times: median step time of each over that of
+  ``"raise"``; ``forged`` over ``sealed`` is what the forgeries cost.
 - *link* (``--links``, needs root): the emulated cluster (``emulated_cluster.py``: one namespace per node,
   ``tc tbf`` on every link): 4 nodes, a joiner on a fifth, replicas of ``--sizes-mb`` megabytes;
   the time the payload took on the wire (from the donor's header to the last byte) against bytes /
@@ -39,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -114,6 +118,7 @@ def worker(args: argparse.Namespace) -> None:
         "join_seconds": opt.engine.growth.join_seconds,
         "pauses": [] if survival is None else survival.pauses,
         "admissions": len(opt.peer_joins),
+        "forged_refused": opt.guard_counts.get("forged_application", 0),
     }
     (Path(args.out) / f"worker-{os.getpid()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -174,10 +179,14 @@ def run_job(
     join: bool,
     placement: Placement | None = None,
     launcher: list[str] | None = None,
+    secret: str | None = None,
+    forged_per_s: float = 0.0,
 ) -> list[dict[str, Any]]:
     """``members`` workers (and one joiner once rank 0 is ready, with ``join``); their results.
 
-    On the emulated cluster worker ``i`` runs on node ``i``, the joiner on node ``members``.
+    On the emulated cluster worker ``i`` runs on node ``i``, the joiner on node ``members``. With
+    ``secret`` the workers seal the job's entries; with ``forged_per_s`` an outsider writes that many
+    forged applications a second into the store while they run.
     """
     placement = placement or Placement()
     out = Path(tempfile.mkdtemp(prefix="dow-joining-"))
@@ -199,10 +208,17 @@ def run_job(
             node = len(procs)
             env = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank))
             env |= {"WORLD_SIZE": str(members), "OMP_NUM_THREADS": "1", **placement.env(node), **extra}
+            env |= {} if secret is None else {"DECENT_JOB_SECRET": secret}
             log = open(out / f"log-{node}.txt", "w")  # noqa: SIM115 -- the child keeps it
             launch = [*placement.launcher(node), *(launcher or [])]
             procs.append(subprocess.Popen([*launch, *command], env=env, stdout=log, stderr=subprocess.STDOUT))
 
+        stop_forging = threading.Event()
+        if forged_per_s:
+            forger = threading.Thread(
+                target=forge, args=(host, port, forged_per_s, stop_forging), daemon=True
+            )
+            forger.start()
         try:
             for rank in range(members):
                 start(rank, {})
@@ -218,10 +234,37 @@ def run_job(
                 if proc.returncode != 0:
                     raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
         finally:
+            stop_forging.set()
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()
     return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
+
+
+def forge(host: str, port: int, per_s: float, stop: threading.Event) -> None:
+    """An outsider that reaches the store without the job's secret: it reads the job's run from the
+    store (entries are not hidden) and claims application slots with plain requests, ``per_s`` a
+    second, until ``stop``."""
+    import pickle
+
+    import torch.distributed as dist
+
+    from decent_optim_wrapper.engine.fleet.admission import JoinRequest, run_prefix, slot_key
+    from decent_optim_wrapper.engine.fleet.sealing import Seal
+
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
+    job = "decent-optim-wrapper/jobs/bench"
+    while not store.check([job]):
+        if stop.wait(0.05):
+            return
+    run = pickle.loads(bytes.fromhex(store.get(job).decode().rpartition(":")[2])).run
+    prefix, plain, number = run_prefix(run), Seal(), 1
+    while not stop.wait(1.0 / per_s):
+        request = plain.seal(JoinRequest(number, 10_000 + number, ()), slot_key(prefix, number))
+        while store.compare_set(slot_key(prefix, number), "", request) != request.encode():
+            number += 1  # taken: the next slot
+            request = plain.seal(JoinRequest(number, 10_000 + number, ()), slot_key(prefix, number))
+        number += 1
 
 
 def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -267,15 +310,30 @@ def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def overhead(args: argparse.Namespace) -> dict[str, float]:
-    medians: dict[str, list[float]] = {"raise": [], "continue": [], "elastic": []}
+#: The overhead part's jobs: (the workers' --mode, the job secret, forged applications a second).
+OVERHEAD_JOBS = {
+    "raise": ("raise", None, False),
+    "continue": ("continue", None, False),
+    "elastic": ("elastic", None, False),
+    "sealed": ("elastic", "the-benchmark-job-secret-0123", False),
+    "forged": ("elastic", "the-benchmark-job-secret-0123", True),
+}
+
+
+def overhead(args: argparse.Namespace) -> dict[str, Any]:
+    medians: dict[str, list[float]] = {name: [] for name in OVERHEAD_JOBS}
+    refused: list[int] = []  # forged applications rank 0 refused, per forged job
     for _ in range(args.rounds):
-        for mode in medians:
-            results = run_job(args.overhead_ranks, args, mode, join=False)
+        for name, (mode, secret, forged) in OVERHEAD_JOBS.items():
+            rate = args.forged_per_s if forged else 0.0
+            results = run_job(args.overhead_ranks, args, mode, join=False, secret=secret, forged_per_s=rate)
             durations = [end - begin for r in results for begin, end in r["times"][5:]]
-            medians[mode].append(statistics.median(durations))
+            medians[name].append(statistics.median(durations))
+            if forged:
+                refused.append(next(r["forged_refused"] for r in results if r["rank"] == 0))
     base = statistics.median(medians["raise"])
-    return {mode: statistics.median(values) / base for mode, values in medians.items()}
+    ratios = {mode: statistics.median(values) / base for mode, values in medians.items()}
+    return {**ratios, "forged/sealed": ratios["forged"] / ratios["sealed"], "forged_refused": refused}
 
 
 def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -328,6 +386,9 @@ def parse_args() -> argparse.Namespace:
         "--overhead-ranks", type=int, default=4, help="world size of the overhead part (0: skip)"
     )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the overhead part")
+    parser.add_argument(
+        "--forged-per-s", type=float, default=10.0, help="forged applications a second (overhead part)"
+    )
     parser.add_argument("--links", nargs="*", default=[], help="tc rates for the link part (needs root)")
     parser.add_argument(
         "--sizes-mb", type=float, nargs="*", default=[1, 10, 100], help="replica sizes, link part"
@@ -383,7 +444,13 @@ def main() -> None:
         figures["overhead"] = overhead(args)
         print(
             "step time over on_peer_failure='raise', "
-            + ", ".join(f"{mode}: {ratio:.3f}x" for mode, ratio in figures["overhead"].items()),
+            + ", ".join(
+                f"{mode}: {ratio:.3f}x"
+                for mode, ratio in figures["overhead"].items()
+                if mode in OVERHEAD_JOBS
+            )
+            + f"; forged/sealed {figures['overhead']['forged/sealed']:.3f}x, forged applications refused "
+            f"by rank 0 per job {figures['overhead']['forged_refused']}",
             flush=True,
         )
     if args.json:

@@ -2,6 +2,9 @@
 
     uv run benchmarks/survival/rejoin_soak.py             # 8 workers, 48 cycles, about 10 min on 2 cores
     uv run benchmarks/survival/rejoin_soak.py --workers 5 --floor 3 --cycles 4 --json /tmp/rejoin.json
+    # one worker 15x slower, a global average every 3 steps: joiners must not starve
+    uv run benchmarks/survival/rejoin_soak.py --workers 4 --floor 3 --cycles 10 --average-every 3 \
+        --slow-factor 15
 
 The soak of ``soak.py`` (same model, SGD with momentum and a cosine schedule, ring,
 ``on_peer_failure="continue"``, ``global_avg()``/``revert_global_avg()`` every ``--average-every``
@@ -83,8 +86,9 @@ class FaultClock:
     inside a global average at a step that takes one. Every worker holds one; a joiner receives its
     donor's (``register_join_state``), so everyone agrees on which failure comes next."""
 
-    def __init__(self, plan: list[dict], workers: int, floor: int, every: int) -> None:
+    def __init__(self, plan: list[dict], workers: int, floor: int, every: int, spare_rank_0: bool) -> None:
         self.plan, self.workers, self.floor, self.every = plan, workers, floor, every
+        self.spare_rank_0 = spare_rank_0  # the slow worker (launch index 0, rank 0 for good) never fails
         self.next, self.last_fired = 0, WARMUP_STEPS
 
     @property
@@ -103,6 +107,8 @@ class FaultClock:
         if fault["mode"] == "kill-in-global-avg" and (step + 1) % self.every:
             return None
         self.next, self.last_fired = self.next + 1, step
+        if self.spare_rank_0:
+            return fault if 1 + fault["victim"] % (world_size - 1) == rank else None
         return fault if fault["victim"] % world_size == rank else None
 
     def state_dict(self) -> dict[str, int]:
@@ -137,7 +143,10 @@ def rejoin_worker(index: int, world: int, store: dist.Store, plan: list[dict], c
     model, witness, opt = build_worker(store, config)
     after_front_end = time.time()
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=limit)
-    clock = FaultClock(plan, world, config["floor"], every)
+    slow = config["slow_factor"] > 1
+    clock = FaultClock(plan, world, config["floor"], every, spare_rank_0=slow)
+    # With --slow-factor, launch index 0 computes that many times longer per step (a slower machine).
+    step_time_s = config["step_time_s"] * (config["slow_factor"] if index == 0 and slow else 1)
     opt.register_join_state("scheduler", scheduler)  # a joiner loads its donor's here
     opt.register_join_state("faults", clock)
     if opt.joined is None:
@@ -199,7 +208,7 @@ def rejoin_worker(index: int, world: int, store: dist.Store, plan: list[dict], c
         scheduler.step()
         failing.after_step(fault)
         health.check()
-        time.sleep(config["step_time_s"])  # the rest of a step's compute: leaves a core to a starting worker
+        time.sleep(step_time_s)  # the rest of a step's compute: leaves a core to a starting worker
         if t == first_step and opt.joined is not None:
             note(
                 {
@@ -443,6 +452,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--step-time-s", type=float, default=0.02, help="emulated compute per step")
     parser.add_argument("--max-steps", type=int, default=20_000, help="stop here if the plan is not done")
     parser.add_argument("--average-every", type=int, default=10)
+    parser.add_argument(
+        "--slow-factor",
+        type=float,
+        default=1.0,
+        help="launch index 0 takes this many times --step-time-s per step and is never a victim "
+        "(the fast members then wait for it inside every global average)",
+    )
     parser.add_argument("--timeout-s", type=float, default=5.0)
     parser.add_argument("--kill-window-ms", type=float, default=4.0, help="a kill timer fires within this")
     parser.add_argument("--restart-window-s", type=float, default=4.0, help="a restart starts within this")
@@ -466,6 +482,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "timeout_s": args.timeout_s,
         "floor": args.floor,
         "step_time_s": args.step_time_s,
+        "slow_factor": args.slow_factor,
     }
     outcome = run_workers(
         rejoin_worker,

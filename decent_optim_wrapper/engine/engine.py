@@ -30,6 +30,7 @@ from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.comm import agree, run_token
 from decent_optim_wrapper.engine.fleet.growth import Growth
 from decent_optim_wrapper.engine.fleet.membership import Membership, connect_store
+from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
 from decent_optim_wrapper.engine.layout import (
     EngineParts,
@@ -398,8 +399,9 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
 
     @property
     def guard_counts(self) -> dict[str, int]:
-        """How many times each kind of guard event happened on this rank (see :mod:`~.guard`)."""
-        return dict(self._guard.counts)
+        """How many times each kind of guard event happened on this rank (see :mod:`~.guard`), and each
+        kind of forged store entry this process refused (``forged_<kind>``: :mod:`~.fleet.refusals`)."""
+        return {**self._guard.counts, **REFUSALS.counts}
 
     def on_bucket_healed(self, reset: Callable[[list[torch.Tensor]], None]) -> None:
         """For front-ends: ``reset(params)`` is called with a bucket's parameters when the bucket healed

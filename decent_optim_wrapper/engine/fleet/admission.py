@@ -73,6 +73,7 @@ from loguru import logger
 from torch.distributed import Store  # type: ignore[attr-defined]
 
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
+from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal, resolve_secret
 
@@ -284,8 +285,10 @@ class JoinerWatch:
     refresh made with the previous decision's count never overwrites a newer decision's.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, seal: Seal | None = None) -> None:
         self._lock = threading.Lock()
+        self._seal = Seal() if seal is None else seal
+        self._screened: dict[int, bool] = {}  # application number -> whether its seal verified
         self.open = False  # the job takes joiners: set once the front-end is built
         self.handled = 0  # applications with a verdict, from the latest decision
         self.transfers: tuple[str, ...] = ()  # ready keys of the latest admission's joiners still missing
@@ -308,14 +311,35 @@ class JoinerWatch:
         with self._lock:
             if self.transfers:
                 self.transfers = tuple(key for key in self.transfers if not store.check([key]))
-            self.waiting = store.check([slot_key(prefix, self.handled + 1)])
+            self.waiting = self._genuine_waits(store, prefix)
+
+    def _genuine_waits(self, store: Store, prefix: str) -> bool:
+        """Whether a genuine application follows the decided ones. Each slot's seal is checked once, here
+        (on the heartbeat thread, off the step): a forged application is logged and passed over, so
+        that it costs the members no agreement (the decision that admits a later genuine one refuses
+        it as well)."""
+        number = self.handled + 1
+        while store.check([key := slot_key(prefix, number)]):
+            genuine = self._screened.get(number)
+            if genuine is None:
+                try:
+                    self._seal.open(store.get(key), key)
+                    genuine = True
+                except ForgedEntryError as err:
+                    REFUSALS.forged("application", key, err)
+                    genuine = False
+                self._screened[number] = genuine
+            if genuine:
+                return True
+            number += 1
+        return False
 
     def decided(self, store: Store, prefix: str, admission: Admission) -> None:
         """After a decision: applications up to ``admission.handled`` have their verdicts."""
         with self._lock:
             self.handled = admission.handled
             self.transfers = tuple(ready_key(prefix, m) for j in admission.joiners for m in j.members)
-            self.waiting = store.check([slot_key(prefix, self.handled + 1)])
+            self.waiting = self._genuine_waits(store, prefix)
             self.after_collective = bool(admission.deferred and admission.after_collective)
             if admission.deferred and not admission.after_collective:
                 self.not_before = time.monotonic() + RETRY_AFTER_S
@@ -388,7 +412,7 @@ def admit(
         try:
             requests.append(seal.open(store.get(key), key))
         except ForgedEntryError as err:
-            logger.warning("application {} to join is refused: {}", number, err)
+            REFUSALS.forged("application", key, err)
             forged.append((number, "its application does not carry the job's secret"))
         number += 1
     rejected = forged + [(r.number, reason) for r in requests if (reason := mismatch(signature, r.signature))]
@@ -502,15 +526,23 @@ def _alive(
     return live, [r for r in requests if r not in live]
 
 
+def verdict_key(prefix: str, number: int, seal: Seal) -> str:
+    """Where application ``number``'s verdict is written: a key an outsider cannot compute
+    (:meth:`~.sealing.Seal.private`)."""
+    return seal.private(f"{slot_key(prefix, number)}/verdict")
+
+
 def write_verdicts(store: Store, prefix: str, verdicts: dict[int, Verdict], seal: Seal) -> None:
     """Record each application's verdict (idempotent: every member writes the same bits)."""
     for number, verdict in verdicts.items():
-        key = f"{slot_key(prefix, number)}/verdict"
+        key = verdict_key(prefix, number, seal)
         store.set(key, seal.seal(verdict, key))
 
 
-def fate_key(prefix: str, number: int) -> str:
-    return f"{slot_key(prefix, number)}/fate"
+def fate_key(prefix: str, number: int, seal: Seal) -> str:
+    """Where application ``number``'s fate is claimed: a key an outsider cannot compute
+    (:meth:`~.sealing.Seal.private`)."""
+    return seal.private(f"{slot_key(prefix, number)}/fate")
 
 
 def claim_fate(store: Store, prefix: str, number: int, fate: str, seal: Seal) -> str:
@@ -521,7 +553,7 @@ def claim_fate(store: Store, prefix: str, number: int, fate: str, seal: Seal) ->
     (written without the job's secret) counts as withdrawn for members and applicant alike, so that
     nobody waits for the other.
     """
-    key = fate_key(prefix, number)
+    key = fate_key(prefix, number, seal)
     sealed = seal.seal(fate, key)
     held = store.compare_set(key, "", sealed)
     if held == sealed.encode():
@@ -529,9 +561,7 @@ def claim_fate(store: Store, prefix: str, number: int, fate: str, seal: Seal) ->
     try:
         value = seal.open(held, key)
     except ForgedEntryError as err:
-        logger.warning(
-            "application {}: its fate in the store is forged and counts as withdrawn: {}", number, err
-        )
+        REFUSALS.forged("fate", key, err)  # counts as withdrawn: see above
         return WITHDRAWN
     return value if value in (ADMITTED, WITHDRAWN) else WITHDRAWN
 
@@ -623,15 +653,17 @@ class Applicant:
             lead = self.member - self.member % self._shards
             self._await(self._node[0], deadline, lead)
             number = int(store.get(self._node[0]))
-        verdict_key = f"{slot_key(prefix, number)}/verdict"
-        self._await(verdict_key, deadline, number=number)
-        try:
-            verdict: Verdict = self._seal.open(store.get(verdict_key), verdict_key)
-        except ForgedEntryError as err:
-            self.withdraw()
-            raise JoinRejectedError(
-                f"the running job's verdict on this worker does not verify: {err}"
-            ) from err
+        key = verdict_key(prefix, number, self._seal)
+        stale: bytes | None = None
+        while True:
+            self._await(key, deadline, number=number, stale=stale)
+            raw = store.get(key)
+            try:
+                verdict: Verdict = self._seal.open(raw, key)
+                break
+            except ForgedEntryError as err:  # not the members': wait for theirs, written over it
+                REFUSALS.forged("verdict", key, err)
+                stale = raw
         if not verdict.admitted:
             self.withdraw()
             raise JoinRejectedError(f"the running job refused this worker: {verdict.reason}.")
@@ -663,17 +695,24 @@ class Applicant:
         self._store.add(key, 1)
         start_heartbeat(self._store, key, self._prefix, self._stopped)
 
-    def _await(self, key: str, deadline: float, lead: int | None = None, number: int | None = None) -> None:
+    def _await(
+        self,
+        key: str,
+        deadline: float,
+        lead: int | None = None,
+        number: int | None = None,
+        stale: bytes | None = None,
+    ) -> None:
         """Wait until ``key`` is in the store while the job's members (and the node's rank ``lead``,
         whose slot this rank follows) are alive; past ``deadline``, raise, unless this is the wait for
         application ``number``'s verdict and the members claimed it admitted first (:func:`claim_fate`):
-        then wait on, while they are alive."""
+        then wait on, while they are alive. With ``stale``, wait until ``key`` holds another value."""
         store = self._store
         watched = {"alive": f"{self._prefix}/alive"}
         if lead is not None:
             watched["lead"] = f"{self._prefix}/beat/{lead}"
         last = {name: (-1, time.monotonic()) for name in watched}
-        while not store.check([key]):
+        while not store.check([key]) or (stale is not None and store.get(key) == stale):
             now = time.monotonic()
             for name, counter in watched.items():
                 count = int(store.add(counter, 0))

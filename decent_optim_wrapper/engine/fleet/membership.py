@@ -63,6 +63,7 @@ from decent_optim_wrapper.engine.fleet.admission import (
     start_heartbeat,
     write_verdicts,
 )
+from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
@@ -286,7 +287,6 @@ class Membership:
         seal: Seal | None = None,
     ) -> None:
         self._seal = process_seal() if seal is None else seal  # the job secret's (:mod:`~.sealing`)
-        self._forged: set[str] = set()  # keys whose forged entries were logged
         self._replicas = replicas
         self.shards = 1 if replicas is None else replicas.shards
         self._store = store
@@ -300,7 +300,7 @@ class Membership:
         self._stopped = threading.Event()
         #: The members' signature for applicants to match; None until the job opens to joiners.
         self.signature: tuple[tuple[str, object], ...] | None = None
-        self.watch = JoinerWatch()
+        self.watch = JoinerWatch(self._seal)
         #: Collectives of the whole world this rank completed in the current generation (counted in the
         #: store too, so that an announcer knows when every member is out of its latest one).
         self._collectives = 0
@@ -637,9 +637,7 @@ class Membership:
         try:
             return self._seal.open(raw, key)
         except ForgedEntryError as err:
-            if key not in self._forged:
-                self._forged.add(key)
-                logger.warning("rank {}: a forged entry in the store is ignored: {}", self._me, err)
+            REFUSALS.forged("decision" if key.endswith("/decision") else "report", key, err)
             return None
 
     def _admission(self, reports: tuple[Report, ...]) -> Admission:

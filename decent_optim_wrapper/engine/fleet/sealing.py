@@ -17,6 +17,11 @@ cannot be replayed under another key), and :meth:`Seal.open` checks the tag, in 
 anything is unpickled. A replica handed to a joiner carries ``HMAC-SHA256(K, replica)`` in place of its
 SHA-256 digest. The secret itself never enters the store or the network.
 
+Keys whose first value decides something for someone (a verdict, an application's fate) are named
+with a part only the secret gives (:meth:`Seal.private`), so that an outsider cannot write them ahead
+of time; an entry that does not verify anywhere else is ignored, logged and counted
+(:mod:`~.refusals`).
+
 What the seal does not do: hide anything (entries and gloo traffic stay readable by whoever reaches
 them), or keep a process that reaches the store from deleting or overwriting entries, which can delay
 or stop the job (denial of service) but never admit it or make a member act on a forged decision.
@@ -131,6 +136,16 @@ class Seal:
                 f"init_elastic(secret=...) or ${SECRET_ENV})."
             )
         return pickle.loads(payload)
+
+    def private(self, name: str) -> str:
+        """Store key ``name``, made unpredictable to a process without the secret (``name`` itself in a
+        job without one): a key whose first value refuses or admits someone (a verdict, an application's
+        fate) cannot be claimed ahead of time by an outsider, who cannot compute it (the store has no
+        way to list its keys)."""
+        if self.secret is None:
+            return name
+        tag = hmac.new(self._key, b"key name\0" + name.encode(), hashlib.sha256).hexdigest()
+        return f"{name}/{tag[:32]}"
 
     def digest(self, data: bytes) -> bytes:
         """A replica's 32-byte digest: ``HMAC-SHA256(K, data)`` with a secret, else SHA-256."""
