@@ -207,3 +207,36 @@ def test_a_joiner_passes_over_verdicts_that_do_not_verify_and_waits_for_the_memb
         stop.set()
         thread.join()
     assert REFUSALS.counts["forged_verdict"] - before == 1  # logged and counted once per key
+
+
+def test_a_joiner_whose_application_an_outsider_overwrote_applies_again_instead_of_giving_up():
+    from decent_optim_wrapper.engine.fleet.admission import (
+        FORGED_APPLICATION,
+        Applicant,
+        ApplyAgainError,
+        JobInfo,
+        Verdict,
+        write_verdicts,
+    )
+
+    store, seal = dist.HashStore(), Seal(SECRET)
+    prefix = run_prefix("run-x")
+    stop = threading.Event()
+
+    def members() -> None:  # alive; once the slot is taken, refuse what they read there (forged)
+        while not stop.is_set():
+            store.add(f"{prefix}/alive", 1)
+            if store.check([slot_key(prefix, 1)]):
+                write_verdicts(store, prefix, {1: Verdict(False, FORGED_APPLICATION)}, seal)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=members)
+    thread.start()
+    applicant = Applicant(store, JobInfo("run-x", 3, SIGNATURE), SIGNATURE, 5.0, seal=seal)
+    try:
+        with pytest.raises(ApplyAgainError, match="overwritten in the store by a process without"):
+            applicant.apply()
+    finally:
+        applicant.withdraw()
+        stop.set()
+        thread.join()

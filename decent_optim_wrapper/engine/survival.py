@@ -259,7 +259,9 @@ class Survival:
                 settled = True
             rank = decision.nodes().index(membership.member // membership.shards)
             try:
-                membership.reform(decision, "gloo", self._timeout)
+                # 3 * timeout, as the joiner's and the gossip groups' (the engine's own waits decide a
+                # loss): forming the group on a loaded machine must not be what drops a live worker.
+                membership.reform(decision, "gloo", 3 * self._timeout)
                 rewire(decision, before)
                 break
             except (RuntimeError, dist.DistError) as err:  # a survivor did not join: recover again

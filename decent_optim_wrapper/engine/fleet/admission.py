@@ -78,8 +78,8 @@ from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal, resolve_secret
 
 __all__ = [
-    "AdmissionTimeoutError",
     "Applicant",
+    "ApplyAgainError",
     "ElasticJob",
     "JobInfo",
     "JoinRejectedError",
@@ -413,7 +413,7 @@ def admit(
             requests.append(seal.open(store.get(key), key))
         except ForgedEntryError as err:
             REFUSALS.forged("application", key, err)
-            forged.append((number, "its application does not carry the job's secret"))
+            forged.append((number, FORGED_APPLICATION))
         number += 1
     rejected = forged + [(r.number, reason) for r in requests if (reason := mismatch(signature, r.signature))]
     applicants = [r for r in requests if r.number not in dict(rejected)]
@@ -587,9 +587,15 @@ def settle_fates(store: Store, prefix: str, admission: Admission, seal: Seal) ->
     )
 
 
-class AdmissionTimeoutError(PeerFailureError):
-    """No member admitted this applicant before its deadline; it withdrew its application (it may
-    apply again: :meth:`~.growth.Growth.join` does, a bounded number of times)."""
+class ApplyAgainError(PeerFailureError):
+    """This application ended without admitting the worker, through no fault of its own: no member
+    admitted it before its deadline (it withdrew), or a process without the job's secret overwrote it
+    in the store (the members refused what they read there). The worker may apply again:
+    :meth:`~.growth.Growth.join` does, a bounded number of times."""
+
+
+#: The reason the members give for an application whose seal does not verify.
+FORGED_APPLICATION = "its application does not carry the job's secret"
 
 
 class Applicant:
@@ -666,6 +672,11 @@ class Applicant:
                 stale = raw
         if not verdict.admitted:
             self.withdraw()
+            if verdict.reason == FORGED_APPLICATION and self._seal.enabled:  # this worker sealed it
+                raise ApplyAgainError(
+                    f"application {number} was overwritten in the store by a process without the job's "
+                    "secret (the members refused what they read there)"
+                )
             raise JoinRejectedError(f"the running job refused this worker: {verdict.reason}.")
         return verdict
 
@@ -734,7 +745,7 @@ class Applicant:
                 number is None or claim_fate(store, self._prefix, number, WITHDRAWN, self._seal) == WITHDRAWN
             ):
                 self.withdraw()
-                raise AdmissionTimeoutError(
+                raise ApplyAgainError(
                     f"no member of the running job admitted this worker within "
                     f"{2 * self._timeout + 2 * STALE_AFTER_S:.0f} s "
                     "(members admit joiners at a step boundary); raise timeout, "

@@ -43,8 +43,8 @@ from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.fleet.admission import (
-    AdmissionTimeoutError,
     Applicant,
+    ApplyAgainError,
     ElasticJob,
     JobInfo,
     Verdict,
@@ -286,8 +286,9 @@ class Growth:
             applicant = _applicant(job, info, signature, timeout, attempt)
             try:
                 verdict = applicant.apply()
-            except AdmissionTimeoutError as err:
-                # Withdrawn before any member claimed it (the fate), so nobody waits for it: apply anew.
+            except ApplyAgainError as err:
+                # Withdrawn before any member claimed it (the fate), or overwritten by an outsider:
+                # nobody waits for this application, so a new one starts clean.
                 if attempt == JOIN_ATTEMPTS:
                     raise
                 logger.warning("{}; applying again (attempt {} of {})", err, attempt + 1, JOIN_ATTEMPTS)
