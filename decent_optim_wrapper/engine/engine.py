@@ -400,7 +400,8 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
     @property
     def guard_counts(self) -> dict[str, int]:
         """How many times each kind of guard event happened on this rank (see :mod:`~.guard`), and each
-        kind of forged store entry this process refused (``forged_<kind>``: :mod:`~.fleet.refusals`)."""
+        kind of forged store entry this process refused (``forged_<kind>``:
+        :mod:`~decent_optim_wrapper.engine.fleet.refusals`)."""
         return {**self._guard.counts, **REFUSALS.counts}
 
     def on_bucket_healed(self, reset: Callable[[list[torch.Tensor]], None]) -> None:

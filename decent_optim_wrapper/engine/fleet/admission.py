@@ -173,8 +173,9 @@ class Admission:
     rejected: tuple[tuple[int, str], ...] = ()  # (application number, reason)
     handled: int = 0  # applications up to this number have a verdict
     deferred: int = 0  # applicants left for a later boundary (nobody could donate, or a collective ran)
-    #: Deferred because a member was inside a collective of the whole world: they are announced again
-    #: at the first step boundary after the members complete one (not after a wait of RETRY_AFTER_S).
+    #: Whether the applicants were deferred because a member was inside a collective of the whole
+    #: world; they are then announced again at the first step boundary after the members complete
+    #: one, not after a wait of RETRY_AFTER_S.
     after_collective: bool = False
 
 
@@ -294,8 +295,9 @@ class JoinerWatch:
         self.transfers: tuple[str, ...] = ()  # ready keys of the latest admission's joiners still missing
         self.not_before = 0.0  # monotonic time before which deferred applicants are not announced
         self.waiting = False
-        #: Applicants were deferred by a collective of the whole world: announced again only at the
-        #: first step boundary after one completes (:meth:`~.membership.Membership.admission_due`).
+        #: Whether applicants were deferred by a collective of the whole world; they are announced
+        #: again only at the first step boundary after one completes
+        #: (:meth:`~.membership.Membership.admission_due`).
         self.after_collective = False
 
     def due(self) -> bool:

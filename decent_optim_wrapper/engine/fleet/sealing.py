@@ -20,7 +20,7 @@ SHA-256 digest. The secret itself never enters the store or the network.
 Keys whose first value decides something for someone (a verdict, an application's fate) are named
 with a part only the secret gives (:meth:`Seal.private`), so that an outsider cannot write them ahead
 of time; an entry that does not verify anywhere else is ignored, logged and counted
-(:mod:`~.refusals`).
+(:mod:`~decent_optim_wrapper.engine.fleet.refusals`).
 
 What the seal does not do: hide anything (entries and gloo traffic stay readable by whoever reaches
 them), or keep a process that reaches the store from deleting or overwriting entries, which can delay
