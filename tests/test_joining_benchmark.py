@@ -28,6 +28,9 @@ def test_joining_benchmark_measures_the_pause_the_joiner_and_the_per_step_cost(t
     # the parts add up to the joiner's time from its process start to the end of its first step
     assert sum(joiner[part] for part in parts) == pytest.approx(joiner["total_s"], abs=0.05)
     assert joiner["bytes"] > 3 * 4 * 1e4  # parameters and AdamW's two moments, at least
-    assert (
-        set(figures["overhead"]) == {"raise", "continue", "elastic"} and figures["overhead"]["raise"] == 1.0
-    )
+    overhead = figures["overhead"]
+    assert {"raise", "continue", "elastic"} <= set(overhead) and overhead["raise"] == 1.0
+    # The job with a secret, alone and beside an outsider's forged applications (rank 0's refusals of
+    # them counted per forged job: how many depends on how long this tiny job runs)
+    assert {"sealed", "forged", "forged/sealed"} <= set(overhead)
+    assert len(overhead["forged_refused"]) == 1 and overhead["forged_refused"][0] >= 0
