@@ -200,6 +200,12 @@ def _under_attack(front_end: str, attack: str | None, clipped: Any, steps: int, 
         front = DecentOptimWrapper(make(model.parameters()), **common)
     else:
         front = DecentralizedDataParallel(model, lambda named: make([p for _, p in named]), **common)
+    dropped: list[tuple[int, int]] = []  # the guard's "dropped" events: (step, whose difference)
+    front.register_guard_hook(
+        lambda event: (
+            dropped.extend((event.step, s) for s in event.senders) if event.kind == "dropped" else None
+        )
+    )
     for step in range(steps):
         x, _ = batch(rank, step)
         loss = nn.functional.cross_entropy(model(x), (x @ teacher).argmax(1))
@@ -217,6 +223,7 @@ def _under_attack(front_end: str, attack: str | None, clipped: Any, steps: int, 
         "loss": None if attacker else _probe_loss(model),
         "spread": float((replicas[honest] - mean).norm(dim=1).max()),
         "finite": bool(torch.isfinite(replicas[honest]).all()),
+        "dropped": dropped,
     }
 
 
@@ -228,7 +235,8 @@ def _honest_loss(results: list[dict]) -> float:
 def test_an_attacker_drags_plain_gossip_away_but_not_clipped_gossip(pool, attack):
     # 4 ranks on a ring: the attacker is a neighbour of two of the three honest ranks, half their rounds.
     steps = 60
-    clean = _honest_loss(pool(4).run(_under_attack, "optimizer", None, True, steps))
+    clean_runs = pool(4).run(_under_attack, "optimizer", None, True, steps)
+    clean = _honest_loss(clean_runs)
     clipped = pool(4).run(_under_attack, "optimizer", attack, True, steps)
     plain = _honest_loss(pool(4).run(_under_attack, "optimizer", attack, False, steps))
     assert all(r["finite"] for r in clipped)
@@ -240,6 +248,22 @@ def test_an_attacker_drags_plain_gossip_away_but_not_clipped_gossip(pool, attack
     assert not math.isfinite(plain) or plain >= 3 * clean, (plain, clean)
     bound = 1.25 if attack == "negated" else 1.15
     assert _honest_loss(clipped) <= bound * clean, (_honest_loss(clipped), clean)
+    # The guard's counters: the attacker's two neighbours left it out ("dropped", naming it), and no
+    # honest difference was ever dropped, with or without the attacker.
+    # The guard's counters ("dropped": a difference beyond ten radii left out): the attacker's neighbours
+    # leave it out (the negated model, sometimes within ten radii of one of them, by one at least); an
+    # honest difference is left out only while a window holds fewer than four norms (its radius is
+    # their minimum: measured, one drop at step 3 in the clean run), never after.
+    senders = [{sender for _, sender in r["dropped"]} for r in clipped[:ATTACKER]]
+    if attack == "negated":
+        assert ATTACKER in senders[0] | senders[2], senders
+    else:
+        assert senders == [{ATTACKER}, set(), {ATTACKER}], senders
+    honest_drops = [d for r in clean_runs for d in r["dropped"]]
+    honest_drops += [
+        (step, sender) for r in clipped[:ATTACKER] for step, sender in r["dropped"] if sender != ATTACKER
+    ]
+    assert all(step < 4 for step, _ in honest_drops), honest_drops
 
 
 @pytest.mark.parametrize(

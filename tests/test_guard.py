@@ -100,11 +100,13 @@ def _simulate(x: torch.Tensor, w: torch.Tensor, bad: set[int]) -> torch.Tensor:
     return out
 
 
-def _one_guarded_round(front_end: str, topology: str, bad: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _one_guarded_round(
+    front_end: str, topology: str, bad: int, clipped: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Distinct dyadic replicas, rank ``bad``'s made NaN; one round launched and mixed with lr 0."""
     rank, model = dist.get_rank(), tiny_model(dtype=torch.float64)
     set_distinct(model, rank, dyadic=True)
-    options: dict[str, Any] = {"topology": topology}
+    options: dict[str, Any] = {"topology": topology, "clipped_gossip": clipped}
     if front_end == "optimizer":
         front = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.0), **options)
     else:
@@ -145,6 +147,26 @@ def test_a_withheld_replica_heals_and_its_peers_keep_its_weight_as_the_simulatio
             assert counts["peer_withheld"] >= 1
         else:
             assert counts == {}
+
+
+@pytest.mark.parametrize("front_end", ["optimizer", "module"])
+def test_under_clipped_gossip_the_bad_rank_counts_withheld_and_healed_its_peers_not_finite(pool, front_end):
+    # A clipped round gathers the values themselves: the bad rank's NaN slot is found at the mix by every
+    # member (its peers count "not_finite" naming it), the bad rank counts "withheld" and "healed".
+    results = pool(4).run(_one_guarded_round, front_end, "ring", 2, True)
+    before = results[0][0]
+    w = TopologyFactory.create("ring", 4).mixing_matrix(0)
+    good = [j for j in range(4) if w[2, j] > 0 and j != 2]
+    for rank, (_, got, counts) in enumerate(results):
+        assert torch.isfinite(got).all()
+        if rank == 2:  # the average of the peers that sent, as under plain gossip
+            want = sum(w[2, j] * before[j] for j in good) / sum(w[2, j] for j in good)
+            torch.testing.assert_close(got, want, rtol=0, atol=8 * U64 * before.abs().max().item())
+            assert counts == {"withheld": 1, "healed": 1}, counts
+        elif w[rank, 2] > 0:
+            assert counts == {"not_finite": 1}, counts
+        else:
+            assert counts == {}, counts
 
 
 # -- fault injection in training -----------------------------------------------------------------------

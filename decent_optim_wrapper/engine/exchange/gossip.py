@@ -464,7 +464,9 @@ class Gossip:
     def _heal(self, bucket: int, round_: _Round, raised: Sequence[int], heal: Callable[[], object]) -> bool:
         """This rank withheld: take its peers' values (``heal``), or raise if every member withheld."""
         group = round_.group
-        if round_.withheld is None:  # decided on the device at launch: recorded now
+        # Recorded at launch when decided there on the host; decided on the device (None), or found at
+        # the mix (a gathered round: its own slot not finite, left out by every member), recorded now.
+        if not round_.withheld:
             self._guard.record(GuardEvent("withheld", round_.step, bucket, self._label, group.ranks))
         if len(raised) == group.size:
             raise NonFiniteReplicaError(
@@ -503,7 +505,7 @@ class Gossip:
             raised = [slot, *bad] if slot not in bad else list(bad)
             healed = self._heal(bucket, round_, raised, heal)
         elif self._clipped is not None:
-            self._mix_clipped(channel, round_, factor, bad)
+            self._mix_clipped(channel, round_, factor, bad, bucket)
             healed = False
         else:
             seed = round_seed(round_.step, channel.index)
@@ -518,9 +520,12 @@ class Gossip:
             self._release_start(channel)
         return healed
 
-    def _mix_clipped(self, channel: _Channel, round_: _Round, factor: float, bad: Sequence[int]) -> None:
+    def _mix_clipped(
+        self, channel: _Channel, round_: _Round, factor: float, bad: Sequence[int], bucket: int
+    ) -> None:
         """``x_i <- x_i + a sum_j c clip(x^_j - x^_i, tau)`` over the members that sent finite values
-        (:mod:`~.clipping`; compressed: ``x^_j - x^_i = q_j - q_i``), then the radius learns the norms."""
+        (:mod:`~.clipping`; compressed: ``x^_j - x^_i = q_j - q_i``), then the radius learns the norms.
+        Neighbours left out beyond ``drop_beyond`` radii are a ``"dropped"`` guard event."""
         assert round_.codec is not None and channel.radius is not None and channel.decoded is not None
         group = round_.group
         coder, slots, seed = (
@@ -538,6 +543,7 @@ class Gossip:
         assert self._clipped is not None
         radius, norms, drop = channel.radius.radius(), [], self._clipped.drop_beyond
         sent_with = 1.0 / group.size if group.self_weight is None else group.peer_weight
+        dropped = []
         for j in range(group.size):
             if j == slot or j in bad:
                 continue
@@ -548,8 +554,14 @@ class Gossip:
             scale = clip_scale(norm, radius, drop)
             if scale > 0.0:
                 update.add_(other, alpha=factor * sent_with * scale)
+            elif radius > 0.0:  # a radius of 0 (nothing learnt yet) mixes nobody: not a verdict on j
+                dropped.append(group.ranks[j])
         channel.tensor.add_(update)
         channel.radius.add(norms)
+        if dropped:
+            self._guard.record(
+                GuardEvent("dropped", round_.step, bucket, self._label, group.ranks, tuple(dropped))
+            )
 
     @staticmethod
     def _gathered_sum(channel: _Channel, round_: _Round) -> tuple[torch.Tensor, torch.Tensor, list[int]]:

@@ -76,10 +76,12 @@ class GuardEvent:
     """Something guarded mixing did, as the hooks see it.
 
     Attributes:
-        kind: ``"withheld"`` (this rank's values were not finite: it sent zeros), ``"healed"`` (this
+        kind: ``"withheld"`` (this rank's values were not finite and were left out of the round: it
+            sent zeros, or, in a gathered round, every member left its slot out), ``"healed"`` (this
             rank took its peers' values in place of its own), ``"peer_withheld"`` (peers sent nothing:
             their weight stayed with this rank), ``"not_finite"`` (entries of a received sum or payload
-            were not finite and were left out).
+            were not finite and were left out), ``"dropped"`` (clipped gossip: the differences of
+            ``senders`` were beyond ``drop_beyond`` radii and left out, their weight kept here).
         step: the step (or, for low-communication gossip, the inner step) the round was launched at.
         bucket: the bucket's position.
         tensors: what was gossiped: ``"parameters"``, ``"anchors"`` or ``"trackers"``.
@@ -138,9 +140,10 @@ class GuardLog:
 
 def _describe(event: GuardEvent) -> str:
     return {
-        "withheld": "own values not finite, withheld from the round",
+        "withheld": "own values not finite, left out of the round",
         "healed": "healed from the peers' values of the round",
         "peer_withheld": "a peer withheld its values, its weight kept",
+        "dropped": "a neighbour's difference beyond the clipping cut-off, left out, its weight kept",
         "not_finite": (
             f"{event.entries} received entries not finite, left out"
             if event.entries
