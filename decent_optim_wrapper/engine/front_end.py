@@ -151,7 +151,7 @@ class EngineFrontEnd:
     @property
     def guard_counts(self) -> dict[str, int]:
         """How many guard events of each kind (``"withheld"``, ``"healed"``, ``"peer_withheld"``,
-        ``"not_finite"``) happened on this rank."""
+        ``"not_finite"``, and with clipped gossip ``"dropped"``) happened on this rank."""
         return self._engine.guard_counts
 
     def consensus_distance(self) -> float:
