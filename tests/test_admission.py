@@ -24,6 +24,7 @@ from decent_optim_wrapper.engine.fleet.admission import (
     JoinerWatch,
     JoinRequest,
     SignatureEntry,
+    Verdict,
     admit,
     claim_fate,
     fate_key,
@@ -318,3 +319,34 @@ def test_every_member_drops_the_joiners_that_withdrew_before_it_re_forms():
     assert settled[0].handled == 3
     decision = Decision(0, (), settled[0])
     assert decision.members == (3, 5)
+
+
+def test_two_workers_applying_at_once_with_the_same_request_claim_different_slots():
+    # Another worker wrote slot 1 with the request this one would write but for its nonce (same number,
+    # member and signature) and has not yet raised the count that hints at the next free slot: this
+    # applicant must read the slot as taken, not as its own, and claim slot 2 as member 4 (both as
+    # member 3 would form the new world with one rank twice, and its group would never connect).
+    store = dist.HashStore()
+    twin = PLAIN.seal(JoinRequest(1, 3, SIGNATURE), slot_key(PREFIX, 1))
+    assert store.compare_set(slot_key(PREFIX, 1), "", twin) == twin.encode()
+    stop = threading.Event()
+
+    def members() -> None:  # alive; each application admitted, its verdict naming its slot (as donor)
+        while not stop.is_set():
+            store.add(f"{PREFIX}/alive", 1)
+            for number in (1, 2):
+                if store.check([slot_key(PREFIX, number)]):
+                    verdict = Verdict(True, generation=0, members=(0, 1, 2, 3, 4), donor=number)
+                    write_verdicts(store, PREFIX, {number: verdict}, PLAIN)
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=members)
+    thread.start()
+    applicant = Applicant(store, JobInfo("test-run", 3, SIGNATURE), SIGNATURE, 5.0)
+    try:
+        verdict = applicant.apply()
+    finally:
+        applicant.withdraw()
+        stop.set()
+        thread.join()
+    assert (applicant.member, verdict.donor) == (4, 2)

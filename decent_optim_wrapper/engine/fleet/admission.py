@@ -11,6 +11,8 @@ live, the worker builds its model and front-end in a world of its own, and the e
    published (a mismatch raises :class:`JoinRejectedError` there, and the members never hear of it),
    then claims the first free application slot with its :class:`JoinRequest` in one
    ``compare_set`` (so a slot is either free or holds a whole request) and starts its heartbeat.
+   Each request carries a nonce of its own, so that a slot reads back as this applicant's only if
+   this applicant wrote it (two workers applying at once would otherwise write the same bytes).
 2. *Notice.* Each member's heartbeat thread sees the slot after the last decided one taken and
    raises a flag; the next member to reach a step boundary reads the flag (attributes: nothing per
    step) and announces the applicants under ``g/join``. The others follow into the agreement of
@@ -63,6 +65,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import secrets
 import threading
 import time
 from collections.abc import Sequence
@@ -142,6 +145,10 @@ class JoinRequest:
     member: int  # its identity in the membership, stable across generations (a node's: its first rank's)
     signature: tuple[tuple[str, object], ...]  # (field, value) pairs that must equal the members'
     shards: int = 1  # in a job of nodes, one request stands for a whole node of ``shards`` ranks
+    # Drawn afresh by each applicant: two workers that apply at once with the same code write the same
+    # request otherwise, byte for byte (sealing is deterministic), and a slot's ``compare_set`` could not
+    # tell the one who claimed it from the one who found it claimed: both would join as one member.
+    nonce: str = ""
 
     @property
     def members(self) -> tuple[int, ...]:
@@ -690,10 +697,10 @@ class Applicant:
         given = self.member >= 0
         while True:
             member = self.member if given else self._info.launch_world_size + number - 1
-            request = self._seal.seal(
-                JoinRequest(number, member - member % self._shards, self._signature, self._shards),
-                slot_key(prefix, number),
+            entry = JoinRequest(
+                number, member - member % self._shards, self._signature, self._shards, secrets.token_hex(16)
             )
+            request = self._seal.seal(entry, slot_key(prefix, number))
             if store.compare_set(slot_key(prefix, number), "", request) == request.encode():
                 break
             number += 1
