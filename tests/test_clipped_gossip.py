@@ -63,30 +63,41 @@ def test_clipped_gossip_options_are_checked_with_the_fix():
 
 # -- the rule against a simulation ---------------------------------------------------------------------
 class _Scaled(torch.optim.Optimizer):
-    """An attacker's "local step": its parameters become ``scale`` times the given values."""
+    """An attacker's "local step": at its ``k``-th step its parameters become ``scales[k % len(scales)]``
+    times the given values (what its round of that step sends)."""
 
-    def __init__(self, params, values: list[torch.Tensor], scale: float) -> None:
+    def __init__(self, params, values: list[torch.Tensor], scales: tuple[float, ...]) -> None:
         super().__init__(params, {})
-        self._values, self._scale = values, scale
+        self._values, self._scales, self._steps = values, scales, 0
 
     @torch.no_grad()
     def step(self, closure=None):
+        scale = self._scales[self._steps % len(self._scales)]
+        self._steps += 1
         for group in self.param_groups:
             for p, v in zip(group["params"], self._values, strict=True):
-                p.copy_(v * self._scale)
+                p.copy_(v * scale)
+
+
+#: What the attacker sends, as multiples of its start: 100x; the negated model; and a sign-flipper that
+#: alternates its honest replica with the negated one, round by round.
+ATTACKS = {"scaled": (100.0,), "negated": (-1.0,), "alternating": (1.0, -1.0)}
 
 
 ROUNDS = 6
 OPTIONS = ClippedGossip(factor=2.0, quantile=0.25, window=8, drop_beyond=None)
 
 
-def _clipped_rounds(topology: str, options: ClippedGossip = OPTIONS) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct dyadic replicas; honest ranks take no steps (lr 0), rank 3 sends 100x its start."""
+def _clipped_rounds(
+    topology: str, options: ClippedGossip = OPTIONS, scales: tuple[float, ...] = ATTACKS["scaled"]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct dyadic replicas; honest ranks take no steps (lr 0), rank 3 sends ``scales`` times its
+    start in turn."""
     rank, model = dist.get_rank(), tiny_model(dtype=torch.float64)
     set_distinct(model, rank, dyadic=True)
     values = [p.detach().clone() for p in model.parameters()]
     inner = (
-        _Scaled(model.parameters(), values, 100.0)
+        _Scaled(model.parameters(), values, scales)
         if rank == 3
         else torch.optim.SGD(model.parameters(), lr=0.0)
     )
@@ -98,19 +109,23 @@ def _clipped_rounds(topology: str, options: ClippedGossip = OPTIONS) -> tuple[to
     return start, flat(model)
 
 
-def _simulate(start: torch.Tensor, topology: str, options: ClippedGossip = OPTIONS) -> torch.Tensor:
+def _simulate(
+    start: torch.Tensor,
+    topology: str,
+    options: ClippedGossip = OPTIONS,
+    scales: tuple[float, ...] = ATTACKS["scaled"],
+) -> torch.Tensor:
     """Every honest rank's replica after ``ROUNDS`` rounds of the clipped rule, from the mixing matrices
     (with ``drop_beyond``: a difference longer than that many radii left out, written out here)."""
     from decent_optim_wrapper.topo import TopologyFactory
 
     topo = TopologyFactory.create(topology, 4)
     x = start.clone()
-    sent_attacker = 100.0 * start[3]
     windows = [RadiusWindow(options) for _ in range(4)]
     for r in range(ROUNDS):
         w = topo.mixing_matrix(r)
         sent = x.clone()
-        sent[3] = sent_attacker
+        sent[3] = scales[r % len(scales)] * start[3]
         new = x.clone()
         for i in range(3):
             radius, norms = windows[i].radius(), []
@@ -133,14 +148,16 @@ def _simulate(start: torch.Tensor, topology: str, options: ClippedGossip = OPTIO
 DROPPING = ClippedGossip(factor=2.0, quantile=0.25, window=8, drop_beyond=3.0)
 
 
+@pytest.mark.parametrize("attack", list(ATTACKS))
 @pytest.mark.parametrize("options", [OPTIONS, DROPPING], ids=["clipped", "dropping"])
 @pytest.mark.parametrize("topology", ["complete", "ring"])
-def test_clipped_mixing_follows_the_simulation(pool, topology, options):
-    results = pool(4).run(_clipped_rounds, topology, options)
+def test_clipped_mixing_follows_the_simulation(pool, topology, options, attack):
+    scales = ATTACKS[attack]
+    results = pool(4).run(_clipped_rounds, topology, options, scales)
     start = results[0][0]
-    want = _simulate(start, topology, options)
-    if options is DROPPING:  # the attacker's 100x is far beyond 3 radii once there is a radius
-        assert not torch.equal(want, _simulate(start, topology, OPTIONS))
+    want = _simulate(start, topology, options, scales)
+    if options is DROPPING and attack == "scaled":  # 100x is far beyond 3 radii once there is a radius
+        assert not torch.equal(want, _simulate(start, topology, OPTIONS, scales))
     for rank in range(3):
         got = results[rank][1]
         # the same operations in the same order; the norms alike: a few u of the largest entry
