@@ -80,6 +80,21 @@ def bare_and_wrapped(
     return bare, run(model, DecentOptimWrapper(make_optimizer(model.parameters()), **options))
 
 
+class EmulatedClock:
+    """Seconds that pass only when the test says so: ``Pacing(clock=clock)`` reads it, and the test
+    calls ``clock.advance(s)`` after each step, so that measured pacing plans from the step times the
+    test emulates, exactly, whatever the machine's load (waits for peers take no emulated time)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __call__(self) -> float:
+        return self.seconds
+
+    def advance(self, seconds: float) -> None:
+        self.seconds += seconds
+
+
 def flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
 

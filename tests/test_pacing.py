@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import batch, flat, gather, tiny_model
+from helpers import EmulatedClock, batch, flat, gather, tiny_model
 from resume import Resumable, assert_resume_is_bitwise
 from test_local_steps import INNER_LR, OUTER, U64, _params
 
@@ -139,8 +139,11 @@ def _front(model, front_end: str, dtype=torch.float64, **keywords):
     return DecentOptimWrapper(_inner(model.parameters()), bucket_cap_mb=1e-4, **keywords)
 
 
-def _train_rounds(model, front, front_end: str, rounds: int, slow_s=None) -> list[int]:
-    """Steps until ``rounds`` rounds are launched; returns each round's step count on this rank."""
+def _train_rounds(model, front, front_end: str, rounds: int, slow_s=None, clock=None) -> list[int]:
+    """Steps until ``rounds`` rounds are launched; returns each round's step count on this rank.
+
+    ``slow_s(rank, round)``: the step time to emulate, on ``clock`` (an :class:`EmulatedClock`) if
+    given, else by sleeping up to it."""
     rank, dtype = dist.get_rank(), next(model.parameters()).dtype
     per_round: list[int] = []
     while front.round_count < rounds:
@@ -153,7 +156,9 @@ def _train_rounds(model, front, front_end: str, rounds: int, slow_s=None) -> lis
             front.zero_grad()
             loss.backward()
             front.step()
-        if slow_s is not None:  # an emulated step time: sleep up to it (no CPU, so ranks do not compete)
+        if slow_s is not None and clock is not None:
+            clock.advance(slow_s(rank, front.round_count))
+        elif slow_s is not None:  # an emulated step time: sleep up to it (no CPU, so ranks do not compete)
             time.sleep(max(0.0, slow_s(rank, front.round_count) - (time.perf_counter() - began)))
         if front.round_ended:
             per_round.append(front.step_count - sum(per_round))
@@ -365,14 +370,16 @@ def test_global_avg_at_a_round_end_is_exact_and_revert_bitwise(pool):
 
 # -- measured pacing -----------------------------------------------------------------------------------
 def _measured(
-    rounds: int, slow_rank, swap_at: int | None, host_staging: bool = False
+    rounds: int, slow_rank, swap_at: int | None, host_staging: bool = False, emulated: bool = True
 ) -> tuple[list[int], list[float | None]]:
-    """Step times emulated by sleeping: 8 ms, and 48 ms on the slow rank (which changes at ``swap_at``)."""
+    """Step times of 8 ms, and 48 ms on the slow rank (which changes at ``swap_at``): on an emulated
+    clock (exact, whatever the load), or slept (``emulated=False``: the host's own clock)."""
 
     def step_s(rank: int, round_: int) -> float:
         slow = slow_rank if swap_at is None or round_ < swap_at else (slow_rank + 1) % dist.get_world_size()
         return 0.048 if rank == slow else 0.008
 
+    clock = EmulatedClock()
     model = tiny_model()
     front = _front(
         model,
@@ -380,40 +387,51 @@ def _measured(
         topology="ring",
         sync_every=SYNC_EVERY,
         outer_optimizer=OUTER["nesterov"],
-        pacing=Pacing(repace_every=2),
+        pacing=Pacing(repace_every=2, **({"clock": clock} if emulated else {})),
         host_staging=host_staging,
     )
     assert front.engine.host_staging is host_staging
-    counts = _train_rounds(model, front, "optimizer", rounds, step_s)
+    counts = _train_rounds(model, front, "optimizer", rounds, step_s, clock if emulated else None)
     report = front.pace_report()
     assert report is not None
     return counts, [report.round_seconds, report.step_seconds, report.waited_seconds]
 
 
+def _assert_paced(counts: list[int], share: float) -> None:
+    """Counts of a rank of ``share = tau / t`` planned steps per round: by error diffusion every count
+    is the floor or the ceiling of the share (1 at least), and any n of them in a row sum to within 1
+    of ``n * share``."""
+    assert all(c in {max(1, math.floor(share)), max(1, math.ceil(share))} for c in counts), (counts, share)
+    assert share < 1 or abs(sum(counts) - len(counts) * share) <= 1, (counts, share)
+
+
 def test_measured_pacing_gives_a_slow_rank_fewer_steps_and_follows_a_change(pool):
-    # 3 ranks of 8, 8 and 48 ms per step: tau = 3 H / (1/8 + 1/8 + 1/48) ms = 44.3 ms, so 5.5 steps
-    # per round on a fast rank and 1 on the slow one. Sleep-based timing on a shared 2-core machine is
-    # noisy: a loaded machine stretches the fast steps (CI saw a fast rank at 4.6 steps against 2.8
-    # with a 3:1 emulated ratio), so the slow rank is 6 times slower and the bound asks for 1.5 times
-    # the steps. Even fast steps stretched to 16 ms leave 5.1 against 1.7. What must hold: the slow rank
-    # takes clearly fewer steps, the counts follow when another rank becomes the slow one, and every
-    # rank computed the same round length from the same message.
+    # 3 ranks of 8, 8 and 48 ms per step, on an emulated clock (so the plan is exact whatever the
+    # machine's load; sleeping instead made the ranks' waits part of their steps on a loaded machine):
+    # tau = 3 H / (1/8 + 1/8 + 1/48) ms = 44.3 ms, so 5.54 steps per round on a fast rank and
+    # 0.92, held at 1, on the slow one. Rounds 0-2 take H steps; the first pace message (round 2)
+    # applies from round 3. At round 11 rank 1 becomes the slow one: rank 0 plans with its new speed
+    # at once, rank 1 in round 13 (its own slowdown at once, the new tau the message after).
     results = pool(3).run(_measured, 22, 0, 11)
-    taus = {r[1][0] for r in results}
-    assert len(taus) == 1 and next(iter(taus)) is not None
+    tau = 3 * SYNC_EVERY / (2 / 0.008 + 1 / 0.048)
+    for rank, (counts, (round_s, step_s, waited_s)) in enumerate(results):
+        assert round_s == pytest.approx(tau, rel=1e-9)  # the step times travel as integer ns
+        assert step_s == pytest.approx(0.048 if rank == 1 else 0.008, rel=1e-9)
+        assert waited_s == 0.0  # waits take no emulated time
+        assert len(counts) == 22 and counts[:3] == [SYNC_EVERY] * 3
     counts = [r[0] for r in results]
-    slow_before = sum(counts[0][6:11]) / 5, sum(counts[1][6:11]) / 5
-    slow_after = sum(counts[0][17:22]) / 5, sum(counts[1][17:22]) / 5
-    assert slow_before[1] >= 1.5 * slow_before[0], counts  # rank 0 slow: rank 1 takes more steps
-    assert slow_after[0] >= 1.5 * slow_after[1], counts  # then rank 1 slow
-    assert all(c <= 4 * SYNC_EVERY for per_rank in counts for c in per_rank)
+    _assert_paced(counts[0][3:11], tau / 0.048)  # rank 0 slow
+    _assert_paced(counts[1][3:11], tau / 0.008)
+    _assert_paced(counts[0][11:], tau / 0.008)  # then rank 1
+    _assert_paced(counts[1][13:], tau / 0.048)
+    _assert_paced(counts[2][3:], tau / 0.008)
 
 
 def test_measured_pacing_with_host_staged_rounds_agrees_on_every_pace(pool):
     # Host-staged: the rounds launch from another thread and the pace messages stay on the host. What
     # must hold whatever the machine's load: every rank computed the same round length from the same
     # messages, and every count stays within [1, 4 H] (timing itself is the test above's).
-    results = pool(3).run(_measured, 12, 0, None, True)
+    results = pool(3).run(_measured, 12, 0, None, True, False)
     taus = {r[1][0] for r in results}
     assert len(taus) == 1 and next(iter(taus)) is not None
     assert all(1 <= c <= 4 * SYNC_EVERY for r in results for c in r[0])

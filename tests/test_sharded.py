@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import EmulatedClock
 from torch import nn
 from workers import spawn
 
@@ -335,7 +336,6 @@ def _local_state(model: nn.Module, inner: torch.optim.Optimizer) -> list[torch.T
 def _node_joins(index: int, world_size: int, port: int, workdir: str, plan: dict[str, Any]) -> dict[str, Any]:
     """A job of nodes x 2 shards, open to joiners; worker 0 asks for a node of two more processes
     (``plan["request"]``), or ``plan["kill"]`` names a node whose ranks die (and come back)."""
-    import time
     from datetime import timedelta
     from pathlib import Path
 
@@ -634,7 +634,7 @@ def test_bad_input_fails_on_every_rank(pool, name):
 
 def _paced_sharded_run(rounds: int) -> dict[str, Any]:
     """Measured pacing under decentralized HSDP: 2 replicas of 2 shards, where only shard 1 of replica
-    1 is slow (it sleeps 200 ms after each step, the others not at all), so replica 1 as a whole is."""
+    1 is slow (200 ms per step, the others 10 ms, on an emulated clock), so replica 1 as a whole is."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -644,11 +644,12 @@ def _paced_sharded_run(rounds: int) -> dict[str, Any]:
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh["shard"])
     fully_shard(model, mesh=mesh["shard"])
+    clock = EmulatedClock()
     optimizer = DecentOptimWrapper(
         _optimizer("adamw", model.parameters()),
         device_mesh=mesh["replicate"],
         sync_every=4,
-        pacing=Pacing(repace_every=2),
+        pacing=Pacing(repace_every=2, clock=clock),
     )
     counts: list[int] = []
     while optimizer.round_count < rounds:
@@ -656,8 +657,7 @@ def _paced_sharded_run(rounds: int) -> dict[str, Any]:
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
-        if (replica, shard) == (1, 1):
-            time.sleep(0.2)  # on top of the step itself, whatever the machine's load makes it
+        clock.advance(0.2 if (replica, shard) == (1, 1) else 0.01)
         if optimizer.round_ended:
             counts.append(optimizer.step_count - sum(counts))
     report = optimizer.pace_report()
@@ -669,11 +669,10 @@ def test_measured_pacing_plans_the_shards_of_a_replica_alike(pool):
     # The shards of a replica meet in FSDP2's collectives at every step, so they must take the same
     # inner steps in every round (else they would wait for each other forever: the pool's timeout).
     # Each round they plan with the slowest shard's step time (a MAX over the shard mesh): the same
-    # float on both, which a per-rank measurement would not give. Replica 1 (one slow shard) takes
-    # clearly fewer steps per round than replica 0 once paced (round 4 on, after the first pace
-    # message). The slow shard's 200 ms come on top of a step's own time,
-    # so the ratio stays near (c + 0.2) / c for a step of c seconds: 3x even if the load makes a step
-    # of this small model take 100 ms; the bound is 1.5x.
+    # float on both, which a per-rank measurement would not give. On the emulated clock (exact
+    # whatever the load) replica 0 steps in 10 ms and replica 1 in 200 ms (its slow shard's):
+    # tau = 2 H / (1/0.01 + 1/0.2) s = 76.2 ms, so 7.62 steps per round on replica 0 and 0.38, held
+    # at 1, on replica 1, from round 3 on (rounds 0-2 take H steps).
     results = pool(4).run(_paced_sharded_run, 12)
     by_replica: dict[int, list[dict[str, Any]]] = {0: [], 1: []}
     for result in results:
@@ -681,9 +680,12 @@ def test_measured_pacing_plans_the_shards_of_a_replica_alike(pool):
     for replica, (first, second) in by_replica.items():
         assert first["counts"] == second["counts"], (replica, first["counts"], second["counts"])
         assert first["step_s"] == second["step_s"] is not None, (first["step_s"], second["step_s"])
-    assert len({r["tau"] for r in results}) == 1 and results[0]["tau"] is not None
-    fast, slow = (sum(by_replica[k][0]["counts"][4:]) for k in (0, 1))
-    assert fast >= 1.5 * slow, (by_replica[0][0]["counts"], by_replica[1][0]["counts"])
+    tau = 2 * 4 / (1 / 0.01 + 1 / 0.2)
+    assert all(r["tau"] == pytest.approx(tau, rel=1e-9) for r in results)  # integer ns on the wire
+    assert by_replica[1][0]["step_s"] == pytest.approx(0.2, rel=1e-9)  # the slow shard's, on both
+    fast, slow = (by_replica[k][0]["counts"] for k in (0, 1))
+    assert fast[:3] == slow[:3] == [4, 4, 4] and slow[3:] == [1] * 9, (fast, slow)
+    assert set(fast[3:]) <= {7, 8} and abs(sum(fast[3:]) - 9 * tau / 0.01) <= 1, fast
 
 
 def _build_sharded(replicas: int, shards: int) -> tuple[nn.Module, DecentOptimWrapper]:

@@ -102,12 +102,17 @@ class Pacing:
         schedule: ``schedule(rank, round)`` gives rank ``rank``'s inner steps in round ``round``
             (rounds count from 0; it returns an int >= 1), in place of the measured speeds, from the
             first round on: reproducible counts, or speeds known in advance.
+        clock: where step times are read from: a function returning seconds that never go back
+            (``time.perf_counter``, the default). Another clock paces by another measure of work,
+            e.g. a simulation's model of each machine's speed: the plan is then reproducible
+            whatever the host's load (the tests pace this way). Each rank may pass its own.
     """
 
     weighting: str = "samples"
     repace_every: int = 8
     max_share: float = 4.0
     schedule: Callable[[int, int], int] | None = None
+    clock: Callable[[], float] = time.perf_counter
 
     def agreement(self) -> tuple[object, ...]:
         """What every rank must agree on (a schedule is a function: only its presence is compared)."""
@@ -149,6 +154,11 @@ def resolve_pacing(pacing: object) -> Pacing | None:
     if pacing.schedule is not None and not callable(pacing.schedule):
         raise TypeError(
             f"Pacing(schedule={pacing.schedule!r}) must be a function (rank, round) -> inner steps, or None."
+        )
+    if not callable(pacing.clock):
+        raise TypeError(
+            f"Pacing(clock={pacing.clock!r}) must be a function returning seconds, e.g. time.perf_counter "
+            "(the default)."
         )
     return pacing
 
@@ -342,11 +352,12 @@ class PacedClock:
     @contextmanager
     def waiting(self) -> Iterator[None]:
         """Time spent in here is waiting for peers, not training: left out of the step time."""
-        began = time.perf_counter()
+        clock = self._pacing.clock
+        began = clock()
         try:
             yield
         finally:
-            waited = time.perf_counter() - began
+            waited = clock() - began
             self._waited_since_tick += waited
             self.waited_seconds += waited
 
@@ -361,7 +372,7 @@ class PacedClock:
             self._plan_next()  # again after a recovery if a lost peer interrupted it
 
     def _tick(self, step: int) -> None:
-        now = time.perf_counter()
+        now = self._pacing.clock()
         if self._seen >= 0 and step == self._seen + 1 and self._round >= 1:
             spent = now - self._seen_at - self._waited_since_tick
             if self._step_s is not None:
