@@ -62,6 +62,20 @@ class WorkerError(RuntimeError):
     """A function raised on one or more ranks."""
 
 
+def _forget_meshes() -> None:
+    """Drop DTensor's cached sharding propagations after the default group is replaced.
+
+    The cache is keyed by device meshes, which compare equal by shape and names whatever their
+    process groups: a mesh built in the new world would be answered with one of the old world,
+    whose groups no longer exist ("Could not resolve the process group registered under the
+    name ..."), as soon as the two worlds name their groups differently (a test that created groups
+    before its mesh). torch's own DTensor tests start each test in a fresh process instead.
+    """
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+
+
 def _worker_main(rank: int, workdir: str, inbox: Any, outbox: Any) -> None:
     register_stack_dump(workdir, rank)
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -84,6 +98,7 @@ def _worker_main(rank: int, workdir: str, inbox: Any, outbox: Any) -> None:
             if world != (world_size, generation):
                 if dist.is_initialized():
                     dist.destroy_process_group()
+                    _forget_meshes()
                 dist.init_process_group(
                     "gloo",
                     init_method=f"file://{workdir}/rendezvous-{generation}",
