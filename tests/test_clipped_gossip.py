@@ -33,9 +33,9 @@ def test_the_radius_is_factor_times_a_quantile_of_the_recent_norms():
     window.add([5.0, 1.0])
     assert window.radius() == 2.0  # fewer than four: the minimum
     window.add([3.0, 4.0, 2.0])  # sorted 1 2 3 4 5: the lower quartile is 2
-    assert window.radius() == 4.0
+    assert window.radius() == 4.0 and not window.full()
     window.add([100.0] * 6)  # the window keeps the last 8: 3 4 2 100 x 6 -> sorted 2 3 4 100 ...
-    assert window.radius() == pytest.approx(2.0 * (4.0 + 0.75 * 96.0))
+    assert window.radius() == pytest.approx(2.0 * (4.0 + 0.75 * 96.0)) and window.full()
     assert clip_scale(1.0, 2.0) == 1.0 and clip_scale(8.0, 2.0) == 0.25 and clip_scale(0.0, 0.0) == 1.0
     assert (
         clip_scale(5.0, 2.0, 3.0) == 0.4
@@ -116,7 +116,8 @@ def _simulate(
     scales: tuple[float, ...] = ATTACKS["scaled"],
 ) -> torch.Tensor:
     """Every honest rank's replica after ``ROUNDS`` rounds of the clipped rule, from the mixing matrices
-    (with ``drop_beyond``: a difference longer than that many radii left out, written out here)."""
+    (with ``drop_beyond``: once a rank's window is full, a difference longer than that many radii left
+    out, written out here)."""
     from decent_optim_wrapper.topo import TopologyFactory
 
     topo = TopologyFactory.create(topology, 4)
@@ -136,7 +137,8 @@ def _simulate(
                 d = sent[j] - sent[i]
                 norm = float(torch.linalg.vector_norm(d))
                 norms.append(norm)
-                if options.drop_beyond is not None and norm > options.drop_beyond * radius:
+                full = len(windows[i].state()) == options.window  # dropping starts with a full window
+                if full and options.drop_beyond is not None and norm > options.drop_beyond * radius:
                     continue  # left out: its weight stays with rank i
                 update.add_(d, alpha=float(w[i, j]) * clip_scale(norm, radius))
             new[i] = x[i] + update
@@ -145,7 +147,7 @@ def _simulate(
     return x
 
 
-DROPPING = ClippedGossip(factor=2.0, quantile=0.25, window=8, drop_beyond=3.0)
+DROPPING = ClippedGossip(factor=2.0, quantile=0.25, window=4, drop_beyond=3.0)  # full from round 4 on a ring
 
 
 @pytest.mark.parametrize("attack", list(ATTACKS))
@@ -265,12 +267,10 @@ def test_an_attacker_drags_plain_gossip_away_but_not_clipped_gossip(pool, attack
     assert not math.isfinite(plain) or plain >= 3 * clean, (plain, clean)
     bound = 1.25 if attack == "negated" else 1.15
     assert _honest_loss(clipped) <= bound * clean, (_honest_loss(clipped), clean)
-    # The guard's counters: the attacker's two neighbours left it out ("dropped", naming it), and no
-    # honest difference was ever dropped, with or without the attacker.
-    # The guard's counters ("dropped": a difference beyond ten radii left out): the attacker's neighbours
-    # leave it out (the negated model, sometimes within ten radii of one of them, by one at least); an
-    # honest difference is left out only while a window holds fewer than four norms (its radius is
-    # their minimum: measured, one drop at step 3 in the clean run), never after.
+    # The guard's counters ("dropped": a difference beyond ten radii of a full window left out): the
+    # attacker's neighbours leave it out (the negated model, sometimes within ten radii of one of them,
+    # by one at least), and no honest difference is ever left out, with or without the attacker (before
+    # dropping waited for a full window: one at step 3 of the clean run).
     senders = [{sender for _, sender in r["dropped"]} for r in clipped[:ATTACKER]]
     if attack == "negated":
         assert ATTACKER in senders[0] | senders[2], senders
@@ -280,7 +280,7 @@ def test_an_attacker_drags_plain_gossip_away_but_not_clipped_gossip(pool, attack
     honest_drops += [
         (step, sender) for r in clipped[:ATTACKER] for step, sender in r["dropped"] if sender != ATTACKER
     ]
-    assert all(step < 4 for step, _ in honest_drops), honest_drops
+    assert honest_drops == [], honest_drops
 
 
 @pytest.mark.parametrize(

@@ -34,9 +34,11 @@ def make_digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
     return features(train_x), targets(train_y), features(test_x), targets(test_y)
 
 
-def make_digits_model(seed: int = 0) -> nn.Module:
-    """The MLP every method starts from for ``seed`` (the same weights for every method)."""
+def make_digits_model(seed: int = 0, hidden: tuple[int, ...] = (128, 128)) -> nn.Module:
+    """The MLP every method starts from for ``seed`` (the same weights for every method), of ``hidden``
+    widths between its 64 inputs and 10 outputs (the robustness benchmark: one layer of 64)."""
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(FEATURES, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, CLASSES)
-    )
+    layers: list[nn.Module] = []
+    for width_in, width_out in zip((FEATURES, *hidden), hidden, strict=False):
+        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(hidden[-1] if hidden else FEATURES, CLASSES))

@@ -1,28 +1,36 @@
 """One Byzantine worker among 8: what DDP, plain gossip and clipped gossip reach under its attack.
 
-    uv run benchmarks/robustness/attack.py                 # 8 local gloo workers, ~5 minutes on 2 cores
+    uv run benchmarks/robustness/attack.py                 # 8 local gloo workers, ~8 minutes on 2 cores
     uv run benchmarks/robustness/attack.py --json benchmarks/results/robustness/attack.json
-    uv run benchmarks/robustness/attack.py --task lm        # the language model, ~45 minutes on 2 cores
+    uv run benchmarks/robustness/attack.py --task digits --steps 200 --seeds 0 1 2
+    uv run benchmarks/robustness/attack.py --task lm        # the language model, ~70 minutes on 2 cores
 
 Trains the main job's classification task (``synthetic_task.py``: 10 overlapping Gaussian clusters,
 the MLP, the iid split) on 8 workers with SGD (lr 0.05, momentum 0.9, batch 32), every method the same
-steps, seeds and data, with no attacker and with worker 3 attacking in one of three ways:
+steps, seeds and data, with no attacker and with worker 3 attacking in one of five ways:
 
 - ``scaled``: after each local step its model is multiplied by 100 (DDP: its gradient by 100);
 - ``random``: its model is replaced by Gaussian noise of standard deviation 10 (DDP: its gradient);
-- ``negated``: its model is negated (DDP: its gradient).
+- ``negated``: it trains as an honest worker (its replica restored before each step) and sends the
+  negation of its replica every round (DDP: its gradient negated);
+- ``alternating``: the same, sending its replica in even rounds and its negation in odd ones (DDP:
+  its gradient negated every other step);
+- ``flipping``: its model is negated in place after each step, so its sign flips every round and
+  every other round it sends a stale, near-honest replica (DDP: its gradient negated).
 
 With ``--task lm``: the byte-level language model of ``lm_task.py`` (iid split, AdamW lr 3e-3, batch 16
-windows of 64 bytes), the validation loss in place of the test loss (no accuracy).
+windows of 64 bytes), the validation loss in place of the test loss (no accuracy). With ``--task
+digits``: scikit-learn's handwritten digits (``digits_task.py``), a 64-64-10 MLP, SGD as above.
+``--seeds``: each seed draws the initial model and the batches (seed 0: the runs before seeds).
 
 Methods: ``ddp`` (an all-reduce of the gradients, by hand so that the attacker's gradient enters
 it), ``ring`` (plain gossip: the non-finite guard is on, but these values are finite) and
-``ring-clipped`` (``clipped_gossip=True``). Reported per method and attack: the honest workers' test
-loss and accuracy (each honest worker's own replica, the worst of them: the attacker's replica is
-not averaged in), and the ratio of the loss to the same method's without the attacker; a job the
-attack stopped (its values overflowed until no replica around it was finite:
-``NonFiniteReplicaError``) counts as an infinite loss. Target,
-marked met or MISSED: ``ring-clipped`` under every attack within 5% of its own loss without one.
+``ring-clipped`` (``clipped_gossip=True``). Reported per method, attack and seed: the honest workers'
+test loss and accuracy (each honest worker's own replica, the worst of them: the attacker's replica is
+not averaged in), and the ratio of the loss to the same method's and seed's without the attacker; a
+job the attack stopped (its values overflowed until no replica around it was finite:
+``NonFiniteReplicaError``) counts as an infinite loss. Target, marked met or MISSED:
+``ring-clipped`` under every attack and seed within 5% of its own loss without one.
 """
 
 from __future__ import annotations
@@ -40,25 +48,49 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness.common import collect_from_ranks
+from benchmarks.harness.digits_task import make_digits, make_digits_model
 from benchmarks.harness.lm_task import make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.synthetic_task import make_data, make_model, split_data
 from decent_optim_wrapper import ClippedGossip, DecentOptimWrapper
 
 ATTACKER = 3
-ATTACKS = (None, "scaled", "random", "negated")
+ATTACKS = (None, "scaled", "random", "negated", "alternating", "flipping")
+#: Attacks that send a corruption of an honest replica: the attacker's own is restored before each step.
+HONEST_UNDERNEATH = ("negated", "alternating")
+TASKS = ("classification", "digits", "lm")
 METHODS = ("ddp", "ring", "ring-clipped")
 TARGET_RATIO = 1.05
 
 
-def _corrupt(tensors: list[torch.Tensor], attack: str, generator: torch.Generator) -> None:
-    with torch.no_grad():
+class _Attack:
+    """What worker ``ATTACKER`` does to the tensors it sends (its parameters, or under DDP its
+    gradients) after each of its steps."""
+
+    def __init__(self, attack: str, seed: int) -> None:
+        self.attack, self.steps = attack, 0
+        self.generator = torch.Generator().manual_seed(11 + seed)
+        self.honest: list[torch.Tensor] | None = None  # its own replica, for HONEST_UNDERNEATH
+
+    @torch.no_grad()
+    def corrupt(self, tensors: list[torch.Tensor], keep_honest: bool) -> None:
+        if keep_honest and self.attack in HONEST_UNDERNEATH:
+            self.honest = [t.detach().clone() for t in tensors]
+        odd = self.steps % 2 == 1
+        self.steps += 1
         for t in tensors:
-            if attack == "scaled":
+            if self.attack == "scaled":
                 t.mul_(100.0)
-            elif attack == "random":
-                t.copy_(torch.randn(t.shape, generator=generator, dtype=t.dtype) * 10)
-            else:
+            elif self.attack == "random":
+                t.copy_(torch.randn(t.shape, generator=self.generator, dtype=t.dtype) * 10)
+            elif self.attack != "alternating" or odd:
                 t.neg_()
+
+    @torch.no_grad()
+    def restore(self, tensors: list[torch.Tensor]) -> None:
+        """Before a step: back to its honest replica (the neighbours' values it mixed in are kept)."""
+        if self.honest is not None:
+            for t, honest in zip(tensors, self.honest, strict=True):
+                t.copy_(honest)
 
 
 def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
@@ -68,12 +100,12 @@ def _evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float
         return loss, float((logits.argmax(1) == y).float().mean())
 
 
-def _task(task: str, rank: int, world: int) -> tuple[nn.Module, Any, Any, Any]:
+def _task(task: str, rank: int, world: int, seed: int) -> tuple[nn.Module, Any, Any, Any]:
     """The model, its optimizer's factory, a batch drawer and the evaluation of ``task``."""
-    draws = torch.Generator().manual_seed(100 + rank)
+    draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
     if task == "lm":
         tokens, validation = make_lm_data(world, rank, "iid")
-        lm = make_lm_model()
+        lm = make_lm_model(seed=seed)
 
         def lm_batch() -> tuple[torch.Tensor, torch.Tensor]:
             x, y = windows(tokens, torch.randint(0, len(tokens) - 65, (16,), generator=draws))
@@ -85,9 +117,13 @@ def _task(task: str, rank: int, world: int) -> tuple[nn.Module, Any, Any, Any]:
             lm_batch,
             lambda: (validation_loss(lm, validation), math.nan),
         )
-    x_train, y_train, x_test, y_test = make_data()
+    if task == "digits":
+        x_train, y_train, x_test, y_test = make_digits()
+        model = make_digits_model(seed, hidden=(64,))
+    else:
+        x_train, y_train, x_test, y_test = make_data()
+        model = make_model(seed)
     mine = split_data(y_train, world)[rank]
-    model = make_model()
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
         pick = mine[torch.randint(0, len(mine), (32,), generator=draws)]
@@ -109,6 +145,7 @@ def worker(
     attack: str | None,
     steps: int,
     task: str,
+    seed: int,
     clipping: ClippedGossip,
     results: Any,
 ) -> None:
@@ -116,38 +153,40 @@ def worker(
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        model, make_optimizer, next_batch, evaluate = _task(task, rank, world)
-        inner = make_optimizer(model.parameters())
-        attacker = attack is not None and rank == ATTACKER
-        generator = torch.Generator().manual_seed(11)
+        model, make_optimizer, next_batch, evaluate = _task(task, rank, world, seed)
+        params = list(model.parameters())
+        inner = make_optimizer(params)
+        attacker = _Attack(attack, seed) if attack is not None and rank == ATTACKER else None
         optimizer: torch.optim.Optimizer = inner
         if method != "ddp":
-            if attacker:
-                assert attack is not None
-                inner.register_step_post_hook(
-                    lambda opt, args, kwargs: _corrupt(list(model.parameters()), attack, generator)
-                )
+            if attacker is not None:  # after the local step, before the round is sent
+                inner.register_step_post_hook(lambda opt, args, kwargs: attacker.corrupt(params, True))
             optimizer = DecentOptimWrapper(
                 inner, topology="ring", clipped_gossip=clipping if method == "ring-clipped" else None
             )
         start = time.perf_counter()
         for _ in range(steps):
+            if attacker is not None:
+                attacker.restore(params)
             x, y = next_batch()
             optimizer.zero_grad()
             logits = model(x)
             nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y).backward()
             if method == "ddp":
-                grads = [p.grad for p in model.parameters() if p.grad is not None]
-                if attacker:
-                    assert attack is not None
-                    _corrupt(grads, attack, generator)
+                grads = [p.grad for p in params if p.grad is not None]
+                if attacker is not None:
+                    attacker.corrupt(grads, False)
                 for g in grads:
                     dist.all_reduce(g)
                     g.div_(world)
             optimizer.step()
         seconds = time.perf_counter() - start
+        if attacker is not None:
+            attacker.restore(params)
         loss, accuracy = evaluate()
-        results.put((rank, {"loss": loss, "accuracy": accuracy, "attacker": attacker, "seconds": seconds}))
+        results.put(
+            (rank, {"loss": loss, "accuracy": accuracy, "attacker": attacker is not None, "seconds": seconds})
+        )
     except BaseException:
         # A lost job's rounds never complete, and tearing the group down would wait for them: report the
         # failure and leave at once (the parent kills the ranks still waiting on this one).
@@ -163,40 +202,53 @@ def run(
     steps: int,
     task: str = "classification",
     clipping: ClippedGossip | None = None,
+    seed: int = 0,
 ) -> dict[str, Any]:
     clipping = clipping or ClippedGossip()
+    row: dict[str, Any] = {"method": method, "attack": attack, "seed": seed}
     try:
         by_rank = collect_from_ranks(
             world,
             worker,
-            lambda rank, port, results: (rank, port, world, method, attack, steps, task, clipping, results),
-            900,
-            f"{method} under {attack}",
+            lambda rank, port, results: (
+                rank,
+                port,
+                world,
+                method,
+                attack,
+                steps,
+                task,
+                seed,
+                clipping,
+                results,
+            ),
+            1800,
+            f"{method} under {attack}, seed {seed}",
         )
     except RuntimeError as err:  # the job was lost (e.g. NonFiniteReplicaError once the attack overflowed)
-        return {"method": method, "attack": attack, "loss": math.inf, "accuracy": 0.0, "failed": str(err)}
+        return {**row, "loss": math.inf, "accuracy": 0.0, "failed": str(err)}
     honest = [r for r in by_rank.values() if not r["attacker"]]
     losses = [r["loss"] for r in honest]
     return {
-        "method": method,
-        "attack": attack,
+        **row,
         "loss": max(losses) if all(math.isfinite(v) for v in losses) else math.inf,
         "accuracy": min(r["accuracy"] for r in honest),
         "seconds": max(r["seconds"] for r in by_rank.values()),
     }
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workers", type=int, default=8)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument(
         "--attacks", nargs="+", default=["none", *ATTACKS[1:]], choices=["none", *ATTACKS[1:]]
     )
-    parser.add_argument("--task", choices=("classification", "lm"), default="classification")
+    parser.add_argument("--task", choices=TASKS, default="classification")
     parser.add_argument(
         "--clip-factor", type=float, default=ClippedGossip.factor, help="ring-clipped's radius factor"
     )
@@ -211,44 +263,58 @@ def main() -> None:
         f"{ClippedGossip.drop_beyond}; none: clip them all)",
     )
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    clipping = ClippedGossip(factor=args.clip_factor, quantile=args.clip_quantile, drop_beyond=args.clip_drop)
+    attacks = [None if name == "none" else name for name in args.attacks]
     rows = []
-    for method in args.methods:
-        for attack in (None if name == "none" else name for name in args.attacks):
-            clipping = ClippedGossip(
-                factor=args.clip_factor, quantile=args.clip_quantile, drop_beyond=args.clip_drop
-            )
-            row = run(method, attack, args.workers, args.steps, args.task, clipping)
-            rows.append(row)
-            print(
-                f"[{method} / {attack or 'no attack'}] loss {row['loss']:.4f} accuracy {row['accuracy']:.4f}"
-            )
+    for seed in args.seeds:
+        for method in args.methods:
+            for attack in attacks:
+                row = run(method, attack, args.workers, args.steps, args.task, clipping, seed)
+                rows.append(row)
+                print(
+                    f"[{method} / {attack or 'no attack'} / seed {seed}] loss {row['loss']:.4f} "
+                    f"accuracy {row['accuracy']:.4f}",
+                    flush=True,
+                )
+    clean = {(r["method"], r["seed"]): r["loss"] for r in rows if r["attack"] is None}
+    for row in rows:
+        row["ratio"] = row["loss"] / clean.get((row["method"], row["seed"]), math.nan)
     print(
-        f"\nOne attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, "
-        + ("the language model (validation loss)" if args.task == "lm" else "the main job's task (test loss)")
-        + f"; the worst honest worker's own replica; ring-clipped: ClippedGossip(factor={args.clip_factor}, "
-        + f"quantile={args.clip_quantile}, drop_beyond={args.clip_drop})"
+        f"\nOne attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, seeds "
+        f"{args.seeds}, task {args.task} ("
+        + ("validation loss" if args.task == "lm" else "test loss")
+        + f"); the worst honest worker's own replica; ring-clipped: ClippedGossip(factor={args.clip_factor}, "
+        + f"quantile={args.clip_quantile}, drop_beyond={args.clip_drop}). Loss: the mean over seeds; "
+        + "vs no attack: the mean and the worst of the seeds' ratios."
     )
     header = (
-        f"{'method':>13} | {'attack':>9} | {'test loss':>9} | {'accuracy':>8} | {'vs no attack':>12} | target"
+        f"{'method':>13} | {'attack':>11} | {'loss':>9} | {'accuracy':>8} | {'vs no attack':>17} | target"
     )
     print(header)
     print("-" * len(header))
-    clean = {r["method"]: r["loss"] for r in rows if r["attack"] is None}
-    for row in rows:
-        ratio = row["loss"] / clean.get(row["method"], math.nan)
-        row["ratio"] = ratio
-        judged = row["method"] == "ring-clipped" and row["attack"] is not None
-        mark = (
-            ("met" if ratio <= TARGET_RATIO else "MISSED")
-            if judged
-            else ("job lost" if "failed" in row else "-")
-        )
-        print(
-            f"{row['method']:>13} | {row['attack'] or 'none':>9} | {row['loss']:9.4f} | "
-            f"{row['accuracy']:8.4f} | {ratio:12.3f} | {mark}"
-        )
-    print(f"Target: ring-clipped under every attack within {TARGET_RATIO}x its own loss without one.")
+    for method in args.methods:
+        for attack in attacks:
+            mine = [r for r in rows if r["method"] == method and r["attack"] == attack]
+            ratios = [r["ratio"] for r in mine]
+            worst = max(ratios)
+            judged = method == "ring-clipped" and attack is not None
+            lost = any("failed" in r for r in mine)
+            mark = ("met" if worst <= TARGET_RATIO else "MISSED") if judged else ("job lost" if lost else "-")
+            loss = sum(r["loss"] for r in mine) / len(mine)
+            accuracy = sum(r["accuracy"] for r in mine) / len(mine)
+            spread = f"{sum(ratios) / len(ratios):.3f} ({worst:.3f})"
+            print(
+                f"{method:>13} | {attack or 'none':>11} | {loss:9.4f} | {accuracy:8.4f} | "
+                f"{spread:>17} | {mark}"
+            )
+    print(
+        f"Target: ring-clipped under every attack and seed within {TARGET_RATIO}x its own loss without one."
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -256,6 +322,7 @@ def main() -> None:
                     "task": args.task,
                     "workers": args.workers,
                     "steps": args.steps,
+                    "seeds": args.seeds,
                     "clip_factor": args.clip_factor,
                     "clip_quantile": args.clip_quantile,
                     "clip_drop": args.clip_drop,

@@ -19,9 +19,13 @@ exactly as under plain gossip; one beyond it moves ``x_i`` by at most ``W_{ij} \
 round instead of clipped (its weight stays with ``x_i``), a redescending rule: an attacker far outside
 the honest spread (a scaled, random or negated model) then moves its receivers not at all, where
 clipping alone still lets it push ``W_{ij} \tau_i`` a round, the same way every round for the negated
-model. An honest neighbour that far out is left out for those rounds only: its norms still enter the
-window, so a spread that grows for everyone raises the radius within half a window of rounds and
-readmits it. ``drop_beyond=None`` clips every difference (the published rule).
+model. Differences are dropped only once the bucket's window is full (``window`` norms; 16 rounds on a
+ring with the default 32): replicas start equal, so the first norms are the smallest of the run and
+a radius learnt from a few of them would leave out honest neighbours while the spread grows (measured:
+one honest difference dropped at the third round of a clean run, before this rule); until then every
+difference is clipped. An honest neighbour that far out later is left out for those rounds only: its
+norms still enter the window, so a spread that grows for everyone raises the radius within half a
+window of rounds and readmits it. ``drop_beyond=None`` clips every difference (the published rule).
 
 **The radius** follows the recent differences: ``\tau_i = \text{factor} \cdot
 Q_q(\text{the last ``window`` norms } \lVert \hat x_j - \hat x_i \rVert \text{ this rank received for the
@@ -58,8 +62,9 @@ class ClippedGossip:
             matters more than mixing honest outliers whole).
         quantile: which quantile, in ``[0, 1]`` (default 0.25: the lower quartile).
         window: how many recent norms per bucket the quantile is taken over (>= 1; default 32).
-        drop_beyond: ``c >= 1`` (default 10): a difference longer than ``c`` radii is left out of the
-            round, its weight kept by the receiver; None clips every difference.
+        drop_beyond: ``c >= 1`` (default 10): once the window is full, a difference longer than ``c``
+            radii is left out of the round, its weight kept by the receiver; None clips every
+            difference.
     """
 
     factor: float = 0.5
@@ -126,6 +131,10 @@ class RadiusWindow:
         high = min(low + 1, len(ordered) - 1)
         value = ordered[low] + (position - low) * (ordered[high] - ordered[low])
         return self._options.factor * value
+
+    def full(self) -> bool:
+        """Whether the window holds ``window`` norms: from then on differences may be dropped."""
+        return len(self._norms) == self._options.window
 
     def add(self, norms: list[float]) -> None:
         self._norms.extend(norms)

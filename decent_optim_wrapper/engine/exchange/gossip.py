@@ -541,7 +541,8 @@ class Gossip:
         coder.decode_into(slots[slot], own, seed)
         update.zero_()
         assert self._clipped is not None
-        radius, norms, drop = channel.radius.radius(), [], self._clipped.drop_beyond
+        radius, norms = channel.radius.radius(), []
+        drop = self._clipped.drop_beyond if channel.radius.full() else None  # see clipping: warm-up
         sent_with = 1.0 / group.size if group.self_weight is None else group.peer_weight
         dropped = []
         for j in range(group.size):
@@ -554,8 +555,8 @@ class Gossip:
             scale = clip_scale(norm, radius, drop)
             if scale > 0.0:
                 update.add_(other, alpha=factor * sent_with * scale)
-            elif radius > 0.0:  # a radius of 0 (nothing learnt yet) mixes nobody: not a verdict on j
-                dropped.append(group.ranks[j])
+            elif drop is not None and radius > 0.0:  # beyond drop_beyond radii of a full window
+                dropped.append(group.ranks[j])  # (a radius of 0 mixes nobody: not a verdict on j)
         channel.tensor.add_(update)
         channel.radius.add(norms)
         if dropped:
