@@ -36,6 +36,13 @@ def test_the_radius_is_factor_times_a_quantile_of_the_recent_norms():
     assert window.radius() == 4.0 and not window.full()
     window.add([100.0] * 6)  # the window keeps the last 8: 3 4 2 100 x 6 -> sorted 2 3 4 100 ...
     assert window.radius() == pytest.approx(2.0 * (4.0 + 0.75 * 96.0)) and window.full()
+    # Dropping (drop_beyond=3): with a full window beyond 3 radii; before, only if also longer than the
+    # receiver's own values (the warm-up: a few early norms alone leave nobody out).
+    warming = RadiusWindow(ClippedGossip(factor=1.0, window=8, drop_beyond=3.0), [1.0, 1.0])
+    assert warming.scale(4.0, 1.0, own_norm=10.0) == 0.25  # 4 radii but shorter than x_i: clipped
+    assert warming.scale(40.0, 1.0, own_norm=10.0) == 0.0  # 40 radii and longer than x_i: dropped
+    full = RadiusWindow(ClippedGossip(factor=1.0, window=2, drop_beyond=3.0), [1.0, 1.0])
+    assert full.scale(4.0, 1.0, own_norm=10.0) == 0.0 and full.scale(2.0, 1.0, own_norm=10.0) == 0.5
     assert clip_scale(1.0, 2.0) == 1.0 and clip_scale(8.0, 2.0) == 0.25 and clip_scale(0.0, 0.0) == 1.0
     assert (
         clip_scale(5.0, 2.0, 3.0) == 0.4
@@ -116,8 +123,8 @@ def _simulate(
     scales: tuple[float, ...] = ATTACKS["scaled"],
 ) -> torch.Tensor:
     """Every honest rank's replica after ``ROUNDS`` rounds of the clipped rule, from the mixing matrices
-    (with ``drop_beyond``: once a rank's window is full, a difference longer than that many radii left
-    out, written out here)."""
+    (with ``drop_beyond``: a difference longer than that many radii left out once a rank's window is
+    full, and before that if it is also longer than the rank's own values; written out here)."""
     from decent_optim_wrapper.topo import TopologyFactory
 
     topo = TopologyFactory.create(topology, 4)
@@ -137,9 +144,10 @@ def _simulate(
                 d = sent[j] - sent[i]
                 norm = float(torch.linalg.vector_norm(d))
                 norms.append(norm)
-                full = len(windows[i].state()) == options.window  # dropping starts with a full window
-                if full and options.drop_beyond is not None and norm > options.drop_beyond * radius:
-                    continue  # left out: its weight stays with rank i
+                # left out beyond drop_beyond radii: with a full window, or if longer than x_i itself
+                trusted = len(windows[i].state()) == options.window or norm > float(x[i].norm())
+                if trusted and options.drop_beyond is not None and norm > options.drop_beyond * radius:
+                    continue  # its weight stays with rank i
                 update.add_(d, alpha=float(w[i, j]) * clip_scale(norm, radius))
             new[i] = x[i] + update
             windows[i].add(norms)
@@ -267,10 +275,10 @@ def test_an_attacker_drags_plain_gossip_away_but_not_clipped_gossip(pool, attack
     assert not math.isfinite(plain) or plain >= 3 * clean, (plain, clean)
     bound = 1.25 if attack == "negated" else 1.15
     assert _honest_loss(clipped) <= bound * clean, (_honest_loss(clipped), clean)
-    # The guard's counters ("dropped": a difference beyond ten radii of a full window left out): the
-    # attacker's neighbours leave it out (the negated model, sometimes within ten radii of one of them,
-    # by one at least), and no honest difference is ever left out, with or without the attacker (before
-    # dropping waited for a full window: one at step 3 of the clean run).
+    # The guard's counters ("dropped": a difference beyond ten radii left out): the attacker's
+    # neighbours leave it out (the negated model, sometimes within ten radii of one of them, by one at
+    # least), and no honest difference is ever left out, with or without the attacker (under the radius
+    # alone, before the warm-up rule: one at step 3 of the clean run).
     senders = [{sender for _, sender in r["dropped"]} for r in clipped[:ATTACKER]]
     if attack == "negated":
         assert ATTACKER in senders[0] | senders[2], senders

@@ -184,8 +184,26 @@ def worker(
         if attacker is not None:
             attacker.restore(params)
         loss, accuracy = evaluate()
+        # The honest workers' average model too: whether the fleet as a whole lost ground.
+        with torch.no_grad():
+            own = torch.nn.utils.parameters_to_vector(params)
+            replicas = torch.empty(world * own.numel(), dtype=own.dtype)
+            dist.all_gather_into_tensor(replicas, own)
+            replicas = replicas.view(world, -1)
+            honest = [r for r in range(world) if attack is None or r != ATTACKER]
+            torch.nn.utils.vector_to_parameters(replicas[honest].mean(0), params)
+        average_loss, _ = evaluate()
         results.put(
-            (rank, {"loss": loss, "accuracy": accuracy, "attacker": attacker is not None, "seconds": seconds})
+            (
+                rank,
+                {
+                    "loss": loss,
+                    "accuracy": accuracy,
+                    "average_loss": average_loss,
+                    "attacker": attacker is not None,
+                    "seconds": seconds,
+                },
+            )
         )
     except BaseException:
         # A lost job's rounds never complete, and tearing the group down would wait for them: report the
@@ -232,6 +250,8 @@ def run(
     return {
         **row,
         "loss": max(losses) if all(math.isfinite(v) for v in losses) else math.inf,
+        "mean_loss": sum(losses) / len(losses),
+        "average_loss": honest[0]["average_loss"],
         "accuracy": min(r["accuracy"] for r in honest),
         "seconds": max(r["seconds"] for r in by_rank.values()),
     }
@@ -278,7 +298,8 @@ def main() -> None:
                 rows.append(row)
                 print(
                     f"[{method} / {attack or 'no attack'} / seed {seed}] loss {row['loss']:.4f} "
-                    f"accuracy {row['accuracy']:.4f}",
+                    f"(mean {row.get('mean_loss', math.inf):.4f}, honest average's "
+                    f"{row.get('average_loss', math.inf):.4f}) accuracy {row['accuracy']:.4f}",
                     flush=True,
                 )
     clean = {(r["method"], r["seed"]): r["loss"] for r in rows if r["attack"] is None}

@@ -19,11 +19,16 @@ exactly as under plain gossip; one beyond it moves ``x_i`` by at most ``W_{ij} \
 round instead of clipped (its weight stays with ``x_i``), a redescending rule: an attacker far outside
 the honest spread (a scaled, random or negated model) then moves its receivers not at all, where
 clipping alone still lets it push ``W_{ij} \tau_i`` a round, the same way every round for the negated
-model. Differences are dropped only once the bucket's window is full (``window`` norms; 16 rounds on a
-ring with the default 32): replicas start equal, so the first norms are the smallest of the run and
-a radius learnt from a few of them would leave out honest neighbours while the spread grows (measured:
-one honest difference dropped at the third round of a clean run, before this rule); until then every
-difference is clipped. An honest neighbour that far out later is left out for those rounds only: its
+model. Until the bucket's window is full (``window`` norms: 32 rounds on a ring with the default), a
+difference is dropped only if it is also longer than the receiver's own values, ``\lVert \hat x_j -
+\hat x_i \rVert > \lVert x_i \rVert``: replicas start equal, so the first norms are the smallest of
+the run and a radius learnt from a few of them would leave out honest neighbours while the spread
+grows (measured: one honest difference dropped at the third round of a clean run under the radius
+alone), whereas honest replicas of one model stay far closer to each other than to the origin; a
+scaled, random or negated model (``\lVert -x - x \rVert = 2 \lVert x \rVert``) is that far from the
+first round with a radius on. Clipping alone through the warm-up let a negated model push its
+neighbours for 32 rounds: 1.061x the clean loss on digits, against a 5% target. An honest neighbour
+that far out later is left out for those rounds only: its
 norms still enter the window, so a spread that grows for everyone raises the radius within half a
 window of rounds and readmits it. ``drop_beyond=None`` clips every difference (the published rule).
 
@@ -62,9 +67,9 @@ class ClippedGossip:
             matters more than mixing honest outliers whole).
         quantile: which quantile, in ``[0, 1]`` (default 0.25: the lower quartile).
         window: how many recent norms per bucket the quantile is taken over (>= 1; default 32).
-        drop_beyond: ``c >= 1`` (default 10): once the window is full, a difference longer than ``c``
-            radii is left out of the round, its weight kept by the receiver; None clips every
-            difference.
+        drop_beyond: ``c >= 1`` (default 10): a difference longer than ``c`` radii is left out of the
+            round, its weight kept by the receiver (until the window is full, only if it is also longer
+            than the receiver's values); None clips every difference.
     """
 
     factor: float = 0.5
@@ -133,8 +138,17 @@ class RadiusWindow:
         return self._options.factor * value
 
     def full(self) -> bool:
-        """Whether the window holds ``window`` norms: from then on differences may be dropped."""
+        """Whether the window holds ``window`` norms (its radius is then trusted on its own)."""
         return len(self._norms) == self._options.window
+
+    def scale(self, norm: float, radius: float, own_norm: float) -> float:
+        """The factor of a difference of length ``norm`` at a receiver whose values have length
+        ``own_norm``: 1 within ``radius``, clipped beyond it, 0 (dropped) beyond ``drop_beyond`` radii
+        once the window is full, or before that if it is also longer than ``own_norm``."""
+        drop = self._options.drop_beyond
+        if drop is not None and not self.full() and norm <= own_norm:
+            drop = None  # warm-up: a radius of a few early norms alone does not leave anyone out
+        return clip_scale(norm, radius, drop)
 
     def add(self, norms: list[float]) -> None:
         self._norms.extend(norms)

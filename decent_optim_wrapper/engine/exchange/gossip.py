@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors, misfit
-from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip, RadiusWindow, clip_scale
+from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip, RadiusWindow
 from decent_optim_wrapper.engine.exchange.guard import (
     GuardEvent,
     GuardLog,
@@ -542,7 +542,7 @@ class Gossip:
         update.zero_()
         assert self._clipped is not None
         radius, norms = channel.radius.radius(), []
-        drop = self._clipped.drop_beyond if channel.radius.full() else None  # see clipping: warm-up
+        own_norm = float(torch.linalg.vector_norm(channel.tensor))  # the warm-up's cut-off (clipping)
         sent_with = 1.0 / group.size if group.self_weight is None else group.peer_weight
         dropped = []
         for j in range(group.size):
@@ -552,11 +552,11 @@ class Gossip:
             other.sub_(own)
             norm = float(torch.linalg.vector_norm(other))
             norms.append(norm)
-            scale = clip_scale(norm, radius, drop)
+            scale = channel.radius.scale(norm, radius, own_norm)
             if scale > 0.0:
                 update.add_(other, alpha=factor * sent_with * scale)
-            elif drop is not None and radius > 0.0:  # beyond drop_beyond radii of a full window
-                dropped.append(group.ranks[j])  # (a radius of 0 mixes nobody: not a verdict on j)
+            elif radius > 0.0:  # a radius of 0 (nothing learnt yet) mixes nobody: not a verdict on j
+                dropped.append(group.ranks[j])
         channel.tensor.add_(update)
         channel.radius.add(norms)
         if dropped:
