@@ -43,6 +43,14 @@ def test_the_radius_is_factor_times_a_quantile_of_the_recent_norms():
     assert warming.scale(40.0, 1.0, own_norm=10.0) == 0.0  # 40 radii and longer than x_i: dropped
     full = RadiusWindow(ClippedGossip(factor=1.0, window=2, drop_beyond=3.0), [1.0, 1.0])
     assert full.scale(4.0, 1.0, own_norm=10.0) == 0.0 and full.scale(2.0, 1.0, own_norm=10.0) == 0.5
+    # Probation: once dropped, rank 7 is left out of its next 2 rounds whatever it sends; rank 5 is not.
+    judged = RadiusWindow(ClippedGossip(factor=1.0, window=2, drop_beyond=3.0, probation=2), [1.0, 1.0])
+    assert judged.judge(7, 4.0, 1.0, 10.0) == 0.0 and judged.on_probation() == {7: 2}
+    assert judged.judge(5, 2.0, 1.0, 10.0) == 0.5
+    assert [judged.judge(7, 0.5, 1.0, 10.0) for _ in range(3)] == [0.0, 0.0, 1.0]
+    assert judged.on_probation() == {}
+    with pytest.raises(ValueError, match=r"probation=...\) must be an int >= 0 \(rounds\), got -1"):
+        ClippedGossip(probation=-1)
     assert clip_scale(1.0, 2.0) == 1.0 and clip_scale(8.0, 2.0) == 0.25 and clip_scale(0.0, 0.0) == 1.0
     assert (
         clip_scale(5.0, 2.0, 3.0) == 0.4
@@ -130,6 +138,7 @@ def _simulate(
     topo = TopologyFactory.create(topology, 4)
     x = start.clone()
     windows = [RadiusWindow(options) for _ in range(4)]
+    probation: list[dict[int, int]] = [{} for _ in range(4)]  # receiver -> sender -> rounds left out
     for r in range(ROUNDS):
         w = topo.mixing_matrix(r)
         sent = x.clone()
@@ -147,7 +156,12 @@ def _simulate(
                 # left out beyond drop_beyond radii: with a full window, or if longer than x_i itself
                 trusted = len(windows[i].state()) == options.window or norm > float(x[i].norm())
                 if trusted and options.drop_beyond is not None and norm > options.drop_beyond * radius:
+                    if radius > 0:  # (a radius of 0, before any norm, mixes nobody: no verdict on j)
+                        probation[i][j] = options.probation  # left out of j's next rounds with i too
                     continue  # its weight stays with rank i
+                if probation[i].get(j, 0) > 0:
+                    probation[i][j] -= 1
+                    continue
                 update.add_(d, alpha=float(w[i, j]) * clip_scale(norm, radius))
             new[i] = x[i] + update
             windows[i].add(norms)

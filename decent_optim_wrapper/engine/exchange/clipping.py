@@ -30,7 +30,16 @@ first round with a radius on. Clipping alone through the warm-up let a negated m
 neighbours for 32 rounds: 1.061x the clean loss on digits, against a 5% target. An honest neighbour
 that far out later is left out for those rounds only: its
 norms still enter the window, so a spread that grows for everyone raises the radius within half a
-window of rounds and readmits it. ``drop_beyond=None`` clips every difference (the published rule).
+window of rounds and readmits it.
+
+**Probation** (``probation=P``, default 16): a neighbour whose difference was dropped is left out of
+its next ``P`` rounds with the receiver whatever it sends, a drop starting the count again. An attacker
+that alternates (the negated model every other round, its honest replica in between; or one that
+negates its model in place each step, so that every other round it sends a stale replica that moved
+against its gradient) otherwise passes the radius in half its rounds and pulls the same way each time:
+1.18x the clean loss on digits for the in-place flipper without probation. Honest neighbours are not
+dropped (above), so probation costs them nothing. ``drop_beyond=None`` clips every difference (the
+published rule), and no one is put on probation.
 
 **The radius** follows the recent differences: ``\tau_i = \text{factor} \cdot
 Q_q(\text{the last ``window`` norms } \lVert \hat x_j - \hat x_i \rVert \text{ this rank received for the
@@ -70,12 +79,16 @@ class ClippedGossip:
         drop_beyond: ``c >= 1`` (default 10): a difference longer than ``c`` radii is left out of the
             round, its weight kept by the receiver (until the window is full, only if it is also longer
             than the receiver's values); None clips every difference.
+        probation: after a neighbour's difference was left out, the receiver leaves that neighbour
+            out of its next ``probation`` rounds with it whatever it sends (>= 0; default 16), so that
+            an attacker cannot alternate attacks with rounds that pass the radius.
     """
 
     factor: float = 0.5
     quantile: float = 0.25
     window: int = 32
     drop_beyond: float | None = 10.0
+    probation: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.factor, bool) or not isinstance(self.factor, int | float) or not self.factor > 0:
@@ -88,6 +101,11 @@ class ClippedGossip:
             raise ValueError(f"ClippedGossip(quantile=...) must lie in [0, 1], got {self.quantile!r}.")
         if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
             raise ValueError(f"ClippedGossip(window=...) must be an int >= 1, got {self.window!r}; e.g. 32.")
+        probation = self.probation
+        if isinstance(probation, bool) or not isinstance(probation, int) or probation < 0:
+            raise ValueError(
+                f"ClippedGossip(probation=...) must be an int >= 0 (rounds), got {probation!r}; e.g. 16."
+            )
         drop = self.drop_beyond
         if drop is not None and (
             isinstance(drop, bool) or not isinstance(drop, int | float) or not 1.0 <= drop < math.inf
@@ -119,9 +137,15 @@ def resolve_clipped_gossip(spec: object) -> ClippedGossip | None:
 class RadiusWindow:
     """One bucket's recent difference norms and the radius they give."""
 
-    def __init__(self, options: ClippedGossip, norms: list[float] | None = None) -> None:
+    def __init__(
+        self,
+        options: ClippedGossip,
+        norms: list[float] | None = None,
+        probation: dict[int, int] | None = None,
+    ) -> None:
         self._options = options
         self._norms: deque[float] = deque(norms or (), maxlen=options.window)
+        self._probation = dict(probation or {})  # sender's rank -> its rounds still left out
 
     def radius(self) -> float:
         """``factor`` times the quantile of the recent norms; 0 before any was seen (the first round
@@ -149,6 +173,24 @@ class RadiusWindow:
         if drop is not None and not self.full() and norm <= own_norm:
             drop = None  # warm-up: a radius of a few early norms alone does not leave anyone out
         return clip_scale(norm, radius, drop)
+
+    def judge(self, sender: int, norm: float, radius: float, own_norm: float) -> float:
+        """:meth:`scale`, with probation: a sender whose difference is dropped is left out of its next
+        ``probation`` rounds with this receiver too (a drop starts the count again)."""
+        scale = self.scale(norm, radius, own_norm)
+        if scale == 0.0 and radius > 0.0 and norm > 0.0:
+            if self._options.probation > 0:
+                self._probation[sender] = self._options.probation
+            return 0.0
+        left = self._probation.pop(sender, 0)
+        if left > 0:
+            if left > 1:
+                self._probation[sender] = left - 1
+            return 0.0
+        return scale
+
+    def on_probation(self) -> dict[int, int]:
+        return dict(self._probation)
 
     def add(self, norms: list[float]) -> None:
         self._norms.extend(norms)

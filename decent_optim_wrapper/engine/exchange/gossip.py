@@ -552,7 +552,7 @@ class Gossip:
             other.sub_(own)
             norm = float(torch.linalg.vector_norm(other))
             norms.append(norm)
-            scale = channel.radius.scale(norm, radius, own_norm)
+            scale = channel.radius.judge(group.ranks[j], norm, radius, own_norm)
             if scale > 0.0:
                 update.add_(other, alpha=factor * sent_with * scale)
             elif radius > 0.0:  # a radius of 0 (nothing learnt yet) mixes nobody: not a verdict on j
@@ -734,6 +734,9 @@ class Gossip:
             state["flags"] = flags
         if clipping:
             state["clip_norms"] = [[] if c.radius is None else c.radius.state() for c in self._channels]
+            state["clip_probation"] = [
+                {} if c.radius is None else c.radius.on_probation() for c in self._channels
+            ]
         if any(c is not None for c in codecs) or saved_references:
             state.update(gathered=gathered, codecs=codecs, references=saved_references)
         if saved_start:
@@ -823,8 +826,11 @@ class Gossip:
                     channel.start = saved.to(channel.tensor.device).clone()
         norms = state.get("clip_norms")
         if references and norms is not None and self._clipped is not None:
-            for channel, saved_norms in zip(self._channels, norms, strict=False):
-                channel.radius = RadiusWindow(self._clipped, [float(n) for n in saved_norms])
+            probation = state.get("clip_probation") or [{} for _ in norms]
+            for channel, saved_norms, held in zip(self._channels, norms, probation, strict=False):
+                channel.radius = RadiusWindow(
+                    self._clipped, [float(n) for n in saved_norms], {int(r): int(n) for r, n in held.items()}
+                )
         if step is None:
             return
         group = self._topology.group(self._rank, int(step))
