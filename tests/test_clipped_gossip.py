@@ -325,11 +325,32 @@ def test_clipped_gossip_holds_on_both_front_ends_and_composes(pool, front_end, o
     assert not all(r["finite"] for r in plain) or _honest_loss(plain) >= 3 * _honest_loss(clean)
 
 
-def _resume(save: bool) -> torch.Tensor:
+def _resume(save: bool, attack: str | None) -> tuple[torch.Tensor, list[Any]]:
+    """12 steps on a ring, resumed from a checkpoint at step 5 into a fresh model and wrapper (or
+    not); rank 3 flips its sign now and then when ``attack`` is given. The parameters and the
+    probation the checkpoint held."""
     rank, model = dist.get_rank(), tiny_model()
-    front = DecentOptimWrapper(
-        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.5), topology="ring", clipped_gossip=True
-    )
+
+    steps = [0]
+
+    @torch.no_grad()
+    def flip_now_and_then(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        # Sign flips after steps 1 and 2 of every 4: the model goes out negated after steps 1, 5, 9
+        # and whole after 3, 7, 11, so the neighbour it meets at odd steps sees both.
+        if steps[0] % 4 in (1, 2):
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.neg_()
+        steps[0] += 1
+
+    def make(params):
+        optimizer = torch.optim.SGD(params, lr=0.1, momentum=0.5)
+        if attack is not None and rank == ATTACKER:
+            optimizer.register_step_post_hook(flip_now_and_then)
+        return optimizer
+
+    front = DecentOptimWrapper(make(model.parameters()), topology="ring", clipped_gossip=True)
+    held: list[Any] = []
     for step in range(12):
         x, y = batch(rank, step)
         front.zero_grad()
@@ -337,24 +358,35 @@ def _resume(save: bool) -> torch.Tensor:
         front.step()
         if save and step == 5:
             state = front.state_dict()
+            held = state["decent"]["gossip"]["clip_probation"]
             fresh_model = tiny_model(seed=3)
-            fresh = DecentOptimWrapper(
-                torch.optim.SGD(fresh_model.parameters(), lr=0.1, momentum=0.5),
-                topology="ring",
-                clipped_gossip=True,
-            )
-            fresh.load_state_dict(state)  # a fresh radius window, then the saved norms
+            fresh = DecentOptimWrapper(make(fresh_model.parameters()), topology="ring", clipped_gossip=True)
+            fresh.load_state_dict(state)  # a fresh radius window, then the saved norms and probation
+            assert fresh.state_dict()["decent"]["gossip"]["clip_probation"] == held
             model, front = fresh_model, fresh
-    return flat(model)
+    return flat(model), held
 
 
-def _resume_pair() -> tuple[torch.Tensor, torch.Tensor]:
-    return _resume(False), _resume(True)
+def _resume_pair(attack: str | None) -> tuple[torch.Tensor, torch.Tensor, list[Any]]:
+    plain, _ = _resume(False, attack)
+    resumed, held = _resume(True, attack)
+    return plain, resumed, held
 
 
-def test_a_checkpoint_with_clipped_gossip_resumes_bit_for_bit(pool):
-    for plain, resumed in pool(4).run(_resume_pair):
+@pytest.mark.parametrize("attack", [None, "flipping"])
+def test_a_checkpoint_with_clipped_gossip_resumes_bit_for_bit(pool, attack):
+    # With a sign-flipper (rank 3) a neighbour holds it on probation at the checkpoint, and the resumed
+    # wrapper holds the same (asserted on load). No honest rank is put on probation.
+    results = pool(4).run(_resume_pair, attack)
+    holding = set()
+    for rank, (plain, resumed, held) in enumerate(results):
         assert torch.equal(plain, resumed)
+        if rank == ATTACKER:  # its own replica is the odd one out: what it holds is of no account
+            continue
+        assert all(set(bucket) <= {ATTACKER} for bucket in held), (rank, held)
+        if any(ATTACKER in bucket for bucket in held):
+            holding.add(rank)
+    assert holding <= {0, 2} and (attack is None) == (not holding), holding
 
 
 @pytest.mark.parametrize("attack", ["scaled", "negated"])

@@ -26,20 +26,19 @@ the run and a radius learnt from a few of them would leave out honest neighbours
 grows (measured: one honest difference dropped at the third round of a clean run under the radius
 alone), whereas honest replicas of one model stay far closer to each other than to the origin; a
 scaled, random or negated model (``\lVert -x - x \rVert = 2 \lVert x \rVert``) is that far from the
-first round with a radius on. Clipping alone through the warm-up let a negated model push its
-neighbours for 32 rounds: 1.061x the clean loss on digits, against a 5% target. An honest neighbour
+first round with a radius on. An honest neighbour
 that far out later is left out for those rounds only: its
 norms still enter the window, so a spread that grows for everyone raises the radius within half a
 window of rounds and readmits it.
 
 **Probation** (``probation=P``, default 16): a neighbour whose difference was dropped is left out of
-its next ``P`` rounds with the receiver whatever it sends, a drop starting the count again. An attacker
-that alternates (the negated model every other round, its honest replica in between; or one that
-negates its model in place each step, so that every other round it sends a stale replica that moved
-against its gradient) otherwise passes the radius in half its rounds and pulls the same way each time:
-1.18x the clean loss on digits for the in-place flipper without probation. Honest neighbours are not
-dropped (above), so probation costs them nothing. ``drop_beyond=None`` clips every difference (the
-published rule), and no one is put on probation.
+its next ``P`` rounds with the receiver whatever it sends, a drop starting the count again, so that an
+attacker cannot alternate rounds beyond the cut-off with rounds that pass the radius (with a receiver
+that meets it in both kinds). Honest neighbours are not dropped (above), so probation costs them
+nothing. It does not help a receiver that only ever sees the attacker's passing rounds (on a ring of
+alternating pairs, an attacker that flips each step shows each neighbour one phase): such a
+neighbour is bounded by the radius alone. ``drop_beyond=None`` clips every difference (the published
+rule), and no one is put on probation.
 
 **The radius** follows the recent differences: ``\tau_i = \text{factor} \cdot
 Q_q(\text{the last ``window`` norms } \lVert \hat x_j - \hat x_i \rVert \text{ this rank received for the
