@@ -26,10 +26,9 @@ the run and a radius learnt from a few of them would leave out honest neighbours
 grows (measured: one honest difference dropped at the third round of a clean run under the radius
 alone), whereas honest replicas of one model stay far closer to each other than to the origin; a
 scaled, random or negated model (``\lVert -x - x \rVert = 2 \lVert x \rVert``) is that far from the
-first round with a radius on. An honest neighbour
-that far out later is left out for those rounds only: its
-norms still enter the window, so a spread that grows for everyone raises the radius within half a
-window of rounds and readmits it.
+first round with a radius on. An honest neighbour that far out later is left out for those rounds
+only: its norms still enter the window, so a spread that grows for everyone raises the radius within
+half a window of rounds and readmits it.
 
 **Probation** (``probation=P``, default 16): a neighbour whose difference was dropped is left out of
 its next ``P`` rounds with the receiver whatever it sends, a drop starting the count again, so that an
