@@ -49,8 +49,8 @@ agree, and the radius with them.
 
 Costs: every round gathers each member's values instead of all-reducing their sum (the same bytes in a
 pair, ``k - 1`` models per member in a group of ``k`` instead of ``2 (k - 1) / k``), two more
-bucket-sized buffers, one norm per neighbour and bucket read on the host (a device sync on GPUs). Every
-rank must agree on it (it changes what travels). The mean of the replicas is no longer kept exactly
+bucket-sized buffers, one norm per neighbour and bucket (and one of the receiver's values) read on the
+host (a device sync on GPUs). Every rank must agree on it (it changes what travels). The mean of the replicas is no longer kept exactly
 when a difference is clipped (clipping is not symmetric); global averaging stays exact.
 """
 
@@ -176,7 +176,7 @@ class RadiusWindow:
         """:meth:`scale`, with probation: a sender whose difference is dropped is left out of its next
         ``probation`` rounds with this receiver too (a drop starts the count again)."""
         scale = self.scale(norm, radius, own_norm)
-        if scale == 0.0 and radius > 0.0 and norm > 0.0:
+        if scale == 0.0 and radius > 0.0:  # beyond the cut-off (0 only then, with a radius)
             if self._options.probation > 0:
                 self._probation[sender] = self._options.probation
             return 0.0
