@@ -50,8 +50,9 @@ agree, and the radius with them.
 Costs: every round gathers each member's values instead of all-reducing their sum (the same bytes in a
 pair, ``k - 1`` models per member in a group of ``k`` instead of ``2 (k - 1) / k``), two more
 bucket-sized buffers, one norm per neighbour and bucket (and one of the receiver's values) read on the
-host (a device sync on GPUs). Every rank must agree on it (it changes what travels). The mean of the replicas is no longer kept exactly
-when a difference is clipped (clipping is not symmetric); global averaging stays exact.
+host (a device sync on GPUs). Every rank must agree on it (it changes what travels). The mean of the
+replicas is no longer kept exactly when a difference is clipped (clipping is not symmetric); global
+averaging stays exact.
 """
 
 from __future__ import annotations
