@@ -24,8 +24,10 @@ from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import (
     ClippedGossip,
     DecentError,
+    Elasticity,
     GlobalAverageError,
     GossipCompression,
+    GossipConfig,
     GossipEngine,
     GossipError,
     GuardEvent,
@@ -37,6 +39,10 @@ from decent_optim_wrapper.engine import (
     PeerFailure,
     PeerFailureError,
     PeerJoin,
+    Placement,
+    Robustness,
+    Rounds,
+    Transport,
 )
 from decent_optim_wrapper.launch import init_elastic, initialize_dist, node_mesh
 from decent_optim_wrapper.metrics import consensus_distance
@@ -75,6 +81,12 @@ logger.enable("decent_optim_wrapper.engine.exchange.guard")
 logger.enable("decent_optim_wrapper.engine.fleet.refusals")
 
 __all__ = [
+    "Transport",
+    "Rounds",
+    "Robustness",
+    "Placement",
+    "GossipConfig",
+    "Elasticity",
     "LR_SCHEDULER_FN_TYPE",
     "OPTIM_FN_TYPE",
     "AccumAdam",

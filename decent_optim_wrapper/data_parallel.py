@@ -11,35 +11,28 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed import Store  # type: ignore[attr-defined]
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.data_parallel_backward import BackwardUpdates, Scaler, inside_backward
 from decent_optim_wrapper.data_parallel_state import TRAINING_STATE_VERSION, BucketOptimizers, check_arguments
-from decent_optim_wrapper.engine import (
-    DEFAULT_TIMEOUT,
-    ClippedGossipSpec,
-    CompressionSpec,
-    GossipEngine,
-    OuterFactory,
-    PacingSpec,
-    drop_state,
-)
+from decent_optim_wrapper.engine import GossipEngine, TopologySpec, drop_state
+from decent_optim_wrapper.engine.config import GossipConfig, KeywordOptions, given
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
+from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
-from decent_optim_wrapper.topo import Topology
 
 __all__ = ["TRAINING_STATE_VERSION", "DecentralizedDataParallel"]
 
 
+@document_options(
+    renamed={"bucket_cap_mb": "bucket_size_in_mb", "local_world_size": "_local_world_size"},
+    leave_out=("rank", "world_size"),  # the job's own: decent-dp never took them
+)
 class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
     r"""Decentralized data parallelism for an ``nn.Module``, updating bucket by bucket inside backward.
 
@@ -78,7 +71,6 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         optim_fn: builds one bucket's optimizer from its ``(name, parameter)`` pairs, e.g.
             :func:`~decent_optim_wrapper.optim_fn_adamw`.
         lr_scheduler_fn: builds one bucket's LR scheduler from its optimizer; stepped once per update.
-        topology: a registered name, a :class:`~decent_optim_wrapper.topo.Topology` subclass or instance.
         scaler: a ``torch.amp.GradScaler`` the loss is scaled with (``scaler.scale(loss).backward()``);
             this module unscales, steps and updates it.
         grad_clip_norm: clip gradients to this global norm before the update; 0 disables clipping.
@@ -87,31 +79,17 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             two extra copies of the parameters per iteration.
         sync_buffer_in_global_avg: :meth:`global_avg` also averages floating-point buffers
             (BatchNorm statistics), and :meth:`revert_global_avg` restores them.
-        bucket_size_in_mb: largest bucket in MiB.
-        _local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE``, else 1.
-        timeout, compression, gradient_tracking, sync_every, outer_optimizer, sync_delay, second_moment: the
-            engine's options, keyword-only; see :class:`~decent_optim_wrapper.engine.GossipEngine`.
-            Defaults: ten minutes, exact gossip, no tracking, per-step gossip (``sync_every > 1``
-            gives low-communication gossip: local steps, an outer optimizer, anchors gossiped).
-        pacing: ``"measured"`` or a :class:`~decent_optim_wrapper.Pacing`: each rank takes as many inner
-            steps per round as its speed allows (uneven fleets; with ``sync_every``); loops then count
-            rounds (:attr:`round_count`), as ranks stand at different steps. Default None.
-        on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises;
-            ``"continue"``: the survivors drop it and go on, meeting in ``store`` (see the engine
-            and the failures page of the docs).
-        device_mesh, process_group: gossip along one group instead of the whole job (a 1-D
-            device mesh, or a process group): e.g. pipeline stages, or several jobs in one world.
-            Sharded (DTensor) parameters are refused: FSDP2 writes their gradients after its
-            reduce-scatter, outside autograd's accumulation, so the per-bucket updates inside
-            backward would never run. Wrap the optimizer with
-            :class:`~decent_optim_wrapper.DecentOptimWrapper` instead (the big models page).
-        host_staging: how gossip of GPU buckets crosses gloo groups (default: through pinned host
-            buffers, overlapped); see :class:`~decent_optim_wrapper.engine.GossipEngine`.
-        nonfinite_guard: keep inf/NaN out of the replicas (default True): a rank whose values are not
-            finite withholds them and heals from its peers; see the bad workers page.
-        clipped_gossip: against a neighbour that sends finite but wrong values (opt-in): ``True`` or a
-            :class:`~decent_optim_wrapper.ClippedGossip`; each neighbour's difference is clipped to a
-            radius from the recent ones (the bad workers page).
+        config: the options as one :class:`~decent_optim_wrapper.GossipConfig`; the keywords below build
+            it (or change it, if they agree with it: a keyword that contradicts ``config`` is an error).
+            ``topology``, ``bucket_size_in_mb`` (``bucket_cap_mb``) and ``_local_world_size``
+            (``local_world_size``) may also be passed by position, in decent-dp's order and spelling,
+            with decent-dp's defaults (``"complete"``, 25); with ``config``, one left at its default
+            leaves the config's value.
+            Sharded (DTensor) parameters are refused here (``device_mesh`` is a group to gossip along,
+            e.g. pipeline stages): FSDP2 writes their gradients after its reduce-scatter, outside
+            autograd's accumulation, so the per-bucket updates inside backward would never run. Wrap the
+            optimizer with :class:`~decent_optim_wrapper.DecentOptimWrapper` instead (the big models page).
+        {gossip_options}
 
     Example::
 
@@ -127,7 +105,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         model: nn.Module,
         optim_fn: OPTIM_FN_TYPE,
         lr_scheduler_fn: LR_SCHEDULER_FN_TYPE | None = None,
-        topology: str | type[Topology] | Topology = "complete",
+        topology: TopologySpec = "complete",
         scaler: Scaler | None = None,
         grad_clip_norm: float = 0.0,
         param_as_bucket_view: bool = True,
@@ -135,21 +113,8 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         bucket_size_in_mb: float = 25,
         _local_world_size: int | None = None,
         *,
-        timeout: timedelta = DEFAULT_TIMEOUT,
-        compression: CompressionSpec = None,
-        gradient_tracking: bool = False,
-        sync_every: int = 1,
-        outer_optimizer: OuterFactory | None = None,
-        sync_delay: int | None = None,
-        pacing: PacingSpec = None,
-        on_peer_failure: str = "raise",
-        store: Store | None = None,
-        second_moment: str = "average",
-        device_mesh: DeviceMesh | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        host_staging: bool | None = None,
-        nonfinite_guard: bool = True,
-        clipped_gossip: ClippedGossipSpec = None,
+        config: GossipConfig | None = None,
+        **options: Unpack[KeywordOptions],
     ) -> None:
         super().__init__()
         check_arguments(model, optim_fn, lr_scheduler_fn, scaler, grad_clip_norm)
@@ -164,29 +129,21 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
         self._grad_clip_norm = float(grad_clip_norm)
         self._sync_buffers = sync_buffer_in_global_avg
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        # decent-dp's signature keeps its defaults; with a config, an argument left at its default leaves
+        # the config's value.
+        positional = given(
+            topology=None if config is not None and topology == "complete" else topology,
+            bucket_cap_mb=None if config is not None and bucket_size_in_mb == 25 else bucket_size_in_mb,
+            local_world_size=_local_world_size,
+        )
         self._engine = GossipEngine(
             trainable,
-            reverse_buckets=True,  # backward produces the last layers' gradients first
-            topology=topology,
+            config=config,
             params_as_views=param_as_bucket_view,
-            bucket_cap_mb=bucket_size_in_mb,
-            local_world_size=_local_world_size,
-            timeout=timeout,
-            compression=compression,
-            gradient_tracking=gradient_tracking,
-            sync_every=sync_every,
-            outer_optimizer=outer_optimizer,
-            sync_delay=sync_delay,
-            pacing=pacing,
-            on_peer_failure=on_peer_failure,
-            store=store,
-            second_moment=second_moment,
-            device_mesh=device_mesh,
-            process_group=process_group,
-            host_staging=host_staging,
-            nonfinite_guard=nonfinite_guard,
-            clipped_gossip=clipped_gossip,
+            reverse_buckets=True,  # backward produces the last layers' gradients first
             context="DecentralizedDataParallel",
+            **positional,
+            **options,
         )
         self._state = BucketOptimizers(self._engine, model, optim_fn, lr_scheduler_fn, scaler)
         self._optimizers, self._schedulers = self._state.optimizers, self._state.schedulers

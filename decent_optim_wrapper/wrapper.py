@@ -11,33 +11,23 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from datetime import timedelta
-from typing import Any
+from typing import Any, Unpack
 
 import torch
-import torch.distributed as dist
-from torch.distributed import Store  # type: ignore[attr-defined]
-from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.engine import (
-    DEFAULT_TIMEOUT,
-    ClippedGossipSpec,
-    CompressionSpec,
-    GossipEngine,
-    OuterFactory,
-    PacingSpec,
-    TopologySpec,
-    drop_state,
-)
+from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, GossipEngine, TopologySpec, drop_state
+from decent_optim_wrapper.engine.config import GossipConfig, KeywordOptions, given
 from decent_optim_wrapper.engine.exchange.shards import local_optimizer_state, placed_optimizer_state
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
+from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.state.resize import average_optimizer_states
 from decent_optim_wrapper.inner_step import scaled_step
 
 __all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper", "named_param_groups"]
 
 
+@document_options
 class DecentOptimWrapper(EngineFrontEnd, Optimizer):
     r"""Decentralized data parallelism for any ``torch.optim.Optimizer``.
 
@@ -68,58 +58,11 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
 
     Args:
         optimizer: the optimizer to wrap, already built on the model's parameters.
-        rank: this process's rank; defaults to ``torch.distributed.get_rank()``.
-        world_size: number of processes; defaults to ``torch.distributed.get_world_size()``.
-        local_world_size: processes per node; defaults to ``$LOCAL_WORLD_SIZE`` (torchrun), else 1.
-        topology: a registered name (``"ring"``, ``"complete"``, ...; see :class:`TopologyFactory`),
-            a :class:`Topology` subclass, or an instance.
-        bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
-        timeout: how long to wait for a peer before raising; default ten minutes. The engine's
-            option, as are the two below: :class:`~decent_optim_wrapper.engine.GossipEngine`
-            describes them.
-        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or a
-            :class:`~decent_optim_wrapper.GossipCompression` to gossip compressed; None (default)
-            gossips exactly.
-        gradient_tracking: step with a gossiped tracker of the average gradient (for data that
-            differs between workers). :meth:`step` then needs final gradients: no ``closure``, and
-            under a GradScaler ``scaler.unscale_(optimizer)`` first.
-        sync_every, outer_optimizer, sync_delay: low-communication gossip: ``sync_every`` local
-            steps per round, then an outer step (``outer_optimizer(anchors)`` builds it; None:
-            periodic gossip of the parameters) and a gossip round of the anchors that may run
-            ``sync_delay`` steps behind (default: a whole round). Defaults: per-step gossip, each
-            round mixed in one step late, behind the next forward and backward. ``sync_every=1,
-            sync_delay=0`` is per-step gossip that blocks: the next gradient is taken at the mixed
-            point, which brings Adam to DDP's loss at the cost of the overlap (the Adam page).
-            See :mod:`~decent_optim_wrapper.engine.rules.local_steps` and the low-communication page.
-        pacing: ``"measured"`` (or a :class:`~decent_optim_wrapper.Pacing`): for uneven fleets, each
-            rank takes as many inner steps per round as its measured speed allows, so nobody waits
-            for a slower neighbour; ranks then stand at different steps, so loops count rounds
-            (:attr:`round_count`). None (default): every round takes ``sync_every`` steps. See
-            :mod:`~decent_optim_wrapper.engine.rules.pacing` and the uneven fleets page.
-        on_peer_failure, store: ``"raise"`` (default): a dead or silent peer raises
-            :class:`~decent_optim_wrapper.GossipError`; ``"continue"``: the survivors drop it and go on
-            (gloo; ``world_size`` and ``rank`` then report the new group), meeting in
-            ``store`` (default: the rendezvous store at ``MASTER_ADDR:MASTER_PORT``). See the
-            failures page of the docs.
-        second_moment: ``"average"`` (default): an Adam, AdamW or AccumAdam(W) inner optimizer
-            normalises by an estimate of the second moment of the *average* gradient over the ranks, as under
-            all-reduce, from this rank's gradients alone (no bytes, one state tensor per parameter;
-            the Adam under gossip page of the docs). ``"local"``: the optimizer's own, from this
-            rank's gradients alone (the rule of decent-optim-wrapper 0.1.1 and decent-dp). Other
-            optimizers are unchanged.
-        device_mesh, process_group: gossip along one group instead of the whole job: a 1-D device
-            mesh (e.g. ``mesh["replicate"]`` when the model is sharded with FSDP2's ``fully_shard``
-            over ``mesh["shard"]``: decentralized HSDP), or the same as a process group. Buckets
-            then hold the local shards of DTensor parameters; ``rank``, ``world_size`` and the
-            topology are the group's. See the big models page of the docs.
-        host_staging: how gossip of GPU buckets crosses gloo groups (default: through pinned host
-            buffers, overlapped); see :class:`~decent_optim_wrapper.engine.GossipEngine` and the GPU
-            fleets page.
-        nonfinite_guard: keep inf/NaN out of the replicas (default True): a rank whose values are not
-            finite withholds them and heals from its peers; see the bad workers page.
-        clipped_gossip: against a neighbour that sends finite but wrong values (opt-in): ``True`` or a
-            :class:`~decent_optim_wrapper.ClippedGossip`; each neighbour's difference is clipped to a
-            radius from the recent ones (the bad workers page).
+        config: the options as one :class:`~decent_optim_wrapper.GossipConfig`; the keywords below build
+            it (or change it, if they agree with it: a keyword that contradicts ``config`` is an error).
+            ``rank``, ``world_size``, ``local_world_size``, ``topology`` and ``bucket_cap_mb`` may also be
+            passed by position, in this order (decent-optim-wrapper 0.1.1's).
+        {gossip_options}
 
     The work is done by a :class:`~decent_optim_wrapper.engine.GossipEngine` (:attr:`engine`); this
     class is its ``torch.optim.Optimizer`` face.
@@ -142,24 +85,11 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
         rank: int | None = None,
         world_size: int | None = None,
         local_world_size: int | None = None,
-        topology: TopologySpec = "ring",
-        bucket_cap_mb: float = 25,
+        topology: TopologySpec | None = None,
+        bucket_cap_mb: float | None = None,
         *,
-        timeout: timedelta = DEFAULT_TIMEOUT,
-        compression: CompressionSpec = None,
-        gradient_tracking: bool = False,
-        sync_every: int = 1,
-        outer_optimizer: OuterFactory | None = None,
-        sync_delay: int | None = None,
-        pacing: PacingSpec = None,
-        on_peer_failure: str = "raise",
-        store: Store | None = None,
-        second_moment: str = "average",
-        device_mesh: DeviceMesh | None = None,
-        process_group: dist.ProcessGroup | None = None,
-        host_staging: bool | None = None,
-        nonfinite_guard: bool = True,
-        clipped_gossip: ClippedGossipSpec = None,
+        config: GossipConfig | None = None,
+        **options: Unpack[KeywordOptions],
     ) -> None:
         if isinstance(optimizer, DecentOptimWrapper):
             raise TypeError("optimizer is already a DecentOptimWrapper; wrap the inner optimizer only once.")
@@ -170,29 +100,19 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             )
         self.optimizer = optimizer
         self._init_optimizer_hooks()
-        self._engine = GossipEngine(
-            lambda: named_param_groups(optimizer.param_groups),
-            topology=topology,
+        positional = given(
             rank=rank,
             world_size=world_size,
             local_world_size=local_world_size,
+            topology=topology,
             bucket_cap_mb=bucket_cap_mb,
-            timeout=timeout,
-            compression=compression,
-            gradient_tracking=gradient_tracking,
-            sync_every=sync_every,
-            outer_optimizer=outer_optimizer,
-            sync_delay=sync_delay,
-            pacing=pacing,
-            on_peer_failure=on_peer_failure,
-            store=store,
-            second_moment=second_moment,
-            device_mesh=device_mesh,
-            process_group=process_group,
-            host_staging=host_staging,
-            nonfinite_guard=nonfinite_guard,
-            clipped_gossip=clipped_gossip,
+        )
+        self._engine = GossipEngine(
+            lambda: named_param_groups(optimizer.param_groups),
+            config=config,
             context="DecentOptimWrapper",
+            **positional,
+            **options,
         )
         # A bucket healed from its peers drops the inner state that stepped it (it was not finite).
         self._engine.on_bucket_healed(lambda params: drop_state(optimizer, params))

@@ -239,21 +239,11 @@ def run_ranks(
 def build_parts_on_rank_0(named_params, ranks: int, **options):
     """What the engine builds on rank 0 of ``ranks`` from ``options`` (the rest at their defaults), before
     any collective: :func:`~decent_optim_wrapper.engine.layout.build_parts` without a process group."""
+    from decent_optim_wrapper import GossipConfig
     from decent_optim_wrapper.engine.fleet.world import GossipWorld
     from decent_optim_wrapper.engine.layout import build_parts
 
     subgroup = options.pop("subgroup", False)
-    defaults = dict(
-        topology="ring",
-        bucket_cap_bytes=2**20,
-        params_as_views=False,
-        compression=None,
-        gradient_tracking=False,
-        sync_every=1,
-        sync_delay=None,
-        outer_optimizer=None,
-        on_peer_failure="raise",
-        second_moment="average",
-    )
     world = GossipWorld(tuple(range(ranks)), 0, 1, subgroup=subgroup)
-    return build_parts(list(named_params), world, **{**defaults, **options})
+    config = GossipConfig.from_options(**{"bucket_cap_mb": 1, **options})
+    return build_parts(list(named_params), world, config, params_as_views=False)

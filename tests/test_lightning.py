@@ -406,3 +406,79 @@ def test_mixed_precision_clipping_and_tracking_train(pool: Any, precision: str, 
     assert torch.isfinite(ranks[0]["end"]).all() and not torch.equal(ranks[0]["end"], ranks[1]["end"])
     average = (ranks[0]["end"] + ranks[1]["end"]) / 2
     assert torch.equal(ranks[0]["settled"], average) and torch.equal(ranks[1]["settled"], average)
+
+
+# -- every option reaches the engine through the strategy -------------------------------------------------
+def _nesterov(anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(anchors, lr=0.7, momentum=0.9, nesterov=True)
+
+
+#: Options a Lightning user could not pass before the config: low-communication gossip, compression, clipping.
+FEATURES = {
+    "low-communication": {"sync_every": 2, "sync_delay": 1, "outer_optimizer": _nesterov},
+    "compression": {"compression": "int8"},
+    "clipped": {"clipped_gossip": True},
+}
+
+
+def fit_and_replay(name: str) -> dict[str, Any]:
+    """Fit with the feature's options, then train a plain DecentOptimWrapper with the same options on the
+    batches Lightning fed this rank: both must end at the same replica, bit for bit."""
+    from decent_optim_wrapper import DecentOptimWrapper, GossipConfig
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    gossip = FEATURES[name]
+    with launched_by_torchrun():
+        model = Net("plain-sgd", scheduler="none")
+        replica = Replica()
+        strategy = DecentralizedStrategy(**gossip)
+        trainer(strategy, max_steps=4, callbacks=[replica], limit_val_batches=0).fit(model, loaders()[0])
+        plain = Net("plain-sgd", scheduler="none")
+        config = GossipConfig.from_options(local_world_size=dist.get_world_size(), **gossip)
+        optimizer = DecentOptimWrapper(torch.optim.SGD(plain.parameters(), lr=0.5), config=config)
+        for batch in model.batches:
+            optimizer.zero_grad()
+            plain.loss(batch).backward()
+            optimizer.step()
+        own = flat(plain)  # this rank's replica, before fit's end settles every rank on the average
+        optimizer.global_avg(may_revert=False)
+        assert replica.at_end is not None
+        return {
+            "carried": strategy.config == config.with_options(local_world_size=None),
+            "end": torch.equal(replica.at_end, own),
+            "settled": torch.equal(flat(model), flat(plain)),
+        }
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_each_option_runs_inside_lightning_as_in_a_plain_loop(pool: Any, name: str) -> None:
+    for rank, result in enumerate(pool(2).run(fit_and_replay, name, timeout=120)):
+        assert result["carried"], f"rank {rank}: the strategy did not carry every option"
+        assert result["end"], f"rank {rank}: the replica differs from the plain loop's"
+        assert result["settled"], f"rank {rank}: the settled average differs from the plain loop's"
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        ({"pacing": "measured"}, ["pacing='measured'", "Pass pacing=None", "round_count"]),
+        (
+            {"on_peer_failure": "continue"},
+            ['on_peer_failure="continue"', "node_launcher", 'on_peer_failure="raise"'],
+        ),
+        ({"sync_evry": 2}, ["sync_evry", "did you mean 'sync_every'"]),
+    ],
+)
+def test_what_lightning_cannot_follow_is_refused_at_construction(
+    options: dict[str, Any], fragments: list[str]
+) -> None:
+    from decent_optim_wrapper import GossipConfig
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    with pytest.raises((TypeError, ValueError)) as error:
+        DecentralizedStrategy(**options)
+    for fragment in fragments:
+        assert fragment in str(error.value), (fragment, str(error.value))
+    with pytest.raises(ValueError, match="contradicts config="):
+        DecentralizedStrategy("complete", config=GossipConfig(topology="ring"))

@@ -99,6 +99,7 @@ def fit(
     trainer_class: str = "decentralized",
     sgd: bool = False,
     resume: str | None = None,
+    gossip: dict[str, Any] | None = None,
     **arguments: Any,
 ) -> dict[str, Any]:
     """Train the tiny GPT-2 in this pool rank; what the recorder saw and the trainer's final model."""
@@ -133,7 +134,13 @@ def fit(
         }[trainer_class]
         data = sequences()
         trainer = cls(
-            model=model, args=args, train_dataset=data, eval_dataset=data[:16], callbacks=[recorder], **kwargs
+            model=model,
+            args=args,
+            train_dataset=data,
+            eval_dataset=data[:16],
+            callbacks=[recorder],
+            **kwargs,
+            **(gossip or {}),
         )
         trainer.train(resume_from_checkpoint=resume)
         return {
@@ -145,7 +152,16 @@ def fit(
             "final": params(trainer.model),
             "wrapped": type(trainer.model_wrapped).__name__,
             "losses_computed": getattr(trainer, "losses_computed", None),
+            "config": _wrapped_config(trainer.optimizer),
         }
+
+
+def _wrapped_config(optimizer: Any) -> Any:
+    """The config of the DecentOptimWrapper the Trainer stepped (inside Accelerate's optimizer), if any."""
+    from decent_optim_wrapper import DecentOptimWrapper
+
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner.engine.config if isinstance(inner, DecentOptimWrapper) else None
 
 
 def sgd_update(start: list[torch.Tensor], grads: list[torch.Tensor], lr: float = 0.5) -> list[torch.Tensor]:
@@ -250,3 +266,75 @@ def test_sharding_and_deepspeed_are_refused_by_name() -> None:
     stub.accelerator.distributed_type = DistributedType.FSDP
     with pytest.raises(ValueError, match=r"FSDP \(args.fsdp\)"):
         DecentralizedTrainerMixin._check_supported(stub)
+
+
+# -- every option reaches the engine through the Trainer --------------------------------------------------
+def _nesterov(anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(anchors, lr=0.7, momentum=0.9, nesterov=True)
+
+
+#: Options a Trainer user could not pass before the config: low-communication gossip, compression, clipping.
+FEATURES = {
+    "low-communication": {"sync_every": 2, "sync_delay": 1, "outer_optimizer": _nesterov},
+    "compression": {"compression": "int8"},
+    "clipped": {"clipped_gossip": True},
+}
+
+
+def fit_and_replay(directory: str, name: str) -> dict[str, Any]:
+    """Train with the feature's options, then replay the Trainer's own gradients through a plain
+    DecentOptimWrapper built with the same options: both must step the replica identically."""
+    from decent_optim_wrapper import DecentOptimWrapper, GossipConfig
+
+    gossip = FEATURES[name]
+    seen = fit(
+        directory, sgd=True, max_steps=4, max_grad_norm=0.0, lr_scheduler_type="constant", gossip=gossip
+    )
+    with launched_by_torchrun():
+        model = tiny_gpt2()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        expected = GossipConfig.from_options(local_world_size=local, **gossip)
+        wrapper = DecentOptimWrapper(torch.optim.SGD(model.parameters(), lr=0.5), config=expected)
+        steps = []
+        for grads, after in zip(seen["grads"], seen["after"], strict=True):
+            for param, grad in zip(model.parameters(), grads, strict=True):
+                param.grad = grad.clone()
+            wrapper.step()
+            steps.append(equal(params(model), after))
+        wrapper.global_avg(may_revert=False)
+        return {
+            "carried": seen["config"] == expected,
+            "steps": steps,
+            "final": equal(params(model), seen["final"]),
+        }
+
+
+@pytest.mark.parametrize("name", list(FEATURES))
+def test_each_option_runs_inside_the_trainer_as_in_a_plain_loop(pool: Any, tmp_path: Path, name: str) -> None:
+    for rank, result in enumerate(pool(2).run(fit_and_replay, str(tmp_path), name, timeout=120)):
+        assert result["carried"], f"rank {rank}: the Trainer did not carry every option"
+        assert result["steps"] == [True] * 4, f"rank {rank}: steps differ from the plain loop's"
+        assert result["final"], f"rank {rank}: the settled average differs"
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("options", "fragments"),
+    [
+        ({"pacing": "measured"}, ["pacing='measured'", "Pass pacing=None", "round_count"]),
+        (
+            {"on_peer_failure": "continue"},
+            ['on_peer_failure="continue"', "node_launcher", 'on_peer_failure="raise"'],
+        ),
+    ],
+)
+def test_what_the_trainer_cannot_follow_is_refused_at_construction(
+    tmp_path: Path, options, fragments
+) -> None:
+    from decent_optim_wrapper.integrations.transformers import DecentralizedTrainer
+
+    args = transformers.TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    with pytest.raises((TypeError, ValueError)) as error:
+        DecentralizedTrainer(model=tiny_gpt2(), args=args, **options)
+    for fragment in fragments:
+        assert fragment in str(error.value), (fragment, str(error.value))

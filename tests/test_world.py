@@ -35,7 +35,7 @@ def test_gossip_world_translates_its_ranks_to_the_jobs():
 
 
 def _layout(world: tuple[int, ...], buckets: tuple[object, ...] = ("b",)) -> LocalLayout:
-    return LocalLayout(1, ("ring", ()), buckets, None, False, None, groups=(world, ()))
+    return LocalLayout(local_world_size=1, topology=("ring", ()), buckets=buckets, groups=(world, ()))
 
 
 def test_layouts_are_compared_within_each_gossip_world_only():

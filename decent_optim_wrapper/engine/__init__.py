@@ -15,7 +15,9 @@ Its rooms, each a sub-package whose docstring says its job and what it may impor
 
 Coordination, at this level:
 
-* :mod:`~decent_optim_wrapper.engine.options` -- the engine's options and what every rank must agree on.
+* :mod:`~decent_optim_wrapper.engine.config` -- the options as one value, :class:`GossipConfig`, of
+  self-checking parts; :mod:`~decent_optim_wrapper.engine.option_docs` describes each option once.
+* :mod:`~decent_optim_wrapper.engine.options` -- the options' checks and what every rank must agree on.
 * :mod:`~decent_optim_wrapper.engine.layout` -- what one rank builds from the options before its first
   collective.
 * :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop.
@@ -27,6 +29,16 @@ Coordination, at this level:
 * :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.
 """
 
+from decent_optim_wrapper.engine.config import (
+    Elasticity,
+    GossipConfig,
+    GossipOptions,
+    KeywordOptions,
+    Placement,
+    Robustness,
+    Rounds,
+    Transport,
+)
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
@@ -42,6 +54,14 @@ from decent_optim_wrapper.engine.rules.pacing import PaceReport, Pacing, PacingS
 from decent_optim_wrapper.engine.wire.compression import CompressionSpec, GossipCompression
 
 __all__ = [
+    "Transport",
+    "Rounds",
+    "Robustness",
+    "Placement",
+    "KeywordOptions",
+    "GossipOptions",
+    "GossipConfig",
+    "Elasticity",
     "DEFAULT_TIMEOUT",
     "STATE_VERSION",
     "Bucket",

@@ -11,19 +11,17 @@ data flow.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from datetime import timedelta
-from typing import TypeVar
+from dataclasses import fields
+from typing import TypeVar, Unpack
 
 import torch
 import torch.distributed as dist
 from loguru import logger
-from torch.distributed import Store  # type: ignore[attr-defined]
-from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.checkpointing import EngineCheckpoint
+from decent_optim_wrapper.engine.config import GossipConfig, GossipOptions, Placement
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
-from decent_optim_wrapper.engine.exchange.clipping import ClippedGossipSpec
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.admission import current_job
@@ -39,23 +37,21 @@ from decent_optim_wrapper.engine.layout import (
     join_signature,
     signatures,
 )
+from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
     LocalLayout,
     TopologySpec,
-    check_bucket_cap,
     check_buckets_agree,
     check_layouts_agree,
     check_mixing_factor,
-    check_timeout,
 )
 from decent_optim_wrapper.engine.recovery import MemberChanges
-from decent_optim_wrapper.engine.rules.local_steps import LowCommunicationFacts, OuterFactory
-from decent_optim_wrapper.engine.rules.pacing import PacingSpec
+from decent_optim_wrapper.engine.rules.local_steps import LowCommunicationFacts
 from decent_optim_wrapper.engine.state.averaging import GlobalAverage, floating_buffers
 from decent_optim_wrapper.engine.state.checkpoint import STATE_VERSION
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival
-from decent_optim_wrapper.engine.wire.compression import CompressionSpec, GossipCompression
+from decent_optim_wrapper.engine.wire.compression import GossipCompression
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook", "TopologySpec"]
@@ -63,6 +59,7 @@ __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook"
 _T = TypeVar("_T")
 
 
+@document_options
 class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
     r"""Buckets, topology schedule, process groups and gossip of one rank.
 
@@ -90,123 +87,57 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
 
     Args:
         named_params: ``(name, parameter)`` pairs; names appear in error messages.
-        topology: a registered name (see :class:`~decent_optim_wrapper.topo.TopologyFactory`), a
-            :class:`~decent_optim_wrapper.topo.Topology` subclass, or an instance.
-        rank: this process's rank in the gossip world; defaults to the group's.
-        world_size: number of processes in the gossip world; defaults to the group's size.
-        local_world_size: processes per node along the gossip world; default ``$LOCAL_WORLD_SIZE``, else 1.
-        device_mesh, process_group: a 1-D device mesh (e.g. ``mesh["replicate"]``) or a process group to
-            gossip within (the ranks holding the same shard of other replicas); default: the whole job.
-        bucket_cap_mb: largest bucket in MiB; larger buckets mean fewer, bigger messages.
-        timeout: how long gossip and global averaging wait for a peer (dead or hung) before raising
-            :class:`~decent_optim_wrapper.GossipError` or ``GlobalAverageError``; default ten minutes.
+        config: the options as one :class:`~decent_optim_wrapper.GossipConfig`; the keywords below build
+            it (or change it, if they agree with it: a keyword that contradicts ``config`` is an error).
         params_as_views: make ``param.data`` a view into its bucket. With False the parameters keep
             their own storage and are copied in before a bucket is read and back after it is written.
-        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or a :class:`~.compression.GossipCompression`:
-            each round sends the compressed difference to a reference the group shares (global
-            averaging stays exact). None (default) gossips exactly.
-        gradient_tracking: for data that differs between workers: gossip a tracker of the average
-            gradient beside the parameters and step with it instead of the local gradient (DSGT);
-            twice the bytes and three more parameter copies. Off at world size 1.
-        sync_every: inner steps per round of low-communication gossip (``H``, :mod:`~.local_steps`):
-            every ``H`` steps each rank takes an outer step on its anchor and gossips the anchors.
-        outer_optimizer: a function from the anchors (one tensor per parameter) to the outer
-            ``torch.optim.Optimizer`` over them, e.g. ``lambda p: torch.optim.SGD(p, lr=0.7,
-            momentum=0.9, nesterov=True)`` (DiLoCo's); None: periodic gossip of the parameters.
-        sync_delay: inner steps a round's exchange may run behind (``D``, ``0 <= D <= H``): 0 blocks
-            at the end of the round; None (default) gives it a whole round (``D = H``).
-        pacing: ``"measured"`` or a :class:`~.pacing.Pacing`: each rank takes as many inner steps per
-            round as its speed allows (uneven fleets, :mod:`~.pacing`); None (default): ``H`` each.
-        on_peer_failure: ``"raise"`` (default): a dead or silent peer raises ``GossipError`` on the others.
-            ``"continue"`` (gloo): the survivors agree on who is gone and go on (:mod:`~.membership`);
-            in a job started with :func:`~decent_optim_wrapper.init_elastic`, workers may also join.
-        store: with ``"continue"``, the store the survivors meet in; default: the elastic job's, else a
-            client of ``MASTER_ADDR:MASTER_PORT``.
-        second_moment: ``"average"`` (default): Adam's second moment estimates the average gradient's,
-            as under all-reduce (:mod:`~.second_moment`). ``"local"``: the optimizer's own (decent-dp's).
         context: what the user is building, for error messages (e.g. ``"DecentOptimWrapper"``).
-        host_staging: ``None`` (default): gossip rounds of buckets on a GPU travel through pinned host
-            buffers when the gossip groups are gloo's (:mod:`~.exchange.staging`); ``True`` also for
-            CPU buckets (the same path, for comparison); ``False``: device tensors go to the backend.
-        nonfinite_guard: guarded mixing (:mod:`~.exchange.guard`, default True): values that are not
-            finite never enter a replica through gossip; a rank whose own are withholds them and
-            heals from its peers. False skips this rank's checks of what it sends and of the sums it
-            receives (two reads of every bucket per round; compressed payloads are checked
-            always, so that every member reads them alike); the flags still travel, so ranks may
-            differ in it.
-        clipped_gossip: against a neighbour that sends finite but wrong values (opt-in,
-            :mod:`~.exchange.clipping`): ``True`` or a :class:`~.exchange.clipping.ClippedGossip`; each
-            neighbour's difference is clipped to a radius from the recent ones. Every round then gathers
-            the members' values (compressed, their differences). None (default): plain mixing.
         reverse_buckets: list the buckets last first (a module front-end steps them as backward
             produces gradients); each is laid out, and compressed, as it is without.
+        {gossip_options}
     """
 
     def __init__(
         self,
         named_params: NamedParams,
         *,
-        topology: TopologySpec = "ring",
-        rank: int | None = None,
-        world_size: int | None = None,
-        local_world_size: int | None = None,
-        bucket_cap_mb: float = 25,
-        timeout: timedelta = DEFAULT_TIMEOUT,
+        config: GossipConfig | None = None,
         params_as_views: bool = True,
-        compression: CompressionSpec = None,
-        gradient_tracking: bool = False,
-        sync_every: int = 1,
-        outer_optimizer: OuterFactory | None = None,
-        sync_delay: int | None = None,
-        pacing: PacingSpec = None,
-        on_peer_failure: str = "raise",
-        store: Store | None = None,
-        second_moment: str = "average",
-        device_mesh: DeviceMesh | None = None,
-        process_group: dist.ProcessGroup | None = None,
         context: str = "GossipEngine",
         reverse_buckets: bool = False,
-        host_staging: bool | None = None,
-        nonfinite_guard: bool = True,
-        clipped_gossip: ClippedGossipSpec = None,
+        **options: Unpack[GossipOptions],
     ) -> None:
-        if not isinstance(gradient_tracking, bool):
-            raise TypeError(f"gradient_tracking must be True or False, got {gradient_tracking!r}.")
-        if not isinstance(nonfinite_guard, bool):
-            raise TypeError(
-                f"nonfinite_guard must be True or False, got {nonfinite_guard!r}; True (the default) keeps "
-                "inf/NaN out of the replicas."
-            )
-        check_bucket_cap(bucket_cap_mb)
-        check_timeout(timeout)
-        self._topology_spec = topology
-        self._as_views = params_as_views
-        self._mixing_factor = 1.0
-        world = resolve_gossip_world(rank, world_size, local_world_size, device_mesh, process_group)
-        self._world = world
-        self._bucket_cap_bytes = int(bucket_cap_mb * 2**20)
-        self._timeout = timeout
+        given = config
+        try:
+            config = GossipConfig.merge(given, options)
+            refused: BaseException | None = None
+        except (TypeError, ValueError) as error:
+            if not dist.is_initialized():
+                raise
+            # Refused on this rank only, perhaps: the agreement below raises it here and names it on the
+            # others, rather than leaving them waiting. The world is the one the options name, if any.
+            config, refused = None, error
+        placement = _placement(config if config is not None else given, options)
+        world = resolve_gossip_world(
+            placement.rank,
+            placement.world_size,
+            placement.local_world_size,
+            placement.device_mesh,
+            placement.process_group,
+        )
         parts: list[EngineParts] = []
 
         def local_layout() -> LocalLayout:
+            if refused is not None:
+                raise refused
+            assert config is not None
             parts.append(
                 build_parts(
                     named_params,
                     world,
-                    topology=topology,
-                    bucket_cap_bytes=self._bucket_cap_bytes,
+                    config,
                     params_as_views=params_as_views,
-                    compression=compression,
-                    gradient_tracking=gradient_tracking,
-                    sync_every=sync_every,
-                    sync_delay=sync_delay,
-                    outer_optimizer=outer_optimizer,
-                    pacing=pacing,
-                    on_peer_failure=on_peer_failure,
-                    second_moment=second_moment,
                     reverse_buckets=reverse_buckets,
-                    host_staging=host_staging,
-                    clipped_gossip=clipped_gossip,
                 )
             )
             return parts[0].layout
@@ -215,6 +146,16 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         # rather than a hang); layouts are compared, per gossip world, before anything is broadcast.
         reports = agree(f"Building {context}", local_layout)
         check_layouts_agree(reports, world.ranks)
+        assert config is not None
+        self._config = config
+        transport, elasticity = config.transport, config.elasticity
+        timeout = transport.timeout
+        self._topology_spec = config.topology
+        self._as_views = params_as_views
+        self._mixing_factor = 1.0
+        self._world = world
+        self._bucket_cap_bytes = transport.bucket_cap_bytes
+        self._timeout = timeout
         built = parts[0]
         self._topology, self._buckets, self._shards = built.topology, built.buckets, built.shards
         self._local, self._compression, self._second_moment = (
@@ -229,25 +170,30 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         self._averaging = GlobalAverage(self._buckets, self._shards)
 
         self._survival: Survival | None = None
-        self._growth = Growth(enabled=on_peer_failure == "continue")
-        if on_peer_failure == "continue":
+        self._growth = Growth(enabled=elasticity.survives)
+        if elasticity.survives:
             # A token every rank shares names this run's keys in the store (reruns never collide).
             run = run_token()
             job = current_job()
-            store = store if store is not None or job is None else job.store
+            store = elasticity.store if elasticity.store is not None or job is None else job.store
             membership = Membership.of_world(connect_store(store, timeout), run, world, timeout)
             self._survival = Survival(membership, timeout)
         self._updated = False  # whether the current step has run a local update (it cannot donate then)
-        self._tracking_requested = gradient_tracking
+        self._tracking_requested = config.rounds.gradient_tracking
         self._step, self._in_step = 0, False
         self._launch_from = 0  # after a change of the world: the step whose rounds all launch first
         # guarded mixing's switch and events, kept across changes of the world
-        self._guard = GuardLog(world.rank, enabled=nonfinite_guard)
+        self._guard = GuardLog(world.rank, enabled=config.robustness.nonfinite_guard)
         self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
         self._wire(broadcast=True)
         logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._topology)
 
     # -- facts -----------------------------------------------------------------------------------
+    @property
+    def config(self) -> GossipConfig:
+        """The options this engine was built with (frozen)."""
+        return self._config
+
     @property
     def gossip_ranks(self) -> tuple[int, ...]:
         """The global ranks of the gossip world, in its rank order."""
@@ -562,3 +508,11 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
             f"GossipEngine(topology={self._topology.name!r}, rank={self.rank}, "
             f"world_size={self.world_size}, buckets={len(self._buckets)}, step={self._step})"
         )
+
+
+def _placement(config: GossipConfig | None, options: GossipOptions) -> Placement:
+    """Where this rank gossips: the config's, or (when the options were refused) what they name of it."""
+    if config is not None:
+        return config.placement
+    names = {f.name for f in fields(Placement)}
+    return Placement(**{name: value for name, value in options.items() if name in names})  # type: ignore[arg-type]

@@ -7,8 +7,9 @@ through :func:`~.comm.agree`) instead of a hang.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,12 +24,16 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "LocalLayout",
     "TopologySpec",
+    "PEER_FAILURE_MODES",
     "check_bucket_cap",
     "check_buckets_agree",
     "check_layouts_agree",
     "check_mixing_factor",
+    "check_host_staging",
     "check_on_peer_failure",
+    "check_peer_failure_mode",
     "check_timeout",
+    "join_signature",
     "resolve_host_staging",
     "resolve_topology",
 ]
@@ -41,53 +46,110 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 TopologySpec = str | type[Topology] | Topology
 
 
-@dataclass(frozen=True)
-class LocalLayout:
-    """What every rank must agree on before the first collective, compared field by field."""
+def _agreed(what: str, fix: str, *, join: str | None = None) -> dict[str, Any]:
+    """The metadata of a field of :class:`LocalLayout` the ranks compare: ``what`` differs, and the fix;
+    ``join``: the name a joiner's signature gives it (None: a joiner need not share it)."""
+    return {"agree": (what, fix), "join": join}
 
-    local_world_size: int
-    topology: tuple[str, object]  # name and schedule fingerprint
-    buckets: tuple[object, ...]  # each bucket's signature
-    compression: GossipCompression | None
-    gradient_tracking: bool
-    local_steps: tuple[object, ...] | None  # sync_every, sync_delay, the outer optimizer's class, ...
-    on_peer_failure: str = "raise"
-    second_moment: str = "average"
+
+@dataclass(frozen=True, kw_only=True)
+class LocalLayout:
+    """What every rank must agree on before the first collective, compared field by field.
+
+    Each field says whether the ranks compare it (with the message naming what differs and the fix) and
+    under which name a joiner must share it: :data:`AGREEMENT` and :func:`join_signature` are read from
+    these fields, so a new option that ranks must agree on is one field here.
+    """
+
+    local_world_size: int = field(
+        metadata=_agreed("local_world_size", "Pass the same local_world_size on every rank.")
+    )
+    # The topology's name and schedule fingerprint; a joiner shares the name (the schedule follows the size).
+    topology: tuple[str, object] = field(
+        metadata=_agreed("The topology", "Pass the same topology on every rank.", join="topology")
+    )
+    # Each parameter's name, shape and dtype, in the given order: named in a joiner's rejection, before the
+    # buckets, so that a model that differs is named by its first parameter. Not compared across ranks (the
+    # buckets are), so that names alone never make ranks disagree.
+    parameters: tuple[SignatureEntry, ...] = field(default=(), metadata={"join": "parameters"})
+    buckets: tuple[object, ...] = field(  # each bucket's signature
+        metadata=_agreed(
+            "The bucket layout (parameter shapes, dtypes, devices or bucket_cap_mb)",
+            "Build the same model and optimizer (same param_groups order) with the same bucket_cap_mb on "
+            "every rank.",
+            join="buckets",
+        )
+    )
+    compression: GossipCompression | None = field(
+        default=None,
+        metadata=_agreed(
+            "compression", "Pass the same compression argument on every rank.", join="compression"
+        ),
+    )
+    gradient_tracking: bool = field(
+        default=False,
+        metadata=_agreed(
+            "gradient_tracking", "Pass the same gradient_tracking on every rank.", join="gradient_tracking"
+        ),
+    )
+    # sync_every, sync_delay, the outer optimizer's class, ...
+    local_steps: tuple[object, ...] | None = field(
+        default=None,
+        metadata=_agreed(
+            "Low-communication gossip (sync_every, sync_delay, the outer optimizer's class, groups, "
+            "defaults)",
+            "Pass the same sync_every, sync_delay and outer_optimizer on every rank.",
+            join="low_communication",
+        ),
+    )
+    on_peer_failure: str = field(
+        default="raise", metadata=_agreed("on_peer_failure", "Pass the same on_peer_failure on every rank.")
+    )
+    second_moment: str = field(
+        default="average",
+        metadata=_agreed("second_moment", "Pass the same second_moment on every rank.", join="second_moment"),
+    )
     # The gossip world's members and its topology's groups, in global ranks (compared by membership).
     groups: GroupLayout = ((), ())
-    # Each parameter's name, shape and dtype, in the given order: named in a joiner's rejection. Not compared
-    # across ranks (the buckets are), so that names alone never make ranks disagree.
-    parameters: tuple[SignatureEntry, ...] = ()
-    host_staging: bool = False  # whether gossip goes through host buffers (its groups are formed apart)
-    clipped_gossip: ClippedGossip | None = None  # clipped mixing's options (what travels differs)
+    # Whether gossip goes through host buffers (its groups are formed apart): the whole job agrees on it.
+    host_staging: bool = field(
+        default=False,
+        metadata=_agreed(
+            "Host staging (host_staging, the buckets' devices and the backend)",
+            "Pass the same host_staging, and put the model on the same kind of device, on every rank.",
+            join="host_staging",
+        ),
+    )
+    clipped_gossip: ClippedGossip | None = field(  # clipped mixing's options (what travels differs)
+        default=None,
+        metadata=_agreed(
+            "clipped_gossip", "Pass the same clipped_gossip on every rank.", join="clipped_gossip"
+        ),
+    )
 
 
-#: (field, what differs, the fix) for each field of LocalLayout, in the order they are checked.
-AGREEMENT = (
-    ("local_world_size", "local_world_size", "Pass the same local_world_size on every rank."),
-    ("topology", "The topology", "Pass the same topology on every rank."),
-    (
-        "buckets",
-        "The bucket layout (parameter shapes, dtypes, devices or bucket_cap_mb)",
-        "Build the same model and optimizer (same param_groups order) with the same bucket_cap_mb on "
-        "every rank.",
-    ),
-    ("compression", "compression", "Pass the same compression argument on every rank."),
-    ("gradient_tracking", "gradient_tracking", "Pass the same gradient_tracking on every rank."),
-    (
-        "local_steps",
-        "Low-communication gossip (sync_every, sync_delay, the outer optimizer's class, groups, defaults)",
-        "Pass the same sync_every, sync_delay and outer_optimizer on every rank.",
-    ),
-    ("on_peer_failure", "on_peer_failure", "Pass the same on_peer_failure on every rank."),
-    ("second_moment", "second_moment", "Pass the same second_moment on every rank."),
-    (
-        "host_staging",
-        "Host staging (host_staging, the buckets' devices and the backend)",
-        "Pass the same host_staging, and put the model on the same kind of device, on every rank.",
-    ),
-    ("clipped_gossip", "clipped_gossip", "Pass the same clipped_gossip on every rank."),
-)
+#: (field, what differs, the fix) for each field of LocalLayout the ranks compare, in the order they are
+#: checked (the fields' order).
+AGREEMENT = tuple((f.name, *f.metadata["agree"]) for f in fields(LocalLayout) if "agree" in f.metadata)
+
+
+def join_signature(layout: LocalLayout) -> tuple[tuple[str, object], ...]:
+    """What a worker joining a running job must share with its members, field by field (not the
+    topology's schedule or groups: those follow the world size)."""
+    return tuple(
+        (f.metadata["join"], _joined_value(f.name, getattr(layout, f.name)))
+        for f in fields(LocalLayout)
+        if f.metadata.get("join") is not None
+    )
+
+
+def _joined_value(name: str, value: object) -> object:
+    # The topology's name only: its schedule and fingerprint follow the world size, which a join changes.
+    return value[0] if name == "topology" else value  # type: ignore[index]
+
+
+def _agreement(name: str) -> tuple[str, str, str]:
+    return next(entry for entry in AGREEMENT if entry[0] == name)
 
 
 def check_layouts_agree(reports: list[LocalLayout], members: tuple[int, ...]) -> None:
@@ -113,13 +175,13 @@ def check_layouts_agree(reports: list[LocalLayout], members: tuple[int, ...]) ->
     for name, what, fix in AGREEMENT:
         check_identical(what, [getattr(reports[r], name) for r in members], fix)
     # Every gossip world's groups are created by the whole job, more of them when staging: the job agrees.
-    _, what, fix = next(entry for entry in AGREEMENT if entry[0] == "host_staging")
+    _, what, fix = _agreement("host_staging")
     check_identical(what, [report.host_staging for report in reports], fix)
 
 
 def check_buckets_agree(signatures: list[tuple[object, ...]]) -> None:
     """Raise the same ``ValueError`` on every rank if the ranks' new buckets differ."""
-    _, what, fix = AGREEMENT[2]
+    _, what, fix = _agreement("buckets")
     check_identical(what, signatures, fix)
 
 
@@ -165,10 +227,7 @@ def resolve_host_staging(requested: object, devices: Iterable[torch.device], bac
     moves host memory; ``True`` forces it (also for CPU buckets: the same path, for comparison);
     ``False`` leaves device tensors to the backend.
     """
-    if requested is not None and not isinstance(requested, bool):
-        raise TypeError(
-            f"host_staging must be None (stage device buckets over gloo), True or False, got {requested!r}."
-        )
+    check_host_staging(requested)
     if requested is None:
         return backend == "gloo" and any(device.type != "cpu" for device in devices)
     if requested and backend != "gloo":
@@ -176,7 +235,14 @@ def resolve_host_staging(requested: object, devices: Iterable[torch.device], bac
             f"host_staging=True stages gossip through host memory for gloo, but the gossip groups use "
             f"{backend!r}, which sends device memory itself; pass host_staging=None (the default)."
         )
-    return requested
+    return bool(requested)
+
+
+def check_host_staging(requested: object) -> None:
+    if requested is not None and not isinstance(requested, bool):
+        raise TypeError(
+            f"host_staging must be None (stage device buckets over gloo), True or False, got {requested!r}."
+        )
 
 
 def check_bucket_cap(bucket_cap_mb: object) -> None:
@@ -200,6 +266,14 @@ def check_timeout(timeout: object) -> None:
 PEER_FAILURE_MODES = ("raise", "continue")
 
 
+def check_peer_failure_mode(mode: object) -> None:
+    if mode not in PEER_FAILURE_MODES:
+        raise ValueError(
+            f'on_peer_failure must be "raise" (stop with an error, the default) or "continue" (go on with '
+            f"the survivors), got {mode!r}."
+        )
+
+
 def check_on_peer_failure(
     mode: object,
     topology: object,
@@ -211,11 +285,7 @@ def check_on_peer_failure(
     re-form the default group) or a job of nodes (``replicas``: they re-form their shard worlds), a
     topology that can be rebuilt at any size, and gloo (``backend``: the default process group's if
     None)."""
-    if mode not in PEER_FAILURE_MODES:
-        raise ValueError(
-            f'on_peer_failure must be "raise" (stop with an error, the default) or "continue" (go on with '
-            f"the survivors), got {mode!r}."
-        )
+    check_peer_failure_mode(mode)
     if mode == "raise":
         return
     if subgroup and not replicas:  # a job of nodes re-forms its shard worlds, never the default group

@@ -1,24 +1,24 @@
-"""What both framework integrations share: the gossip options, the version check, global averaging.
+"""What both framework integrations share: the gossip config, the version check, global averaging.
 
 A framework integration wraps each optimizer the framework builds in a
-:class:`~decent_optim_wrapper.DecentOptimWrapper` (``GossipOptions``), evaluates and exports the
+:class:`~decent_optim_wrapper.DecentOptimWrapper` with one :class:`~decent_optim_wrapper.GossipConfig`
+(``framework_config``, ``wrap_optimizer``), evaluates and exports the
 exact global average of the replicas and then restores each rank's own replica bit for bit
 (:class:`Replicas`), and refuses a framework version it was not tested with (``require_version``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, TopologySpec
+from decent_optim_wrapper.engine import GossipConfig
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
-__all__ = ["GossipOptions", "Replicas", "require_version"]
+__all__ = ["Replicas", "framework_config", "require_version", "wrap_optimizer"]
 
 
 def require_version(package: str, version: str, minimum: tuple[int, int], below: tuple[int, int]) -> None:
@@ -35,35 +35,47 @@ def require_version(package: str, version: str, minimum: tuple[int, int], below:
         )
 
 
-@dataclass(frozen=True)
-class GossipOptions:
-    """The engine's options an integration passes on to every optimizer it wraps.
+def framework_config(
+    framework: str,
+    config: GossipConfig | None,
+    options: Mapping[str, Any],
+    local_world_size: int | None = None,
+) -> GossipConfig:
+    """The config an integration wraps every optimizer with: ``config`` and the keywords ``options``
+    (:meth:`~decent_optim_wrapper.GossipConfig.merge`), the processes per node the framework knows unless
+    the user set them, and refused up front where the framework's loop cannot follow gossip.
 
-    Each is described once, on :class:`~decent_optim_wrapper.engine.GossipEngine`.
+    Refused: paced rounds, whose ranks take different numbers of steps per round while the framework
+    counts the same steps on every rank (the last rounds would wait for steps never taken); and
+    survival and joins, which need a launcher that restarts one process and keeps the others, where the
+    frameworks' launchers stop the whole job when a process dies.
     """
-
-    topology: TopologySpec = "ring"
-    bucket_cap_mb: float = 25
-    timeout: timedelta = DEFAULT_TIMEOUT
-    compression: CompressionSpec = None
-    gradient_tracking: bool = False
-    second_moment: str = "average"
-    local_world_size: int | None = field(default=None)
-
-    def wrap(
-        self, optimizer: Optimizer, wrapper: type[DecentOptimWrapper] = DecentOptimWrapper
-    ) -> DecentOptimWrapper:
-        """``optimizer`` wrapped in ``wrapper`` (a collective: all ranks call it, in the same order)."""
-        return wrapper(
-            optimizer,
-            local_world_size=self.local_world_size,
-            topology=self.topology,
-            bucket_cap_mb=self.bucket_cap_mb,
-            timeout=self.timeout,
-            compression=self.compression,
-            gradient_tracking=self.gradient_tracking,
-            second_moment=self.second_moment,
+    merged = GossipConfig.merge(config, options)
+    if merged.rounds.pacing is not None:
+        raise ValueError(
+            f"{framework} counts the same steps on every rank, but pacing={merged.rounds.pacing!r} lets each "
+            "rank take as many steps per round as its speed allows, so the last rounds would wait for steps "
+            "a slower rank never takes. Pass pacing=None (sync_every=H keeps low-communication gossip), or "
+            "train with DecentOptimWrapper in a loop that counts rounds (optimizer.round_count)."
         )
+    if merged.elasticity.survives:
+        raise ValueError(
+            f'on_peer_failure="continue" keeps training when a process dies and admits restarted ones, but '
+            f"{framework}'s launchers stop the whole job when a process dies. Pass "
+            'on_peer_failure="raise" (the default) and resume from a checkpoint, or train with '
+            "DecentOptimWrapper in a plain loop started by init_elastic and the node launcher "
+            "(python -m decent_optim_wrapper.node_launcher; the failures page of the docs)."
+        )
+    if merged.placement.local_world_size is None and local_world_size is not None:
+        merged = merged.with_options(local_world_size=local_world_size)
+    return merged
+
+
+def wrap_optimizer(
+    optimizer: Optimizer, config: GossipConfig, wrapper: type[DecentOptimWrapper] = DecentOptimWrapper
+) -> DecentOptimWrapper:
+    """``optimizer`` wrapped in ``wrapper`` with ``config`` (a collective: all ranks call it, in order)."""
+    return wrapper(optimizer, config=config)
 
 
 class Replicas:

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, Unpack
 
 import torch
 from torch.optim import LBFGS, Optimizer
@@ -32,9 +31,16 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'decent-optim-wrapper[lightning]'"
     ) from err
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, TopologySpec
+from decent_optim_wrapper.engine import GossipConfig, KeywordOptions, TopologySpec
+from decent_optim_wrapper.engine.config import given
 from decent_optim_wrapper.engine.exchange.shards import is_sharded
-from decent_optim_wrapper.integrations.common import GossipOptions, Replicas, require_version
+from decent_optim_wrapper.engine.option_docs import document_options
+from decent_optim_wrapper.integrations.common import (
+    Replicas,
+    framework_config,
+    require_version,
+    wrap_optimizer,
+)
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 __all__ = ["DecentralizedStrategy", "rank_part_path"]
@@ -101,6 +107,7 @@ class _UnscalingMixedPrecision(MixedPrecision):
         Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)
 
 
+@document_options(leave_out=("rank", "world_size"))  # Lightning's own
 class DecentralizedStrategy(DDPStrategy):
     r"""Decentralized data parallelism for Lightning: each rank trains its own replica and gossips.
 
@@ -125,32 +132,25 @@ class DecentralizedStrategy(DDPStrategy):
         :class:`~decent_optim_wrapper.GossipError`.
 
     Args:
-        topology: who averages with whom (``"ring"``, ``"complete"``, ``"one-peer-exp"``, ... or a
-            :class:`~decent_optim_wrapper.Topology`); ranks per node is ``devices``.
-        bucket_cap_mb: largest gossip bucket in MiB.
-        timeout: how long gossip and averaging wait for a peer before raising.
-        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or None (exact gossip).
-        gradient_tracking: step with a gossiped tracker of the average gradient.
-        second_moment: ``"average"`` (default): Adam and AdamW normalise by an estimate of the average
-            gradient's second moment, as under DDP; ``"local"``: by this rank's own.
+        config: the gossip options as one :class:`~decent_optim_wrapper.GossipConfig`; the keywords below
+            build it (or change it, if they agree with it). ``topology`` may also be passed by position;
+            ``local_world_size`` defaults to ``devices``. Paced rounds and ``on_peer_failure="continue"``
+            are refused with the fix: Lightning counts the same steps on every rank, and its launchers
+            stop the job when a process dies.
+        {gossip_options}
 
     The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
     ``checkpoint_io``, ``precision_plugin``, ``process_group_backend``, ``start_method``) are those of
-    Lightning's ``DDPStrategy``. The engine options are described once, on
-    :class:`~decent_optim_wrapper.engine.GossipEngine`.
+    Lightning's ``DDPStrategy``.
     """
 
     strategy_name = "decentralized"
 
     def __init__(
         self,
-        topology: TopologySpec = "ring",
+        topology: TopologySpec | None = None,
         *,
-        bucket_cap_mb: float = 25,
-        timeout: timedelta = DEFAULT_TIMEOUT,
-        compression: CompressionSpec = None,
-        gradient_tracking: bool = False,
-        second_moment: str = "average",
+        config: GossipConfig | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -158,6 +158,7 @@ class DecentralizedStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **options: Unpack[KeywordOptions],
     ) -> None:
         require_version("lightning", lightning.__version__, *SUPPORTED)
         super().__init__(
@@ -169,14 +170,8 @@ class DecentralizedStrategy(DDPStrategy):
             process_group_backend=process_group_backend,
             start_method=start_method,
         )
-        self._options = GossipOptions(
-            topology=topology,
-            bucket_cap_mb=bucket_cap_mb,
-            timeout=timeout,
-            compression=compression,
-            gradient_tracking=gradient_tracking,
-            second_moment=second_moment,
-        )
+        # Merged now, so that a bad option fails at construction; the processes per node come at setup.
+        self._config = framework_config("Lightning", config, {**given(topology=topology), **options})
         self._replicas = Replicas()
 
     # -- setup: no DDP, wrapped optimizers -----------------------------------------------------------
@@ -216,11 +211,16 @@ class DecentralizedStrategy(DDPStrategy):
                     "several times per step, and the strategy runs the closure once before the step. "
                     "Use a first-order optimizer (SGD, Adam, AdamW, ...)."
                 )
-        self._options = GossipOptions(**{**vars(self._options), "local_world_size": self.num_processes})
-        wrapped = [self._options.wrap(optimizer, _ClosureFirstWrapper) for optimizer in self.optimizers]
+        config = framework_config("Lightning", self._config, {}, local_world_size=self.num_processes)
+        wrapped = [wrap_optimizer(optimizer, config, _ClosureFirstWrapper) for optimizer in self.optimizers]
         self._replicas.clear()
         self._replicas.wrappers = wrapped
         self.optimizers = list(wrapped)
+
+    @property
+    def config(self) -> GossipConfig:
+        """The gossip options every optimizer is wrapped with; processes per node default to ``devices``."""
+        return self._config
 
     @property
     def replicas(self) -> Replicas:

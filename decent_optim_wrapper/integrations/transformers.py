@@ -8,7 +8,6 @@ of any ``Trainer`` subclass (e.g. TRL's ``SFTTrainer``). Needs the ``[transforme
 from __future__ import annotations
 
 import os
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,8 +26,14 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'decent-optim-wrapper[transformers]'"
     ) from err
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, CompressionSpec, TopologySpec
-from decent_optim_wrapper.integrations.common import GossipOptions, Replicas, require_version
+from decent_optim_wrapper.engine import GossipConfig
+from decent_optim_wrapper.engine.option_docs import document_options
+from decent_optim_wrapper.integrations.common import (
+    Replicas,
+    framework_config,
+    require_version,
+    wrap_optimizer,
+)
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 __all__ = ["PART_NAME", "DecentralizedTrainer", "DecentralizedTrainerMixin", "rank_part_name"]
@@ -49,6 +54,7 @@ def rank_part_name(rank: int, world_size: int) -> str:
     return PART_NAME.format(rank=rank, world_size=world_size)
 
 
+@document_options
 class DecentralizedTrainerMixin:
     r"""Makes a ``transformers.Trainer`` (or a subclass of it) train decentralized: gossip, no all-reduce.
 
@@ -72,16 +78,14 @@ class DecentralizedTrainerMixin:
         every rank, as for any distributed Trainer.
 
     Keyword Args:
-        topology: who averages with whom (``"ring"``, ``"complete"``, ``"one-peer-exp"``, ...).
-        bucket_cap_mb: largest gossip bucket in MiB.
-        timeout: how long gossip and averaging wait for a peer before raising.
-        compression: ``"bf16"``, ``"fp16"``, ``"int8"`` or None (exact gossip).
-        gradient_tracking: step with a gossiped tracker of the average gradient.
-        second_moment: ``"average"`` (default): Adam and AdamW normalise by an estimate of the average
-            gradient's second moment, as under DDP; ``"local"``: by this rank's own.
+        config: the gossip options as one :class:`~decent_optim_wrapper.GossipConfig`; the keywords below
+            build it (or change it, if they agree with it). ``local_world_size`` defaults to
+            ``$LOCAL_WORLD_SIZE``, else 1. Paced rounds and ``on_peer_failure="continue"`` are refused
+            with the fix: the Trainer counts the same steps on every rank, and its launchers (torchrun,
+            accelerate launch) stop the job when a process dies.
+        {gossip_options}
 
-    All other arguments go to the Trainer. The engine options are described once, on
-    :class:`~decent_optim_wrapper.engine.GossipEngine`.
+    All other arguments go to the Trainer.
     """
 
     # what the mixin reads of the Trainer it is mixed into
@@ -93,27 +97,12 @@ class DecentralizedTrainerMixin:
     is_deepspeed_enabled: bool
     is_fsdp_enabled: bool
 
-    def __init__(
-        self,
-        *args: Any,
-        topology: TopologySpec = "ring",
-        bucket_cap_mb: float = 25,
-        timeout: timedelta = DEFAULT_TIMEOUT,
-        compression: CompressionSpec = None,
-        gradient_tracking: bool = False,
-        second_moment: str = "average",
-        **kwargs: Any,
-    ) -> None:
+    def __init__(self, *args: Any, config: GossipConfig | None = None, **kwargs: Any) -> None:
         require_version("transformers", transformers.__version__, *SUPPORTED_TRANSFORMERS)
         require_version("accelerate", accelerate.__version__, *SUPPORTED_ACCELERATE)
-        self._gossip_options = GossipOptions(
-            topology=topology,
-            bucket_cap_mb=bucket_cap_mb,
-            timeout=timeout,
-            compression=compression,
-            gradient_tracking=gradient_tracking,
-            second_moment=second_moment,
-        )
+        # The gossip options among the Trainer's keywords (the Trainer has none of these names).
+        options = {name: kwargs.pop(name) for name in GossipConfig.keywords() if name in kwargs}
+        self._gossip_config = framework_config("The Trainer", config, options)
         self._replicas = Replicas()
         super().__init__(*args, **kwargs)
         self._check_supported()
@@ -143,6 +132,12 @@ class DecentralizedTrainerMixin:
             )
 
     # -- the optimizer and the model -------------------------------------------------------------------
+    @property
+    def gossip_config(self) -> GossipConfig:
+        """The gossip options the optimizer is wrapped with; processes per node default to
+        ``$LOCAL_WORLD_SIZE``."""
+        return self._gossip_config
+
     @property
     def replicas(self) -> Replicas:
         """The wrapped optimizer of the current training (empty outside it) and whether it is averaged."""
@@ -184,10 +179,8 @@ class DecentralizedTrainerMixin:
             store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not declared; one process
             dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         local = os.environ.get("LOCAL_WORLD_SIZE")
-        options = GossipOptions(
-            **{**vars(self._gossip_options), "local_world_size": int(local) if local else 1}
-        )
-        self.optimizer = options.wrap(optimizer)
+        config = framework_config("The Trainer", self._gossip_config, {}, int(local) if local else 1)
+        self.optimizer = wrap_optimizer(optimizer, config)
         self._replicas.clear()
         self._replicas.wrappers = [self.optimizer]
 
