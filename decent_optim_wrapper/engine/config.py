@@ -2,11 +2,12 @@
 
 A front-end takes ``config=`` and today's keywords (``topology="ring"``, ``sync_every=8``, ...); the
 keywords build the config (:meth:`~decent_optim_wrapper.GossipConfig.merge`), so every option reaches
-the engine through one object and each door forwards them in one line. Each part checks its own fields, and the combinations
-inside it (gradient tracking with rounds), when it is built, with the messages the options always had
-(the argument, the value, the fix). What depends on the world or on several parts at once (surviving
-a lost peer with a device mesh, paced rounds of sharded replicas) is checked where the world is known,
-in one place: :func:`~decent_optim_wrapper.engine.layout.build_parts`.
+the engine through one object and each door forwards them in one line. Each part checks its own
+fields, and the combinations inside it (gradient tracking with rounds), when it is built, with the
+messages the options always had (the argument, the value, the fix). What depends on the world or on
+several parts at once (surviving a lost peer with a device mesh, paced rounds of sharded replicas) is
+checked where the world is known, in one place:
+:func:`~decent_optim_wrapper.engine.layout.build_parts`.
 
 The parts, in the order the keywords are documented:
 
