@@ -20,10 +20,16 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.data_parallel_backward import BackwardUpdates, Scaler, inside_backward
 from decent_optim_wrapper.data_parallel_state import TRAINING_STATE_VERSION, BucketOptimizers, check_arguments
-from decent_optim_wrapper.engine import GossipEngine, TopologySpec, drop_state
-from decent_optim_wrapper.engine.config import GossipConfig, KeywordOptions, given
-from decent_optim_wrapper.engine.front_end import EngineFrontEnd
-from decent_optim_wrapper.engine.option_docs import document_options
+from decent_optim_wrapper.engine import (
+    EngineFrontEnd,
+    GossipConfig,
+    GossipEngine,
+    KeywordOptions,
+    TopologySpec,
+    document_options,
+    drop_state,
+    given,
+)
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
 
 __all__ = ["TRAINING_STATE_VERSION", "DecentralizedDataParallel"]
@@ -136,7 +142,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             bucket_cap_mb=None if config is not None and bucket_size_in_mb == 25 else bucket_size_in_mb,
             local_world_size=_local_world_size,
         )
-        self._engine = GossipEngine(
+        engine = GossipEngine(
             trainable,
             config=config,
             params_as_views=param_as_bucket_view,
@@ -145,6 +151,7 @@ class DecentralizedDataParallel(EngineFrontEnd, nn.Module):
             **positional,
             **options,
         )
+        self._attach(engine)
         self._state = BucketOptimizers(self._engine, model, optim_fn, lr_scheduler_fn, scaler)
         self._optimizers, self._schedulers = self._state.optimizers, self._state.schedulers
         # A bucket healed from its peers drops the inner state that stepped it (it was not finite).

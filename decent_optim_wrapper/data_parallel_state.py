@@ -20,10 +20,14 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.data_parallel_backward import Scaler
-from decent_optim_wrapper.engine import GossipEngine
-from decent_optim_wrapper.engine.exchange.shards import is_sharded
-from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
-from decent_optim_wrapper.engine.state.resize import average_nested, average_optimizer_states
+from decent_optim_wrapper.engine import (
+    GossipEngine,
+    agree,
+    average_nested,
+    average_optimizer_states,
+    check_identical,
+    is_sharded,
+)
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
 
 __all__ = ["TRAINING_STATE_VERSION", "BucketOptimizers", "check_arguments"]

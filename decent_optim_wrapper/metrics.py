@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
-from decent_optim_wrapper.engine import GossipEngine
-from decent_optim_wrapper.engine.state.averaging import tensors_consensus_distance
+from decent_optim_wrapper.engine import GossipEngine, tensors_consensus_distance
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 __all__ = ["consensus_distance", "tensors_consensus_distance"]

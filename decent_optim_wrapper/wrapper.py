@@ -16,12 +16,20 @@ from typing import Any, Unpack
 import torch
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.engine import DEFAULT_TIMEOUT, GossipEngine, TopologySpec, drop_state
-from decent_optim_wrapper.engine.config import GossipConfig, KeywordOptions, given
-from decent_optim_wrapper.engine.exchange.shards import local_optimizer_state, placed_optimizer_state
-from decent_optim_wrapper.engine.front_end import EngineFrontEnd
-from decent_optim_wrapper.engine.option_docs import document_options
-from decent_optim_wrapper.engine.state.resize import average_optimizer_states
+from decent_optim_wrapper.engine import (
+    DEFAULT_TIMEOUT,
+    EngineFrontEnd,
+    GossipConfig,
+    GossipEngine,
+    KeywordOptions,
+    TopologySpec,
+    average_optimizer_states,
+    document_options,
+    drop_state,
+    given,
+    local_optimizer_state,
+    placed_optimizer_state,
+)
 from decent_optim_wrapper.inner_step import scaled_step
 
 __all__ = ["DEFAULT_TIMEOUT", "DecentOptimWrapper", "named_param_groups"]
@@ -107,13 +115,14 @@ class DecentOptimWrapper(EngineFrontEnd, Optimizer):
             topology=topology,
             bucket_cap_mb=bucket_cap_mb,
         )
-        self._engine = GossipEngine(
+        engine = GossipEngine(
             lambda: named_param_groups(optimizer.param_groups),
             config=config,
             context="DecentOptimWrapper",
             **positional,
             **options,
         )
+        self._attach(engine)
         # A bucket healed from its peers drops the inner state that stepped it (it was not finite).
         self._engine.on_bucket_healed(lambda params: drop_state(optimizer, params))
         self._engine.open_to_joiners(

@@ -162,12 +162,128 @@ def test_no_room_imports_another_rooms_private_names():
     assert not wrong, "\n".join(wrong)
 
 
-def test_the_engine_module_keeps_coordination_only():
-    # Budgets of the engine's coordinating module: past them, what is not coordination moves into a
-    # room or a mixin of its own (as recovery.py and checkpointing.py did).
-    path = PACKAGE / "engine" / "engine.py"
-    lines = path.read_text().splitlines()
-    (engine,) = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)]
-    assert len(lines) <= 600, f"engine/engine.py has {len(lines)} lines (at most 600)"
-    class_lines = engine.end_lineno - engine.lineno + 1
-    assert class_lines <= 500, f"GossipEngine has {class_lines} lines (at most 500)"
+def _classes() -> list[tuple[Path, ast.ClassDef]]:
+    return [
+        (path, node)
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    ]
+
+
+# Classes whose annotations without a value are their fields, not another class's state.
+_DECLARATIVE = ("dataclass", "NamedTuple", "TypedDict", "Protocol")
+
+
+def _declarative(node: ast.ClassDef, known: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
+    """Fields (a dataclass, a typed dict, a protocol, or a class made of those: ``known``), an
+    exception, or an interface whose methods raise ``NotImplementedError`` for its subclasses."""
+    marks = [ast.unparse(d) for d in node.decorator_list] + [ast.unparse(b) for b in node.bases]
+    if node.bases and all(ast.unparse(b) in known for b in node.bases):
+        return True
+    interface = any(
+        isinstance(stmt, ast.FunctionDef) and "raise NotImplementedError" in ast.unparse(stmt)
+        for stmt in node.body
+    )
+    return interface or any(kind in mark for mark in marks for kind in (*_DECLARATIVE, "Error"))
+
+
+def _assigned_on_self(node: ast.ClassDef) -> set[str]:
+    return {
+        target.attr
+        for sub in ast.walk(node)
+        for target in (sub.targets if isinstance(sub, ast.Assign) else [getattr(sub, "target", None)])
+        if isinstance(target, ast.Attribute)
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "self"
+    }
+
+
+def test_the_engine_holds_its_parts_without_mixins():
+    # A mixin declares state that another class sets: an annotation without a value that the class
+    # never assigns itself. The engine holds its parts instead and passes each what it needs.
+    wrong = []
+    classes = _classes()
+    known = {node.name for _, node in classes if _declarative(node)}
+    for path, node in classes:
+        if "engine" not in path.relative_to(PACKAGE).parts:
+            continue
+        if node.name == "GossipEngine" and node.bases:
+            wrong.append(f"GossipEngine inherits from {[ast.unparse(b) for b in node.bases]}")
+        if _declarative(node, known):
+            continue
+        if len(node.bases) > 1:
+            wrong.append(f"{path.name}: {node.name} has several bases")
+        declared = {
+            stmt.target.id
+            for stmt in node.body
+            if isinstance(stmt, ast.AnnAssign) and stmt.value is None and isinstance(stmt.target, ast.Name)
+        }
+        borrowed = declared - _assigned_on_self(node)
+        if borrowed:
+            wrong.append(f"{path.name}: {node.name} declares {sorted(borrowed)} that another class sets")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_private_attribute_is_read_outside_its_class():
+    # x._name is read only on self/cls/super(), or inside the class that defines _name (another
+    # instance of the same class); the package's own names, not torch's.
+    wrong = []
+    for path, cls in _classes() + [(p, None) for p in sorted(PACKAGE.rglob("*.py"))]:  # type: ignore[list-item]
+        tree = cls if cls is not None else ast.parse(path.read_text())
+        own = (
+            set()
+            if cls is None
+            else _assigned_on_self(cls)
+            | {
+                getattr(stmt, "name", None) or ast.unparse(getattr(stmt, "target", stmt))
+                for stmt in cls.body
+                if isinstance(stmt, ast.FunctionDef | ast.AnnAssign | ast.Assign)
+            }
+        )
+        nested = {
+            id(n)
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef) and c is not tree
+            for n in ast.walk(c)
+        }
+        for node in ast.walk(tree):
+            if (
+                id(node) in nested
+                or not isinstance(node, ast.Attribute)
+                or not isinstance(node.ctx, ast.Load)
+            ):
+                continue
+            name, owner = node.attr, node.value
+            if not name.startswith("_") or name.startswith("__"):
+                continue
+            if isinstance(owner, ast.Name) and owner.id in ("self", "cls", "torch"):
+                continue
+            if isinstance(owner, ast.Call) and ast.unparse(owner.func) == "super":
+                continue
+            if ast.unparse(owner).startswith(("torch.", "dist.")) or name in own:
+                continue
+            wrong.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert not wrong, "\n".join(sorted(set(wrong)))
+
+
+# What lies outside the engine and reaches it as a user would: the front-ends and the integrations.
+FRONT_DOORS = (
+    "wrapper",
+    "data_parallel",
+    "data_parallel_backward",
+    "data_parallel_state",
+    "inner_step",
+    "metrics",
+)
+
+
+def test_front_doors_reach_the_engine_only_through_its_public_face():
+    wrong = []
+    for source, target, _ in _edges():
+        rest = source[len(NAME) + 1 :]
+        if rest not in FRONT_DOORS and not rest.startswith("integrations"):
+            continue
+        if target.startswith(f"{NAME}.engine."):
+            wrong.append(f"{source} imports {target} (import it from {NAME}.engine)")
+    assert not wrong, "\n".join(wrong)

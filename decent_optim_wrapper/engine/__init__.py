@@ -21,8 +21,11 @@ Coordination, at this level:
 * :mod:`~decent_optim_wrapper.engine.layout` -- what one rank builds from the options before its first
   collective.
 * :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop.
-* :mod:`~decent_optim_wrapper.engine.recovery` -- the engine's side of a change of members: recovering,
-  settling rounds, rewiring, opening to joiners.
+* :mod:`~decent_optim_wrapper.engine.progress` -- where a rank's steps stand.
+* :mod:`~decent_optim_wrapper.engine.wiring` -- the communication over the current members, built once
+  and rebuilt over new ones.
+* :mod:`~decent_optim_wrapper.engine.member_changes` -- the engine's side of a change of members:
+  recovering, settling rounds, rewiring, opening to joiners.
 * :mod:`~decent_optim_wrapper.engine.checkpointing` -- the engine's part of a checkpoint: saving,
   loading bit for bit, resuming at another world size.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
@@ -38,6 +41,7 @@ from decent_optim_wrapper.engine.config import (
     Robustness,
     Rounds,
     Transport,
+    given,
 )
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
@@ -45,12 +49,21 @@ from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip, ClippedGossipSpec
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, NonFiniteReplicaError, drop_state
+from decent_optim_wrapper.engine.exchange.shards import (
+    is_sharded,
+    local_optimizer_state,
+    placed_optimizer_state,
+)
 from decent_optim_wrapper.engine.exchange.staging import HostStagingError
 from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError
+from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
+from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.rules.local_steps import OuterFactory
 from decent_optim_wrapper.engine.rules.pacing import PaceReport, Pacing, PacingSpec
+from decent_optim_wrapper.engine.state.averaging import tensors_consensus_distance
+from decent_optim_wrapper.engine.state.resize import average_nested, average_optimizer_states
 from decent_optim_wrapper.engine.wire.compression import CompressionSpec, GossipCompression
 
 __all__ = [
@@ -88,4 +101,15 @@ __all__ = [
     "PeerJoin",
     "TopologySpec",
     "drop_state",
+    # for the front doors: building a front-end's options, docstring and checkpoint
+    "agree",
+    "average_nested",
+    "average_optimizer_states",
+    "check_identical",
+    "document_options",
+    "given",
+    "is_sharded",
+    "local_optimizer_state",
+    "placed_optimizer_state",
+    "tensors_consensus_distance",
 ]

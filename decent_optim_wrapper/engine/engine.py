@@ -3,7 +3,10 @@ r"""The engine both front-ends drive: :class:`GossipEngine`.
 It owns everything decentralized training needs besides the local update: cross-rank agreement, the
 flat buckets, the process groups, the step protocol (:meth:`GossipEngine.step` for a whole model,
 :meth:`GossipEngine.step_bucket` for one bucket inside backward), exact global averaging with its
-snapshot (:mod:`~decent_optim_wrapper.engine.state.averaging`), and its part of a checkpoint
+snapshot (:mod:`~decent_optim_wrapper.engine.state.averaging`). It holds its parts: the step counters
+(:mod:`~decent_optim_wrapper.engine.progress`), the communication over the current members
+(:mod:`~decent_optim_wrapper.engine.wiring`), what a change of members does
+(:mod:`~decent_optim_wrapper.engine.member_changes`) and its part of a checkpoint
 (:mod:`~decent_optim_wrapper.engine.checkpointing`). The architecture page of the docs shows a step's
 data flow.
 """
@@ -12,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import fields
-from typing import TypeVar, Unpack
+from typing import Any, TypeVar, Unpack
 
 import torch
 import torch.distributed as dist
@@ -37,6 +40,7 @@ from decent_optim_wrapper.engine.layout import (
     join_signature,
     signatures,
 )
+from decent_optim_wrapper.engine.member_changes import MemberChanges
 from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
@@ -46,12 +50,13 @@ from decent_optim_wrapper.engine.options import (
     check_layouts_agree,
     check_mixing_factor,
 )
-from decent_optim_wrapper.engine.recovery import MemberChanges
-from decent_optim_wrapper.engine.rules.local_steps import LowCommunicationFacts
+from decent_optim_wrapper.engine.progress import StepProgress
+from decent_optim_wrapper.engine.rules.pacing import PaceReport, Pacing
 from decent_optim_wrapper.engine.state.averaging import GlobalAverage, floating_buffers
 from decent_optim_wrapper.engine.state.checkpoint import STATE_VERSION
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival
 from decent_optim_wrapper.engine.wire.compression import GossipCompression
+from decent_optim_wrapper.engine.wiring import Wiring
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["DEFAULT_TIMEOUT", "STATE_VERSION", "GossipEngine", "PeerFailureHook", "TopologySpec"]
@@ -60,7 +65,7 @@ _T = TypeVar("_T")
 
 
 @document_options
-class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
+class GossipEngine:
     r"""Buckets, topology schedule, process groups and gossip of one rank.
 
     Built from ``(name, parameter)`` pairs in a given order (the optimizer front-end passes its
@@ -150,43 +155,62 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         self._config = config
         transport, elasticity = config.transport, config.elasticity
         timeout = transport.timeout
-        self._topology_spec = config.topology
         self._as_views = params_as_views
-        self._mixing_factor = 1.0
-        self._world = world
         self._bucket_cap_bytes = transport.bucket_cap_bytes
-        self._timeout = timeout
         built = parts[0]
-        self._topology, self._buckets, self._shards = built.topology, built.buckets, built.shards
-        self._local, self._compression, self._second_moment = (
-            built.local,
-            built.compression,
-            built.second_moment,
-        )
-        self._join_signature = join_signature(built.layout)
-        self._staging = HostStaging(timeout) if built.layout.host_staging else None
-        self._clipped = built.layout.clipped_gossip
-        self._layouts = list(dict.fromkeys(r.groups for r in reports))  # every gossip world's groups
+        self._buckets, self._shards, self._local = built.buckets, built.shards, built.local
+        self._compression, self._second_moment = built.compression, built.second_moment
         self._averaging = GlobalAverage(self._buckets, self._shards)
-
-        self._survival: Survival | None = None
-        self._growth = Growth(enabled=elasticity.survives)
+        self._progress = StepProgress()
+        # guarded mixing's switch and events, kept across changes of the world
+        self._guard = GuardLog(world.rank, enabled=config.robustness.nonfinite_guard)
+        self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
+        self._wiring = Wiring(
+            world,
+            list(dict.fromkeys(r.groups for r in reports)),  # every gossip world's groups
+            built.topology,
+            config.topology,
+            buckets=self._buckets,
+            local=self._local,
+            timeout=timeout,
+            compression=self._compression,
+            staging=HostStaging(timeout) if built.layout.host_staging else None,
+            guard=self._guard,
+            clipped=built.layout.clipped_gossip,
+            tracking=config.rounds.gradient_tracking,
+            on_healed=self._bucket_healed,
+        )
+        survival = None
         if elasticity.survives:
             # A token every rank shares names this run's keys in the store (reruns never collide).
             run = run_token()
             job = current_job()
             store = elasticity.store if elasticity.store is not None or job is None else job.store
             membership = Membership.of_world(connect_store(store, timeout), run, world, timeout)
-            self._survival = Survival(membership, timeout)
-        self._updated = False  # whether the current step has run a local update (it cannot donate then)
-        self._tracking_requested = config.rounds.gradient_tracking
-        self._step, self._in_step = 0, False
-        self._launch_from = 0  # after a change of the world: the step whose rounds all launch first
-        # guarded mixing's switch and events, kept across changes of the world
-        self._guard = GuardLog(world.rank, enabled=config.robustness.nonfinite_guard)
-        self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
-        self._wire(broadcast=True)
-        logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._topology)
+            survival = Survival(membership, timeout)
+        self._members = MemberChanges(
+            self._wiring,
+            self._progress,
+            buckets=self._buckets,
+            local=self._local,
+            averaging=self._averaging,
+            survival=survival,
+            growth=Growth(enabled=elasticity.survives),
+            join_signature=join_signature(built.layout),
+            save=self.state_dict,
+            load=self.load_state_dict,
+        )
+        self._checkpoint = EngineCheckpoint(
+            self._wiring,
+            self._progress,
+            buckets=self._buckets,
+            local=self._local,
+            averaging=self._averaging,
+            compression=self._compression,
+            wait_all=self.wait_all,
+        )
+        self._wiring.connect(self._members.membership, broadcast=True)
+        logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._wiring.topology)
 
     # -- facts -----------------------------------------------------------------------------------
     @property
@@ -195,18 +219,33 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         return self._config
 
     @property
+    def rank(self) -> int:
+        """This process's rank in the gossip world."""
+        return self._wiring.world.rank
+
+    @property
+    def world_size(self) -> int:
+        """How many ranks gossip together (the job's size, or that of ``device_mesh``/``process_group``)."""
+        return self._wiring.world.world_size
+
+    @property
+    def local_world_size(self) -> int:
+        """Ranks per node along the gossip world."""
+        return self._wiring.world.local_world_size
+
+    @property
     def gossip_ranks(self) -> tuple[int, ...]:
         """The global ranks of the gossip world, in its rank order."""
-        return self._world.ranks
+        return self._wiring.world.ranks
 
     @property
     def topology(self) -> Topology:
-        return self._topology
+        return self._wiring.topology
 
     @property
     def host_staging(self) -> bool:
         """Whether gossip rounds travel through host buffers (:mod:`~.exchange.staging`)."""
-        return self._staging is not None
+        return self._wiring.staging is not None
 
     @property
     def compression(self) -> GossipCompression | None:
@@ -219,8 +258,8 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         tracking; with low-communication gossip, one anchor round's bytes over ``sync_every`` steps)."""
         if self._local is not None:
             return self._local.bytes_sent_per_step()
-        rounds = 2 if self._tracker is not None else 1  # the trackers travel like the parameters
-        return rounds * self._gossip.bytes_sent_per_step()
+        rounds = 2 if self._wiring.tracker is not None else 1  # the trackers travel like the parameters
+        return rounds * self._wiring.gossip.bytes_sent_per_step()
 
     def second_moment_step(
         self, optimizer: torch.optim.Optimizer
@@ -237,12 +276,7 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
     @property
     def gradient_tracking_requested(self) -> bool:
         """Whether ``gradient_tracking=True`` was passed (checked for misuse at any world size)."""
-        return self._tracking_requested
-
-    @property
-    def gradient_tracking_active(self) -> bool:
-        """Whether the local update steps with the tracked gradient (requested, and world size > 1)."""
-        return self._tracker is not None
+        return self._config.rounds.gradient_tracking
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -252,16 +286,59 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
     @property
     def step_count(self) -> int:
         """Completed steps; step ``t`` gossips in phase ``t % period``."""
-        return self._step
+        return self._progress.step
 
     @property
     def mixing_factor(self) -> float:
         """``a`` in ``x <- (1 - a) x + a sum_j W_ij x_j``; 1 (full mixing) unless set."""
-        return self._mixing_factor
+        return self._progress.mixing_factor
 
     @mixing_factor.setter
     def mixing_factor(self, factor: float) -> None:
-        self._mixing_factor = check_mixing_factor(factor)
+        self._progress.mixing_factor = check_mixing_factor(factor)
+
+    # -- low-communication gossip ----------------------------------------------------------------
+    @property
+    def sync_every(self) -> int:
+        """How many inner steps a round has (1 for per-step gossip; with pacing, the nominal count)."""
+        return 1 if self._local is None else self._local.spec.sync_every
+
+    @property
+    def sync_delay(self) -> int | None:
+        """Inner steps a round's exchange may run behind; None for per-step gossip."""
+        return None if self._local is None else self._local.spec.sync_delay
+
+    @property
+    def outer_optimizer(self) -> torch.optim.Optimizer | None:
+        """The outer optimizer over the anchors (e.g. for an LR scheduler of its own), or None."""
+        return None if self._local is None else self._local.outer_optimizer
+
+    @property
+    def anchors(self) -> list[torch.Tensor]:
+        """The flat anchors of low-communication gossip, one per bucket (live); empty without it."""
+        return [] if self._local is None else self._local.anchors
+
+    @property
+    def pacing(self) -> Pacing | None:
+        """The options of paced rounds (:mod:`~.rules.pacing`), or None."""
+        return None if self._local is None else self._local.spec.pacing
+
+    @property
+    def round_count(self) -> int:
+        """Rounds launched so far (every completed step is a round with per-step gossip). With paced
+        rounds ranks stand at different steps but launch the same rounds: loops count these."""
+        step = self._progress.step
+        return step if self._local is None else self._local.rounds_launched(step)
+
+    def rounds_launched_before_last_step(self) -> int:
+        """Rounds launched before the last completed step (:attr:`round_count` one step earlier)."""
+        before = max(self._progress.step - 1, 0)
+        return before if self._local is None else self._local.rounds_launched(before)
+
+    def pace_report(self) -> PaceReport | None:
+        """Where paced rounds stand on this rank (:class:`~.rules.pacing.PaceReport`), or None without
+        pacing."""
+        return None if self._local is None else self._local.pace_report()
 
     # -- one step --------------------------------------------------------------------------------
     # The protocol of a step, in one place for both front-ends: per bucket, mix the round launched at
@@ -282,10 +359,11 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         buckets = range(len(self._buckets))
         for bucket in buckets:
             self._mix(bucket)
-        if self._tracker is not None and (found_inf is None or not bool(found_inf.item())):
+        tracker = self._wiring.tracker
+        if tracker is not None and (found_inf is None or not bool(found_inf.item())):
             for bucket in buckets:
-                self._tracker.track(bucket)
-        self._updated = True
+                tracker.track(bucket)
+        self._progress.updated = True
         result = local_update()
         for bucket in buckets:
             self._launch(bucket)
@@ -303,10 +381,11 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         the same bucket order on every rank.
         """
         self._mix(bucket)
-        self._updated = True  # the front-end's per-bucket state (schedulers) moves on even when skipping
+        self._progress.updated = True  # the front-end's per-bucket state moves on even when skipping
         if not skip_local_update:
-            if self._tracker is not None:
-                self._tracker.track(bucket)
+            tracker = self._wiring.tracker
+            if tracker is not None:
+                tracker.track(bucket)
             local_update()
         self._launch(bucket)
 
@@ -315,24 +394,23 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         with low-communication gossip the first step sets the anchors to the parameters."""
         self.check_buckets()
         self._averaging.snapshot = None
-        if self._survival is not None and self._survival.joins_checked_at(self._step):
-            # Workers apply to join: admit them at this step boundary (the others follow from their waits).
-            self._survive(self._survival.raise_if_joins_due, retry=False)
-        self._in_step = True
-        if self._local is not None and self._step == 0:
+        self._members.admit_due_joiners()
+        self._progress.in_step = True
+        if self._local is not None and self._progress.step == 0:
             self._local.reset_anchors()
 
     @torch.no_grad()
     def _mix(self, bucket: int) -> None:
         """Finish bucket ``bucket``'s round launched at the previous step and mix it in."""
-        self._survive(lambda: self._mix_rounds(bucket))
+        self._members.survive(lambda: self._mix_rounds(bucket))
 
     def _mix_rounds(self, bucket: int) -> None:
-        if self._tracker is not None:  # its rounds outlive a global average: mixed on their own
-            self._tracker.mix(bucket, self._mixing_factor)
-        if self._gossip.pending(bucket) is not None:
+        tracker, gossip, factor = self._wiring.tracker, self._wiring.gossip, self._progress.mixing_factor
+        if tracker is not None:  # its rounds outlive a global average: mixed on their own
+            tracker.mix(bucket, factor)
+        if gossip.pending(bucket) is not None:
             with current([self._buckets[bucket]], write=True):
-                healed = self._gossip.mix(bucket, self._mixing_factor)
+                healed = gossip.mix(bucket, factor)
             if healed:
                 self._bucket_healed(bucket)
 
@@ -369,40 +447,43 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
     def _launch(self, bucket: int) -> None:
         """Start bucket ``bucket``'s gossip for the current step, non-blocking. With low-communication
         gossip: fold in a round that is due; at a round's end, the outer step and the anchors' round."""
-        local = self._local
+        local, progress, survive = self._local, self._progress, self._members.survive
         if local is not None:
-            self._survive(lambda: local.fold_due(bucket, self._step, self._mixing_factor))
+            survive(lambda: local.fold_due(bucket, progress.step, progress.mixing_factor))
             # A failure inside end_round comes from its last part (the fold without delay), so it is
             # not run again: recovery settles that round.
-            self._survive(
-                lambda: local.end_round(bucket, self._step, self._mixing_factor, self._launch_from),
+            survive(
+                lambda: local.end_round(bucket, progress.step, progress.mixing_factor, progress.launch_from),
                 retry=False,
             )
             return
-        if self._step < self._launch_from:  # after a lost peer, rounds restart in step
+        if progress.step < progress.launch_from:  # after a lost peer, rounds restart in step
             return
         with current([self._buckets[bucket]], write=False):
-            self._gossip.launch(bucket, self._step)
-        if self._tracker is not None:
-            self._tracker.launch(bucket, self._step)
+            self._wiring.gossip.launch(bucket, progress.step)
+        tracker = self._wiring.tracker
+        if tracker is not None:
+            tracker.launch(bucket, progress.step)
 
     def wait_all(self) -> None:
         """Wait for every round in flight without mixing it (GossipError if a peer does not answer)."""
 
         def wait() -> None:
+            gossip, tracker = self._wiring.gossip, self._wiring.tracker  # new ones after a change
             for bucket in range(len(self._buckets)):
-                self._gossip.wait(bucket)
-                if self._tracker is not None:
-                    self._tracker.wait(bucket)
+                gossip.wait(bucket)
+                if tracker is not None:
+                    tracker.wait(bucket)
             if self._local is not None:
                 self._local.wait_all()
 
-        self._survive(wait)
+        self._members.survive(wait)
 
     def end_step(self) -> None:
         """Finish a step: the next one gossips in the next phase."""
-        self._step += 1
-        self._in_step = self._updated = False
+        progress = self._progress
+        progress.step += 1
+        progress.in_step = progress.updated = False
 
     def check_buckets(self) -> None:
         """Raise if a parameter no longer lives in its bucket (e.g. ``model.to()`` after wrapping)."""
@@ -437,17 +518,18 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
             built.extend(build_buckets(params, names, self._bucket_cap_bytes, self._as_views, first=first))
             return signatures(built)
 
-        with self._unbroken():
+        with self._members.unbroken():
             check_buckets_agree(agree(context, local_layout))
-            self._bind_and_broadcast(built)
+            self._wiring.bind_and_broadcast(built)
         known_buckets = len(self._buckets)
         self._buckets.extend(built)
-        self._gossip.add_tensors([b.data for b in built])
-        self._gossip.start_from_common_point(range(known_buckets, len(self._buckets)))  # just broadcast
+        gossip, tracker = self._wiring.gossip, self._wiring.tracker
+        gossip.add_tensors([b.data for b in built])
+        gossip.start_from_common_point(range(known_buckets, len(self._buckets)))  # just broadcast
         if self._local is not None:
             self._local.add_buckets(built)
-        if self._tracker is not None:
-            self._tracker.add_buckets(built)
+        if tracker is not None:
+            tracker.add_buckets(built)
         return built
 
     # -- global averaging ----------------------------------------------------------------------------
@@ -471,20 +553,20 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
                 # survived first, so that the snapshot holds the replica and rounds as recovery left them.
                 self.wait_all()
             distance = self._averaging.average(
-                lambda: (self._world_reduce, self._gossip),  # new ones after a change of members
+                lambda: (self._wiring.world_reduce, self._wiring.gossip),  # new ones after a change
                 self._local,
-                step=self._step,
+                step=self._progress.step,
                 may_revert=may_revert,
                 extra=extra,
                 return_distance=return_distance,
-                survive=self._survive,
+                survive=self._members.survive,
             )
-        self._collective_done()
+        self._members.collective_done()
         return distance
 
     def revert_global_avg(self) -> None:
         """Restore the replica saved by :meth:`global_avg` bit for bit (local; RuntimeError if none)."""
-        self._averaging.revert(self._gossip, self._local)
+        self._averaging.revert(self._wiring.gossip, self._local)
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average, gossip in flight left out.
@@ -493,20 +575,74 @@ class GossipEngine(MemberChanges, EngineCheckpoint, LowCommunicationFacts):
         """
         self.check_buckets()
         with self._averaging.whole_world():
-            distance = self._averaging.distance(lambda: self._world_reduce, self._survive)
-        self._collective_done()
+            distance = self._averaging.distance(lambda: self._wiring.world_reduce, self._members.survive)
+        self._members.collective_done()
         return distance
 
-    def _collective_done(self) -> None:
-        """Count a completed collective of the whole world (members announce changes only once every
-        member is out of it: :meth:`~.fleet.membership.Membership.try_announce`)."""
-        if self._survival is not None:
-            self._survival.membership.collective_done()
+    @torch.no_grad()
+    def broadcast_(self, tensors: Sequence[torch.Tensor]) -> None:
+        """Overwrite ``tensors`` with the gossip world's rank 0's, in place (e.g. a model's buffers).
+
+        .. warning:: This is a collective over the gossip world: all its ranks must call it.
+        """
+        self._wiring.broadcast_(tensors)
+
+    # -- a change of members (on_peer_failure="continue", init_elastic) --------------------------------
+    @property
+    def on_peer_failure(self) -> str:
+        """``"raise"`` or ``"continue"``."""
+        return self._members.on_peer_failure
+
+    @property
+    def survival(self) -> Survival | None:
+        """The lost peers survived and their hooks (:mod:`~.survival`); None with ``"raise"``."""
+        return self._members.survival
+
+    @property
+    def growth(self) -> Growth:
+        """Joins seen by this rank, their hooks, and what joiners receive (:mod:`~.fleet.growth`)."""
+        return self._members.growth
+
+    def open_to_joiners(
+        self,
+        save: Callable[[], dict[str, Any]],
+        load: Callable[[dict[str, Any]], None],
+        signature: tuple[tuple[str, object], ...] = (),
+    ) -> None:
+        """Let workers join (in a job of :func:`~decent_optim_wrapper.init_elastic`); on a joiner, join.
+
+        Front-ends call this last in their constructor: ``save()``/``load(state)`` give and take their
+        part of a replica, ``signature`` what a joiner must share besides the engine's layout
+        (:meth:`~.member_changes.MemberChanges.open_to_joiners`).
+        """
+        self._members.open_to_joiners(save, load, signature)
+
+    # -- the engine's part of a checkpoint -----------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This replica's engine state: the ``"decent"`` entry of a front-end's checkpoint
+        (:meth:`~.checkpointing.EngineCheckpoint.state_dict`). Waits for gossip in flight (no
+        collective), so a run resumed from it continues bit for bit."""
+        return self._checkpoint.state_dict()
+
+    def check_state_dict(self, state: Any) -> None:
+        """Raise ``ValueError`` naming the mismatch if ``state`` cannot be loaded into this engine."""
+        self._checkpoint.check_state_dict(state)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same rank, world size, topology and layout (checked
+        before anything changes). Local."""
+        self._checkpoint.load_state_dict(state)
+
+    def resume_state(self, states: Sequence[Any]) -> dict[str, Any] | None:
+        """What this rank loads from a checkpoint's engine entries (every saved rank's, in order): None
+        at the saved world size and topology, else the average every rank starts from
+        (:meth:`~.checkpointing.EngineCheckpoint.resume_state`). Local."""
+        return self._checkpoint.resume_state(states)
 
     def __repr__(self) -> str:
         return (
-            f"GossipEngine(topology={self._topology.name!r}, rank={self.rank}, "
-            f"world_size={self.world_size}, buckets={len(self._buckets)}, step={self._step})"
+            f"GossipEngine(topology={self.topology.name!r}, rank={self.rank}, "
+            f"world_size={self.world_size}, buckets={len(self._buckets)}, step={self.step_count})"
         )
 
 

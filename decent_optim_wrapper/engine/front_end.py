@@ -26,10 +26,13 @@ __all__ = ["EngineFrontEnd"]
 class EngineFrontEnd:
     """A front-end's view of its :class:`~decent_optim_wrapper.engine.GossipEngine`.
 
-    A subclass sets ``self._engine`` in its constructor.
+    A subclass attaches its engine in its constructor (:meth:`_attach`).
     """
 
-    _engine: GossipEngine
+    def _attach(self, engine: GossipEngine) -> GossipEngine:
+        """Drive ``engine`` from now on; returns it."""
+        self._engine = engine
+        return engine
 
     @property
     def engine(self) -> GossipEngine:

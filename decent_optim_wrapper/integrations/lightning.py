@@ -31,10 +31,14 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'decent-optim-wrapper[lightning]'"
     ) from err
 
-from decent_optim_wrapper.engine import GossipConfig, KeywordOptions, TopologySpec
-from decent_optim_wrapper.engine.config import given
-from decent_optim_wrapper.engine.exchange.shards import is_sharded
-from decent_optim_wrapper.engine.option_docs import document_options
+from decent_optim_wrapper.engine import (
+    GossipConfig,
+    KeywordOptions,
+    TopologySpec,
+    document_options,
+    given,
+    is_sharded,
+)
 from decent_optim_wrapper.integrations.common import (
     Replicas,
     framework_config,

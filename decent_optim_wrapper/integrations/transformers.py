@@ -26,8 +26,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'decent-optim-wrapper[transformers]'"
     ) from err
 
-from decent_optim_wrapper.engine import GossipConfig
-from decent_optim_wrapper.engine.option_docs import document_options
+from decent_optim_wrapper.engine import GossipConfig, document_options
 from decent_optim_wrapper.integrations.common import (
     Replicas,
     framework_config,

@@ -21,6 +21,8 @@ class TopologyFactory:
     """
 
     _registry: ClassVar[dict[str, type[Topology]]] = {}
+    #: Name -> class: a live, read-only view of the registry.
+    registered: ClassVar[Mapping[str, type[Topology]]] = MappingProxyType(_registry)
 
     @classmethod
     def add_topology(cls, name: str, topology_cls: type[Topology]) -> None:
@@ -104,7 +106,7 @@ class TopologyReg:
 
     #: Name -> class, a live, read-only view of ``TopologyFactory``'s registry. Register through
     #: :meth:`register` (or ``TopologyFactory.add_topology``), which also keeps :attr:`Topology.name` right.
-    registry: ClassVar[Mapping[str, type[Topology]]] = MappingProxyType(TopologyFactory._registry)
+    registry: ClassVar[Mapping[str, type[Topology]]] = TopologyFactory.registered
 
     @staticmethod
     def register(name: str) -> Callable[[T], T]:

@@ -86,9 +86,14 @@ class StagedWork:
         self._copy_back = copy_back
 
     # -- the launcher's side --------------------------------------------------------------------------
-    def _started(self, work: dist.Work | None, error: BaseException | None) -> None:
+    def started(self, work: dist.Work | None, error: BaseException | None) -> None:
+        """The launcher started the collective (``work``) or could not (``error``)."""
         self._work, self._error = work, error
         self._launched.set()
+
+    def wait_launched(self, timeout: timedelta) -> bool:
+        """Wait until the launcher took this round (launched or failed); False if ``timeout`` passed."""
+        return self._launched.wait(timeout.total_seconds())
 
     # -- the training thread's side --------------------------------------------------------------------
     def is_completed(self) -> bool:
@@ -203,7 +208,7 @@ class HostStaging:
         marker = StagedWork(None)
         self._ensure_thread()
         self._queue.put((None, None, lambda: cast(dist.Work, _NoWork()), marker))
-        if not marker._launched.wait(timeout.total_seconds()):
+        if not marker.wait_launched(timeout):
             raise HostStagingError(
                 f"staged rounds were not launched within {timeout}: a copy to the host is stuck."
             )
@@ -264,22 +269,22 @@ def _launch_one(
     """Launch one job; returns the error that fails every later job (a copy that got stuck), if any."""
     ready, device, launch, work = job
     if stuck is not None:
-        work._started(None, stuck)
+        work.started(None, stuck)
         return stuck
     if ready is not None:
         try:
             _wait_for_copy(ready, device, copy_timeout_s)
         except HostStagingError as err:
-            work._started(None, err)
+            work.started(None, err)
             return err
     try:
         started = launch()
         if started is None:
             raise HostStagingError("the collective returned no work to wait for (async_op must be True)")
     except BaseException as err:  # handed to the training thread, which waits for this round
-        work._started(None, err)
+        work.started(None, err)
     else:
-        work._started(started, None)
+        work.started(started, None)
     return None
 
 
