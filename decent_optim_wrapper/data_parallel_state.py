@@ -19,6 +19,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from decent_optim_wrapper.checks import is_real
 from decent_optim_wrapper.data_parallel_backward import Scaler
 from decent_optim_wrapper.engine import (
     GossipEngine,
@@ -213,7 +214,7 @@ def check_arguments(
         )
     if scaler is not None and not all(hasattr(scaler, m) for m in ("scale", "unscale_", "step", "update")):
         raise TypeError(f"scaler must be None or a torch.amp.GradScaler, got {type(scaler).__name__}.")
-    if isinstance(grad_clip_norm, bool) or not isinstance(grad_clip_norm, int | float):
+    if not is_real(grad_clip_norm):
         raise TypeError(f"grad_clip_norm must be a number, got {grad_clip_norm!r}; 0.0 disables clipping.")
     if not (grad_clip_norm >= 0 and math.isfinite(grad_clip_norm)):
         raise ValueError(

@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError, current_job, enter_job, job_running
+from decent_optim_wrapper.checks import is_int
+from decent_optim_wrapper.engine.fleet.jobs import JoinRejectedError, current_job, enter_job, job_running
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld, form_group
 from decent_optim_wrapper.engine.fleet.sealing import Seal, resolve_secret
 
@@ -240,7 +241,7 @@ def init_elastic(
             "init_elastic() forms the default process group itself, but one exists already; call it "
             "instead of init_process_group()."
         )
-    if shards is not None and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1):
+    if shards is not None and (not is_int(shards) or shards < 1):
         raise ValueError(f"shards must be an int >= 1 (processes per node), got {shards!r}.")
     node_backend, device_index = plan_node_backend(
         backend, shards, os.environ, torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -258,11 +259,11 @@ def init_elastic(
             f"started with shards={shards}; start it as the job's workers were "
             f"(shards={found.shards if found.shards > 1 else None})."
         )
-    if joining and shards is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+    if joining and shards is not None and (not is_int(rank) or rank < 0):
         raise ValueError(f"rank must be an int >= 0 (node * shards + this process's index), got {rank!r}.")
     if not joining:
         for arg, value, least in (("world_size", world_size, 1), ("rank", rank, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            if not is_int(value) or value < least:
                 raise ValueError(f"{arg} must be an int >= {least}, got {value!r}.")
         if rank >= world_size:
             raise ValueError(

@@ -20,24 +20,21 @@ from decent_optim_wrapper.engine.fleet.admission import (
     WITHDRAWN,
     Admission,
     Applicant,
-    JobInfo,
     JoinerWatch,
     JoinRequest,
-    SignatureEntry,
     Verdict,
     admit,
     claim_fate,
     fate_key,
     joiner_verdicts,
-    mismatch,
-    publish_job,
-    run_prefix,
     settle_fates,
     slot_key,
     write_verdicts,
 )
+from decent_optim_wrapper.engine.fleet.jobs import JobInfo, publish_job, run_prefix
 from decent_optim_wrapper.engine.fleet.membership import Decision, Report
 from decent_optim_wrapper.engine.fleet.sealing import Seal
+from decent_optim_wrapper.engine.fleet.signatures import SignatureEntry, mismatch
 from decent_optim_wrapper.engine.layout import join_signature
 
 pytestmark = pytest.mark.pure

@@ -18,15 +18,8 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper import JoinRejectedError, init_elastic
-from decent_optim_wrapper.engine.fleet.admission import (
-    JobInfo,
-    JoinRequest,
-    admit,
-    job_running,
-    publish_job,
-    run_prefix,
-    slot_key,
-)
+from decent_optim_wrapper.engine.fleet.admission import JoinRequest, admit, slot_key
+from decent_optim_wrapper.engine.fleet.jobs import JobInfo, job_running, publish_job, run_prefix
 from decent_optim_wrapper.engine.fleet.membership import Decision, Membership, Report
 from decent_optim_wrapper.engine.fleet.sealing import SECRET_ENV, ForgedEntryError, Seal, resolve_secret
 from decent_optim_wrapper.engine.fleet.transfer import TransferCorruptedError, pack, unpack
@@ -162,13 +155,8 @@ def test_a_decision_forged_in_the_store_is_ignored_and_the_members_agree_on_thei
 
 
 def test_a_joiner_passes_over_verdicts_that_do_not_verify_and_waits_for_the_members():
-    from decent_optim_wrapper.engine.fleet.admission import (
-        Applicant,
-        JobInfo,
-        Verdict,
-        verdict_key,
-        write_verdicts,
-    )
+    from decent_optim_wrapper.engine.fleet.admission import Applicant, Verdict, verdict_key, write_verdicts
+    from decent_optim_wrapper.engine.fleet.jobs import JobInfo
     from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 
     store, seal = dist.HashStore(), Seal(SECRET)
@@ -214,10 +202,10 @@ def test_a_joiner_whose_application_an_outsider_overwrote_applies_again_instead_
         FORGED_APPLICATION,
         Applicant,
         ApplyAgainError,
-        JobInfo,
         Verdict,
         write_verdicts,
     )
+    from decent_optim_wrapper.engine.fleet.jobs import JobInfo
 
     store, seal = dist.HashStore(), Seal(SECRET)
     prefix = run_prefix("run-x")

@@ -222,7 +222,8 @@ FORGED_VERDICTS = 40  # verdicts written ahead of time at the slots' predictable
 def _forge(store: dist.Store, run: str) -> None:
     """An outsider that reaches the store but has no secret: plain verdicts refusing whoever applies
     next, ahead of time, at every predictable verdict key, then a stream of plain applications."""
-    from decent_optim_wrapper.engine.fleet.admission import JoinRequest, Verdict, run_prefix, slot_key
+    from decent_optim_wrapper.engine.fleet.admission import JoinRequest, Verdict, slot_key
+    from decent_optim_wrapper.engine.fleet.jobs import run_prefix
 
     plain, prefix = Seal(), run_prefix(run)
     for number in range(1, FORGED_VERDICTS + 1):

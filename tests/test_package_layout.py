@@ -29,8 +29,9 @@ ENGINE_LAYERS = {
     "engine": 5,
 }
 
-# The package's layers: topologies <- engine <- front-ends <- the rest. optim depends on torch alone.
+# The package's layers: topologies <- engine <- front-ends <- the rest. optim depends on torch and checks.
 PACKAGE_LAYERS = {
+    "checks": -1,  # what a number argument must be: used by every layer
     "topo": 0,
     "optim": 0,
     "engine": 1,

@@ -249,7 +249,8 @@ def forge(host: str, port: int, per_s: float, stop: threading.Event) -> None:
 
     import torch.distributed as dist
 
-    from decent_optim_wrapper.engine.fleet.admission import JoinRequest, run_prefix, slot_key
+    from decent_optim_wrapper.engine.fleet.admission import JoinRequest, slot_key
+    from decent_optim_wrapper.engine.fleet.jobs import run_prefix
     from decent_optim_wrapper.engine.fleet.sealing import Seal
 
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))

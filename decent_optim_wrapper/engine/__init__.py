@@ -55,8 +55,8 @@ from decent_optim_wrapper.engine.exchange.shards import (
     placed_optimizer_state,
 )
 from decent_optim_wrapper.engine.exchange.staging import HostStagingError
-from decent_optim_wrapper.engine.fleet.admission import JoinRejectedError
 from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
+from decent_optim_wrapper.engine.fleet.jobs import JoinRejectedError
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.option_docs import document_options

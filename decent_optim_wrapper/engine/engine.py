@@ -27,9 +27,9 @@ from decent_optim_wrapper.engine.config import GossipConfig, GossipOptions, Plac
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
-from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.comm import agree, run_token
 from decent_optim_wrapper.engine.fleet.growth import Growth
+from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import Membership, connect_store
 from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world

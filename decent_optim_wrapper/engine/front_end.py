@@ -26,7 +26,7 @@ __all__ = ["EngineFrontEnd"]
 class EngineFrontEnd:
     """A front-end's view of its :class:`~decent_optim_wrapper.engine.GossipEngine`.
 
-    A subclass attaches its engine in its constructor (:meth:`_attach`).
+    A subclass attaches its engine in its constructor (``self._attach(engine)``).
     """
 
     def _attach(self, engine: GossipEngine) -> GossipEngine:

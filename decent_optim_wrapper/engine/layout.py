@@ -18,8 +18,8 @@ from decent_optim_wrapper.engine.config import GossipConfig
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params
 from decent_optim_wrapper.engine.exchange.clipping import resolve_clipped_gossip
 from decent_optim_wrapper.engine.exchange.shards import ShardLayout
-from decent_optim_wrapper.engine.fleet.admission import SignatureEntry
 from decent_optim_wrapper.engine.fleet.comm import group_layout
+from decent_optim_wrapper.engine.fleet.signatures import SignatureEntry
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
 from decent_optim_wrapper.engine.options import (
     LocalLayout,

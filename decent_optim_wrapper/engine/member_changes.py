@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
-from decent_optim_wrapper.engine.fleet.admission import current_job
 from decent_optim_wrapper.engine.fleet.growth import Growth
+from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, Decision, Membership, PeerLost, Phase
 from decent_optim_wrapper.engine.progress import StepProgress
 from decent_optim_wrapper.engine.rules.local_steps import LocalSteps

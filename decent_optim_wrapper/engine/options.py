@@ -14,9 +14,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from decent_optim_wrapper.checks import is_real
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
-from decent_optim_wrapper.engine.fleet.admission import SignatureEntry
 from decent_optim_wrapper.engine.fleet.comm import GroupLayout, check_identical
+from decent_optim_wrapper.engine.fleet.signatures import SignatureEntry
 from decent_optim_wrapper.engine.wire.compression import GossipCompression
 from decent_optim_wrapper.topo import Topology, TopologyFactory
 
@@ -187,7 +188,7 @@ def check_buckets_agree(signatures: list[tuple[object, ...]]) -> None:
 
 def check_mixing_factor(factor: object) -> float:
     """The mixing (adaptive) factor ``a`` in (0, 1], as a float; raises on anything else."""
-    if isinstance(factor, bool) or not isinstance(factor, int | float):
+    if not is_real(factor):
         raise TypeError(f"the mixing (adaptive) factor must be a number in (0, 1], got {factor!r}.")
     if not 0.0 < factor <= 1.0:
         raise ValueError(
@@ -246,7 +247,7 @@ def check_host_staging(requested: object) -> None:
 
 
 def check_bucket_cap(bucket_cap_mb: object) -> None:
-    if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, int | float):
+    if not is_real(bucket_cap_mb):
         raise TypeError(f"bucket_cap_mb must be a number of MiB, got {bucket_cap_mb!r}; e.g. 25.")
     if bucket_cap_mb <= 0:
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}; e.g. 25.")

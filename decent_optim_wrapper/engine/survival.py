@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
-from decent_optim_wrapper.engine.fleet.admission import current_job
+from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import (
     ChannelReport,
     Decision,

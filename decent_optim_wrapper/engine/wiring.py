@@ -132,9 +132,11 @@ class Wiring:
 
     @property
     def group_timeout(self) -> timedelta:
-        """The process groups' timeout: the rounds' own, or 3x with survival, where the engine's wait
-        decides when a peer is lost and gloo must not time a round out first (so that a round every
-        member launched completes: :meth:`~.fleet.membership.Decision.finishes`)."""
+        """How long the process groups wait, as long as the rounds or 3x with survival.
+
+        With survival the engine's own wait decides when a peer is lost, and gloo must not time a round
+        out first, so that a round every member launched completes
+        (:meth:`~.fleet.membership.Decision.finishes`)."""
         return self.timeout if self._membership is None else 3 * self.timeout
 
     def rewire(self, decision: Decision | None, before: list[int], membership: Membership) -> None:

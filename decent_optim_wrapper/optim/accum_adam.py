@@ -19,6 +19,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT, _default_to_fused_or_foreach
 
+from decent_optim_wrapper.checks import is_int
+
 __all__ = ["AccumAdam", "AccumAdamW"]
 
 
@@ -59,7 +61,7 @@ def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
                 )
     if "accum_iter" in group:
         accum_iter = group["accum_iter"]
-        if not isinstance(accum_iter, int) or isinstance(accum_iter, bool):
+        if not is_int(accum_iter):
             raise TypeError(
                 f"{where}accum_iter must be an int, got {accum_iter!r} ({type(accum_iter).__name__}); "
                 "pass the number of steps per moment update, e.g. accum_iter=4."
@@ -71,7 +73,7 @@ def _check_hyperparameters(group: dict[str, Any], where: str) -> None:
             )
     if "second_moment_ranks" in group:
         ranks = group["second_moment_ranks"]
-        if not isinstance(ranks, int) or isinstance(ranks, bool):
+        if not is_int(ranks):
             raise TypeError(
                 f"{where}second_moment_ranks must be an int, got {ranks!r} ({type(ranks).__name__}); "
                 "pass the number of replicas whose average the update should follow, e.g. 4, or 1 for "
@@ -98,13 +100,13 @@ class _Bucket:
     states: list[dict[str, Any]] = field(default_factory=list)  # for the signal, with ranks > 1
 
 
-#: The state key of the signal estimate :math:`c` of ``second_moment_ranks > 1`` (the engine's
-#: rule for torch's Adam keeps its estimate under the same name).
+#: The state key of the signal estimate :math:`c` of ``second_moment_ranks > 1``; the engine's rule
+#: for torch's Adam (:mod:`~decent_optim_wrapper.engine.rules.adam_step`) keeps its estimate under it too.
 SIGNAL = "exp_avg_signal"
 
 
 @dataclass(frozen=True)
-class _Hyper:
+class _AccumHyper:
     lr: float
     beta1: float
     beta2: float
@@ -122,7 +124,7 @@ class _Hyper:
 # and on CUDA where there is a GPU).
 
 
-def _bias_corrections(hyper: _Hyper, step: int) -> tuple[float, float]:
+def _bias_corrections(hyper: _AccumHyper, step: int) -> tuple[float, float]:
     """``(-lr / (1 - beta1^k), sqrt(1 - beta2^k))`` for round ``k = ceil(step / accum_iter)``.
 
     Computed in Python floats as torch does (it raises ``beta`` to the step read back as a float).
@@ -134,7 +136,7 @@ def _bias_corrections(hyper: _Hyper, step: int) -> tuple[float, float]:
     return step_size, bias_correction2**0.5
 
 
-def _multi_tensor_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
+def _multi_tensor_update(bucket: _Bucket, step: int, hyper: _AccumHyper) -> None:
     params, grads, exp_avgs, exp_avg_sqs = bucket.params, bucket.grads, bucket.exp_avgs, bucket.exp_avg_sqs
     beta1, beta2 = hyper.beta1, hyper.beta2
     if hyper.weight_decay != 0:
@@ -187,7 +189,7 @@ def _store_signal(state: dict[str, Any], real: Tensor) -> None:
     state[SIGNAL] = torch.view_as_complex(real) if torch.is_complex(state["exp_avg"]) else real
 
 
-def _average_rule_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
+def _average_rule_update(bucket: _Bucket, step: int, hyper: _AccumHyper) -> None:
     """The update with ``n = second_moment_ranks > 1``: the step divides by an estimate of the second
     moment of the average of ``n`` replicas' gradients (see :class:`AccumAdamW`). Foreach kernels
     whatever ``foreach`` says: there is no torch op sequence to match here."""
@@ -250,7 +252,7 @@ def _average_rule_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
         torch._foreach_zero_(bucket.accum_grads)
 
 
-def _single_tensor_update(bucket: _Bucket, step: int, hyper: _Hyper) -> None:
+def _single_tensor_update(bucket: _Bucket, step: int, hyper: _AccumHyper) -> None:
     beta1, beta2 = hyper.beta1, hyper.beta2
     step_size, bias_correction2_sqrt = _bias_corrections(hyper, step)
     round_ends = step % hyper.accum_iter == 0
@@ -395,7 +397,7 @@ class _AccumAdamBase(Optimizer):
         if foreach is None:  # torch's own rule, so the default is the path torch.optim.Adam takes
             _, foreach = _default_to_fused_or_foreach(params_with_grad, differentiable=False, use_fused=False)
         beta1, beta2 = group["betas"]
-        hyper = _Hyper(
+        hyper = _AccumHyper(
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,

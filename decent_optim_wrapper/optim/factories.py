@@ -18,6 +18,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, LRScheduler, SequentialLR
 
+from decent_optim_wrapper.checks import is_int, is_real
 from decent_optim_wrapper.optim.accum_adam import AccumAdam, AccumAdamW
 
 __all__ = [
@@ -42,7 +43,7 @@ def _param_groups(params: Iterable[tuple[str, Tensor]], weight_decay: float) -> 
 
     The groups keep the names (torch's ``param_names``), so ``state_dict()`` says which is which.
     """
-    if isinstance(weight_decay, bool) or not isinstance(weight_decay, int | float):
+    if not is_real(weight_decay):
         raise TypeError(f"weight_decay must be a float, got {weight_decay!r}; e.g. weight_decay=0.1.")
     if not weight_decay >= 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}; pass 0 for no weight decay.")
@@ -236,7 +237,7 @@ def lr_scheduler_fn_cosine_with_warmup(
         ValueError: An argument out of range.
     """
     for name, value, least in (("t_max", t_max, 1), ("t_warmup", t_warmup, 0)):
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise TypeError(
                 f"{name} must be an int number of steps, got {value!r} ({type(value).__name__}); "
                 f"e.g. {name}=int({name})."

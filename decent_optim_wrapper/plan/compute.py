@@ -12,6 +12,8 @@ import math
 import random
 from dataclasses import dataclass
 
+from decent_optim_wrapper.checks import is_real
+
 __all__ = ["JITTERS", "UNEVEN", "ComputeTimes"]
 
 #: ``none``: every step takes ``mean_s``; ``lognormal``: ``mean_s * exp(sigma z - sigma^2 / 2)`` with
@@ -72,11 +74,7 @@ class ComputeTimes:
                 "jitter='uneven' needs factors, rank r's step taking factors[r] * mean_s; e.g. "
                 "factors=(2, 2, 1, 1) for two ranks of half the speed."
             )
-        bad = [
-            f
-            for f in factors
-            if isinstance(f, bool) or not isinstance(f, int | float) or not 0 < f < math.inf
-        ]
+        bad = [f for f in factors if not is_real(f) or not 0 < f < math.inf]
         if bad:
             raise ValueError(
                 f"factors={factors} holds {bad[0]!r}; every factor must be a finite number > 0 (rank r's "

@@ -79,6 +79,7 @@ import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from decent_optim_wrapper.checks import is_real
 from decent_optim_wrapper.engine.rules.pacing import UNPACED_ROUNDS, planned_steps, round_seconds
 from decent_optim_wrapper.plan.compute import ComputeTimes
 from decent_optim_wrapper.plan.sharing import LinkSharing, SharingModel, Transfer
@@ -145,7 +146,7 @@ class Gossip:
                 f"stage_out_s and stage_in_s must be >= 0, got {self.stage_out_s} and {self.stage_in_s}"
             )
         share = self.max_share
-        if isinstance(share, bool) or not isinstance(share, int | float) or not 1 <= share < math.inf:
+        if not is_real(share) or not 1 <= share < math.inf:
             raise ValueError(
                 f"max_share={share!r} must be a finite number >= 1 (the most steps a paced round takes, in "
                 "units of sync_every), as the engine's Pacing(max_share=...); the default is 4.0."
@@ -159,12 +160,6 @@ class Gossip:
     def round_of(self, step: int) -> int | None:
         """The round launched at the end of ``step``, or None (unpaced rounds)."""
         return step // self.sync_every if (step + 1) % self.sync_every == 0 else None
-
-    def folded_at(self, step: int) -> int | None:
-        """The round folded in at the end of ``step`` (``D >= 1``, unpaced rounds), or None."""
-        if self.delay == 0 or step < self.delay:
-            return None
-        return self.round_of(step - self.delay)
 
 
 Scheme = NoComm | AllReduce | Gossip

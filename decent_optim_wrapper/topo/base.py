@@ -8,6 +8,7 @@ from typing import ClassVar, Literal
 
 import torch
 
+from decent_optim_wrapper.checks import is_int
 from decent_optim_wrapper.topo import mixing
 from decent_optim_wrapper.topo.compat import Edge, edges_to_groups
 from decent_optim_wrapper.topo.group import Group, Phase
@@ -17,7 +18,7 @@ __all__ = ["Phase", "Topology"]
 
 
 def _check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}.")
     if value < 1:
         raise ValueError(f"{name} must be >= 1, got {value}.")

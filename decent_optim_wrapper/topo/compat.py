@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from numbers import Real
 
+from decent_optim_wrapper.checks import is_int
 from decent_optim_wrapper.topo.group import Group
 from decent_optim_wrapper.topo.validation import format_ranks
 
@@ -116,7 +117,7 @@ def _as_group(edge: object, world_size: int, phase: int, where: str) -> Group:
     if isinstance(ranks, str | bytes) or not isinstance(ranks, Sequence) or not ranks:
         raise TypeError(f"{where}: phase {phase}: {_show(edge)}: ranks must be a non-empty list of ints.")
     for rank in ranks:
-        if isinstance(rank, bool) or not isinstance(rank, int):
+        if not is_int(rank):
             raise TypeError(f"{where}: phase {phase}: {_show(edge)}: rank {rank!r} is not an int.")
         if not 0 <= rank < world_size:
             raise ValueError(

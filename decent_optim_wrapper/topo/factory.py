@@ -21,7 +21,7 @@ class TopologyFactory:
     """
 
     _registry: ClassVar[dict[str, type[Topology]]] = {}
-    #: Name -> class: a live, read-only view of the registry.
+    #: The registered classes by name, a live and read-only view of the registry.
     registered: ClassVar[Mapping[str, type[Topology]]] = MappingProxyType(_registry)
 
     @classmethod

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from decent_optim_wrapper.checks import is_int
+
 __all__ = ["Group", "Phase"]
 
 
@@ -34,7 +36,7 @@ class Group:
         if not ranks:
             raise ValueError("Group(ranks=()) is empty: a group needs at least one rank.")
         for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int):
+            if not is_int(r):
                 raise TypeError(f"Group ranks must be ints, got {r!r} in ranks={list(ranks)}.")
         if list(ranks) != sorted(set(ranks)):
             raise ValueError(

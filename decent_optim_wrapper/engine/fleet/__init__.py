@@ -1,6 +1,12 @@
 """The fleet: who is in the job, how its ranks agree and wait, and how members are lost and gained.
 
 * :mod:`~decent_optim_wrapper.engine.fleet.replicas` -- a job of nodes: the shard worlds between nodes.
+* :mod:`~decent_optim_wrapper.engine.fleet.heartbeats` -- each process's counter in the store, and how
+  often a wait on the store looks again.
+* :mod:`~decent_optim_wrapper.engine.fleet.jobs` -- the elastic job a process is in, published under its
+  name for joiners to find.
+* :mod:`~decent_optim_wrapper.engine.fleet.signatures` -- what a joiner must share with the job, and the
+  first difference, by name.
 * :mod:`~decent_optim_wrapper.engine.fleet.admission` -- a running job's applicants and the members' decision.
 * :mod:`~decent_optim_wrapper.engine.fleet.world` -- the gossip world: the whole job, or one dimension of
   a device mesh or a process group.

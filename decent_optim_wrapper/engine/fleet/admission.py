@@ -4,11 +4,12 @@ admitted at a step boundary.
 A job opens to joiners when its workers start with :func:`~decent_optim_wrapper.launch.init_elastic`
 (or ``initialize_dist(elastic=True)``) and build a front-end with ``on_peer_failure="continue"``: rank 0
 then publishes the job under its name in the store. A worker that starts later (a replacement for a
-lost one, a restarted one, or an extra one) runs the same command; :func:`job_running` finds the job
-live, the worker builds its model and front-end in a world of its own, and the engine applies:
+lost one, a restarted one, or an extra one) runs the same command;
+:func:`~decent_optim_wrapper.engine.fleet.jobs.job_running` finds the job live, the worker builds its
+model and front-end in a world of its own, and the engine applies:
 
 1. *Apply.* The joiner compares the signature of its model and options with the one the job
-   published (a mismatch raises :class:`JoinRejectedError` there, and the members never hear of it),
+   published (a mismatch raises :class:`~.jobs.JoinRejectedError` there, and the members never hear of it),
    then claims the first free application slot with its :class:`JoinRequest` in one
    ``compare_set`` (so a slot is either free or holds a whole request) and starts its heartbeat.
    Each request carries a nonce of its own, so that a slot reads back as this applicant's only if
@@ -63,78 +64,44 @@ under ``decent-optim-wrapper/jobs/<job>``.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from typing import TypeGuard
+from dataclasses import dataclass, replace
 
 from loguru import logger
 from torch.distributed import Store  # type: ignore[attr-defined]
 
-from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
+from decent_optim_wrapper.engine.errors import PeerFailureError
+from decent_optim_wrapper.engine.fleet.heartbeats import HEARTBEAT_S, POLL_S, STALE_AFTER_S, start_heartbeat
+from decent_optim_wrapper.engine.fleet.jobs import JobInfo, JoinRejectedError, run_prefix
 from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
-from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
-from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal, resolve_secret
+from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal
+from decent_optim_wrapper.engine.fleet.signatures import mismatch
 
 __all__ = [
+    "ADMITTED",
+    "WITHDRAWN",
+    "Admission",
     "Applicant",
     "ApplyAgainError",
-    "ElasticJob",
-    "JobInfo",
-    "JoinRejectedError",
     "JoinRequest",
-    "SignatureEntry",
+    "JoinerWatch",
     "Verdict",
     "admit",
-    "current_job",
-    "enter_job",
-    "job_running",
-    "process_seal",
-    "publish_job",
+    "claim_fate",
+    "settle_fates",
+    "write_verdicts",
 ]
 
-#: How often the heartbeat thread of a member (and of an applicant) bumps its counter, in seconds.
-HEARTBEAT_S = 0.2
-#: A counter standing still this long means its process is gone.
-STALE_AFTER_S = 3.0
-_POLL_S = 0.05
 #: After joiners were deferred because no member could donate, members wait this long before
 #: announcing them again. (Joiners deferred by a collective of the whole world are announced at the
 #: first step boundary after it instead: see "Deferred by a collective" above.)
 RETRY_AFTER_S = 1.0
 #: An application's fate, claimed once by whoever comes first (see "Fate" above).
 ADMITTED, WITHDRAWN = "admitted", "withdrawn"
-
-
-class JoinRejectedError(DecentError, ValueError):
-    """The running job refused this worker: its model or options differ from the members'."""
-
-
-@dataclass(frozen=True)
-class SignatureEntry:
-    """One item of a signature field, compared by its ``fields`` and named by ``label`` in a rejection.
-
-    A parameter is ``SignatureEntry("parameter 'fc1.weight'", (("shape", (64, 32)), ("dtype",
-    "torch.float32")))``: a joiner whose ``fc1.weight`` is (48, 32) is told so by name, while a name
-    alone (another front-end, a compiled model's prefix) never makes two entries differ.
-    """
-
-    label: str = field(compare=False)
-    fields: tuple[tuple[str, object], ...]
-
-
-@dataclass(frozen=True)
-class JobInfo:
-    """What the store says of a running job: its run (the key prefix) and its size at launch."""
-
-    run: str
-    launch_world_size: int
-    signature: tuple[tuple[str, object], ...] = ()  # what an applicant must match (checked before applying)
-    shards: int = 1  # processes per replica (a job of nodes, ``init_elastic(..., shards=k)``)
 
 
 @dataclass(frozen=True)
@@ -184,96 +151,6 @@ class Admission:
     #: world; they are then announced again at the first step boundary after the members complete
     #: one, not after a wait of RETRY_AFTER_S.
     after_collective: bool = False
-
-
-@dataclass
-class ElasticJob:
-    """This process's elastic job: the store it meets the others in, the job's name, and the running
-    job it found at start if it is a joiner (set by :func:`enter_job`, read by the engine)."""
-
-    store: Store
-    job: str
-    found: JobInfo | None  # None: this process started the job
-    #: In a decentralized-HSDP job (``init_elastic(..., shards=k)``): this rank's shard world.
-    replicas: ReplicaWorld | None = None
-    #: The store prefix a joining node's ranks coordinate under (on a node started to join a job of nodes).
-    node_key: str | None = None
-    #: Seals the job's store entries and replica digests with its secret (:mod:`~.sealing`).
-    seal: Seal = field(default_factory=Seal)
-
-    @property
-    def joining(self) -> bool:
-        return self.found is not None
-
-
-_context: ElasticJob | None = None
-
-
-def enter_job(
-    store: Store,
-    job: str,
-    found: JobInfo | None,
-    replicas: ReplicaWorld | None = None,
-    node_key: str | None = None,
-    seal: Seal | None = None,
-) -> None:
-    """Record this process's elastic job, the running job it found, if any, its shard world in a
-    decentralized-HSDP job, where a joining node's ranks coordinate, and the seal of its secret
-    (:func:`~decent_optim_wrapper.launch.init_elastic` calls it)."""
-    global _context
-    _context = ElasticJob(store, job, found, replicas, node_key, Seal() if seal is None else seal)
-
-
-def current_job() -> ElasticJob | None:
-    """The elastic job this process entered, or None (survival only, no joins)."""
-    return _context
-
-
-def process_seal() -> Seal:
-    """The seal of this process's job secret: its elastic job's, else ``$DECENT_JOB_SECRET``'s (survival
-    without joins), else none (plain entries)."""
-    return _context.seal if _context is not None else Seal(resolve_secret())
-
-
-def _job_key(job: str) -> str:
-    return f"decent-optim-wrapper/jobs/{job}"
-
-
-def run_prefix(run: str) -> str:
-    return f"decent-optim-wrapper/{run}"
-
-
-def publish_job(store: Store, job: str, info: JobInfo, seal: Seal) -> None:
-    """Make ``job`` findable by joiners (rank 0 of the members, once the engine is built)."""
-    key = _job_key(job)
-    store.set(key, seal.seal(info, key))
-
-
-def job_running(store: Store, job: str, seal: Seal) -> JobInfo | None:
-    """The job's info if ``job`` is published and its members are alive, else None.
-
-    Alive: the run's shared heartbeat counter moves within :data:`STALE_AFTER_S` (a job that ended,
-    or a store left over from an earlier job, has a counter standing still). A published entry that
-    does not verify with ``seal`` (:mod:`~.sealing`) raises :class:`JoinRejectedError`.
-    """
-    key = _job_key(job)
-    if not store.check([key]):
-        return None
-    try:
-        info: JobInfo = seal.open(store.get(key), key)
-    except ForgedEntryError as err:
-        raise JoinRejectedError(
-            f"job {job!r} is in the store, but this worker cannot verify it: {err} If that job is over, "
-            "start the new one under another name or with a fresh store."
-        ) from err
-    alive = f"{run_prefix(info.run)}/alive"
-    first = int(store.add(alive, 0))
-    deadline = time.monotonic() + STALE_AFTER_S
-    while time.monotonic() < deadline:
-        time.sleep(_POLL_S)
-        if int(store.add(alive, 0)) != first:
-            return info
-    return None
 
 
 def slot_key(prefix: str, number: int) -> str:
@@ -354,49 +231,6 @@ class JoinerWatch:
                 self.not_before = time.monotonic() + RETRY_AFTER_S
 
 
-#: The heartbeat threads of this process and their stop events: stopped and joined when the
-#: interpreter exits, before C++ tears the store client down under a thread still inside a call to
-#: it (the process would abort with "terminate called without an active exception").
-_HEARTBEATS: list[tuple[threading.Event, threading.Thread]] = []
-
-
-def start_heartbeat(
-    store: Store, key: str, prefix: str, stopped: threading.Event, watch: JoinerWatch | None = None
-) -> None:
-    """Run :func:`beat` on a daemon thread until ``stopped`` is set (at the latest at exit)."""
-    thread = threading.Thread(
-        target=beat, args=(store, key, prefix, stopped, watch), name="decent-heartbeat", daemon=True
-    )
-    if not _HEARTBEATS:
-        atexit.register(_stop_heartbeats)
-    _HEARTBEATS[:] = [(e, t) for e, t in _HEARTBEATS if t.is_alive()]
-    _HEARTBEATS.append((stopped, thread))
-    thread.start()
-
-
-def _stop_heartbeats() -> None:
-    for stopped, _ in _HEARTBEATS:
-        stopped.set()
-    for _, thread in _HEARTBEATS:
-        thread.join(timeout=2 * HEARTBEAT_S)
-
-
-def beat(
-    store: Store, key: str, prefix: str, stopped: threading.Event, watch: JoinerWatch | None = None
-) -> None:
-    """Bump ``key`` every :data:`HEARTBEAT_S` until ``stopped``. A member of a job open to joiners
-    (its ``watch`` open) also bumps the run's shared counter (the job is alive) and refreshes the watch."""
-    alive = f"{prefix}/alive"
-    while not stopped.wait(HEARTBEAT_S):
-        try:
-            store.add(key, 1)
-            if watch is not None and watch.open:
-                store.add(alive, 1)
-                watch.refresh(store, prefix)
-        except Exception:  # the store is gone: recovery will say so; the heartbeat just stops
-            return
-
-
 def admit(
     store: Store,
     prefix: str,
@@ -444,79 +278,6 @@ def admit(
     )
 
 
-def mismatch(ours: tuple[tuple[str, object], ...], theirs: tuple[tuple[str, object], ...]) -> str:
-    """Why an applicant's signature cannot join (the first field, and the first entry in it, that
-    differs: a parameter by its name and shapes), or ``""``."""
-    reason = _difference(ours, theirs)
-    if reason:
-        return f"its {reason}; start it with the job's code, model and options"
-    extra = [name for name, _ in theirs if name not in dict(ours)]
-    return f"it passes options the job does not know ({extra}); run the job's own code" if extra else ""
-
-
-def _difference(ours: tuple[tuple[str, object], ...], theirs: tuple[tuple[str, object], ...]) -> str:
-    """The first field of ``ours`` (the job's) that ``theirs`` (the applicant's, ``here``) does not
-    match, and how, or ``""``."""
-    yours = dict(theirs)
-    for name, value in ours:
-        other = yours.get(name, "<missing>")
-        if other == value:
-            continue
-        inner = _difference(value, other) if _is_signature(value) and _is_signature(other) else ""
-        if inner:  # a node's signature holds one per shard
-            return f"{name}'s {inner}"
-        where, here, there = _first_difference(other, value, name)
-        if isinstance(here, SignatureEntry) and isinstance(there, SignatureEntry):
-            job = dict(there.fields)
-            changes = [
-                f"{key} {_brief(mine)} here and {_brief(job.get(key))} in the job"
-                for key, mine in here.fields
-                if job.get(key) != mine
-            ]
-            return f"{here.label} differs from the running job's: it has {', and '.join(changes)}"
-        if _entries(here) and _entries(there) and len(here) != len(there):  # one has more parameters
-            longer, side = (here, "here") if len(here) > len(there) else (there, "in the job")
-            return (
-                f"{where} differ from the running job's: {len(here)} here, {len(there)} in the job; the "
-                f"first without a counterpart is {longer[min(len(here), len(there))].label} {side}"
-            )
-        return f"{where} differs from the running job's ({_brief(here)} here, {_brief(there)} in the job)"
-    return ""
-
-
-def _is_signature(value: object) -> TypeGuard[tuple[tuple[str, object], ...]]:
-    """Whether ``value`` is a signature itself: (name, value) pairs (a node's holds one per shard)."""
-    return (
-        isinstance(value, tuple)
-        and len(value) > 0
-        and all(isinstance(e, tuple) and len(e) == 2 and isinstance(e[0], str) for e in value)
-    )
-
-
-def _entries(value: object) -> TypeGuard[tuple[SignatureEntry, ...]]:
-    """Whether ``value`` is a field of :class:`SignatureEntry` items (the parameters)."""
-    return isinstance(value, tuple) and all(isinstance(e, SignatureEntry) for e in value)
-
-
-def _first_difference(here: object, there: object, path: str) -> tuple[str, object, object]:
-    """The innermost entry of two nested tuples/lists where they differ, and its path (a tuple of plain
-    values, such as a shape, is one entry; so is a :class:`SignatureEntry`)."""
-    if (
-        isinstance(here, tuple | list)
-        and isinstance(there, tuple | list)
-        and any(isinstance(v, tuple | list | SignatureEntry) for v in here)
-    ):
-        for index, (a, b) in enumerate(zip(here, there, strict=False)):
-            if a != b:
-                return _first_difference(a, b, f"{path}[{index}]")
-    return path, here, there
-
-
-def _brief(value: object) -> str:
-    text = repr(value)
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
 def _alive(
     store: Store, prefix: str, requests: list[JoinRequest]
 ) -> tuple[list[JoinRequest], list[JoinRequest]]:
@@ -529,7 +290,7 @@ def _alive(
     moved: set[tuple[int, int]] = set()
     deadline = time.monotonic() + 3 * HEARTBEAT_S
     while len(moved) < len(keys) and time.monotonic() < deadline:
-        time.sleep(_POLL_S)
+        time.sleep(POLL_S)
         moved |= {n for n, k in keys.items() if n not in moved and int(store.add(k, 0)) != first[n]}
     live = [r for r in requests if all((r.number, m) in moved for m in r.members)]
     return live, [r for r in requests if r not in live]
@@ -617,7 +378,7 @@ class Applicant:
 
     Args:
         store: the job's store.
-        info: the running job (:func:`job_running`).
+        info: the running job (:func:`~decent_optim_wrapper.engine.fleet.jobs.job_running`).
         signature: what the members compare with theirs (model layout and options).
         timeout: how long to wait for a verdict before giving up.
         member: this rank's identity, for a node's ranks (else drawn from the slot's number).
@@ -762,7 +523,7 @@ class Applicant:
                 )
             if now > deadline:
                 deadline = float("inf")  # admitted: the verdict follows while the members are alive
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
 
     def withdraw(self) -> None:
         """Stop the heartbeat: the members take this applicant for gone (after an aborted join)."""

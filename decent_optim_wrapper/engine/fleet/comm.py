@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from loguru import logger
 
-from decent_optim_wrapper.engine.fleet.admission import current_job
+from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
 from decent_optim_wrapper.topo import Topology
 

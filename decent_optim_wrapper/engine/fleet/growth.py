@@ -42,16 +42,9 @@ from torch.distributed import PrefixStore  # type: ignore[attr-defined]
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.errors import PeerFailureError
-from decent_optim_wrapper.engine.fleet.admission import (
-    Applicant,
-    ApplyAgainError,
-    ElasticJob,
-    JobInfo,
-    Verdict,
-    publish_job,
-    run_prefix,
-)
+from decent_optim_wrapper.engine.fleet.admission import Applicant, ApplyAgainError, Verdict
 from decent_optim_wrapper.engine.fleet.comm import all_gather_pickled
+from decent_optim_wrapper.engine.fleet.jobs import ElasticJob, JobInfo, publish_job, run_prefix
 from decent_optim_wrapper.engine.fleet.membership import (
     Decision,
     Membership,
@@ -276,7 +269,7 @@ class Growth:
         here for :meth:`register_state`). Retries an aborted join (the donor lost, a corrupted
         transfer) or an application no member admitted before its deadline (withdrawn, logged) up to
         :data:`JOIN_ATTEMPTS` times in all; raises
-        :class:`~.admission.JoinRejectedError` if the job refuses this worker.
+        :class:`~.jobs.JoinRejectedError` if the job refuses this worker.
         """
         # init_elastic saw the members alive moments ago; if they are gone since, the applicant sees
         # their heartbeat stand still and says so.

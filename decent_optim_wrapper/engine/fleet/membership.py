@@ -50,19 +50,16 @@ from torch.distributed import PrefixStore, Store, TCPStore  # type: ignore[attr-
 
 from decent_optim_wrapper.engine.errors import DecentError, PeerFailureError
 from decent_optim_wrapper.engine.fleet.admission import (
-    STALE_AFTER_S,
     Admission,
     JoinerWatch,
     admit,
-    current_job,
     joiner_verdicts,
-    process_seal,
     ready_key,
-    run_prefix,
     settle_fates,
-    start_heartbeat,
     write_verdicts,
 )
+from decent_optim_wrapper.engine.fleet.heartbeats import POLL_S, STALE_AFTER_S, start_heartbeat
+from decent_optim_wrapper.engine.fleet.jobs import current_job, process_seal, run_prefix
 from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal
@@ -84,7 +81,6 @@ __all__ = [
 # STALE_AFTER_S means its rank is dead. A live rank's beat stalls only if its process stops (SIGSTOP, a
 # frozen VM) or the machine is starved for seconds; a hung main thread keeps beating, and is instead
 # dropped when ``timeout`` passes without its report.
-_POLL_S = 0.05
 #: A pause between two polls longer than this means the polling process itself was descheduled.
 _STARVED_S = 0.5
 
@@ -381,7 +377,7 @@ class Membership:
         del device  # gloo only: a host-side wait
         limit = self._timeout if timeout is None else timeout.total_seconds()
         clock = _AwakeClock(limit)
-        next_check = time.monotonic() + _POLL_S
+        next_check = time.monotonic() + POLL_S
         announced = RuntimeError("another rank reported a lost peer")
         for work in works:
             pause = 1e-4
@@ -390,7 +386,7 @@ class Membership:
                 if clock.expired():
                     raise PeerLost(str(failure(None)))
                 if not self._recovering and now >= next_check:
-                    next_check = now + _POLL_S
+                    next_check = now + POLL_S
                     if self.failure_announced():
                         raise PeerLost(str(failure(announced)))
                     if self.joins_announced():
@@ -491,7 +487,7 @@ class Membership:
                 clock.tick()
                 if clock.expired() or self.joins_announced():
                     break
-                time.sleep(_POLL_S / 5)
+                time.sleep(POLL_S / 5)
         except PeerFailureError:
             raise
         except Exception as err:
@@ -522,7 +518,7 @@ class Membership:
             others = [m for m in self._members if m != self._me]
             if clock.expired() or not any(store.check([self._intent_key(m)]) for m in others):
                 return
-            time.sleep(_POLL_S)
+            time.sleep(POLL_S)
             clock.tick()
 
     def leave_unbroken(self) -> None:
@@ -597,7 +593,7 @@ class Membership:
                     )
                     store.compare_set(decision_key, "", proposal)
                     break
-                time.sleep(_POLL_S)
+                time.sleep(POLL_S)
             raw = store.get(decision_key)
             if not raw:
                 continue  # a forged decision another member cleared: propose again

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from loguru import logger
 from torch.distributed.device_mesh import DeviceMesh
 
-from decent_optim_wrapper.engine.fleet.admission import current_job
+from decent_optim_wrapper.checks import is_int
+from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 
 __all__ = ["GossipWorld", "check_job_of_nodes", "members_per_node", "resolve_gossip_world"]
@@ -89,7 +90,7 @@ def resolve_gossip_world(
     for name, given, actual in (("rank", rank, me), ("world_size", world_size, len(members))):
         if given is None:
             continue
-        if isinstance(given, bool) or not isinstance(given, int):
+        if not is_int(given):
             raise TypeError(f"{name} must be an int or None, got {given!r}.")
         if given != actual:
             where = "the gossip group (device_mesh/process_group)" if subgroup else "torch.distributed"
@@ -159,7 +160,7 @@ def _members(device_mesh: object, process_group: object) -> tuple[int, ...] | No
 def _local_world_size(given: int | None, members: tuple[int, ...], subgroup: bool) -> int:
     size = len(members)
     if given is not None:
-        if isinstance(given, bool) or not isinstance(given, int):
+        if not is_int(given):
             raise TypeError(f"local_world_size must be an int or None, got {given!r}.")
         if given < 1 or size % given != 0:
             along = " of the gossip group" if subgroup else ""

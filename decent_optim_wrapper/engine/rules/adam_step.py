@@ -53,10 +53,11 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.adam import adam as functional_adam
 
+from decent_optim_wrapper.checks import is_int
+from decent_optim_wrapper.optim.accum_adam import SIGNAL  # the state key of the signal estimate c_t
+
 __all__ = ["CHUNK_NUMEL", "SIGNAL", "adam_step_with_rule"]
 
-#: The optimizer-state key of the signal estimate :math:`c_t`.
-SIGNAL = "exp_avg_signal"
 
 #: How many elements of a parameter the step processes at a time on a CPU. 1 MiB per fp32 tensor,
 #: so the five tensors a chunk touches stay in a core's L2 cache between the step's operations; a
@@ -65,7 +66,7 @@ CHUNK_NUMEL = 1 << 18
 
 
 @dataclass(frozen=True)
-class _Hyper:
+class _GroupHyper:
     """One param group's hyperparameters: host scalars for the rule, torch's own for its moments."""
 
     lr: float
@@ -154,7 +155,7 @@ def adam_step_with_rule(optimizer: Optimizer, ranks: int, grad_scale: torch.Tens
     which unscales inside its step); otherwise they must be final. At ``ranks=1`` the update is
     Adam's own (the signal is kept up to date). Local: no collectives.
     """
-    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+    if not is_int(ranks) or ranks < 1:
         raise ValueError(f"ranks must be an int >= 1, got {ranks!r}")
     for group in optimizer.param_groups:
         with torch.set_grad_enabled(bool(group.get("differentiable", False))):
@@ -172,7 +173,7 @@ def _step_group(
         if not optimizer.state.get(param):
             _init_state(optimizer.state[param], param, group)
     beta1, beta2 = group["betas"]
-    hyper = _Hyper(
+    hyper = _GroupHyper(
         lr=_scalar(group["lr"]),
         beta1=_scalar(beta1),
         beta2=_scalar(beta2),
@@ -274,7 +275,7 @@ def _steps_done(states: list[dict[str, Any]]) -> list[float]:
 def _batches(
     params: list[torch.Tensor],
     states: list[dict[str, Any]],
-    hyper: _Hyper,
+    hyper: _GroupHyper,
     single: bool,
     chunkable: bool,
 ) -> list[tuple[bool, _Tensors]]:
@@ -307,7 +308,7 @@ def _chunked(batch: _Tensors) -> bool:
     return batch.chunkable and batch.params[0].device.type == "cpu" and torch.get_num_threads() == 1
 
 
-def _decay_and_update(hyper: _Hyper, part: _Tensors, started: bool) -> None:
+def _decay_and_update(hyper: _GroupHyper, part: _Tensors, started: bool) -> None:
     """AdamW's decoupled decay, then the update, once the moments have moved (torch decays first;
     under decoupled decay the moments do not read the parameters, so the result is the same)."""
     if hyper.decoupled and hyper.weight_decay != 0:
@@ -350,7 +351,9 @@ def _step_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def _moment_gradients(hyper: _Hyper, part: _Tensors, inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
+def _moment_gradients(
+    hyper: _GroupHyper, part: _Tensors, inv_scale: torch.Tensor | None
+) -> list[torch.Tensor]:
     """The gradient torch's moments see, computed with torch's operations in torch's order.
 
     Single-tensor Adam negates and adds L2 decay tensor by tensor, to a complex gradient before
@@ -383,14 +386,14 @@ def _complex(real: torch.Tensor) -> torch.Tensor:
     return torch.view_as_complex(real if real.dim() > 1 and real.shape[-1] == 2 else real.view(-1, 2))
 
 
-def _advance_signal(hyper: _Hyper, part: _Tensors, grads: list[torch.Tensor]) -> None:
+def _advance_signal(hyper: _GroupHyper, part: _Tensors, grads: list[torch.Tensor]) -> None:
     """:math:`c_t = \\beta_2 c_{t-1} + (1 - \\beta_2) g'_t \\hat m_{t-1}`, before ``exp_avg`` moves."""
     cross = [(1 - hyper.beta2) / (1 - hyper.beta1**done) for done in part.done]
     torch._foreach_mul_(part.signals, hyper.beta2)
     torch._foreach_addcmul_(part.signals, grads, part.exp_avgs, cross)
 
 
-def _own_step(hyper: _Hyper, part: _Tensors, started: bool) -> None:
+def _own_step(hyper: _GroupHyper, part: _Tensors, started: bool) -> None:
     """Single-tensor or foreach Adam with the rule's denominator: torch's moments, bit for bit."""
     grads = _moment_gradients(hyper, part, None)
     if started:
@@ -415,7 +418,7 @@ def _own_step(hyper: _Hyper, part: _Tensors, started: bool) -> None:
     _decay_and_update(hyper, part, started)
 
 
-def _update_params(hyper: _Hyper, part: _Tensors, started: bool) -> None:
+def _update_params(hyper: _GroupHyper, part: _Tensors, started: bool) -> None:
     """The parameter update of the rule (the decoupled decay is done): torch's on a first step."""
     steps = [done + 1 for done in part.done]
     step_sizes = [hyper.lr / (1 - hyper.beta1**t) for t in steps]
@@ -461,7 +464,7 @@ def _update_params(hyper: _Hyper, part: _Tensors, started: bool) -> None:
 
 def _fused_moments(
     group: dict[str, Any],
-    hyper: _Hyper,
+    hyper: _GroupHyper,
     grad_scale: torch.Tensor | None,
     params: list[torch.Tensor],
     grads: list[torch.Tensor],

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from decent_optim_wrapper.checks import is_int
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors, current
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
@@ -100,7 +101,7 @@ def resolve_local_steps(
     :func:`~.pacing.resolve_pacing`) always use rounds, also with ``sync_every=1``: a fast rank then
     takes several steps per round.
     """
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int):
+    if not is_int(sync_every):
         raise TypeError(
             f"sync_every must be a positive int (inner steps per round), got {sync_every!r}; e.g. 8, or 1 "
             "to gossip after every step."
@@ -110,7 +111,7 @@ def resolve_local_steps(
             f"sync_every must be >= 1 (inner steps per round), got {sync_every}; e.g. 8, or 1 to gossip "
             "after every step."
         )
-    if sync_delay is not None and (isinstance(sync_delay, bool) or not isinstance(sync_delay, int)):
+    if sync_delay is not None and (not is_int(sync_delay)):
         raise TypeError(
             f"sync_delay must be None or an int in [0, sync_every], got {sync_delay!r}; 0 blocks, "
             f"sync_every={sync_every} (the default) lets the exchange run behind a whole round."

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from decent_optim_wrapper.checks import is_int, is_real
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.engine.fleet.comm import wait_all
 
@@ -141,12 +142,12 @@ def resolve_pacing(pacing: object) -> Pacing | None:
             "moves the average as DDP's over the samples processed."
         )
     every = pacing.repace_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+    if not is_int(every) or every < 1:
         raise ValueError(
             f"Pacing(repace_every={every!r}) must be an int >= 1 (rounds between pace messages)."
         )
     share = pacing.max_share
-    if isinstance(share, bool) or not isinstance(share, int | float) or not 1 <= share < math.inf:
+    if not is_real(share) or not 1 <= share < math.inf:
         raise ValueError(
             f"Pacing(max_share={share!r}) must be a finite number >= 1 (the most inner steps a rank takes "
             "per round, in units of sync_every)."
@@ -412,7 +413,7 @@ class PacedClock:
         schedule = self._pacing.schedule
         if schedule is not None:
             steps = schedule(self._rank, round_)
-            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            if not is_int(steps) or steps < 1:
                 raise ValueError(
                     f"Pacing(schedule=...) gave {steps!r} inner steps for rank {self._rank} in round "
                     f"{round_}; it must return an int >= 1."

@@ -19,6 +19,7 @@ from functools import cache
 
 import torch
 
+from decent_optim_wrapper.checks import is_int, is_real
 from decent_optim_wrapper.engine.wire.chunk_codec import SELECTIONS, ChunkCodec
 from decent_optim_wrapper.engine.wire.codecs import DENSE_CODECS, INT8_BLOCK, Codec
 from decent_optim_wrapper.topo import Group, Topology
@@ -87,19 +88,19 @@ class GossipCompression:
                 "compression='bf16'."
             )
         limit = self.max_references
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        if not is_int(limit) or limit < 1:
             raise ValueError(
                 f"max_references must be an int >= 1 (extra parameter copies compression may hold), got "
                 f"{limit!r}."
             )
         chunk = self.chunk
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= MAX_CHUNK:
+        if not is_int(chunk) or not 2 <= chunk <= MAX_CHUNK:
             raise ValueError(
                 f"chunk must be an int in [2, {MAX_CHUNK}] (elements per chunk; a position must fit in two "
                 f"bytes), got {chunk!r}; e.g. chunk=256."
             )
         density = self.density
-        if isinstance(density, bool) or not isinstance(density, int | float) or not 0 < density <= 1:
+        if not is_real(density) or not 0 < density <= 1:
             raise ValueError(
                 f"density must be a number in (0, 1] (the fraction of each chunk sent), got {density!r}; "
                 "e.g. density=0.01 sends 1%."
