@@ -247,3 +247,17 @@ def build_parts_on_rank_0(named_params, ranks: int, **options):
     world = GossipWorld(tuple(range(ranks)), 0, 1, subgroup=subgroup)
     config = GossipConfig.from_options(**{"bucket_cap_mb": 1, **options})
     return build_parts(list(named_params), world, config, params_as_views=False)
+
+
+# -- the framework integrations' tests -----------------------------------------------------------------
+def _nesterov(anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(anchors, lr=0.7, momentum=0.9, nesterov=True)
+
+
+#: Options each framework's test runs inside the framework's own loop and replays in a plain loop:
+#: low-communication gossip with an outer optimizer, compression, clipping.
+FEATURES: dict[str, dict[str, Any]] = {
+    "low-communication": {"sync_every": 2, "sync_delay": 1, "outer_optimizer": _nesterov},
+    "compression": {"compression": "int8"},
+    "clipped": {"clipped_gossip": True},
+}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from helpers import launched_by_torchrun
+from helpers import FEATURES, launched_by_torchrun
 
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 
@@ -409,18 +409,6 @@ def test_mixed_precision_clipping_and_tracking_train(pool: Any, precision: str, 
 
 
 # -- every option reaches the engine through the strategy -------------------------------------------------
-def _nesterov(anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(anchors, lr=0.7, momentum=0.9, nesterov=True)
-
-
-#: Options a Lightning user could not pass before the config: low-communication gossip, compression, clipping.
-FEATURES = {
-    "low-communication": {"sync_every": 2, "sync_delay": 1, "outer_optimizer": _nesterov},
-    "compression": {"compression": "int8"},
-    "clipped": {"clipped_gossip": True},
-}
-
-
 def fit_and_replay(name: str) -> dict[str, Any]:
     """Fit with the feature's options, then train a plain DecentOptimWrapper with the same options on the
     batches Lightning fed this rank: both must end at the same replica, bit for bit."""

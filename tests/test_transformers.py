@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="the [transformers] extra is not inst
 pytest.importorskip("accelerate", reason="the [transformers] extra is not installed")
 
 import transformers
-from test_lightning import launched_by_torchrun
+from helpers import FEATURES, launched_by_torchrun
 
 pytestmark = pytest.mark.dist
 
@@ -269,18 +269,6 @@ def test_sharding_and_deepspeed_are_refused_by_name() -> None:
 
 
 # -- every option reaches the engine through the Trainer --------------------------------------------------
-def _nesterov(anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(anchors, lr=0.7, momentum=0.9, nesterov=True)
-
-
-#: Options a Trainer user could not pass before the config: low-communication gossip, compression, clipping.
-FEATURES = {
-    "low-communication": {"sync_every": 2, "sync_delay": 1, "outer_optimizer": _nesterov},
-    "compression": {"compression": "int8"},
-    "clipped": {"clipped_gossip": True},
-}
-
-
 def fit_and_replay(directory: str, name: str) -> dict[str, Any]:
     """Train with the feature's options, then replay the Trainer's own gradients through a plain
     DecentOptimWrapper built with the same options: both must step the replica identically."""
