@@ -16,8 +16,10 @@ NOT_AT_IMPORT = (
     "torch.distributed.tensor",
     "torch.distributed.fsdp",
     "sympy",
+    "decent_optim_wrapper.integrations.accelerate",
     "decent_optim_wrapper.integrations.lightning",
     "decent_optim_wrapper.integrations.transformers",
+    "accelerate",
     "lightning",
     "transformers",
 )

@@ -1,7 +1,8 @@
-"""The Lightning and Hugging Face examples end to end, as a user runs them, on a short run each.
+"""The Lightning, Hugging Face and Accelerate examples end to end, as a user runs them, on a short run each.
 
-Each script starts its own processes (Lightning's launcher; torchrun for the Trainer) and runs in a
-process group of its own with a hard deadline, in a temporary directory (they write under runs/).
+Each script starts its own processes (Lightning's launcher; torchrun for the Trainer; accelerate launch)
+and runs in a process group of its own with a hard deadline, in a temporary directory (they write under
+runs/).
 """
 
 from __future__ import annotations
@@ -60,3 +61,18 @@ def test_hsdp_example_trains_sharded_replicas_under_torchrun(tmp_path: Path) -> 
     assert metrics["trainer"] == "gossip" and 0 < metrics["bytes_sent_per_step"] < 1.5e6
     assert metrics["val_loss"] < 1.0 and "step 10: train loss" in output
     assert "Warning" not in output  # an example runs clean (FSDP2 warned of a model returning a view)
+
+
+@pytest.mark.timeout(DEADLINE_S + 30)
+def test_accelerate_example_trains_under_accelerate_launch(tmp_path: Path) -> None:
+    pytest.importorskip("accelerate", reason="the [accelerate] extra is not installed")
+    results = tmp_path / "results.json"
+    launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2"]
+    launch += ["--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+    script = [str(ROOT / "examples/accelerate_classifier.py"), "--epochs", "1", "--json", str(results)]
+    output = run_script(tmp_path, *launch, *script)
+    metrics = json.loads(results.read_text())
+    assert metrics["method"] == "decentralized" and metrics["val_acc"] > 0.3  # 10 classes: chance is 0.1
+    assert "decentralized: epoch 1: val_loss" in output
+    state = tmp_path / "runs" / "accelerate-decentralized" / "state"
+    assert (state / "decent_rank0-of-2.pt").exists() and (state / "decent_rank1-of-2.pt").exists()

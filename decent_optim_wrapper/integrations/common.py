@@ -13,12 +13,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from decent_optim_wrapper.engine import GossipConfig
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
-__all__ = ["Replicas", "framework_config", "require_version", "wrap_optimizer"]
+__all__ = ["Replicas", "ensure_process_group", "framework_config", "require_version", "wrap_optimizer"]
 
 
 def require_version(package: str, version: str, minimum: tuple[int, int], below: tuple[int, int]) -> None:
@@ -69,6 +70,17 @@ def framework_config(
     if merged.placement.local_world_size is None and local_world_size is not None:
         merged = merged.with_options(local_world_size=local_world_size)
     return merged
+
+
+def ensure_process_group(world_size: int, fix: str) -> None:
+    """A one-process gloo group where the framework runs one process without one (the wrapper needs a
+    group); ``RuntimeError`` naming ``fix`` if the framework counts several processes but none exists."""
+    if dist.is_initialized():
+        return
+    if world_size != 1:
+        raise RuntimeError(f"world_size is {world_size} but torch.distributed is not initialized; {fix}.")
+    store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not declared; one process
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
 def wrap_optimizer(

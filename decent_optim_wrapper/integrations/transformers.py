@@ -29,6 +29,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
 from decent_optim_wrapper.engine import GossipConfig, document_options
 from decent_optim_wrapper.integrations.common import (
     Replicas,
+    ensure_process_group,
     framework_config,
     require_version,
     wrap_optimizer,
@@ -169,14 +170,7 @@ class DecentralizedTrainerMixin:
             if isinstance(existing, DecentOptimWrapper):
                 self._replicas.wrappers = [existing]
                 return
-        if not dist.is_initialized():
-            if self.args.world_size != 1:
-                raise RuntimeError(
-                    f"world_size is {self.args.world_size} but torch.distributed is not initialized; "
-                    "launch with torchrun or accelerate launch."
-                )
-            store = dist.HashStore()  # type: ignore[attr-defined]  # exported, not declared; one process
-            dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        ensure_process_group(self.args.world_size, "launch with torchrun or accelerate launch")
         local = os.environ.get("LOCAL_WORLD_SIZE")
         config = framework_config("The Trainer", self._gossip_config, {}, int(local) if local else 1)
         self.optimizer = wrap_optimizer(optimizer, config)
