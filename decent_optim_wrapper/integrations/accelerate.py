@@ -27,8 +27,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'decent-optim-wrapper[accelerate]'"
     ) from err
 
-from decent_optim_wrapper.engine import GossipConfig
-from decent_optim_wrapper.engine.option_docs import document_options
+from decent_optim_wrapper.engine import GossipConfig, document_options
 from decent_optim_wrapper.integrations.common import (
     Replicas,
     ensure_process_group,
@@ -352,7 +351,7 @@ class DecentralizedAccelerator(Accelerator):  # type: ignore[misc]  # Accelerate
                 f"optimizers per rank, but this run prepared {len(models)} and {len(wrappers)}: prepare "
                 "the same objects as the run that saved it."
             )
-        from decent_optim_wrapper.engine.state.resize import average_nested
+        from decent_optim_wrapper.engine import average_nested
 
         for index, model in enumerate(models):
             states = [part["models"][index] for part in parts]
