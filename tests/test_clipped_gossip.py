@@ -189,6 +189,123 @@ def test_clipped_mixing_follows_the_simulation(pool, topology, options, attack):
         assert got.abs().max() < 2 * start[:3].abs().max(), "an honest replica was dragged away"
 
 
+class _SignFlipper(torch.optim.Optimizer):
+    """A sign-flipping attacker's "local step" over a replica that mixes by the rule like everyone's:
+    ``negated`` sends the negation of its replica every round, ``alternating`` its replica and its
+    negation in turn (both restored to the replica before the next round is mixed in: ``restore``),
+    ``flipping`` negates its replica in place, so that every other round it sends a stale one (what
+    it mixed in while negated, negated back)."""
+
+    def __init__(self, params, mode: str) -> None:
+        super().__init__(params, {})
+        self._mode, self._steps = mode, 0
+        self._honest: list[torch.Tensor] | None = None
+
+    def _params(self) -> list[torch.Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        odd = self._steps % 2 == 1
+        self._steps += 1
+        if self._mode != "flipping":
+            self._honest = [p.clone() for p in self._params()]
+        if self._mode != "alternating" or odd:
+            for p in self._params():
+                p.neg_()
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        if self._honest is not None:
+            for p, honest in zip(self._params(), self._honest, strict=True):
+                p.copy_(honest)
+
+
+FLIPPERS = ("negated", "alternating", "flipping")
+
+
+def _flipped_rounds(topology: str, options: ClippedGossip, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """As :func:`_clipped_rounds`, rank 3 a :class:`_SignFlipper` of ``mode``."""
+    rank, model = dist.get_rank(), tiny_model(dtype=torch.float64)
+    set_distinct(model, rank, dyadic=True)
+    inner = (
+        _SignFlipper(model.parameters(), mode) if rank == 3 else torch.optim.SGD(model.parameters(), lr=0.0)
+    )
+    front = DecentOptimWrapper(inner, topology=topology, clipped_gossip=options)
+    set_distinct(model, rank, dyadic=True)  # the wrapper broadcast rank 0's values
+    start = gather(flat(model))
+    for _ in range(ROUNDS + 1):  # the last step mixes the last round
+        if isinstance(inner, _SignFlipper):
+            inner.restore()  # its replica again, before the round it sent is mixed in
+        front.step()
+    return start, flat(model)
+
+
+def _simulate_flipper(
+    start: torch.Tensor, topology: str, options: ClippedGossip, mode: str, stale: bool = True
+) -> torch.Tensor:
+    """Every rank's replica after ``ROUNDS`` rounds of the clipped rule (written out as in
+    :func:`_simulate`), rank 3 a sign-flipper of ``mode`` whose replica mixes by the rule too: it
+    receives against what it sent (``x_3 <- x_3 + sum_j W_3j clip(x_j - s_3, tau_3)``). ``stale=False``
+    leaves its replica at its start (what the sign-flippers of ``_simulate`` send): a check that the
+    rounds it mixed in change what it sends."""
+    from decent_optim_wrapper.topo import TopologyFactory
+
+    topo = TopologyFactory.create(topology, 4)
+    x = start.clone()
+    windows = [RadiusWindow(options) for _ in range(4)]
+    probation: list[dict[int, int]] = [{} for _ in range(4)]  # receiver -> sender -> rounds left out
+    for r in range(ROUNDS):
+        w = topo.mixing_matrix(r)
+        if mode == "flipping":
+            x[3] = -x[3]  # in place, after its step: what it sends and what it mixes into
+        sent = x.clone()
+        if mode == "negated" or (mode == "alternating" and r % 2 == 1):
+            sent[3] = -x[3]
+        new = x.clone()
+        for i in range(4):
+            radius, norms = windows[i].radius(), []
+            update = torch.zeros_like(x[i])
+            for j in range(4):
+                if j == i or w[i, j] == 0:
+                    continue
+                d = sent[j] - sent[i]
+                norm = float(torch.linalg.vector_norm(d))
+                norms.append(norm)
+                trusted = len(windows[i].state()) == options.window or norm > float(x[i].norm())
+                if trusted and options.drop_beyond is not None and norm > options.drop_beyond * radius:
+                    if radius > 0:
+                        probation[i][j] = options.probation
+                    continue
+                if probation[i].get(j, 0) > 0:
+                    probation[i][j] -= 1
+                    continue
+                update.add_(d, alpha=float(w[i, j]) * clip_scale(norm, radius))
+            new[i] = x[i] + update
+            windows[i].add(norms)
+        x = new
+        if not stale:
+            x[3] = start[3]
+    return x
+
+
+@pytest.mark.parametrize("mode", FLIPPERS)
+@pytest.mark.parametrize("options", [OPTIONS, DROPPING], ids=["clipped", "dropping"])
+@pytest.mark.parametrize("topology", ["complete", "ring"])
+def test_clipped_mixing_follows_the_simulation_under_sign_flippers(pool, topology, options, mode):
+    # The attacker's own replica mixes by the rule (against what it sent) and what it sends next is
+    # built from it: the stale replica of the in-place flipper, the honest replica under the others.
+    results = pool(4).run(_flipped_rounds, topology, options, mode)
+    start = results[0][0]
+    want = _simulate_flipper(start, topology, options, mode)
+    assert not torch.equal(want[:3], _simulate_flipper(start, topology, options, mode, stale=False)[:3])
+    for rank in range(3):
+        got = results[rank][1]
+        # the same operations in the same order; the norms alike: a few u of the largest entry
+        torch.testing.assert_close(got, want[rank], rtol=0, atol=16 * U64 * start.abs().max().item())
+        assert got.abs().max() < 2 * start[:3].abs().max(), "an honest replica was dragged away"
+
+
 # -- training with an attacker -------------------------------------------------------------------------
 def _attack_after_each_step(optimizer: torch.optim.Optimizer, attack: str) -> None:
     """After each local step the attacker's parameters become what it sends: its model scaled by 100,
