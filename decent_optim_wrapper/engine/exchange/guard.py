@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +63,7 @@ __all__ = [
     "NonFiniteReplicaError",
     "all_finite",
     "drop_state",
+    "heal_from_peers",
     "withhold_if_nonfinite",
 ]
 
@@ -177,6 +178,36 @@ def withhold_if_nonfinite(values: torch.Tensor, flag: torch.Tensor) -> bool | No
     values.masked_fill_(bad_tensor, 0.0)
     flag.copy_(bad_tensor)
     return None
+
+
+def heal_from_peers(
+    log: GuardLog,
+    label: str,
+    bucket: int,
+    step: int,
+    group: tuple[int, ...],
+    recorded: bool | None,
+    raised: Sequence[int],
+    heal: Callable[[], object],
+) -> bool:
+    """This rank withheld its values in the round of ``step`` in ``group``: take its peers' (``heal``)
+    and return True, or raise :class:`NonFiniteReplicaError` if every member withheld (``raised``: the
+    members' positions that did). ``recorded``: whether the launch already recorded the withholding."""
+    # Recorded at launch when decided there on the host; decided on the device (None), or found at
+    # the mix (a gathered round: its own slot not finite, left out by every member), recorded now.
+    if not recorded:
+        log.record(GuardEvent("withheld", step, bucket, label, group))
+    if len(raised) == len(group):
+        raise NonFiniteReplicaError(
+            f"rank {log.rank}: the {label} of bucket {bucket} are not finite (inf/NaN) and every "
+            f"member of the round launched at step {step} in group {list(group)} withheld "
+            "its values, so there is nothing finite to heal from. Look for the step that overflowed "
+            "(a loss or gradient that became inf/NaN: lower the learning rate, clip gradients, or use "
+            "GradScaler), then restart from the last checkpoint."
+        )
+    heal()
+    log.record(GuardEvent("healed", step, bucket, label, group))
+    return True
 
 
 def drop_state(optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor]) -> None:
