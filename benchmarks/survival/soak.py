@@ -70,6 +70,7 @@ WARMUP_STEPS, TAIL_STEPS = 20, 40  # steps before the first failure and (kills) 
 JUDGE_TIMEOUT_S = 60  # the final gathers' timeout (they are not under test)
 WITNESS_ULPS = 4  # rounding allowed per round, in units of 2^-23 (an ulp at 2): see module docstring
 END_MARGIN = 30  # rejoins: steps between the proposal of the end and the end (workers a step or two apart)
+END_KEY = "rejoin-soak/end"  # rejoins: the agreed end, in the store
 QUIET_STEPS = 1000  # rejoins: after the last failure fired, steps without a loss that make it a miss
 SCENARIOS = {  # the defaults that differ between the scenarios
     "kills": {"floor": 4, "spacing": 40, "timeout_s": 3.0, "deadline_s": 150.0},
@@ -111,16 +112,6 @@ def build_worker(store: dist.Store, config: dict) -> tuple[nn.Module, nn.Paramet
     return model, witness, opt
 
 
-class PlannedSteps:
-    """kills: this worker's failures, at the steps the plan names (victims by launch rank)."""
-
-    def __init__(self, plan: list[dict], index: int) -> None:
-        self.faults = {f["step"]: f for f in plan if f["rank"] == index}
-
-    def due(self, step: int, rank: int, world_size: int) -> dict | None:
-        return self.faults.get(step)
-
-
 class FaultClock:
     """rejoins: the planned failures, taken in order: failure ``k`` is due ``gap`` steps after failure
     ``k - 1`` fired, once the world is whole (or, for an ``overlap`` failure, above the floor), and for
@@ -159,24 +150,6 @@ class FaultClock:
         self.next, self.last_fired = state["next"], state["last_fired"]
 
 
-class AgreedEnd:
-    """rejoins: the step at which every worker stops. The first worker to see every failure fired and
-    recovered and the world whole proposes its step plus ``END_MARGIN`` in the store (first proposal
-    wins); all read it."""
-
-    KEY = "rejoin-soak/end"
-
-    def __init__(self, store: dist.Store, limit: int) -> None:
-        self.store, self.step = store, limit
-
-    def update(self, step: int, finished: bool) -> int:
-        if finished:
-            self.store.compare_set(self.KEY, "", str(step + END_MARGIN))
-        if self.store.check([self.KEY]):
-            self.step = int(self.store.get(self.KEY))
-        return self.step
-
-
 def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], config: dict) -> dict:
     """Train (kills: the run's steps; rejoins: until the agreed end), failing where ``plan`` says; a
     replacement joins first. Returns what the parent judges."""
@@ -188,7 +161,8 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
     slow = config["slow_factor"] > 1
     # With --slow-factor, launch index 0 computes that many times longer per step (a slower machine).
     step_time_s = config["step_time_s"] * (config["slow_factor"] if index == 0 and slow else 1)
-    clock = FaultClock(plan, world, config["floor"], every, slow) if elastic else PlannedSteps(plan, index)
+    clock = FaultClock(plan, world, config["floor"], every, spare_rank_0=slow)
+    planned = {f["step"]: f for f in plan if f.get("rank") == index}  # kills: victims by launch rank
     if elastic:
         opt.register_join_state("scheduler", scheduler)  # a joiner loads its donor's here
         opt.register_join_state("faults", clock)
@@ -222,10 +196,10 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
     if elastic:
         opt.register_join_hook(on_join)
     failing, health = Injector(opt, elastic), Health(params)
-    end = AgreedEnd(store, steps) if elastic else None
     first_step = t = opt.step_count
-    while t < (end.step if end else steps):
-        fault = clock.due(t, opt.rank, opt.world_size) or {}
+    end = steps  # rejoins: until the first worker to see the run done proposes an end (first one wins)
+    while t < end:
+        fault = (clock.due(t, opt.rank, opt.world_size) if elastic else planned.get(t)) or {}
         x = _inputs(index, t)
         opt.zero_grad()
         loss = loss_fn(model(x), x @ teacher)
@@ -256,12 +230,15 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
             health.check()
             opt.revert_global_avg()
         t += 1
-        if end is not None and isinstance(clock, FaultClock):
+        if elastic:
             # The end comes once the last failure was recovered and its victim is back: a loss noted
             # after it fired, then a whole world (or, if nobody died of it, a long quiet stretch).
             lost_since = bool(events) and events[-1]["step"] >= clock.last_fired
             recovered = lost_since or t > clock.last_fired + QUIET_STEPS
-            end.update(t, clock.done and recovered and opt.world_size == world)
+            if clock.done and recovered and opt.world_size == world:
+                store.compare_set(END_KEY, "", str(t + END_MARGIN))
+            if store.check([END_KEY]):
+                end = int(store.get(END_KEY))
     return {
         "index": index,
         "members": members,
@@ -269,7 +246,7 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
         "joined": opt.joined is not None,
         "first_step": first_step,
         "steps": t,
-        "failures_fired": clock.next if isinstance(clock, FaultClock) else None,
+        "failures_fired": clock.next if elastic else None,
         "scheduler_steps": scheduler.last_epoch,
         **final_checks(opt, params, health),
         "final_loss": float(loss),
