@@ -1,49 +1,41 @@
 """Fault-injection soak: workers die or hang while training with ``on_peer_failure="continue"``.
 
-    uv run benchmarks/survival/soak.py                          # 8 workers, floor 4, about 10 min on 2 cores
-    uv run benchmarks/survival/soak.py --workers 5 --floor 3 --runs 1 --json /tmp/soak.json    # one short run
+    uv run benchmarks/survival/soak.py                    # 8 workers down to 4, seeded runs, ~10 min
+    uv run benchmarks/survival/soak.py --workers 5 --floor 3 --runs 1 --json /tmp/soak.json  # one short run
+    uv run benchmarks/survival/soak.py --scenario rejoins # 8 workers, 48 kill/restart cycles, ~10 min
+    # one worker 15x slower, a global average every 3 steps: joiners must not starve
+    uv run benchmarks/survival/soak.py --scenario rejoins --workers 4 --floor 3 --cycles 10 \
+        --average-every 3 --slow-factor 15
 
-Each run forks ``--workers`` gloo workers around a store hosted by this process (``fault_runs.py``).
-Every worker trains a small MLP with ``DecentOptimWrapper`` (ring topology, SGD with momentum and a
-cosine schedule, ``timeout`` of ``--timeout-s``), takes ``global_avg()`` then ``revert_global_avg()``
-every ``--average-every`` steps as an evaluation would, and carries a *witness*: a parameter in a
-param group of its own with ``lr=0``, so only gossip moves it, set after construction to values in
-[1, 2] that differ between ranks (every coordinate takes both 1 and 2 on some rank at world size
-8). Gossip and averaging are convex combinations, so the witness must stay inside [1, 2]: a round
-mixed with wrong weights, a lost peer's values taken as zeros, a stale or doubled round would push
-it out.
+Workers forked around a store this process hosts (``harness/fault_runs.py``) train a small MLP with
+``DecentOptimWrapper`` (ring, SGD with momentum and a cosine schedule, ``timeout`` of ``--timeout-s``),
+take ``global_avg()`` then ``revert_global_avg()`` every ``--average-every`` steps, and carry a
+*witness*: a parameter in a param group of its own with ``lr=0``, so only gossip moves it, set to
+values in [1, 2] that differ between ranks. Gossip and averaging are convex combinations, so the
+witness must stay inside [1, 2] (up to ``WITNESS_ULPS`` units of 2^-23 of rounding per round). A
+victim fails in one of ``MODES``, drawn with the moment from the seed: SIGKILL from a timer started
+just before ``step()`` or ``global_avg()`` (within ``--kill-window-ms``; where it landed is recorded),
+SIGKILL right after ``step()`` (its round in flight), SIGSTOP, or a main thread that sleeps while the
+heartbeat goes on.
 
-One worker fails every ``--spacing`` steps (a few seconds) until ``--floor`` workers remain; the
-victim, the step, the mode and the moment inside it are drawn from the run's seed:
+- ``--scenario kills``: runs with seeds SEED, SEED + 1, ... while ``--budget-s`` lasts; one worker
+  fails every ``--spacing`` steps (half to all of it) until ``--floor`` remain. Counted: failures
+  survived, steps lost, recovery time, corruption (docs/survival-benchmarks.md).
+- ``--scenario rejoins``: one run on an elastic job (``init_elastic``), ``--cycles`` failures, each
+  victim (drawn by its rank in the current world) restarted ``--restart-window-s`` at most later (plus
+  ``timeout`` for a stopped or hung one) as a fresh process that joins; a share ``--overlap`` of the
+  failures fires while the world is short (above ``--floor``), the others wait for a whole world.
+  Every worker holds the plan's position (a joiner gets its donor's, ``register_join_state``); the
+  run ends ``END_MARGIN`` steps after a worker sees the last failure recovered and the world whole.
+  Counted: joins, losses, steps lost, corruption, join time and its parts, the members' pause per
+  admission and recovery, where kills and joins landed (docs/joining.md).
 
-- ``kill-in-step``: SIGKILL from a timer started just before ``step()``, after 0 to
-  ``--kill-window-ms`` ms: it lands in the local update or a gossip round (where it landed is recorded);
-- ``kill-in-flight``: SIGKILL right after ``step()``, its gossip round in flight;
-- ``kill-in-global-avg``: SIGKILL from a timer started just before ``global_avg()``;
-- ``stop``: SIGSTOP, a frozen process (its heartbeat stops too);
-- ``hang``: the main thread sleeps, the heartbeat goes on: dropped once ``timeout`` passes.
-
-The victim writes the time and what it does before failing; survivors note the time in their
-peer-failure hook, once the new groups stand. At the end every survivor all-gathers its replica,
-calls ``global_avg()`` and all-gathers the result. What is counted (summed over runs):
-
-- *survived*: an injected failure whose run's survivors all finished every step, all recorded the
-  same recoveries (lost ranks, survivors, world sizes), and count the victim among the lost;
-- *steps lost*: over survivors, the steps of the run minus the updates the survivor's replica holds
-  at the end (its ``step_count``; its LR scheduler must have stepped as often). A survivor keeps its
-  replica, optimizer state and schedule through a recovery, so this is 0; a survivor that raised
-  loses every step it did not finish;
-- *recovery time*: per recovery, from the first injection it covers to the last survivor's hook;
-- *corruption* (each must be 0): survivors with a NaN/inf parameter or loss at any step; survivors
-  whose witness left [1, 2] by more than rounding (``WITNESS_ULPS`` units of 2^-23 per round, the
-  error of one fp32 convex combination of values up to 2); runs whose survivors' final averages are
-  not bitwise identical; survivors whose average is farther from the float64 mean of the survivors'
-  replicas than ``k u max|x|`` (``k`` fp32 replicas summed, each addition rounded once, u = 2^-24);
-  survivors whose world size (front-end, process group, recorded recoveries) disagrees with the
-  others' or with the number of workers not failed.
-
-A run that passes ``--run-deadline-s`` stops the soak with every running worker's stacks. Results
-are printed and, with ``--json``, written (summary and every run).
+*Corruption* (each must be 0): a NaN/inf parameter or loss; a witness outside [1, 2]; final averages
+(each survivor all-gathers its replica, calls ``global_avg()`` and all-gathers the result) not
+bitwise identical, or farther from the float64 mean of the replicas than ``k u max|x|`` (``k``
+replicas, u = 2^-24); a world size on which survivors disagree or that is not the expected one. A
+run past ``--deadline-s`` stops the soak with every running worker's stacks. Results are printed
+and, with ``--json``, written (the summary, and every run or the plan).
 """
 
 from __future__ import annotations
@@ -67,16 +59,31 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness.common import build_mlp
-from benchmarks.harness.fault_runs import Outcome, injected, run_workers
-from decent_optim_wrapper import DecentOptimWrapper
+from benchmarks.harness.fault_runs import Outcome, injected, note, process_started, run_workers
+from decent_optim_wrapper import DecentOptimWrapper, PeerJoin
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure
 
 MODES = ("kill-in-step", "kill-in-flight", "kill-in-global-avg", "stop", "hang")
 TIMED_MODES = ("kill-in-step", "kill-in-global-avg")  # SIGKILL from a timer
 FEATURES, OUTPUTS, WITNESS = 16, 4, 64
-WARMUP_STEPS, TAIL_STEPS = 20, 40  # steps before the first failure and after the last one
+WARMUP_STEPS, TAIL_STEPS = 20, 40  # steps before the first failure and (kills) after the last one
 JUDGE_TIMEOUT_S = 60  # the final gathers' timeout (they are not under test)
 WITNESS_ULPS = 4  # rounding allowed per round, in units of 2^-23 (an ulp at 2): see module docstring
+END_MARGIN = 30  # rejoins: steps between the proposal of the end and the end (workers a step or two apart)
+END_KEY = "rejoin-soak/end"  # rejoins: the agreed end, in the store
+QUIET_STEPS = 1000  # rejoins: after the last failure fired, steps without a loss that make it a miss
+SCENARIOS = {  # the defaults that differ between the scenarios
+    "kills": {"floor": 4, "spacing": 40, "timeout_s": 3.0, "deadline_s": 150.0},
+    "rejoins": {"floor": 6, "spacing": 30, "timeout_s": 5.0, "deadline_s": 2400.0},
+}
+WHEN = {  # (call, mode) -> the fault fires at once before the call, from a timer started before it, or after
+    ("step", "stop"): "before",
+    ("step", "hang"): "before",
+    ("step", "kill-in-step"): "timer",
+    ("step", "kill-in-flight"): "after",
+    ("global_avg", "kill-in-global-avg"): "timer",
+}
+MACHINES = {"kills": "2-core Intel Xeon VM, CPU, gloo", "rejoins": "2-core VM, CPU, gloo"}
 
 
 # -- the workers -------------------------------------------------------------------------------------
@@ -100,71 +107,146 @@ def build_worker(store: dist.Store, config: dict) -> tuple[nn.Module, nn.Paramet
     inner = torch.optim.SGD(
         [{"params": list(model.parameters())}, {"params": [witness], "lr": 0.0}], lr=0.05, momentum=0.9
     )
-    opt = DecentOptimWrapper(
-        inner,
-        topology="ring",
-        timeout=timedelta(seconds=config["timeout_s"]),
-        on_peer_failure="continue",
-        store=store,
-    )
+    timeout = timedelta(seconds=config["timeout_s"])
+    opt = DecentOptimWrapper(inner, topology="ring", timeout=timeout, on_peer_failure="continue", store=store)
     return model, witness, opt
 
 
-def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], config: dict) -> dict:
-    """Train ``config["steps"]`` steps, failing where ``plan`` says; return what the parent judges."""
-    steps, every = config["steps"], config["average_every"]
+class FaultClock:
+    """rejoins: the planned failures, taken in order: failure ``k`` is due ``gap`` steps after failure
+    ``k - 1`` fired, once the world is whole (or, for an ``overlap`` failure, above the floor), and for
+    a kill inside a global average at a step that takes one. Every worker holds one; a joiner receives
+    its donor's (``register_join_state``), so everyone agrees on which failure comes next."""
+
+    def __init__(self, plan: list[dict], workers: int, floor: int, every: int, spare_rank_0: bool) -> None:
+        self.plan, self.workers, self.floor, self.every = plan, workers, floor, every
+        self.spare_rank_0 = spare_rank_0  # the slow worker (launch index 0, rank 0 for good) never fails
+        self.next, self.last_fired = 0, WARMUP_STEPS
+
+    @property
+    def done(self) -> bool:
+        return self.next == len(self.plan)
+
+    def due(self, step: int, rank: int, world_size: int) -> dict | None:
+        """The failure this worker must inject at ``step`` (it is the victim), if any."""
+        if self.done:
+            return None
+        fault = self.plan[self.next]
+        if step < self.last_fired + fault["gap"]:
+            return None
+        if world_size < self.workers and not (fault["overlap"] and world_size > self.floor):
+            return None
+        if fault["mode"] == "kill-in-global-avg" and (step + 1) % self.every:
+            return None
+        self.next, self.last_fired = self.next + 1, step
+        if self.spare_rank_0:
+            return fault if 1 + fault["victim"] % (world_size - 1) == rank else None
+        return fault if fault["victim"] % world_size == rank else None
+
+    def state_dict(self) -> dict[str, int]:
+        return {"next": self.next, "last_fired": self.last_fired}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.next, self.last_fired = state["next"], state["last_fired"]
+
+
+def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], config: dict) -> dict:
+    """Train (kills: the run's steps; rejoins: until the agreed end), failing where ``plan`` says; a
+    replacement joins first. Returns what the parent judges."""
+    elastic, steps, every = config["scenario"] == "rejoins", config["steps"], config["average_every"]
+    before_front_end = time.time()
     model, witness, opt = build_worker(store, config)
+    after_front_end = time.time()
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    with torch.no_grad():  # after construction, which broadcast rank 0's values
-        witness.copy_(witness_values(rank))
+    slow = config["slow_factor"] > 1
+    # With --slow-factor, launch index 0 computes that many times longer per step (a slower machine).
+    step_time_s = config["step_time_s"] * (config["slow_factor"] if index == 0 and slow else 1)
+    clock = FaultClock(plan, world, config["floor"], every, spare_rank_0=slow)
+    planned = {f["step"]: f for f in plan if f.get("rank") == index}  # kills: victims by launch rank
+    if elastic:
+        opt.register_join_state("scheduler", scheduler)  # a joiner loads its donor's here
+        opt.register_join_state("faults", clock)
+    if opt.joined is None:
+        with torch.no_grad():  # after construction, which broadcast rank 0's values
+            witness.copy_(witness_values(index))
     params = [*model.parameters(), witness]
     teacher = torch.randn(FEATURES, OUTPUTS, generator=torch.Generator().manual_seed(0))
     loss_fn = nn.MSELoss()
 
-    members = list(range(world))  # launch ranks, in the current rank order
+    members = list(range(world))  # kills: launch ranks, in the current rank order
     events: list[dict[str, Any]] = []
 
     def on_failure(failure: PeerFailure) -> None:
-        events.append(
-            {
-                "time": time.time(),
-                "step": failure.step,
-                "lost": [members[i] for i in failure.lost],
-                "survivors": [members[i] for i in failure.survivors],
-                "world_size": failure.world_size,
-                "previous_world_size": failure.previous_world_size,
-            }
-        )
-        members[:] = [members[i] for i in failure.survivors]
+        event = {"time": time.time(), "step": failure.step, "world_size": failure.world_size}
+        event["previous_world_size"] = failure.previous_world_size
+        if elastic:  # every member notes it; the parent keeps one per generation
+            generation = opt.engine.survival.membership.generation
+            note({"kind": "lost", "generation": generation, "lost": len(failure.lost), **event})
+        else:
+            event["lost"] = [members[i] for i in failure.lost]
+            event["survivors"] = members[:] = [members[i] for i in failure.survivors]
+        events.append(event)
+
+    def on_join(join: PeerJoin) -> None:
+        generation = opt.engine.survival.membership.generation
+        event = {"time": time.time(), "step": join.step, "world_size": join.world_size}
+        note({"kind": "admitted", "generation": generation, "joined": len(join.joined), **event})
 
     opt.register_peer_failure_hook(on_failure)
-
-    faults = {f["step"]: f for f in plan if f["rank"] == rank}
-    failing, health = Injector(), Health(params)
-    for t in range(steps):
-        fault = faults.get(t)
-        x = _inputs(rank, t)
+    if elastic:
+        opt.register_join_hook(on_join)
+    failing, health = Injector(opt, elastic), Health(params)
+    first_step = t = opt.step_count
+    end = steps  # rejoins: until the first worker to see the run done proposes an end (first one wins)
+    while t < end:
+        fault = (clock.due(t, opt.rank, opt.world_size) if elastic else planned.get(t)) or {}
+        x = _inputs(index, t)
         opt.zero_grad()
         loss = loss_fn(model(x), x @ teacher)
         loss.backward()
         health.loss(loss)
-        failing.before_step(fault)
-        with failing.inside("step"):
+        with failing.around("step", fault):
             opt.step()
         scheduler.step()
-        failing.after_step(fault)
         health.check()
+        if step_time_s:
+            time.sleep(step_time_s)  # the rest of a step's compute: leaves a core to a starting worker
+        if t == first_step and opt.joined is not None:
+            note(
+                {
+                    "kind": "joined",
+                    "step": t,
+                    "world_size": opt.world_size,
+                    "started": process_started(),
+                    "before_front_end": before_front_end,
+                    "after_front_end": after_front_end,
+                    "first_step_end": time.time(),
+                    "seconds": opt.engine.growth.join_seconds,
+                }
+            )
         if (t + 1) % every == 0:
-            failing.before_global_avg(fault)
-            with failing.inside("global_avg"):
+            with failing.around("global_avg", fault):
                 opt.global_avg()
             health.check()
             opt.revert_global_avg()
-
+        t += 1
+        if elastic:
+            # The end comes once the last failure was recovered and its victim is back: a loss noted
+            # after it fired, then a whole world (or, if nobody died of it, a long quiet stretch).
+            lost_since = bool(events) and events[-1]["step"] >= clock.last_fired
+            recovered = lost_since or t > clock.last_fired + QUIET_STEPS
+            if clock.done and recovered and opt.world_size == world:
+                store.compare_set(END_KEY, "", str(t + END_MARGIN))
+            if store.check([END_KEY]):
+                end = int(store.get(END_KEY))
     return {
-        "rank": rank,
+        "index": index,
         "members": members,
         "events": events,
+        "joined": opt.joined is not None,
+        "first_step": first_step,
+        "steps": t,
+        "failures_fired": clock.next if elastic else None,
         "scheduler_steps": scheduler.last_epoch,
         **final_checks(opt, params, health),
         "final_loss": float(loss),
@@ -172,20 +254,15 @@ def soak_worker(rank: int, world: int, store: dist.Store, plan: list[dict], conf
 
 
 class Injector:
-    """Fails this worker as a planned fault says, and records where the main thread was when it did."""
+    """Fails this worker where a planned fault says, around the call it wraps, and records where the
+    main thread was when it did; with ``elastic``, notes the pauses the call added (an admission's if
+    it admitted and lost nobody, else a recovery's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, opt: DecentOptimWrapper, elastic: bool) -> None:
+        self.opt, self.elastic = opt, elastic
         self.phase = "train"  # read by a kill timer: where the kill landed
 
-    @contextlib.contextmanager
-    def inside(self, phase: str) -> Iterator[None]:
-        self.phase = phase
-        try:
-            yield
-        finally:
-            self.phase = "train"
-
-    def now(self, fault: dict) -> None:
+    def fail(self, fault: dict) -> None:
         injected({**fault, "landed": self.phase})
         if fault["mode"] == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
@@ -194,24 +271,31 @@ class Injector:
         else:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def soon(self, fault: dict) -> None:
-        timer = threading.Timer(fault["delay_ms"] / 1000, self.now, (fault,))
-        timer.daemon = True
-        timer.start()
-
-    def before_step(self, fault: dict | None) -> None:
-        if fault is not None and fault["mode"] in ("stop", "hang"):
-            self.now(fault)
-        if fault is not None and fault["mode"] == "kill-in-step":
-            self.soon(fault)
-
-    def after_step(self, fault: dict | None) -> None:
-        if fault is not None and fault["mode"] == "kill-in-flight":
-            self.now(fault)
-
-    def before_global_avg(self, fault: dict | None) -> None:
-        if fault is not None and fault["mode"] == "kill-in-global-avg":
-            self.soon(fault)
+    @contextlib.contextmanager
+    def around(self, call: str, fault: dict) -> Iterator[None]:
+        """``fault``: this step's, ``{}`` if none."""
+        when = WHEN.get((call, fault.get("mode", "")))
+        if when == "before":
+            self.fail(fault)
+        elif when == "timer":
+            timer = threading.Timer(fault["delay_ms"] / 1000, self.fail, (fault,))
+            timer.daemon = True
+            timer.start()
+        opt, pauses = self.opt, self.opt.engine.survival.pauses  # seconds of every recovery or admission
+        before = (len(pauses), len(opt.peer_joins), len(opt.peer_failures))
+        self.phase = call
+        try:
+            yield
+        finally:
+            self.phase = "train"
+        if self.elastic and len(pauses) > before[0]:
+            new = pauses[before[0] :]
+            joins, failures = len(opt.peer_joins) - before[1], len(opt.peer_failures) - before[2]
+            kind = "admission" if joins and not failures and len(new) == 1 else "recovery"
+            end = time.time()
+            note({"kind": f"{kind}-pause", "seconds": sum(new), "start": end - sum(new), "end": end})
+        if when == "after":
+            self.fail(fault)
 
 
 class Health:
@@ -265,25 +349,92 @@ def final_checks(opt: DecentOptimWrapper, params: list[torch.Tensor], health: He
     }
 
 
-# -- one run: plan, run, judge -----------------------------------------------------------------------
+# -- the plans ---------------------------------------------------------------------------------------
 
 
-def make_plan(seed: int, world: int, floor: int, spacing: int, every: int, window_ms: float) -> list[dict]:
-    """The failures of one run, in order: victim (launch rank), step, mode, and a timer's delay."""
+def kills_plan(seed: int, args: argparse.Namespace) -> list[dict]:
+    """One run's failures, in order: victim (launch rank), step, mode, and a timer's delay."""
     rng = random.Random(seed)
-    alive, plan, step = list(range(world)), [], WARMUP_STEPS
-    for _ in range(world - floor):
-        step += rng.randint(spacing // 2, spacing)
+    alive, plan, step = list(range(args.workers)), [], WARMUP_STEPS
+    for _ in range(args.workers - args.floor):
+        step += rng.randint(args.spacing // 2, args.spacing)
         mode = rng.choice(MODES)
         if mode == "kill-in-global-avg":  # the next step after which global_avg runs
-            step = (step // every + 1) * every - 1
+            step = (step // args.average_every + 1) * args.average_every - 1
         victim = alive.pop(rng.randrange(len(alive)))
-        plan.append({"rank": victim, "step": step, "mode": mode, "delay_ms": rng.uniform(0, window_ms)})
+        plan.append(
+            {"rank": victim, "step": step, "mode": mode, "delay_ms": rng.uniform(0, args.kill_window_ms)}
+        )
     return plan
 
 
-def judge(plan: list[dict], world: int, steps: int, outcome: Outcome) -> dict[str, Any]:
-    """The figures of one run (see the module docstring for what each means)."""
+def rejoins_plan(args: argparse.Namespace) -> list[dict]:
+    """The failures, in order: steps after the previous one, victim (a rank, modulo the world size
+    then), mode, timer delay, whether it may fire while the world is short, and its restart's delay."""
+    rng = random.Random(args.seed)
+    plan = []
+    for cycle in range(args.cycles):
+        mode = rng.choice(MODES)
+        restart_s = rng.uniform(0, args.restart_window_s)
+        if mode in ("stop", "hang"):  # the members drop it after the timeout; a launcher acts later
+            restart_s += args.timeout_s
+        plan.append(
+            {
+                "cycle": cycle,
+                "gap": rng.randint(args.spacing // 2, args.spacing),
+                "victim": rng.randrange(args.workers),
+                "mode": mode,
+                "delay_ms": rng.uniform(0, args.kill_window_ms),
+                "overlap": rng.random() < args.overlap,
+                "restart_s": restart_s,
+            }
+        )
+    return plan
+
+
+# -- the judges --------------------------------------------------------------------------------------
+
+
+def corruption(results: list[dict], world_disagrees: int) -> dict[str, int]:
+    tolerance = [WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in results]
+    return {
+        "nonfinite": sum(r["nonfinite"] > 0 for r in results),
+        "witness_outside_hull": sum(
+            r["witness_excursion"] > tol for r, tol in zip(results, tolerance, strict=True)
+        ),
+        "average_not_identical": int(not all(r["average_identical"] for r in results)),
+        "average_not_mean": sum(r["average_deviation"] > r["average_bound"] for r in results),
+        "world_size_disagrees": world_disagrees,
+    }
+
+
+def landed_in(injections: list[dict]) -> dict[str, dict[str, int]]:
+    """Where the timed kills landed (the main thread's phase when the timer fired)."""
+    landed: dict[str, dict[str, int]] = {m: {} for m in TIMED_MODES}
+    for record in injections:
+        if record["mode"] in landed:
+            landed[record["mode"]][record["landed"]] = landed[record["mode"]].get(record["landed"], 0) + 1
+    return landed
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+
+
+def spread(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"n": 0, "median": None, "p95": None, "max": None}
+    return {
+        "n": len(values),
+        "median": statistics.median(values),
+        "p95": percentile(values, 0.95),
+        "max": max(values),
+    }
+
+
+def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> dict[str, Any]:
+    """The figures of one run of the kills scenario (see the module docstring)."""
     victims = outcome.injected
     survivors = [r for r in range(world) if r not in victims]
     results = [outcome.results[r] for r in survivors if r in outcome.results]
@@ -304,7 +455,6 @@ def judge(plan: list[dict], world: int, steps: int, outcome: Outcome) -> dict[st
         or r["members"] != results[0]["members"]
         for r in results
     )
-    tolerance = [WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in results]
     return {
         "plan": plan,
         "seconds": round(outcome.seconds, 2),
@@ -319,42 +469,22 @@ def judge(plan: list[dict], world: int, steps: int, outcome: Outcome) -> dict[st
         "steps_lost": steps_lost,
         "scheduler_behind": sum(r["scheduler_steps"] != r["step_count"] for r in results),
         "recovery_s": recoveries,
-        "corruption": {
-            "nonfinite": sum(r["nonfinite"] > 0 for r in results),
-            "witness_outside_hull": sum(
-                r["witness_excursion"] > tol for r, tol in zip(results, tolerance, strict=True)
-            ),
-            "average_not_identical": int(not all(r["average_identical"] for r in results)),
-            "average_not_mean": sum(r["average_deviation"] > r["average_bound"] for r in results),
-            "world_size_disagrees": world_disagrees,
-        },
+        "corruption": corruption(results, world_disagrees),
         "witness_excursion_max": max((r["witness_excursion"] for r in results), default=0.0),
         "average_deviation_max": max((r["average_deviation"] for r in results), default=0.0),
         "final_loss": statistics.fmean(r["final_loss"] for r in results) if results else None,
     }
 
 
-# -- the soak ----------------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
-
-
-def summarize(runs: list[dict], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
+def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
     injected_by_mode = {m: 0 for m in MODES}
     survived_by_mode = {m: 0 for m in MODES}
-    landed: dict[str, dict[str, int]] = {m: {} for m in TIMED_MODES}
     for run in runs:
         for record in run["injected"].values():
             injected_by_mode[record["mode"]] += 1
-            if record["mode"] in landed:
-                landed[record["mode"]][record["landed"]] = landed[record["mode"]].get(record["landed"], 0) + 1
         for mode in run["survived_modes"]:
             survived_by_mode[mode] += 1
     recoveries = [s for run in runs for s in run["recovery_s"]]
-    corruption = {k: sum(run["corruption"][k] for run in runs) for k in runs[0]["corruption"]} if runs else {}
     return {
         "machine": args.machine,
         "workers": args.workers,
@@ -365,14 +495,11 @@ def summarize(runs: list[dict], args: argparse.Namespace, seconds: float) -> dic
         "seeds": [args.seed + i for i in range(len(runs))],
         "injected": sum(injected_by_mode.values()),
         "injected_by_mode": injected_by_mode,
-        "timed_kills_landed_in": landed,
+        "timed_kills_landed_in": landed_in([r for run in runs for r in run["injected"].values()]),
         "survived": sum(survived_by_mode.values()),
         "survived_by_mode": survived_by_mode,
-        "not_injected": sum(len(run["not_injected"]) for run in runs),
-        "dropped_alive": sum(len(run["dropped_alive"]) for run in runs),
-        "survivors": sum(run["survivors"] for run in runs),
-        "survivors_finished": sum(run["survivors_finished"] for run in runs),
-        "steps_lost": sum(run["steps_lost"] for run in runs),
+        **{k: sum(len(run[k]) for run in runs) for k in ("not_injected", "dropped_alive")},
+        **{k: sum(run[k] for run in runs) for k in ("survivors", "survivors_finished", "steps_lost")},
         "scheduler_behind": sum(run["scheduler_behind"] for run in runs),
         "recoveries": len(recoveries),
         "recovery_s": {
@@ -380,34 +507,113 @@ def summarize(runs: list[dict], args: argparse.Namespace, seconds: float) -> dic
             "p95": percentile(recoveries, 0.95) if recoveries else None,
             "max": max(recoveries) if recoveries else None,
         },
-        "corruption": corruption,
+        "corruption": {k: sum(run["corruption"][k] for run in runs) for k in runs[0]["corruption"]}
+        if runs
+        else {},
         "witness_excursion_max": max((run["witness_excursion_max"] for run in runs), default=0.0),
         "average_deviation_max": max((run["average_deviation_max"] for run in runs), default=0.0),
     }
 
 
-def report(summary: dict[str, Any]) -> None:
-    s = summary
+def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
+    """The figures of the rejoins scenario (see the module docstring)."""
+    processes, victims = len(outcome.exitcodes), outcome.injected
+    finishers = [outcome.results[i] for i in range(processes) if i not in victims and i in outcome.results]
+    steps = max((r["steps"] for r in finishers), default=0)
+    notes = [n for i in range(processes) for n in outcome.notes(i)]
+    seen: dict[tuple, dict] = {}  # one note per decision: every member notes the same admission or loss
+    for n in notes:
+        if n["kind"] in ("lost", "admitted"):
+            seen.setdefault((n["kind"], n["generation"]), n)
+    losses = [n for n in seen.values() if n["kind"] == "lost"]
+    admissions = [n for n in seen.values() if n["kind"] == "admitted"]
+    joined = [n for n in notes if n["kind"] == "joined"]
+    pauses = {kind: [n for n in notes if n["kind"] == f"{kind}-pause"] for kind in ("admission", "recovery")}
+    admitting, recovering = ([(p["start"], p["end"]) for p in pauses[k]] for k in ("admission", "recovery"))
+    joining = [(j["started"], j["first_step_end"]) for j in joined]
+    injections = list(victims.values())
+
+    def during(moment: float, intervals: list[tuple[float, float]]) -> bool:
+        return any(start <= moment <= end for start, end in intervals)
+
+    expected = args.workers
+    world_disagrees = sum(
+        (r["world_size"], r["dist_world_size"]) != (expected, expected) for r in finishers
+    ) + abs(expected - len(finishers))
+    median = lambda values: statistics.median(values) if joined else None  # noqa: E731
+    return {
+        "seconds": round(outcome.seconds, 1),
+        "processes": processes,
+        "steps": steps,
+        "ends_disagree": len({r["steps"] for r in finishers}) > 1,
+        "failures_fired": min((r["failures_fired"] for r in finishers), default=0),
+        "injected": len(injections),
+        "bursts": sum(not r["overlap"] for r in injections),
+        "injected_by_mode": {m: sum(r["mode"] == m for r in injections) for m in MODES},
+        "timed_kills_landed_in": landed_in(injections),
+        "restarts": processes - args.workers,
+        "joins": sum(a["joined"] for a in admissions),
+        "joiners_recorded": len(joined),
+        "losses": sum(e["lost"] for e in losses),
+        "world_whole_again": sum(a["world_size"] == expected for a in admissions),
+        "smallest_world": min([e["world_size"] for e in losses], default=expected),
+        "finishers": len(finishers),
+        "errors": {i: e[-3000:] for i, e in outcome.errors.items()},
+        "steps_lost": sum(steps - r["step_count"] for r in finishers)
+        + steps * max(0, expected - len(finishers)),
+        "scheduler_behind": sum(r["scheduler_steps"] != r["step_count"] for r in finishers),
+        "corruption": corruption(finishers, world_disagrees),
+        "witness_excursion_max": max((r["witness_excursion"] for r in finishers), default=0.0),
+        "landed_during": {
+            "kills during an admission": sum(during(r["time"], admitting) for r in injections),
+            "kills during a recovery": sum(during(r["time"], recovering) for r in injections),
+            "kills while a worker was joining": sum(during(r["time"], joining) for r in injections),
+            "joins overlapping a recovery": sum(
+                any(s <= end and start <= e for s, e in recovering) for start, end in joining
+            ),
+            "joins overlapping another join": sum(
+                any(s < end and start < e and (s, e) != (start, end) for s, e in joining)
+                for start, end in joining
+            ),
+        },
+        "join_s": spread([j["first_step_end"] - j["started"] for j in joined]),
+        "join_parts_median_s": {
+            "start-up": median([j["before_front_end"] - j["started"] for j in joined]),
+            **{
+                p: median([j["seconds"][p] for j in joined])
+                for p in ("admission", "group", "donor", "transfer", "verify")
+            },
+            "first step": median([j["first_step_end"] - j["after_front_end"] for j in joined]),
+        },
+        "admission_pause_s": spread([p["seconds"] for p in pauses["admission"]]),
+        "recovery_pause_s": spread([p["seconds"] for p in pauses["recovery"]]),
+        "final_loss": statistics.fmean(r["final_loss"] for r in finishers) if finishers else None,
+    }
+
+
+# -- the reports -------------------------------------------------------------------------------------
+
+
+def report_injected(s: dict[str, Any]) -> None:
+    """The lines both scenarios print: failures injected by mode, and where the timed kills landed."""
+    modes = ", ".join(f"{m} {n}" for m, n in s["injected_by_mode"].items())
+    print(f"  failures injected  {s['injected']:5d}   {modes}")
+    for mode, where in s["timed_kills_landed_in"].items():
+        print(f"    {mode} landed in: " + ", ".join(f"{k} {n}" for k, n in sorted(where.items())))
+
+
+def report_kills(s: dict[str, Any]) -> None:
     print(
         f"\nSoak: {s['runs']} runs of {s['workers']} gloo workers down to {s['floor']} "
         f"(timeout {s['timeout_s']} s), {s['seconds']:.0f} s, {s['machine']}"
     )
-    print(
-        f"  failures injected  {s['injected']:5d}   "
-        + ", ".join(f"{m} {n}" for m, n in s["injected_by_mode"].items())
-    )
-    for mode, where in s["timed_kills_landed_in"].items():
-        print(f"    {mode} landed in: " + ", ".join(f"{k} {n}" for k, n in sorted(where.items())))
-    print(
-        f"  failures survived  {s['survived']:5d}   "
-        + ", ".join(f"{m} {n}" for m, n in s["survived_by_mode"].items())
-    )
+    report_injected(s)
+    modes = ", ".join(f"{m} {n}" for m, n in s["survived_by_mode"].items())
+    print(f"  failures survived  {s['survived']:5d}   {modes}")
     print(f"  planned, not reached {s['not_injected']}; live ranks dropped {s['dropped_alive']}")
     print(f"  survivors finished {s['survivors_finished']:5d} of {s['survivors']}")
-    print(
-        f"  steps lost         {s['steps_lost']:5d}   "
-        f"(LR schedules behind their step count: {s['scheduler_behind']})"
-    )
+    behind = f"(LR schedules behind their step count: {s['scheduler_behind']})"
+    print(f"  steps lost         {s['steps_lost']:5d}   {behind}")
     r = s["recovery_s"]
     if r["mean"] is not None:
         print(
@@ -421,23 +627,78 @@ def report(summary: dict[str, Any]) -> None:
     )
 
 
+def report_rejoins(s: dict[str, Any], args: argparse.Namespace) -> None:
+    print(
+        f"\nKill/restart soak: {args.workers} gloo workers, {s['failures_fired']} of {args.cycles} planned "
+        f"failures fired over {s['steps']} steps, "
+        f"floor {args.floor}, timeout {args.timeout_s} s, {s['seconds']:.0f} s, {args.machine}"
+    )
+    report_injected(s)
+    print(
+        f"  restarts {s['restarts']}, joins admitted {s['joins']} (recorded by joiners "
+        f"{s['joiners_recorded']}), losses recorded {s['losses']}; world whole again "
+        f"{s['world_whole_again']} times after {s['bursts']} failures that waited for it, "
+        f"smallest {s['smallest_world']}"
+    )
+    print("  landed: " + ", ".join(f"{k} {n}" for k, n in s["landed_during"].items()))
+    print(f"  finishers {s['finishers']} of {args.workers}, errors {len(s['errors'])}")
+    print(f"  steps lost {s['steps_lost']} (LR schedules behind their step count: {s['scheduler_behind']})")
+    print("  corruption " + ", ".join(f"{k} {n}" for k, n in s["corruption"].items()))
+    for name in ("join_s", "admission_pause_s", "recovery_pause_s"):
+        d = s[name]
+        if d["n"]:
+            print(
+                f"  {name.replace('_', ' ')}: median {d['median']:.2f}  p95 {d['p95']:.2f}  "
+                f"max {d['max']:.2f}  (n {d['n']})"
+            )
+    parts = s["join_parts_median_s"]
+    if parts["start-up"] is not None:
+        print("  join, median parts (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    for index, error in s["errors"].items():
+        print(f"  process {index} raised:\n{error}")
+
+
+# -- the driver --------------------------------------------------------------------------------------
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--floor", type=int, default=4, help="stop failing workers when this many remain")
-    parser.add_argument("--seed", type=int, default=0, help="run i uses seed SEED + i")
-    parser.add_argument("--runs", type=int, default=1000, help="at most this many runs")
-    parser.add_argument("--budget-s", type=float, default=600, help="start no run after this many seconds")
-    parser.add_argument("--spacing", type=int, default=40, help="steps between failures: half to all of it")
-    parser.add_argument("--average-every", type=int, default=10)
-    parser.add_argument("--timeout-s", type=float, default=3.0)
-    parser.add_argument("--kill-window-ms", type=float, default=4.0, help="a kill timer fires within this")
-    parser.add_argument("--run-deadline-s", type=float, default=150)
-    parser.add_argument("--machine", default="2-core Intel Xeon VM, CPU, gloo")
-    parser.add_argument("--json", default=None, help="write the summary and every run here")
+    add = parser.add_argument
+    add(
+        "--scenario",
+        choices=tuple(SCENARIOS),
+        default="kills",
+        help="kills: workers fail down to a floor, over many runs; rejoins: every victim restarted and "
+        "joining again, one run",
+    )
+    add("--workers", type=int, default=8)
+    add("--floor", type=int, help="kills: stop failing at this many (4); rejoins: see --overlap (6)")
+    add("--seed", type=int, default=0, help="kills: run i uses seed SEED + i")
+    add("--spacing", type=int, help="steps between failures: half to all of it (kills 40, rejoins 30)")
+    add("--average-every", type=int, default=10)
+    add("--timeout-s", type=float, help="the wrapper's timeout (kills 3, rejoins 5)")
+    add("--kill-window-ms", type=float, default=4.0, help="a kill timer fires within this")
+    add("--deadline-s", "--run-deadline-s", type=float, help="per run (kills 150, rejoins 2400)")
+    add("--machine", help="the machine, for the report")
+    add("--json", help="write the summary and every run (kills) or the plan (rejoins) here")
+    kills = parser.add_argument_group("kills").add_argument
+    kills("--runs", type=int, default=1000, help="at most this many runs")
+    kills("--budget-s", type=float, default=600, help="start no run after this many seconds")
+    rejoins = parser.add_argument_group("rejoins").add_argument
+    rejoins("--cycles", type=int, default=48, help="failures (each followed by a restart)")
+    rejoins("--overlap", type=float, default=0.35, help="share of failures that fire above --floor")
+    rejoins("--step-time-s", type=float, default=0.02, help="emulated compute per step")
+    rejoins("--max-steps", type=int, default=20_000, help="stop here if the plan is not done")
+    rejoins(
+        "--slow-factor", type=float, default=1.0, help="index 0's step is this much slower; never a victim"
+    )
+    rejoins("--restart-window-s", type=float, default=4.0, help="a restart starts within this")
     args = parser.parse_args(argv)
+    for key, value in {**SCENARIOS[args.scenario], "machine": MACHINES[args.scenario]}.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     if not 1 < args.floor < args.workers:
         parser.error(
             f"--floor must be between 2 and --workers - 1, got {args.floor} with {args.workers} workers"
@@ -445,22 +706,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
+def run_kills(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """Runs with seeds SEED, SEED + 1, ... while the budget lasts; every run and their summary."""
     runs: list[dict] = []
     start = time.monotonic()
     for i in range(args.runs):
-        elapsed = time.monotonic() - start
-        if runs and elapsed + max(run["seconds"] for run in runs) > args.budget_s:
+        if runs and time.monotonic() - start + max(run["seconds"] for run in runs) > args.budget_s:
             break
         seed = args.seed + i
-        plan = make_plan(
-            seed, args.workers, args.floor, args.spacing, args.average_every, args.kill_window_ms
-        )
+        plan = kills_plan(seed, args)
         steps = plan[-1]["step"] + TAIL_STEPS
-        config = {"steps": steps, "average_every": args.average_every, "timeout_s": args.timeout_s}
-        outcome = run_workers(soak_worker, args.workers, (plan, config), deadline_s=args.run_deadline_s)
-        run = {"seed": seed, "steps": steps, **judge(plan, args.workers, steps, outcome)}
+        outcome = run_workers(soak_worker, args.workers, (plan, {**config, "steps": steps}), args.deadline_s)
+        run = {"seed": seed, "steps": steps, **judge_kills(plan, args.workers, steps, outcome)}
         runs.append(run)
         modes = ", ".join(f"{r}:{v['mode']}@{v['step']}({v['landed']})" for r, v in run["injected"].items())
         print(
@@ -470,15 +727,44 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{sum(run['corruption'].values())}",
             flush=True,
         )
-        if run["errors"]:
-            for rank, error in run["errors"].items():
-                print(f"  rank {rank} raised:\n{error}", flush=True)
-    summary = summarize(runs, args, time.monotonic() - start)
-    report(summary)
+        for rank, error in run["errors"].items():
+            print(f"  rank {rank} raised:\n{error}", flush=True)
+    summary = summarize_kills(runs, args, time.monotonic() - start)
+    report_kills(summary)
+    return {"summary": summary, "runs": runs}
+
+
+def run_rejoins(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
+    """One run on an elastic job, every victim restarted; its summary, the plan and the arguments."""
+    plan = rejoins_plan(args)
+    outcome = run_workers(
+        soak_worker,
+        args.workers,
+        (plan, {**config, "steps": args.max_steps}),
+        deadline_s=args.deadline_s,
+        restart_after=lambda record: record["restart_s"],
+    )
+    summary = judge_rejoins(args, outcome)
+    report_rejoins(summary, args)
+    return {"summary": summary, "plan": plan, "args": vars(args)}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    rejoins = args.scenario == "rejoins"
+    config = {
+        "scenario": args.scenario,
+        "average_every": args.average_every,
+        "timeout_s": args.timeout_s,
+        "floor": args.floor,
+        "step_time_s": args.step_time_s if rejoins else 0.0,
+        "slow_factor": args.slow_factor if rejoins else 1.0,
+    }
+    record = run_rejoins(args, config) if rejoins else run_kills(args, config)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
-    return summary
+        Path(args.json).write_text(json.dumps(record, indent=1))
+    return record["summary"]
 
 
 if __name__ == "__main__":
