@@ -69,7 +69,7 @@ class Outcome:
     workdir: Path  # each worker's output (log-RANK.txt) is kept there
 
     def log(self, rank: int) -> str:
-        return (self.workdir / f"log-{rank}.txt").read_text()
+        return _log_tail(self.workdir, rank)
 
     def notes(self, rank: int) -> list[dict[str, Any]]:
         """What the worker wrote with :func:`note`, in order."""
@@ -211,9 +211,7 @@ def run_workers(
                 os.kill(procs[r].pid, signal.SIGCONT)  # a stopped worker dumps its stacks too
                 os.kill(procs[r].pid, signal.SIGUSR1)
             time.sleep(1.0)
-            logs = "\n".join(
-                f"--- rank {r} ---\n{(workdir / f'log-{r}.txt').read_text()[-6000:]}" for r in alive
-            )
+            logs = "\n".join(f"--- rank {r} ---\n{_log_tail(workdir, r)[-6000:]}" for r in alive)
             raise TimeoutError(
                 f"{fn.__name__}: ranks {running} did not finish within {deadline_s:.0f} s; "
                 f"logs and stacks of the running ones (workdir {workdir}):\n{logs}"
@@ -244,3 +242,10 @@ def run_workers(
             if value is not None:
                 table[rank] = value
     return outcome
+
+
+def _log_tail(workdir: Path, rank: int) -> str:
+    """Worker ``rank``'s output so far; a worker started late may not have written it yet (a deadline
+    report must still show the others)."""
+    path = workdir / f"log-{rank}.txt"
+    return path.read_text() if path.exists() else f"(no output yet: {path} not created)"
