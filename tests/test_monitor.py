@@ -161,6 +161,8 @@ def _recorded(now: float) -> dict[int, dict[str, Any]]:
     records = {m: record(m, 2, current, [lost, joined]) for m in (0, 2, 3)}
     records[1] = {**record(1, 0, [0, 1, 2, 3], []), "time": now - 30, "step": 10}  # killed: its last record
     records[4] = record(4, 2, current, [joined])
+    records[0].update(consensus=0.25, consensus_step=28)  # the newest consensus_distance() reported
+    records[2].update(consensus=0.5, consensus_step=20)
     return records
 
 
@@ -175,6 +177,7 @@ def test_the_view_of_a_recorded_job_shows_the_loss_and_the_join_with_its_donor()
     assert view["current"] == [0, 2, 3, 4] and view["world_size"] == 4 and view["generation"] == 2
     assert [(e["kind"], e["members"]) for e in view["events"]] == [("lost", [1]), ("joined", [4])]
     assert view["events"][1]["donors"] == [0]
+    assert view["consensus"] == 0.25 and view["consensus_step"] == 28
     json.dumps(view)  # plain values only
     text = render(view)
     assert "member(s) 1 lost" in text and "member(s) 4 joined (donor(s) 0)" in text

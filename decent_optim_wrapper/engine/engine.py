@@ -187,6 +187,8 @@ class GossipEngine:
         # member of the job (a joiner's, once admitted).
         self._status = StatusBoard(None if job is None else job.job)
         self._status.attach(self.status_fields)
+        #: (step, distance) of the latest consensus_distance() (a collective: the records only report it)
+        self._consensus: tuple[int, float] | None = None
         if elasticity.survives:
             # A token every rank shares names this run's keys in the store (reruns never collide).
             run = run_token()
@@ -439,7 +441,7 @@ class GossipEngine:
     def status_fields(self) -> dict[str, Any]:
         """What this rank's status record says of its engine (:mod:`~.fleet.status`): plain numbers
         and names, read by the heartbeat thread every 2 s from attributes (no collective, nothing the
-        step waits for)."""
+        step waits for): the consensus distance is the latest the training loop computed, if any."""
         members, survival = self._members, self._members.survival
         membership = members.membership
         pace = self.pace_report()
@@ -457,6 +459,8 @@ class GossipEngine:
             "guard": self.guard_counts,
             "pace_round_s": None if pace is None else pace.round_seconds,
             "pace_step_s": None if pace is None else pace.step_seconds,
+            "consensus": None if self._consensus is None else self._consensus[1],
+            "consensus_step": None if self._consensus is None else self._consensus[0],
         }
 
     def on_bucket_healed(self, reset: Callable[[list[torch.Tensor]], None]) -> None:
@@ -608,6 +612,7 @@ class GossipEngine:
         with self._averaging.whole_world():
             distance = self._averaging.distance(lambda: self._wiring.world_reduce, self._members.survive)
         self._members.collective_done()
+        self._consensus = (self._progress.step, float(distance))
         return distance
 
     @torch.no_grad()

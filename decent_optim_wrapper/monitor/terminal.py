@@ -22,6 +22,7 @@ _COLUMNS = (
     ("joins", "joins"),
     ("losses", "losses"),
     ("guard", "guard"),
+    ("consensus", "consensus"),
     ("age s", "age_s"),
 )
 
@@ -41,6 +42,8 @@ def _cell(field: str, value: Any) -> str:
         return _bytes(float(value))
     if field == "guard":
         return ",".join(f"{k}={v}" for k, v in sorted(value.items()) if v) or "0"
+    if field == "consensus":
+        return f"{float(value):.3g}"
     if isinstance(value, float):
         return f"{value:.2f}" if field != "age_s" else f"{value:.0f}"
     return str(value)

@@ -46,6 +46,8 @@ ROW_FIELDS = (
     "topology",
     "pace_round_s",
     "pace_step_s",
+    "consensus",
+    "consensus_step",
     "age_s",
 )
 
@@ -63,8 +65,10 @@ def fleet_view(
     now: float | None = None,
 ) -> dict[str, Any]:
     """The job as plain values: ``members`` (a row per worker with a record), ``events`` (the changes
-    of members every record saw, each once, oldest first), and the job's generation, world size and
-    current members. ``moved[m]`` says whether member ``m``'s heartbeat moved while it was read."""
+    of members every record saw, each once, oldest first), the job's generation, world size and
+    current members, and the latest consensus distance a member reported (``consensus``, at
+    ``consensus_step``; None until the training loop calls ``consensus_distance()``). ``moved[m]``
+    says whether member ``m``'s heartbeat moved while it was read."""
     now = time.time() if now is None else now
     records = found.records
     latest = max(records.values(), key=lambda r: (r.get("generation", 0), r.get("time", 0.0)), default=None)
@@ -92,6 +96,9 @@ def fleet_view(
         row.update(member=member, state=state)
         row["age_s"] = None if "time" not in record else max(0.0, now - float(record["time"]))
         rows.append(row)
+    # The consensus distance is a collective's result, the same on every rank: the newest one reported.
+    measured = [r for r in records.values() if r.get("consensus") is not None]
+    newest = max(measured, key=lambda r: int(r.get("consensus_step") or 0), default=None)
     return {
         "job": job,
         "store": address,
@@ -101,6 +108,8 @@ def fleet_view(
         "current": current,
         "members": rows,
         "events": timeline,
+        "consensus": None if newest is None else newest["consensus"],
+        "consensus_step": None if newest is None else newest.get("consensus_step"),
         "refused": {str(m): why for m, why in found.refused.items()},
         "time": now,
     }

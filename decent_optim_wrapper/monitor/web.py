@@ -2,8 +2,8 @@
 
 The server reads the job's view every refresh on a thread of its own and keeps the last
 :data:`HISTORY` of them; the page polls ``/status.json`` and draws the members table, each worker's
-steps per second and the world size over time, and the events as a timeline. It listens on localhost
-unless ``--host`` says otherwise, and only reads the store.
+steps per second, the consensus distance and the world size over time, and the events as a
+timeline. It listens on localhost unless ``--host`` says otherwise, and only reads the store.
 """
 
 from __future__ import annotations
@@ -38,9 +38,10 @@ svg { border: 1px solid #ccc; background: #fcfcfc; }
 <h2 id="title">decent-optim-wrapper</h2>
 <table id="members"><thead><tr><th>member</th><th>state</th><th>rank</th><th>host</th><th>pid</th>
 <th>step</th><th>steps/s</th><th>world</th><th>gen</th><th>sent MB</th><th>wait s</th><th>joins</th>
-<th>losses</th><th>guard</th></tr></thead><tbody></tbody></table>
+<th>losses</th><th>guard</th><th>consensus</th></tr></thead><tbody></tbody></table>
 <div class="plots">
 <div><b>steps per second, by member</b><br><svg id="rate" width="520" height="220"></svg></div>
+<div><b>consensus distance</b><br><svg id="consensus" width="520" height="220"></svg></div>
 <div><b>world size</b><br><svg id="world" width="520" height="220"></svg></div>
 </div>
 <h3>events</h3><ul id="events"></ul>
@@ -71,6 +72,10 @@ function plot(svg, series, ymin) {
         .join(" ");
       const c = COLORS[i % COLORS.length];
       out += `<path class="series" d="${d}" fill="none" stroke="${c}" stroke-width="2"/>`;
+      for (const p of s.points) {
+        const at = `cx="${X(p[0]).toFixed(1)}" cy="${Y(p[1]).toFixed(1)}"`;
+        out += `<circle class="point" ${at} r="2" fill="${c}"/>`;
+      }
       out += `<text x="${w - pad + 2}" y="${14 + 13 * i}" font-size="11" fill="${c}">${s.name}</text>`;
     });
   }
@@ -90,7 +95,8 @@ async function refresh() {
     tr.className = m.state;
     const sent = m.bytes_sent === null || m.bytes_sent === undefined ? null : m.bytes_sent / 1e6;
     for (const [x, d] of [[m.member], [m.state], [m.rank], [m.host], [m.pid], [m.step], [m.steps_per_s, 2],
-        [m.world_size], [m.generation], [sent, 2], [m.wait_s, 2], [m.joins], [m.losses], [m.guard]]) {
+        [m.world_size], [m.generation], [sent, 2], [m.wait_s, 2], [m.joins], [m.losses], [m.guard],
+        [m.consensus === null || m.consensus === undefined ? null : m.consensus.toPrecision(3)]]) {
       const td = document.createElement("td"); td.textContent = cell(x, d); tr.appendChild(td);
     }
     body.appendChild(tr);
@@ -101,6 +107,8 @@ async function refresh() {
   }
   plot(document.getElementById("rate"),
        Object.entries(byMember).map(([m, p]) => ({name: "member " + m, points: p})), 0);
+  plot(document.getElementById("consensus"), [{name: "distance",
+       points: data.history.filter(h => h.consensus !== null).map(h => [h.time, h.consensus])}], 0);
   plot(document.getElementById("world"),
        [{name: "world", points: data.history.map(h => [h.time, h.world_size])}], 0);
   const ul = document.getElementById("events");
@@ -149,7 +157,12 @@ class _Views:
                         if m["state"] in ("member", "silent") and m["steps_per_s"] is not None
                     }
                     self._history.append(
-                        {"time": view["time"], "rates": rates, "world_size": view["world_size"]}
+                        {
+                            "time": view["time"],
+                            "rates": rates,
+                            "world_size": view["world_size"],
+                            "consensus": view.get("consensus"),
+                        }
                     )
             self.stopped.wait(max(0.0, self._interval - (time.monotonic() - started)))
 
