@@ -227,3 +227,15 @@ def test_serve_says_which_port_is_taken(capsys):
 def test_the_page_needs_no_build_and_nothing_from_outside():
     assert "<script src" not in PAGE and "http://" not in PAGE and "https://" not in PAGE
     assert "status.json" in PAGE and "<svg" in PAGE
+
+
+def test_a_member_lost_before_its_first_record_still_has_a_row():
+    from decent_optim_wrapper.engine import FleetRecords
+
+    now = 1e9
+    records = _recorded(now)
+    del records[1]  # killed within its first 2 s: it never published
+    view = fleet_view(FleetRecords(PREFIX, records), job="watch", address="h:1", now=now)
+    row = next(r for r in view["members"] if r["member"] == 1)
+    assert row["state"] == "lost" and row["step"] is None and row["age_s"] is None
+    assert any(line.split()[:2] == ["1", "lost"] for line in render(view).splitlines())

@@ -82,7 +82,9 @@ def fleet_view(
     timeline = sorted(events.values(), key=lambda e: (e.get("generation", 0), e.get("time", 0.0)))
     lost = {int(m) for e in timeline if e.get("kind") == "lost" for m in e.get("members", [])}
     rows = []
-    for member in sorted(set(records) | set(current) | set(found.refused)):
+    # A member an event names has a row even without a record (lost before its first one, 2 s in).
+    named = {int(m) for e in timeline for m in e.get("members", [])}
+    for member in sorted(set(records) | set(current) | set(found.refused) | named):
         record = records.get(member, {})
         if member in current:
             state = "silent" if moved is not None and not moved.get(member, False) else "member"
