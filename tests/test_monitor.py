@@ -239,3 +239,53 @@ def test_a_member_lost_before_its_first_record_still_has_a_row():
     row = next(r for r in view["members"] if r["member"] == 1)
     assert row["state"] == "lost" and row["step"] is None and row["age_s"] is None
     assert any(line.split()[:2] == ["1", "lost"] for line in render(view).splitlines())
+
+
+def test_an_address_where_something_else_listens_is_a_timeout_not_a_hang(capsys):
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        started = time.monotonic()
+        assert cli.main(["--store", f"127.0.0.1:{port}", "--json", "--connect-timeout", "0.5"]) == 2
+        assert time.monotonic() - started < 30
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"--store 127.0.0.1:{port}: no store answered within 0.5 s" in err
+    assert "init_elastic" in err
+    for thread in cli.STUCK:  # the listener closed: the handshake fails and the thread ends
+        thread.join(timeout=60)
+        assert not thread.is_alive()
+
+
+def test_a_host_that_does_not_resolve_and_a_timeout_that_is_not_one_are_named(capsys):
+    assert cli.main(["--store", "no-such-host.invalid:29400", "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--store no-such-host.invalid:29400: the host 'no-such-host.invalid' does not resolve" in err
+    assert cli.main(["--store", "h:1", "--connect-timeout", "0"]) == 2
+    assert "--connect-timeout 0 must be > 0 seconds." in capsys.readouterr().err
+    assert cli.main(["--store", "h:1", "--serve", "http"]) == 2
+    assert "--serve: invalid int value: 'http'" in capsys.readouterr().err
+
+
+def test_records_are_named_as_torchrun_names_the_job_and_can_be_turned_off(monkeypatch):
+    from decent_optim_wrapper.engine import RECORDS_ENV, default_job
+
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert default_job() == "default"
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "rdzv-7")
+    assert default_job() == "rdzv-7"
+    store, engine = DictStore(), Engine()
+    monkeypatch.setenv(RECORDS_ENV, "0")
+    board = _board(store, 0, [0], Seal(), engine)
+    board.publish(store)
+    assert not board.enabled and board.published == 0 and not store.check([status_key(PREFIX, 0)])
+
+
+def test_no_job_of_that_name_says_how_to_name_a_torchrun_job(capsys):
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    assert cli.main(["--store", f"127.0.0.1:{store.port}", "--job", "none", "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "--rdzv-id" in err and "MASTER_ADDR:MASTER_PORT" in err
+    assert "on_peer_failure='continue'" in err and "DECENT_STATUS_RECORDS=0" in err

@@ -63,7 +63,14 @@ from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
 from decent_optim_wrapper.engine.fleet.jobs import JoinRejectedError
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
 from decent_optim_wrapper.engine.fleet.sealing import SECRET_ENV, ForgedEntryError, Seal, resolve_secret
-from decent_optim_wrapper.engine.fleet.status import RECORD_S, STATUS_VERSION, FleetRecords, read_fleet
+from decent_optim_wrapper.engine.fleet.status import (
+    RECORD_S,
+    RECORDS_ENV,
+    STATUS_VERSION,
+    FleetRecords,
+    default_job,
+    read_fleet,
+)
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.rules.local_steps import OuterFactory
@@ -119,12 +126,14 @@ __all__ = [
     "placed_optimizer_state",
     "tensors_consensus_distance",
     # for a monitor: the members' status records
+    "RECORDS_ENV",
     "RECORD_S",
     "SECRET_ENV",
     "STATUS_VERSION",
     "FleetRecords",
     "ForgedEntryError",
     "Seal",
+    "default_job",
     "read_fleet",
     "resolve_secret",
 ]

@@ -32,7 +32,7 @@ from decent_optim_wrapper.engine.fleet.growth import Growth
 from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import Membership, connect_store
 from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
-from decent_optim_wrapper.engine.fleet.status import StatusBoard
+from decent_optim_wrapper.engine.fleet.status import StatusBoard, default_job
 from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
 from decent_optim_wrapper.engine.layout import (
     EngineParts,
@@ -184,8 +184,9 @@ class GossipEngine:
         survival = None
         job = current_job()
         # This rank's status record (:mod:`~.fleet.status`), published by its heartbeat once it is a
-        # member of the job (a joiner's, once admitted).
-        self._status = StatusBoard(None if job is None else job.job)
+        # member of the job (a joiner's, once admitted); named as torchrun names the job when
+        # init_elastic did not start it, so that a monitor finds it there too.
+        self._status = StatusBoard(default_job() if job is None else job.job)
         self._status.attach(self.status_fields)
         #: (step, distance) of the latest consensus_distance() (a collective: the records only report it)
         self._consensus: tuple[int, float] | None = None

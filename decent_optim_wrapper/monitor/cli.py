@@ -6,13 +6,16 @@
 
 ``--store`` is the store the job's workers meet in (the node launcher's ``--store``, the store given to
 ``init_elastic``), ``--job`` the job's name there (``init_elastic(job=...)``, the launcher's ``--job``;
-default ``$TORCHELASTIC_RUN_ID``, else ``"default``, as ``init_elastic`` takes it). A job with a secret
-needs it: ``$DECENT_JOB_SECRET`` (or ``--secret``, which other users of the machine can read).
+default ``$TORCHELASTIC_RUN_ID``, else ``"default"``, as ``init_elastic`` takes it). A job with a
+secret needs it: ``$DECENT_JOB_SECRET`` (or ``--secret``, which other users of the machine can read).
 
 The monitor only reads. Its records are those the members publish every 2 s
-(:mod:`decent_optim_wrapper.engine.fleet.status`): a job started with ``init_elastic`` and
-``on_peer_failure="continue"``. A job started by ``torchrun`` alone has no job name and publishes no
-record: start its workers through ``init_elastic`` (or the node launcher) to watch it.
+(:mod:`decent_optim_wrapper.engine.fleet.status`) when they train with ``on_peer_failure="continue"``:
+a job started with ``init_elastic`` (or the node launcher), or by ``torchrun`` alone. A ``torchrun``
+job's members meet in torchrun's store: ``--store MASTER_ADDR:MASTER_PORT --job RDZV_ID`` (the
+``--rdzv-id`` it was given, ``$TORCHELASTIC_RUN_ID`` in its workers; ``torchrun --standalone`` makes
+one up and prints it). With ``on_peer_failure="raise"`` (the default) a job has no membership, so no
+records: there is nothing to watch.
 
 Exit codes: 0, or 2 for bad input (no store at that address, no job of that name, a wrong secret, a
 port in use), printed as one line naming the option, its value and the fix.
@@ -22,18 +25,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import socket
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any, NoReturn
 
-from decent_optim_wrapper.engine import SECRET_ENV, ForgedEntryError, Seal, resolve_secret
+from decent_optim_wrapper.engine import (
+    RECORDS_ENV,
+    SECRET_ENV,
+    ForgedEntryError,
+    Seal,
+    default_job,
+    resolve_secret,
+)
 from decent_optim_wrapper.monitor.terminal import render
 from decent_optim_wrapper.monitor.view import read_view
 
-__all__ = ["MonitorError", "connect", "main", "snapshot"]
+__all__ = ["STUCK", "MonitorError", "connect", "main", "snapshot"]
 
 
 class MonitorError(ValueError):
@@ -54,7 +65,7 @@ def _parser() -> _Parser:
     parser.add_argument("--store", required=True, metavar="HOST:PORT", help="the job's store")
     parser.add_argument(
         "--job",
-        default=os.environ.get("TORCHELASTIC_RUN_ID") or "default",
+        default=default_job(),
         help="the job's name in the store (default $TORCHELASTIC_RUN_ID, else 'default')",
     )
     parser.add_argument("--secret", default=None, help=f"the job's secret (default ${SECRET_ENV})")
@@ -75,19 +86,47 @@ def _address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+#: Threads still inside a store client's handshake that the monitor gave up on (see :func:`connect`).
+STUCK: list[threading.Thread] = []
+
+
 def connect(address: str, timeout_s: float = 5.0) -> Any:
-    """A client of the store at ``address`` (``HOST:PORT``), or :class:`MonitorError` naming the fix."""
+    """A client of the store at ``address`` (``HOST:PORT``), or :class:`MonitorError` naming the fix.
+
+    Bounded by ``timeout_s`` whatever answers there: a store client's handshake with a server that
+    accepts the connection but never answers (not a store) would wait forever, so it runs on a thread
+    of its own, given up on at the deadline (and left in :data:`STUCK`)."""
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     host, port = _address(address)
+    fix = (
+        "give the address the job's workers meet at (the node launcher's --store, the store passed to "
+        "init_elastic)."
+    )
     try:
-        return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-    except Exception as err:  # DistNetworkError, RuntimeError, a name that does not resolve
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise MonitorError(
-            f"--store {address}: no store answered within {timeout_s:g} s ({reason}); give the address "
-            "the job's workers meet at (the node launcher's --store, the store passed to init_elastic)."
-        ) from err
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as err:
+        raise MonitorError(f"--store {address}: the host {host!r} does not resolve ({err}); {fix}") from err
+    outcome: list[Any] = []
+
+    def reach() -> None:
+        try:
+            outcome.append(TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s)))
+        except Exception as err:  # DistNetworkError, RuntimeError
+            outcome.append(err)
+
+    thread = threading.Thread(target=reach, name="decent-monitor-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s + 1.0)  # the client's own timeout, and a second for it to say so
+    if outcome and not isinstance(outcome[0], Exception):
+        return outcome[0]
+    if not outcome:
+        STUCK.append(thread)
+        reason = "no answer as a store: something else listens there, or the store is overloaded"
+    else:
+        failed = outcome[0]
+        reason = str(failed).strip().splitlines()[0] if str(failed).strip() else type(failed).__name__
+    raise MonitorError(f"--store {address}: no store answered within {timeout_s:g} s ({reason}); {fix}")
 
 
 def _seal(secret: str | None) -> Seal:
@@ -110,9 +149,10 @@ def snapshot(store: Any, job: str, seal: Seal, address: str) -> dict[str, Any]:
     if view is None:
         raise MonitorError(
             f"--job {job!r}: no job of that name has published status records in the store at {address}. "
-            "Give the name the workers pass to init_elastic(job=...) (the node launcher's --job); its "
-            "members publish every 2 s once they train with on_peer_failure='continue'. A job started by "
-            "torchrun alone publishes none: start its workers through init_elastic."
+            "Give the name the workers pass to init_elastic(job=...) (the node launcher's --job; a torchrun "
+            "job's --rdzv-id, $TORCHELASTIC_RUN_ID in its workers, with --store MASTER_ADDR:MASTER_PORT). "
+            "Members publish every 2 s once they train with on_peer_failure='continue' (unless "
+            f"{RECORDS_ENV}=0); with on_peer_failure='raise', the default, a job publishes none."
         )
     return view
 
@@ -123,6 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
         if args.interval <= 0:
             raise MonitorError(f"--interval {args.interval:g} must be > 0 seconds.")
+        if args.connect_timeout <= 0:
+            raise MonitorError(f"--connect-timeout {args.connect_timeout:g} must be > 0 seconds.")
         seal = _seal(args.secret)
         store = connect(args.store, args.connect_timeout)
         view = snapshot(store, args.job, seal, args.store)

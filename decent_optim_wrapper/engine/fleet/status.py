@@ -14,6 +14,10 @@ most :data:`MAX_EVENTS` events, the member list of the job), sealed with the job
 (:meth:`~.sealing.Seal.seal_bytes`): a reader opens it without unpickling anything. A member that
 stops cleanly deletes its record; a killed one's record stays until the store goes with the job, and
 the survivors' records say it was lost.
+
+A job started by ``init_elastic`` is named as it says; one started by ``torchrun`` alone (with
+``on_peer_failure="continue"``, whose members meet in torchrun's store) by ``$TORCHELASTIC_RUN_ID``
+(:func:`default_job`). ``DECENT_STATUS_RECORDS=0`` in the workers' environment turns the records off.
 """
 
 from __future__ import annotations
@@ -36,10 +40,12 @@ from decent_optim_wrapper.engine.fleet.sealing import Seal
 
 __all__ = [
     "MAX_EVENTS",
+    "RECORDS_ENV",
     "RECORD_S",
     "STATUS_VERSION",
     "FleetRecords",
     "StatusBoard",
+    "default_job",
     "pointer_key",
     "read_fleet",
     "status_key",
@@ -52,8 +58,17 @@ MAX_EVENTS = 16
 #: The records' format (a reader refuses another).
 STATUS_VERSION = 1
 
+#: The environment variable that turns the records off ("0"); on by default.
+RECORDS_ENV = "DECENT_STATUS_RECORDS"
+
 #: What an engine adds to its records: plain numbers, strings, None, or dicts of numbers.
 StatusFields = dict[str, Any]
+
+
+def default_job() -> str:
+    """The job's name when ``init_elastic`` gives none: ``$TORCHELASTIC_RUN_ID`` (torchrun's
+    ``--rdzv-id``, the node launcher's ``--job``), else ``"default"``, as ``init_elastic`` takes it."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or "default"
 
 
 def status_key(prefix: str, member: int) -> str:
@@ -75,10 +90,12 @@ class StatusBoard:
 
     Args:
         job: the job's name in the store (``init_elastic(job=...)``), or None (no pointer is written).
+        enabled: publish at all; default: unless ``$DECENT_STATUS_RECORDS`` is ``"0"``.
     """
 
-    def __init__(self, job: str | None = None) -> None:
+    def __init__(self, job: str | None = None, enabled: bool | None = None) -> None:
         self.job = job
+        self.enabled = os.environ.get(RECORDS_ENV, "1").strip() != "0" if enabled is None else enabled
         self._source: Callable[[], Callable[[], StatusFields] | None] = lambda: None
         self._lock = threading.Lock()  # the main thread adds events, the heartbeat thread reads them
         self._events: deque[dict[str, Any]] = deque(maxlen=MAX_EVENTS)
@@ -141,6 +158,8 @@ class StatusBoard:
     def publish(self, store: Store) -> None:
         """Write the record (and the job's pointer at it); a failure other than the store's is logged
         once and the heartbeat goes on."""
+        if not self.enabled:
+            return
         try:
             record = self.record()
             payload = None if record is None else json.dumps(record).encode()
