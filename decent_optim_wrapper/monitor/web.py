@@ -56,17 +56,23 @@ function cell(v, digits) {
   return String(v);
 }
 function plot(svg, series, ymin) {
-  const w = svg.width.baseVal.value, h = svg.height.baseVal.value, pad = 30;
+  // pad: the axis labels' room on the left and below, the legend's on the right
+  const w = svg.width.baseVal.value, h = svg.height.baseVal.value, left = 44, right = 80, pad = 24;
   let xs = [], ys = [];
   for (const s of series) for (const p of s.points) { xs.push(p[0]); ys.push(p[1]); }
   let out = "";
   if (xs.length) {
     const x0 = Math.min(...xs), x1 = Math.max(...xs, x0 + 1);
-    const y0 = Math.min(ymin, ...ys), y1 = Math.max(...ys, y0 + 1);
-    const X = x => pad + (x - x0) / (x1 - x0) * (w - 2 * pad);
+    const y0 = Math.min(ymin, ...ys), top = Math.max(...ys);
+    const y1 = top > y0 ? top * 1.05 : y0 + 1;  // a flat series still gets a scale
+    const X = x => left + (x - x0) / (x1 - x0) * (w - left - right);
     const Y = y => h - pad - (y - y0) / (y1 - y0) * (h - 2 * pad);
-    out += `<text x="4" y="${pad}" font-size="11">${y1.toFixed(1)}</text>`;
-    out += `<text x="4" y="${h - pad}" font-size="11">${y0.toFixed(1)}</text>`;
+    const label = y => Math.abs(y1) < 0.1 && y !== 0 ? y.toPrecision(2) : y.toFixed(1);
+    const clock = t => new Date(t * 1000).toLocaleTimeString();
+    out += `<text x="4" y="${pad}" font-size="11">${label(y1)}</text>`;
+    out += `<text x="4" y="${h - pad}" font-size="11">${label(y0)}</text>`;
+    out += `<text x="${left}" y="${h - 6}" font-size="11">${clock(x0)}</text>`;
+    out += `<text x="${w - right}" y="${h - 6}" font-size="11" text-anchor="end">${clock(x1)}</text>`;
     series.forEach((s, i) => {
       const d = s.points.map((p, j) => (j ? "L" : "M") + X(p[0]).toFixed(1) + "," + Y(p[1]).toFixed(1))
         .join(" ");
@@ -76,7 +82,7 @@ function plot(svg, series, ymin) {
         const at = `cx="${X(p[0]).toFixed(1)}" cy="${Y(p[1]).toFixed(1)}"`;
         out += `<circle class="point" ${at} r="2" fill="${c}"/>`;
       }
-      out += `<text x="${w - pad + 2}" y="${14 + 13 * i}" font-size="11" fill="${c}">${s.name}</text>`;
+      out += `<text x="${w - right + 6}" y="${pad + 13 * i}" font-size="11" fill="${c}">${s.name}</text>`;
     });
   }
   svg.innerHTML = out;
