@@ -61,7 +61,7 @@ STATUS_VERSION = 1
 #: The environment variable that turns the records off ("0"); on by default.
 RECORDS_ENV = "DECENT_STATUS_RECORDS"
 
-#: What an engine adds to its records: plain numbers, strings, None, or dicts of numbers.
+# What an engine adds to its records: plain numbers, strings, None, or dicts of numbers.
 StatusFields = dict[str, Any]
 
 
