@@ -17,7 +17,7 @@ measurements, each side by side in one run:
     median step time on rank 0, the ratio on/off per round, and the median ratio with its spread
     (min to max over the rounds).
 
-Run: ``uv run python -m benchmarks.costs.status_records [--json PATH]`` (about 3 minutes on 2 cores).
+Run: ``uv run benchmarks/costs/status_records.py [--json PATH]`` (about 5 minutes on 2 cores).
 """
 
 from __future__ import annotations
