@@ -108,6 +108,7 @@ def run_elastic(
     deadline_s: float = 120.0,
     restart_killed: int = 0,
     restart_delay_s: float = 0.0,
+    started: Callable[[int, str], None] | None = None,
 ) -> Outcome:
     """Like :func:`run_with_faults`, but the job may grow: ``fn(index, world_size, port, workdir, *args)``.
 
@@ -118,7 +119,8 @@ def run_elastic(
     a while to notice; a test that wants the loss settled before the join waits longer than the
     survivors' timeout (a worker forked from the preloaded server starts in well under a second, so
     otherwise it may apply while the survivors are still agreeing on the loss, and both are settled
-    in one change of membership).
+    in one change of membership). ``started(port, workdir)`` is called once the store is up, before
+    the workers start (a test watching the job from outside learns where it is).
     """
     handled: set[str] = set()
     restarted: set[int] = set()
@@ -137,9 +139,10 @@ def run_elastic(
                     restarted.add(index)
                     start()
 
-    return _supervise(
-        fn, world_size, lambda port, workdir: (world_size, port, workdir, *args), deadline_s, (), grow
-    )
+    def arguments(port: int, workdir: str) -> tuple[Any, ...]:
+        return (world_size, port, workdir, *args)
+
+    return _supervise(fn, world_size, arguments, deadline_s, (), grow, started)
 
 
 def _supervise(
@@ -149,6 +152,7 @@ def _supervise(
     deadline_s: float,
     expect_hung: tuple[int, ...],
     poll: Callable[[list[Any], str, Callable[[], None]], None] | None = None,
+    started: Callable[[int, str], None] | None = None,
 ) -> Outcome:
     """Start ``world_size`` processes running ``fn(index, *arguments(port, workdir))`` around a store
     hosted here; call ``poll(processes, workdir, start)`` between waits (it may start more); wait for
@@ -165,6 +169,8 @@ def _supervise(
         proc.start()
         procs.append(proc)
 
+    if started is not None:
+        started(port, workdir)
     for _ in range(world_size):
         start()
     deadline = time.monotonic() + deadline_s

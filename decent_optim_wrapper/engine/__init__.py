@@ -30,6 +30,10 @@ Coordination, at this level:
   loading bit for bit, resuming at another world size.
 * :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
 * :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.
+
+For a monitor (:mod:`decent_optim_wrapper.monitor`): the members' status records
+(:mod:`~decent_optim_wrapper.engine.fleet.status`), read with :func:`read_fleet` and the job's
+:class:`Seal`.
 """
 
 from decent_optim_wrapper.engine.config import (
@@ -58,6 +62,15 @@ from decent_optim_wrapper.engine.exchange.staging import HostStagingError
 from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
 from decent_optim_wrapper.engine.fleet.jobs import JoinRejectedError
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
+from decent_optim_wrapper.engine.fleet.sealing import SECRET_ENV, ForgedEntryError, Seal, resolve_secret
+from decent_optim_wrapper.engine.fleet.status import (
+    RECORD_S,
+    RECORDS_ENV,
+    STATUS_VERSION,
+    FleetRecords,
+    default_job,
+    read_fleet,
+)
 from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.rules.local_steps import OuterFactory
@@ -112,4 +125,15 @@ __all__ = [
     "local_optimizer_state",
     "placed_optimizer_state",
     "tensors_consensus_distance",
+    # for a monitor: the members' status records
+    "RECORDS_ENV",
+    "RECORD_S",
+    "SECRET_ENV",
+    "STATUS_VERSION",
+    "FleetRecords",
+    "ForgedEntryError",
+    "Seal",
+    "default_job",
+    "read_fleet",
+    "resolve_secret",
 ]

@@ -32,6 +32,7 @@ from decent_optim_wrapper.engine.fleet.growth import Growth
 from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import Membership, connect_store
 from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
+from decent_optim_wrapper.engine.fleet.status import StatusBoard, default_job
 from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
 from decent_optim_wrapper.engine.layout import (
     EngineParts,
@@ -181,12 +182,20 @@ class GossipEngine:
             on_healed=self._bucket_healed,
         )
         survival = None
+        job = current_job()
+        # This rank's status record (:mod:`~.fleet.status`), published by its heartbeat once it is a
+        # member of the job (a joiner's, once admitted); named as torchrun names the job when
+        # init_elastic did not start it, so that a monitor finds it there too.
+        self._status = StatusBoard(default_job() if job is None else job.job)
+        self._status.attach(self.status_fields)
+        #: (step, distance) of the latest consensus_distance() (a collective: the records only report it)
+        self._consensus: tuple[int, float] | None = None
         if elasticity.survives:
             # A token every rank shares names this run's keys in the store (reruns never collide).
             run = run_token()
-            job = current_job()
             store = elasticity.store if elasticity.store is not None or job is None else job.store
-            membership = Membership.of_world(connect_store(store, timeout), run, world, timeout)
+            status = None if job is not None and job.joining else self._status
+            membership = Membership.of_world(connect_store(store, timeout), run, world, timeout, status)
             survival = Survival(membership, timeout)
         self._members = MemberChanges(
             self._wiring,
@@ -199,6 +208,7 @@ class GossipEngine:
             join_signature=join_signature(built.layout),
             save=self.state_dict,
             load=self.load_state_dict,
+            status=self._status,
         )
         self._checkpoint = EngineCheckpoint(
             self._wiring,
@@ -428,6 +438,32 @@ class GossipEngine:
         :mod:`~decent_optim_wrapper.engine.fleet.refusals`)."""
         return {**self._guard.counts, **REFUSALS.counts}
 
+    # -- what a monitor and a logger read ----------------------------------------------------------
+    def status_fields(self) -> dict[str, Any]:
+        """What this rank's status record says of its engine (:mod:`~.fleet.status`): plain numbers
+        and names, read by the heartbeat thread every 2 s from attributes (no collective, nothing the
+        step waits for): the consensus distance is the latest the training loop computed, if any."""
+        members, survival = self._members, self._members.survival
+        membership = members.membership
+        pace = self.pace_report()
+        return {
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "step": self._progress.step,
+            "round": self.round_count,
+            "topology": self.topology.name,
+            "bytes_per_step": self.bytes_sent_per_step(),
+            "compression": None if self._compression is None else self._compression.name,
+            "wait_s": 0.0 if membership is None else membership.wait_seconds,
+            "losses": 0 if survival is None else len(survival.failures),
+            "joins": len(self.growth.joins),
+            "guard": self.guard_counts,
+            "pace_round_s": None if pace is None else pace.round_seconds,
+            "pace_step_s": None if pace is None else pace.step_seconds,
+            "consensus": None if self._consensus is None else self._consensus[1],
+            "consensus_step": None if self._consensus is None else self._consensus[0],
+        }
+
     def on_bucket_healed(self, reset: Callable[[list[torch.Tensor]], None]) -> None:
         """For front-ends: ``reset(params)`` is called with a bucket's parameters when the bucket healed
         from its peers, to drop the optimizer state that stepped them (:func:`~.guard.drop_state`)."""
@@ -577,6 +613,7 @@ class GossipEngine:
         with self._averaging.whole_world():
             distance = self._averaging.distance(lambda: self._wiring.world_reduce, self._members.survive)
         self._members.collective_done()
+        self._consensus = (self._progress.step, float(distance))
         return distance
 
     @torch.no_grad()

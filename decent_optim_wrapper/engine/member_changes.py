@@ -21,6 +21,7 @@ from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.fleet.growth import Growth
 from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, Decision, Membership, PeerLost, Phase
+from decent_optim_wrapper.engine.fleet.status import StatusBoard
 from decent_optim_wrapper.engine.progress import StepProgress
 from decent_optim_wrapper.engine.rules.local_steps import LocalSteps
 from decent_optim_wrapper.engine.state.averaging import GlobalAverage
@@ -47,6 +48,7 @@ class MemberChanges:
         growth: joins (enabled with survival).
         join_signature: what a joiner must share with the members (the engine's layout).
         save, load: the engine's state, saved by a donor and loaded by a joiner.
+        status: the status record a joiner publishes once admitted (:mod:`~.fleet.status`).
     """
 
     def __init__(
@@ -62,12 +64,14 @@ class MemberChanges:
         join_signature: tuple[tuple[str, object], ...],
         save: Callable[[], EngineState],
         load: Callable[[EngineState], None],
+        status: StatusBoard | None = None,
     ) -> None:
         self._wiring, self._progress = wiring, progress
         self._buckets, self._local, self._averaging = buckets, local, averaging
         self._survival, self._growth = survival, growth
         self._join_signature = join_signature
         self._save, self._load = save, load
+        self._status = status
 
     @property
     def timeout(self) -> timedelta:
@@ -119,7 +123,9 @@ class MemberChanges:
             self._restart_rounds(resume_step)
 
         signature = (*self._join_signature, *signature)
-        self._growth.open(job, self.membership, signature, self.timeout, (save, load), (wire, load_replica))
+        self._growth.open(
+            job, self.membership, signature, self.timeout, (save, load), (wire, load_replica), self._status
+        )
 
     # -- surviving a lost peer -------------------------------------------------------------------------
     def survive(self, action: Callable[[], _T], retry: bool = True) -> _T | None:

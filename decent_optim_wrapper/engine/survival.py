@@ -303,6 +303,14 @@ class Survival:
             rank=rank,
         )
         self._failures.append(failure)
+        if membership.status is not None:
+            membership.status.event(
+                "lost",
+                step=step,
+                generation=decision.generation + 1,
+                members=[m for m in before if m not in decision.members],
+                world_size=failure.world_size,
+            )
         # Unlike the library's other logs this one is on by default: a lost worker changes the run
         # (the world size, the data seen, what the learning rate means).
         logger.warning(

@@ -54,6 +54,7 @@ from decent_optim_wrapper.engine.fleet.membership import (
     nodes_of,
 )
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
+from decent_optim_wrapper.engine.fleet.status import StatusBoard
 from decent_optim_wrapper.engine.fleet.transfer import (
     TransferCorruptedError,
     pack,
@@ -172,7 +173,18 @@ class Growth:
         try:
             self.donate(decision, membership, engine_state, timeout)
         finally:
-            self.record(join_record(decision, step, previous_rank, membership.member))
+            join = join_record(decision, step, previous_rank, membership.member)
+            if membership.status is not None:
+                admission = decision.admission
+                membership.status.event(
+                    "joined",
+                    step=step,
+                    generation=decision.generation + 1,
+                    members=[j.member for j in admission.joiners],
+                    donors=list(admission.donors),
+                    world_size=join.world_size,
+                )
+            self.record(join)
 
     def record(self, join: PeerJoin) -> None:
         """Log an admission and call the hooks (every member, after the transfers)."""
@@ -204,12 +216,14 @@ class Growth:
         timeout: timedelta,
         front_end: tuple[Callable[[], dict[str, Any]], Callable[[dict[str, Any]], None]],
         engine: tuple[Callable[[Membership], None], Callable[[dict[str, Any], int], None]],
+        status: StatusBoard | None = None,
     ) -> None:
         """Open the job to joiners; on a worker started to join, join now (the engine's
         ``open_to_joiners``).
 
         ``front_end`` is the front-end's (save, load) of its part of a replica; ``engine`` the
-        engine's (wire over an admitted joiner's world, load a replica's engine part at a resume step).
+        engine's (wire over an admitted joiner's world, load a replica's engine part at a resume step);
+        ``status`` the record a joiner publishes once it is a member (:mod:`~.status`).
         """
         save, load = front_end
         wire, load_replica = engine
@@ -233,7 +247,7 @@ class Growth:
             return
         found, job.found = job.found, None  # one engine per process joins
         membership.close()
-        joined, verdict, payload = self.join(job, found, signature, timeout, wire)
+        joined, verdict, payload = self.join(job, found, signature, timeout, wire, status)
         joined.signature = signature
         error: Exception | None = None
         try:
@@ -251,7 +265,17 @@ class Growth:
                 "joins whole, so this rank leaves the job too. Start the node's processes again."
             )
         joined.ready()
-        self.joined_at(verdict, joined.member, payload["engine"]["step"], shards)
+        step = payload["engine"]["step"]
+        self.joined_at(verdict, joined.member, step, shards)
+        if status is not None:
+            status.event(
+                "joined",
+                step=step,
+                generation=verdict.generation + 1,
+                members=list(verdict.joiners),
+                donors=list(verdict.donors),
+                world_size=len(nodes_of(verdict.members, shards)),
+            )
 
     # -- a joiner ---------------------------------------------------------------------------------
     def join(
@@ -261,6 +285,7 @@ class Growth:
         signature: tuple[tuple[str, object], ...],
         timeout: timedelta,
         wire: Callable[[Membership], None],
+        status: StatusBoard | None = None,
     ) -> tuple[Membership, Verdict, dict[str, Any]]:
         """Apply to the running job ``info`` (found by ``init_elastic``), form its new group,
         ``wire(membership)`` over it, receive a replica.
@@ -290,7 +315,7 @@ class Growth:
             membership = None
             failure: BaseException | None = None
             try:
-                membership = _enter(job, info, applicant, verdict, timeout)
+                membership = _enter(job, info, applicant, verdict, timeout, status)
                 wire(membership)
                 clock.append(time.perf_counter())
                 group = None if membership.replicas is None else membership.replicas.group
@@ -417,7 +442,12 @@ def _applicant(
 
 
 def _enter(
-    job: ElasticJob, info: JobInfo, applicant: Applicant, verdict: Verdict, timeout: timedelta
+    job: ElasticJob,
+    info: JobInfo,
+    applicant: Applicant,
+    verdict: Verdict,
+    timeout: timedelta,
+    status: StatusBoard | None,
 ) -> Membership:
     """Leave this worker's world of its own and form the new default group with the members; in a job
     of nodes, form this rank's shard world with them instead (the default group is the node)."""
@@ -445,6 +475,7 @@ def _enter(
         generation=verdict.generation + 1,
         replicas=replicas,
         seal=job.seal,
+        status=status,
     )
     membership.watch.handled = verdict.handled
     membership.watch.open = True

@@ -63,6 +63,7 @@ from decent_optim_wrapper.engine.fleet.jobs import current_job, process_seal, ru
 from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 from decent_optim_wrapper.engine.fleet.replicas import ReplicaWorld
 from decent_optim_wrapper.engine.fleet.sealing import ForgedEntryError, Seal
+from decent_optim_wrapper.engine.fleet.status import StatusBoard
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
 
 __all__ = [
@@ -267,6 +268,8 @@ class Membership:
         replicas: in a job of nodes (``init_elastic(..., shards=k)``), this rank's shard world: the
             members are then every rank of the job, kept or lost a node at a time, and a re-form
             builds the shard world's group anew instead of the default group (:mod:`~.replicas`).
+        status: the status record its heartbeat publishes (:mod:`~.status`), or None (none: a
+            worker that has not joined its job yet).
     """
 
     def __init__(
@@ -281,6 +284,7 @@ class Membership:
         generation: int = 0,
         replicas: ReplicaWorld | None = None,
         seal: Seal | None = None,
+        status: StatusBoard | None = None,
     ) -> None:
         self._seal = process_seal() if seal is None else seal  # the job secret's (:mod:`~.sealing`)
         self._replicas = replicas
@@ -300,21 +304,31 @@ class Membership:
         #: Collectives of the whole world this rank completed in the current generation (counted in the
         #: store too, so that an announcer knows when every member is out of its latest one).
         self._collectives = 0
+        #: Seconds spent waiting for peers' rounds to complete (their share of a step), all waits.
+        self.wait_seconds = 0.0
+        self.status = status
+        self._place_status()
         beat_key = f"{self._prefix}/beat/{rank}"
         self._store.add(beat_key, 1)
-        # The thread holds the store and the watch, not this object, so that it stops once the engine
-        # is gone.
-        start_heartbeat(store, beat_key, self._prefix, self._stopped, self.watch)
+        # The thread holds the store, the watch and the record, not this object, so that it stops once
+        # the engine is gone.
+        start_heartbeat(store, beat_key, self._prefix, self._stopped, self.watch, status)
 
     @classmethod
-    def of_world(cls, store: Store, run: str, world: GossipWorld, timeout: timedelta) -> Membership:
+    def of_world(
+        cls, store: Store, run: str, world: GossipWorld, timeout: timedelta, status: StatusBoard | None = None
+    ) -> Membership:
         """The membership of the job ``world`` belongs to: its ranks, or in a job of nodes every rank
         of every node (rank ``node * shards + shard`` at launch)."""
         replicas = world.replicas
         if replicas is None:
-            return cls(store, run, world.rank, world.world_size, timeout)
+            return cls(store, run, world.rank, world.world_size, timeout, status=status)
         me, size = replicas.node * replicas.shards + replicas.shard, replicas.nodes * replicas.shards
-        return cls(store, run, me, size, timeout, replicas=replicas)
+        return cls(store, run, me, size, timeout, replicas=replicas, status=status)
+
+    def _place_status(self) -> None:
+        if self.status is not None:
+            self.status.placed(self._prefix, self._me, self._generation, self._members, self._seal)
 
     @property
     def seal(self) -> Seal:
@@ -376,12 +390,15 @@ class Membership:
         fails, ``timeout`` passes, or another rank has announced a failure (outside recovery)."""
         del device  # gloo only: a host-side wait
         limit = self._timeout if timeout is None else timeout.total_seconds()
+        waited_from: float | None = None  # timed only when a peer keeps this rank waiting
         clock = _AwakeClock(limit)
         next_check = time.monotonic() + POLL_S
         announced = RuntimeError("another rank reported a lost peer")
         for work in works:
             pause = 1e-4
             while not work.is_completed():
+                if waited_from is None:
+                    waited_from = time.perf_counter()
                 now = clock.tick()
                 if clock.expired():
                     raise PeerLost(str(failure(None)))
@@ -397,6 +414,8 @@ class Membership:
                 work.wait()
             except RuntimeError as err:
                 raise PeerLost(str(failure(err))) from err
+        if waited_from is not None:
+            self.wait_seconds += time.perf_counter() - waited_from
         # Completed here, but a peer may have given up on it (it was starved past its deadline) and
         # be waiting in recovery: follow it now, not at a next collective that may never come.
         if works and not self._recovering and self.failure_announced():
@@ -685,6 +704,7 @@ class Membership:
             dist.destroy_process_group()
         self._generation = decision.generation + 1
         self._members = list(decision.members)
+        self._place_status()
         self._collectives = 0  # counted afresh under the new generation's keys
         store = PrefixStore(group_prefix(self._prefix, decision.generation), self._store)
         try:

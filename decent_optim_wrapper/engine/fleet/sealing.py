@@ -104,10 +104,7 @@ class Seal:
 
     def seal(self, value: object, where: str) -> str:
         """``value`` pickled, as text (the store's Python API takes strings), sealed for key ``where``."""
-        payload = pickle.dumps(value)
-        if self.secret is None:
-            return f"{_PLAIN}:{payload.hex()}"
-        return f"{_SEALED}:{self._tag(payload, where)}:{payload.hex()}"
+        return self.seal_bytes(pickle.dumps(value), where)
 
     def open(self, raw: bytes, where: str) -> Any:
         """The value of entry ``raw`` read at key ``where``, once its seal is checked.
@@ -115,6 +112,17 @@ class Seal:
         Raises :class:`ForgedEntryError` if the seal does not verify: a sealed entry in a job without a
         secret, a plain one in a job with one, or a tag that does not match.
         """
+        return pickle.loads(self.open_bytes(raw, where))
+
+    def seal_bytes(self, payload: bytes, where: str) -> str:
+        """``payload`` as text, sealed for key ``where`` (:meth:`seal` without the pickle: status
+        records are JSON, which a reader may open without trusting the writer further)."""
+        if self.secret is None:
+            return f"{_PLAIN}:{payload.hex()}"
+        return f"{_SEALED}:{self._tag(payload, where)}:{payload.hex()}"
+
+    def open_bytes(self, raw: bytes, where: str) -> bytes:
+        """The payload of entry ``raw`` read at key ``where``, once its seal is checked (as :meth:`open`)."""
         text = raw.decode(errors="replace")
         kind, _, rest = text.partition(":")
         if self.secret is None:
@@ -123,7 +131,7 @@ class Seal:
                     f"store entry {where!r} is sealed with a job secret, and this process has none: start it "
                     f"with the job's secret (init_elastic(secret=...) or ${SECRET_ENV})."
                 )
-            return pickle.loads(bytes.fromhex(rest))
+            return bytes.fromhex(rest)
         tag, _, data = rest.partition(":")
         try:
             payload = bytes.fromhex(data)
@@ -135,7 +143,7 @@ class Seal:
                 "without it, or by a job with another one (give every worker the same "
                 f"init_elastic(secret=...) or ${SECRET_ENV})."
             )
-        return pickle.loads(payload)
+        return payload
 
     def private(self, name: str) -> str:
         """Store key ``name``, made unpredictable to a process without the secret (``name`` itself in a
