@@ -191,3 +191,13 @@ def _low_communication_reads() -> dict[str, Any]:
 def test_low_communication_gossip_reads_one_round_per_sync_every_steps(pool: Any) -> None:
     for read in pool(2).run(_low_communication_reads, timeout=120):
         assert (read["gossip/steps"], read["gossip/rounds"]) == (6, 2)
+
+
+@pytest.mark.pure
+def test_the_metrics_page_lists_every_name_with_its_unit():
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    rows = [line for line in page.splitlines() if line.startswith("| `")]
+    listed = [row.split("`")[1] for row in rows if "/" in row.split("`")[1]]
+    assert listed == list(METRIC_NAMES), "docs/metrics.md's table and METRIC_NAMES disagree"

@@ -113,7 +113,7 @@ class WaitClock:
         self.seconds = 0.0
 
     def timed(self, waiter: Waiter) -> Waiter:
-        """``waiter``, adding the time each call takes (raised or not) to :attr:`seconds`."""
+        """``waiter``, adding the time each call takes (raised or not) to ``seconds``."""
 
         def wait(
             works: Sequence[dist.Work],

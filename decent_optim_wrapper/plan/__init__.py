@@ -2,13 +2,13 @@
 
 ``python -m decent_optim_wrapper.plan`` prints the predicted step time of every gossip topology (with
 and without compression) and of DDP for a model size, compute time and network
-(:mod:`.cli`, :func:`.predict`); ``python -m decent_optim_wrapper.plan bytes NAME -n N`` the bytes a topology
-sends per parameter (:mod:`.traffic`). Underneath: compute-time distributions (:mod:`.compute`), the
-network and collective cost model (:mod:`.costs`), links shared in time between the transfers in
-flight (:mod:`.sharing`), a round's processor time timed on this machine (:mod:`.round_cost`),
-schemes built from them (:mod:`.schemes`) and the simulator of the step dependency graph
-(:mod:`.simulator`); ``python -m decent_optim_wrapper.plan recommend`` picks the setting that sends the
-most while the exchange stays hidden (:mod:`.recommend`). It sits above the engine and the
+(:mod:`~decent_optim_wrapper.plan.cli`, :func:`.predict`); ``python -m decent_optim_wrapper.plan bytes
+NAME -n N`` the bytes a topology sends per parameter (:mod:`.traffic`). Underneath: compute-time
+distributions (:mod:`.compute`), the network and collective cost model (:mod:`.costs`), links shared in
+time between the transfers in flight (:mod:`.sharing`), a round's processor time timed on this machine
+(:mod:`.round_cost`), schemes built from them (:mod:`.schemes`) and the simulator of the step dependency
+graph (:mod:`.simulator`); ``python -m decent_optim_wrapper.plan recommend`` picks the setting that
+sends the most while the exchange stays hidden (:mod:`.recommend`). It sits above the engine and the
 topologies, whose byte rules it uses; nothing below imports it.
 """
 
