@@ -1,12 +1,16 @@
-"""Measurements over the replicas: how far apart they are."""
+"""Measurements: how far apart the replicas are, and the names of the counters a logger reads.
+
+:func:`consensus_distance` is a collective over the replicas; the front-ends' ``metrics()`` is local
+and returns the counters named in :data:`METRIC_NAMES` (name: what is counted, with its unit).
+"""
 
 from __future__ import annotations
 
 from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
-from decent_optim_wrapper.engine import GossipEngine, tensors_consensus_distance
+from decent_optim_wrapper.engine import METRIC_NAMES, GossipEngine, tensors_consensus_distance
 from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
-__all__ = ["consensus_distance", "tensors_consensus_distance"]
+__all__ = ["METRIC_NAMES", "consensus_distance", "tensors_consensus_distance"]
 
 
 def consensus_distance(replica: DecentOptimWrapper | DecentralizedDataParallel | GossipEngine) -> float:

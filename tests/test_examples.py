@@ -174,3 +174,27 @@ def test_benchmark_runner_trains_paced_rounds_on_both_front_ends(pool, capsys):
         SimpleNamespace(steps=16, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic"),
     )
     assert "ring~h4n0.1p+adamw: inner steps per worker 11 to 21, 32 in all" in capsys.readouterr().out
+
+
+def test_tensorboard_example_writes_the_gossip_counters_as_scalars(tmp_path):
+    pytest.importorskip("tensorboard", reason="the examples group (tensorboard) is not installed")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from decent_optim_wrapper.metrics import METRIC_NAMES
+
+    logdir, results = tmp_path / "runs", tmp_path / "totals.json"
+    output = run_script(
+        "examples/tensorboard_metrics.py",
+        *("--workers", "2", "--steps", "20", "--log-every", "5"),
+        *("--logdir", str(logdir), "--json", str(results)),
+    )
+    totals = json.loads(results.read_text())
+    assert totals["gossip/steps"] == 20 and totals["gossip/bytes_sent"] > 0 and totals["gossip/wait_s"] >= 0
+    assert "rank 1: 20 steps" in output and "waiting for gossip" in output
+    for rank in range(2):
+        events = EventAccumulator(str(logdir / f"rank{rank}"))
+        events.Reload()
+        tags = set(events.Tags()["scalars"])
+        assert set(METRIC_NAMES) | {"train/loss"} <= tags, sorted(tags)
+        steps = [(e.step, e.value) for e in events.Scalars("gossip/steps")]
+        assert steps == [(5, 5.0), (10, 5.0), (15, 5.0), (20, 5.0)]  # each read: the steps since the last

@@ -9,6 +9,7 @@ compared bit for bit against an independent computation of the gossip rule (pair
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -470,3 +471,72 @@ def test_what_lightning_cannot_follow_is_refused_at_construction(
         assert fragment in str(error.value), (fragment, str(error.value))
     with pytest.raises(ValueError, match="contradicts config="):
         DecentralizedStrategy("complete", config=GossipConfig(topology="ring"))
+
+
+# -- the gossip counters through the Trainer's loggers ------------------------------------------------------
+class Capture(pl.loggers.Logger):
+    """A logger that keeps what it is given, on every rank (Lightning's own write on rank 0 only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logged: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "capture"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.logged.append((step, dict(metrics)))
+
+
+def fit_logging_gossip_metrics(log: bool, folder: str) -> dict[str, Any]:
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    with launched_by_torchrun():
+        capture = Capture()
+        csv = pl.loggers.CSVLogger(folder, name="csv", version=0)
+        strategy = DecentralizedStrategy("ring", log_gossip_metrics=log)
+        t = trainer(strategy, logger=[capture, csv], max_steps=6, log_every_n_steps=2, limit_val_batches=0)
+        t.fit(Net("plain-sgd", scheduler="none"), loaders()[0])
+        gossip = [(step, m) for step, m in capture.logged if any(k.startswith("gossip/") for k in m)]
+        return {"gossip": gossip, "csv": os.path.join(csv.log_dir, "metrics.csv")}
+
+
+@pytest.mark.parametrize("log", [True, False])
+def test_gossip_metrics_reach_the_trainers_loggers_every_log_every_n_steps(
+    pool: Any, tmp_path: Path, log: bool
+) -> None:
+    from decent_optim_wrapper.metrics import METRIC_NAMES
+
+    ranks = pool(2).run(fit_logging_gossip_metrics, log, str(tmp_path), timeout=180)
+    for rank, got in enumerate(ranks):
+        if not log:  # off by default: the loggers see nothing of gossip
+            assert got["gossip"] == [], rank
+            continue
+        assert len(got["gossip"]) == 3, f"rank {rank}: 6 steps, a log every 2: {got['gossip']}"
+        steps = [step for step, _ in got["gossip"]]
+        assert steps == sorted(steps) and len(set(steps)) == 3
+        for _, metrics in got["gossip"]:
+            assert set(METRIC_NAMES) <= set(metrics)
+            assert metrics["gossip/steps"] == 2 and metrics["gossip/rounds"] == 2
+            assert metrics["fleet/world_size"] == 2
+            assert metrics["gossip/bytes_sent"] == 2 * metrics["gossip/bytes_per_step"] > 0
+            assert metrics["gossip/wait_s"] >= 0
+    with open(ranks[0]["csv"]) as table:  # rank 0's CSVLogger wrote the same columns
+        header = table.readline().strip().split(",")
+    assert ("gossip/bytes_sent" in header) == log and ("fleet/world_size" in header) == log
+
+
+@pytest.mark.pure
+def test_log_gossip_metrics_must_be_a_bool() -> None:
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    with pytest.raises(TypeError, match="log_gossip_metrics must be True or False, got 'yes'"):
+        DecentralizedStrategy(log_gossip_metrics="yes")  # type: ignore[arg-type]

@@ -153,6 +153,7 @@ def fit(
             "wrapped": type(trainer.model_wrapped).__name__,
             "losses_computed": getattr(trainer, "losses_computed", None),
             "config": _wrapped_config(trainer.optimizer),
+            "log_history": trainer.state.log_history,
         }
 
 
@@ -326,3 +327,33 @@ def test_what_the_trainer_cannot_follow_is_refused_at_construction(
         DecentralizedTrainer(model=tiny_gpt2(), args=args, **options)
     for fragment in fragments:
         assert fragment in str(error.value), (fragment, str(error.value))
+
+
+@pytest.mark.parametrize("log", [True, False])
+def test_gossip_metrics_reach_the_log_history_every_logging_steps(
+    pool: Any, tmp_path: Path, log: bool
+) -> None:
+    from decent_optim_wrapper.metrics import METRIC_NAMES
+
+    gossip = {"log_gossip_metrics": True} if log else {}
+    for rank, got in enumerate(pool(2).run(fit, str(tmp_path), logging_steps=2, gossip=gossip, timeout=120)):
+        training_logs = [entry for entry in got["log_history"] if "loss" in entry]
+        assert len(training_logs) == 4, f"rank {rank}: 8 steps, a log every 2: {got['log_history']}"
+        with_gossip = [entry for entry in got["log_history"] if "gossip/steps" in entry]
+        if not log:  # off by default: the logs hold nothing of gossip
+            assert with_gossip == [], rank
+            continue
+        assert with_gossip == training_logs
+        for entry in training_logs:
+            assert set(METRIC_NAMES) <= set(entry)
+            assert entry["gossip/steps"] == 2 and entry["gossip/rounds"] == 2
+            assert entry["gossip/bytes_sent"] == 2 * entry["gossip/bytes_per_step"] > 0
+            assert entry["fleet/world_size"] == 2 and entry["gossip/wait_s"] >= 0
+
+
+@pytest.mark.pure
+def test_log_gossip_metrics_must_be_a_bool(tmp_path: Path) -> None:
+    from decent_optim_wrapper.integrations.transformers import DecentralizedTrainer
+
+    with pytest.raises(TypeError, match="log_gossip_metrics must be True or False, got 1"):
+        DecentralizedTrainer(model=tiny_gpt2(), log_gossip_metrics=1)

@@ -22,6 +22,8 @@ Coordination, at this level:
   collective.
 * :mod:`~decent_optim_wrapper.engine.survival` -- going on without a lost peer: the recovery loop.
 * :mod:`~decent_optim_wrapper.engine.progress` -- where a rank's steps stand.
+* :mod:`~decent_optim_wrapper.engine.counters` -- the counters a logger reads: what happened since the
+  last read, as plain numbers.
 * :mod:`~decent_optim_wrapper.engine.wiring` -- the communication over the current members, built once
   and rebuilt over new ones.
 * :mod:`~decent_optim_wrapper.engine.member_changes` -- the engine's side of a change of members:
@@ -47,6 +49,7 @@ from decent_optim_wrapper.engine.config import (
     Transport,
     given,
 )
+from decent_optim_wrapper.engine.counters import METRIC_NAMES
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
 from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
@@ -125,6 +128,8 @@ __all__ = [
     "local_optimizer_state",
     "placed_optimizer_state",
     "tensors_consensus_distance",
+    # for a logger: the names metrics() returns
+    "METRIC_NAMES",
     # for a monitor: the members' status records
     "RECORDS_ENV",
     "RECORD_S",

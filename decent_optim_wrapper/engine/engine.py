@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.checkpointing import EngineCheckpoint
 from decent_optim_wrapper.engine.config import GossipConfig, GossipOptions, Placement
+from decent_optim_wrapper.engine.counters import CounterTotals, GossipMetrics, WaitClock
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
@@ -166,6 +167,7 @@ class GossipEngine:
         # guarded mixing's switch and events, kept across changes of the world
         self._guard = GuardLog(world.rank, enabled=config.robustness.nonfinite_guard)
         self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
+        self._wait_clock = WaitClock()  # host seconds in the rounds' waits, for metrics()
         self._wiring = Wiring(
             world,
             list(dict.fromkeys(r.groups for r in reports)),  # every gossip world's groups
@@ -180,6 +182,7 @@ class GossipEngine:
             clipped=built.layout.clipped_gossip,
             tracking=config.rounds.gradient_tracking,
             on_healed=self._bucket_healed,
+            wait_clock=self._wait_clock,
         )
         survival = None
         job = current_job()
@@ -220,6 +223,7 @@ class GossipEngine:
             wait_all=self.wait_all,
         )
         self._wiring.connect(self._members.membership, broadcast=True)
+        self._metrics = GossipMetrics(self._counter_totals)
         logger.debug("rank {}/{}: {}", world.rank, world.world_size, self._wiring.topology)
 
     # -- facts -----------------------------------------------------------------------------------
@@ -463,6 +467,32 @@ class GossipEngine:
             "consensus": None if self._consensus is None else self._consensus[1],
             "consensus_step": None if self._consensus is None else self._consensus[0],
         }
+
+    def metrics(self) -> dict[str, float | int]:
+        """What this rank did since the previous call (the first: since construction), as plain numbers.
+
+        Names and units are those of :data:`~.counters.METRIC_NAMES`: ``gossip/steps``,
+        ``gossip/rounds``, ``gossip/bytes_sent`` (bytes), ``gossip/bytes_per_step``, ``gossip/wait_s``
+        (host seconds the rounds' waits took), ``guard/<kind>`` for each guard event kind and
+        ``guard/forged_entries``, ``fleet/world_size``, ``fleet/losses``, ``fleet/joins``. Each call
+        resets the counts (:class:`~.counters.GossipMetrics`). Local: no collective, no device sync,
+        so a logger may call it on any rank at any step.
+        """
+        return self._metrics.read()
+
+    def _counter_totals(self) -> CounterTotals:
+        """The running totals :meth:`metrics` differences: the sources of :meth:`status_fields`."""
+        survival = self._members.survival
+        return CounterTotals(
+            steps=self._progress.step,
+            rounds=self.round_count,
+            wait_s=self._wait_clock.seconds,
+            bytes_per_step=self.bytes_sent_per_step(),
+            world_size=self.world_size,
+            guard=self.guard_counts,
+            losses=0 if survival is None else len(survival.failures),
+            joins=len(self.growth.joins),
+        )
 
     def on_bucket_healed(self, reset: Callable[[list[torch.Tensor]], None]) -> None:
         """For front-ends: ``reset(params)`` is called with a bucket's parameters when the bucket healed

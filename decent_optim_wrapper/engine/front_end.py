@@ -157,6 +157,21 @@ class EngineFrontEnd:
         ``"not_finite"``, and with clipped gossip ``"dropped"``) happened on this rank."""
         return self._engine.guard_counts
 
+    def metrics(self) -> dict[str, float | int]:
+        """This rank's gossip counters since the previous call, as a dict of plain numbers.
+
+        Steps, rounds, bytes sent, seconds waited for rounds, guard events, world size, peers lost and
+        joined, under the names the :doc:`metrics page </metrics>` lists (e.g. ``"gossip/bytes_sent"``,
+        ``"gossip/wait_s"``, ``"fleet/world_size"``); see
+        :meth:`~decent_optim_wrapper.engine.GossipEngine.metrics`. Each call starts the counts again.
+        Local (no collective, no device sync): call it on one rank or all, as often as the logger
+        writes::
+
+            if step % 50 == 0:
+                writer.add_scalars("gossip", optimizer.metrics(), step)  # or wandb.log(...), etc.
+        """
+        return self._engine.metrics()
+
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average; the same on every rank.
 

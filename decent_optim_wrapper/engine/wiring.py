@@ -18,12 +18,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from decent_optim_wrapper.engine.counters import WaitClock
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.exchange.guard import GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
-from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout, wait_all
 from decent_optim_wrapper.engine.fleet.membership import Decision, Membership
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
 from decent_optim_wrapper.engine.options import TopologySpec
@@ -52,6 +53,8 @@ class Wiring:
         guard: guarded mixing's log; ``clipped``: clipped mixing, or None.
         tracking: whether gradient tracking was asked for (trackers exist at world size > 1).
         on_healed: told which bucket healed from its peers.
+        wait_clock: times the waits of the rounds (gossip, trackers, anchors), not those of a global
+            average.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class Wiring:
         clipped: ClippedGossip | None,
         tracking: bool,
         on_healed: Callable[[int], None],
+        wait_clock: WaitClock,
     ) -> None:
         self.world, self.topology = world, topology
         self.timeout, self.staging = timeout, staging
@@ -77,6 +81,7 @@ class Wiring:
         self._buckets, self._local = buckets, local
         self._compression, self._guard, self._clipped = compression, guard, clipped
         self._tracking, self._on_healed = tracking, on_healed
+        self._wait_clock = wait_clock
         self._membership: Membership | None = None
         self.process_groups: ProcessGroups
         self.world_reduce: WorldReduce
@@ -103,6 +108,7 @@ class Wiring:
         self.world_reduce = WorldReduce(
             self.process_groups.world, self.world_size, self.rank, self.timeout, waiter
         )
+        timed = self._wait_clock.timed(wait_all if waiter is None else waiter)  # the rounds' waits only
         if broadcast:
             self.bind_and_broadcast(self._buckets)
         numbers = [b.spec.number for b in self._buckets]  # random draws follow a bucket, not its position
@@ -111,13 +117,13 @@ class Wiring:
         tensors = [b.data for b in self._buckets]
         wiring = (self.topology, self.rank, self.process_groups, self.timeout, plan)
         self._guard.rank = self.rank
-        self.gossip = Gossip(tensors, *wiring, waiter, self.staging, self._guard, clipped=self._clipped)
+        self.gossip = Gossip(tensors, *wiring, timed, self.staging, self._guard, clipped=self._clipped)
         if broadcast:
             self.gossip.start_from_common_point()  # compressed groups meet first without an exact round
         if self._local is not None:
             self._local.connect(
                 *wiring,
-                waiter,
+                timed,
                 reset=broadcast,
                 staging=self.staging,
                 guard=self._guard,
@@ -127,7 +133,7 @@ class Wiring:
         self.tracker = None
         if self._tracking and self.world_size > 1:
             self.tracker = GradientTracker(
-                self._buckets, *wiring, waiter, self.staging, self._guard, clipped=self._clipped
+                self._buckets, *wiring, timed, self.staging, self._guard, clipped=self._clipped
             )
 
     @property

@@ -141,6 +141,13 @@ class DecentralizedStrategy(DDPStrategy):
             ``local_world_size`` defaults to ``devices``. Paced rounds and ``on_peer_failure="continue"``
             are refused with the fix: Lightning counts the same steps on every rank, and its launchers
             stop the job when a process dies.
+        log_gossip_metrics: every ``log_every_n_steps`` optimizer steps, pass the wrapped optimizer's
+            :meth:`~decent_optim_wrapper.DecentOptimWrapper.metrics` (bytes sent, seconds waiting for
+            gossip, guard events, world size, ...: the metrics page of the docs) to every logger of
+            the Trainer (``logger.log_metrics``), at ``trainer.global_step``. Lightning's loggers
+            write on rank 0, so they record rank 0's counters; every rank reads its own (a local read,
+            no collective). With several optimizers each name gets the prefix ``optimizer<i>/``. Off
+            by default; its cost is within the noise of a step (the metrics page gives the figure).
         {gossip_options}
 
     The other arguments (``accelerator``, ``parallel_devices``, ``cluster_environment``,
@@ -162,6 +169,7 @@ class DecentralizedStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        log_gossip_metrics: bool = False,
         **options: Unpack[KeywordOptions],
     ) -> None:
         require_version("lightning", lightning.__version__, *SUPPORTED)
@@ -177,6 +185,13 @@ class DecentralizedStrategy(DDPStrategy):
         # Merged now, so that a bad option fails at construction; the processes per node come at setup.
         self._config = framework_config("Lightning", config, {**given(topology=topology), **options})
         self._replicas = Replicas()
+        if not isinstance(log_gossip_metrics, bool):
+            raise TypeError(
+                f"log_gossip_metrics must be True or False, got {log_gossip_metrics!r}; pass "
+                "log_gossip_metrics=True to log the gossip counters through the Trainer's loggers."
+            )
+        self._log_gossip_metrics = log_gossip_metrics
+        self._steps_since_log = 0
 
     # -- setup: no DDP, wrapped optimizers -----------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -220,6 +235,44 @@ class DecentralizedStrategy(DDPStrategy):
         self._replicas.clear()
         self._replicas.wrappers = wrapped
         self.optimizers = list(wrapped)
+        self._steps_since_log = 0
+        for wrapper in wrapped:
+            wrapper.metrics()  # the first log counts from the fit's first step
+
+    # -- the gossip counters for the Trainer's loggers -------------------------------------------------
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """DDP's optimizer step; with ``log_gossip_metrics``, then the counters to the loggers when due."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._log_gossip_metrics:
+            self._steps_since_log += 1
+            trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+            # set by the Trainer's constructor, not declared on the class
+            every = max(1, int(getattr(trainer, "log_every_n_steps", 50)))
+            if trainer is not None and self._steps_since_log >= every:
+                self._steps_since_log = 0
+                self._log_metrics(trainer)
+        return output
+
+    def _log_metrics(self, trainer: pl.Trainer) -> None:
+        """Every wrapper's counters since the last log, to every logger (they write on rank 0)."""
+        wrappers = self._replicas.wrappers
+        metrics: dict[str, float] = {}
+        for index, wrapper in enumerate(wrappers):
+            prefix = f"optimizer{index}/" if len(wrappers) > 1 else ""
+            metrics.update({prefix + name: float(value) for name, value in wrapper.metrics().items()})
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    @property
+    def log_gossip_metrics(self) -> bool:
+        """Whether the gossip counters go to the Trainer's loggers every ``log_every_n_steps`` steps."""
+        return self._log_gossip_metrics
 
     @property
     def config(self) -> GossipConfig:

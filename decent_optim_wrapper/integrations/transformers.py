@@ -83,6 +83,14 @@ class DecentralizedTrainerMixin:
             ``$LOCAL_WORLD_SIZE``, else 1. Paced rounds and ``on_peer_failure="continue"`` are refused
             with the fix: the Trainer counts the same steps on every rank, and its launchers (torchrun,
             accelerate launch) stop the job when a process dies.
+        log_gossip_metrics: add the wrapped optimizer's
+            :meth:`~decent_optim_wrapper.DecentOptimWrapper.metrics` (bytes sent, seconds waiting for
+            gossip, guard events, world size, ...: the metrics page of the docs) to every training
+            log (each ``logging_steps``, the logs with ``"loss"``), before the Trainer hands them to
+            its callbacks: ``state.log_history`` and every ``report_to`` logger (TensorBoard, W&B)
+            receive them. Each rank adds its own counters (a local read, no collective); the
+            reporting callbacks write rank 0's. Off by default; its cost is within the noise of a step
+            (the metrics page gives the figure).
         {gossip_options}
 
     All other arguments go to the Trainer.
@@ -97,13 +105,21 @@ class DecentralizedTrainerMixin:
     is_deepspeed_enabled: bool
     is_fsdp_enabled: bool
 
-    def __init__(self, *args: Any, config: GossipConfig | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, config: GossipConfig | None = None, log_gossip_metrics: bool = False, **kwargs: Any
+    ) -> None:
         require_version("transformers", transformers.__version__, *SUPPORTED_TRANSFORMERS)
         require_version("accelerate", accelerate.__version__, *SUPPORTED_ACCELERATE)
         # The gossip options among the Trainer's keywords (the Trainer has none of these names).
         options = {name: kwargs.pop(name) for name in GossipConfig.keywords() if name in kwargs}
         self._gossip_config = framework_config("The Trainer", config, options)
         self._replicas = Replicas()
+        if not isinstance(log_gossip_metrics, bool):
+            raise TypeError(
+                f"log_gossip_metrics must be True or False, got {log_gossip_metrics!r}; pass "
+                "log_gossip_metrics=True to add the gossip counters to the Trainer's logs."
+            )
+        self._log_gossip_metrics = log_gossip_metrics
         super().__init__(*args, **kwargs)
         self._check_supported()
 
@@ -176,6 +192,19 @@ class DecentralizedTrainerMixin:
         self.optimizer = wrap_optimizer(optimizer, config)
         self._replicas.clear()
         self._replicas.wrappers = [self.optimizer]
+        self.optimizer.metrics()  # the first log counts from the first step
+
+    # -- the gossip counters in the Trainer's logs ----------------------------------------------------
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        """The Trainer's log; with ``log_gossip_metrics``, a training log gets the gossip counters first."""
+        if self._log_gossip_metrics and self._replicas.training and "loss" in logs:
+            logs.update(self._replicas.wrappers[0].metrics())
+        super().log(logs, *args, **kwargs)  # type: ignore[misc]
+
+    @property
+    def log_gossip_metrics(self) -> bool:
+        """Whether each training log gets the gossip counters (:meth:`log`)."""
+        return self._log_gossip_metrics
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         """Train as the Trainer does; afterwards every rank's model is the global average."""
