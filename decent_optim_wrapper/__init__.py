@@ -8,11 +8,10 @@ Layout (each layer imports only the ones above it):
   global averaging and its snapshot, its part of a checkpoint.
 * :mod:`~decent_optim_wrapper.optim` -- optimizers (:class:`AccumAdam`, :class:`AccumAdamW`) and the
   decent-dp factories (``optim_fn_*``, :func:`lr_scheduler_fn_cosine_with_warmup`); torch only.
-* The front-ends, which translate a user's API into engine calls:
-  :mod:`~decent_optim_wrapper.wrapper` (:class:`DecentOptimWrapper`, any ``torch.optim.Optimizer``) and
-  :mod:`~decent_optim_wrapper.data_parallel` (:class:`DecentralizedDataParallel`, decent-dp's API, each
-  bucket updated inside backward); :mod:`~decent_optim_wrapper.inner_step` runs the optimizers they
-  step as torch expects (GradScaler, global step hooks).
+* :mod:`~decent_optim_wrapper.front_ends` -- the front doors, which translate a user's API into engine
+  calls: :class:`DecentOptimWrapper` (any ``torch.optim.Optimizer``; public path
+  ``decent_optim_wrapper.wrapper``) and :class:`DecentralizedDataParallel` (decent-dp's API, each bucket
+  updated inside backward); the integrations (:mod:`~decent_optim_wrapper.integrations`) sit above them.
 * Above them: :mod:`~decent_optim_wrapper.metrics` (consensus distance), :mod:`~decent_optim_wrapper.plan`
   (``python -m decent_optim_wrapper.plan``: predicted step times, bytes per step),
   :mod:`~decent_optim_wrapper.launch` (:func:`initialize_dist`).
@@ -20,7 +19,6 @@ Layout (each layer imports only the ones above it):
 
 from loguru import logger
 
-from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import (
     ClippedGossip,
     DecentError,
@@ -44,6 +42,7 @@ from decent_optim_wrapper.engine import (
     Rounds,
     Transport,
 )
+from decent_optim_wrapper.front_ends import DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.launch import init_elastic, initialize_dist, node_mesh
 from decent_optim_wrapper.metrics import consensus_distance
 from decent_optim_wrapper.optim import (
@@ -69,7 +68,6 @@ from decent_optim_wrapper.topo import (
     TopologyFactory,
     TopologyReg,
 )
-from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 # Libraries stay silent unless the user opts in: logger.enable("decent_optim_wrapper").
 logger.disable("decent_optim_wrapper")

@@ -6,9 +6,8 @@ and returns the counters named in :data:`METRIC_NAMES` (name: what is counted, w
 
 from __future__ import annotations
 
-from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
 from decent_optim_wrapper.engine import METRIC_NAMES, GossipEngine, tensors_consensus_distance
-from decent_optim_wrapper.wrapper import DecentOptimWrapper
+from decent_optim_wrapper.front_ends import DecentOptimWrapper, DecentralizedDataParallel
 
 __all__ = ["METRIC_NAMES", "consensus_distance", "tensors_consensus_distance"]
 

@@ -27,7 +27,7 @@ from twins import assert_state_is_torchs, bare_twin, database_under_the_wrapper
 
 from decent_optim_wrapper.engine.rules import adam_step
 from decent_optim_wrapper.engine.rules.second_moment import SIGNAL, SecondMomentRule
-from decent_optim_wrapper.inner_step import scaled_step
+from decent_optim_wrapper.front_ends.inner_step import scaled_step
 
 ADAMS = (torch.optim.Adam, torch.optim.AdamW)
 

@@ -12,7 +12,7 @@ from decent_optim_wrapper.engine.exchange.buckets import (
     check_named_params,
     plan_buckets,
 )
-from decent_optim_wrapper.wrapper import named_param_groups
+from decent_optim_wrapper.front_ends.optimizer import named_param_groups
 
 pytestmark = pytest.mark.pure
 

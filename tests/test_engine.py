@@ -27,7 +27,7 @@ from decent_optim_wrapper import (
     GossipError,
 )
 from decent_optim_wrapper.engine.fleet.comm import wait_all
-from decent_optim_wrapper.inner_step import GLOBAL_HOOK_REGISTRIES, scaled_step
+from decent_optim_wrapper.front_ends.inner_step import GLOBAL_HOOK_REGISTRIES, scaled_step
 
 
 # -- pure: which wait, which GradScaler path -------------------------------------------------------

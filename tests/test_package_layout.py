@@ -25,7 +25,7 @@ ENGINE_LAYERS = {
     "engine.exchange": 2,
     "engine.rules": 3,
     "engine.state": 4,
-    # coordination at the engine's top: options, layout, survival, recovery, checkpointing, engine, front_end
+    # coordination at the engine's top: options, layout, survival, recovery, checkpointing, engine
     "engine": 5,
 }
 
@@ -35,12 +35,17 @@ PACKAGE_LAYERS = {
     "topo": 0,
     "optim": 0,
     "engine": 1,
-    "inner_step": 2,  # the front-ends' shared step machinery
-    "wrapper": 3,
-    "data_parallel_backward": 3,  # the module front-end's helpers, below the class
-    "data_parallel_state": 4,
-    "data_parallel": 5,
-    "monitor": 6,  # reads the members' status records from the store
+    # the front doors, in their own folder: shared parts, then each front-end
+    "front_ends.base": 2,  # what both report of their engine
+    "front_ends.inner_step": 2,  # the front-ends' shared step machinery
+    "front_ends.optimizer": 3,
+    "front_ends.data_parallel_backward": 3,  # the module front-end's helpers, below the class
+    "front_ends.data_parallel_state": 4,
+    "front_ends.data_parallel": 5,
+    "front_ends": 6,  # the folder's face, re-exporting both front-ends
+    "wrapper": 7,  # the public paths of the two front-ends (the seed README's contract)
+    "data_parallel": 7,
+    "monitor": 7,  # reads the members' status records from the store
 }
 
 
@@ -271,22 +276,27 @@ def test_no_private_attribute_is_read_outside_its_class():
 
 
 # What lies outside the engine and reaches it as a user would: the front-ends and the integrations.
-FRONT_DOORS = (
-    "wrapper",
-    "data_parallel",
-    "data_parallel_backward",
-    "data_parallel_state",
-    "inner_step",
-    "metrics",
-)
+FRONT_DOORS = ("wrapper", "data_parallel", "metrics")
 
 
 def test_front_doors_reach_the_engine_only_through_its_public_face():
     wrong = []
     for source, target, _ in _edges():
         rest = source[len(NAME) + 1 :]
-        if rest not in FRONT_DOORS and not rest.startswith(("integrations", "monitor")):
+        if rest not in FRONT_DOORS and not rest.startswith(("front_ends", "integrations", "monitor")):
             continue
         if target.startswith(f"{NAME}.engine."):
             wrong.append(f"{source} imports {target} (import it from {NAME}.engine)")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_public_paths_of_the_front_ends_are_kept():
+    """The seed README's import path, and the module front-end's, name the classes in ``front_ends/``."""
+    import decent_optim_wrapper
+    from decent_optim_wrapper.data_parallel import DecentralizedDataParallel
+    from decent_optim_wrapper.front_ends import data_parallel, optimizer
+    from decent_optim_wrapper.wrapper import DecentOptimWrapper
+
+    assert DecentOptimWrapper is optimizer.DecentOptimWrapper is decent_optim_wrapper.DecentOptimWrapper
+    assert DecentralizedDataParallel is data_parallel.DecentralizedDataParallel
+    assert DecentralizedDataParallel is decent_optim_wrapper.DecentralizedDataParallel

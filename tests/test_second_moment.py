@@ -20,7 +20,7 @@ from simulation import BlockingGossip, Gossip
 
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.engine.rules.second_moment import SIGNAL, SecondMomentRule, check_second_moment
-from decent_optim_wrapper.inner_step import scaled_step
+from decent_optim_wrapper.front_ends.inner_step import scaled_step
 
 
 class RuleAdamW(torch.optim.Optimizer):

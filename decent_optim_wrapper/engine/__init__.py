@@ -30,8 +30,8 @@ Coordination, at this level:
   recovering, settling rounds, rewiring, opening to joiners.
 * :mod:`~decent_optim_wrapper.engine.checkpointing` -- the engine's part of a checkpoint: saving,
   loading bit for bit, resuming at another world size.
-* :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object front-ends drive.
-* :mod:`~decent_optim_wrapper.engine.front_end` -- what every front-end reports of its engine.
+* :mod:`~decent_optim_wrapper.engine.engine` -- :class:`GossipEngine`, the object the front-ends
+  (:mod:`decent_optim_wrapper.front_ends`) drive.
 
 For a monitor (:mod:`decent_optim_wrapper.monitor`): the members' status records
 (:mod:`~decent_optim_wrapper.engine.fleet.status`), read with :func:`read_fleet` and the job's
@@ -63,6 +63,7 @@ from decent_optim_wrapper.engine.exchange.shards import (
 )
 from decent_optim_wrapper.engine.exchange.staging import HostStagingError
 from decent_optim_wrapper.engine.fleet.comm import agree, check_identical
+from decent_optim_wrapper.engine.fleet.growth import JoinHook, Stateful
 from decent_optim_wrapper.engine.fleet.jobs import JoinRejectedError
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
 from decent_optim_wrapper.engine.fleet.sealing import SECRET_ENV, ForgedEntryError, Seal, resolve_secret
@@ -74,12 +75,12 @@ from decent_optim_wrapper.engine.fleet.status import (
     default_job,
     read_fleet,
 )
-from decent_optim_wrapper.engine.front_end import EngineFrontEnd
 from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.rules.local_steps import OuterFactory
 from decent_optim_wrapper.engine.rules.pacing import PaceReport, Pacing, PacingSpec
 from decent_optim_wrapper.engine.state.averaging import tensors_consensus_distance
 from decent_optim_wrapper.engine.state.resize import average_nested, average_optimizer_states
+from decent_optim_wrapper.engine.survival import PeerFailureHook
 from decent_optim_wrapper.engine.wire.compression import CompressionSpec, GossipCompression
 
 __all__ = [
@@ -98,7 +99,6 @@ __all__ = [
     "ClippedGossipSpec",
     "CompressionSpec",
     "DecentError",
-    "EngineFrontEnd",
     "GlobalAverageError",
     "Gossip",
     "GossipCompression",
@@ -115,6 +115,10 @@ __all__ = [
     "PeerFailure",
     "PeerFailureError",
     "PeerJoin",
+    # for the front doors' hooks
+    "JoinHook",
+    "PeerFailureHook",
+    "Stateful",
     "TopologySpec",
     "drop_state",
     # for the front doors: building a front-end's options, docstring and checkpoint

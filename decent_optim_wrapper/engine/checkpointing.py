@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
+from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.layout import signatures
 from decent_optim_wrapper.engine.progress import StepProgress
 from decent_optim_wrapper.engine.rules.local_steps import LocalSteps
@@ -69,8 +69,7 @@ class EngineCheckpoint:
         for bucket in self._buckets:
             bucket.check_views()
         self._wait_all()  # a peer lost now is survived before anything is saved
-        with current(self._buckets, write=False):
-            params = [b.data.clone() for b in self._buckets]
+        params = [b.data.clone() for b in self._buckets]
         tracker = self._wiring.tracker
         return {
             **self._identity().as_state(),

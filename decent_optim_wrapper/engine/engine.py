@@ -411,7 +411,8 @@ class GossipEngine:
         self._members.admit_due_joiners()
         self._progress.in_step = True
         if self._local is not None and self._progress.step == 0:
-            self._local.reset_anchors()
+            with current(self._buckets, write=False):
+                self._local.reset_anchors()
 
     @torch.no_grad()
     def _mix(self, bucket: int) -> None:
@@ -515,13 +516,17 @@ class GossipEngine:
         gossip: fold in a round that is due; at a round's end, the outer step and the anchors' round."""
         local, progress, survive = self._local, self._progress, self._members.survive
         if local is not None:
-            survive(lambda: local.fold_due(bucket, progress.step, progress.mixing_factor))
-            # A failure inside end_round comes from its last part (the fold without delay), so it is
-            # not run again: recovery settles that round.
-            survive(
-                lambda: local.end_round(bucket, progress.step, progress.mixing_factor, progress.launch_from),
-                retry=False,
-            )
+            # One block for the fold, the outer step and the anchors' launch: one copy in and out.
+            with current([self._buckets[bucket]], write=True):
+                survive(lambda: local.fold_due(bucket, progress.step, progress.mixing_factor))
+                # A failure inside end_round comes from its last part (the fold without delay), so it
+                # is not run again: recovery settles that round.
+                survive(
+                    lambda: local.end_round(
+                        bucket, progress.step, progress.mixing_factor, progress.launch_from
+                    ),
+                    retry=False,
+                )
             return
         if progress.step < progress.launch_from:  # after a lost peer, rounds restart in step
             return
@@ -618,21 +623,23 @@ class GossipEngine:
                 # The snapshot saves the rounds in flight, waiting for them: a peer lost there is
                 # survived first, so that the snapshot holds the replica and rounds as recovery left them.
                 self.wait_all()
-            distance = self._averaging.average(
-                lambda: (self._wiring.world_reduce, self._wiring.gossip),  # new ones after a change
-                self._local,
-                step=self._progress.step,
-                may_revert=may_revert,
-                extra=extra,
-                return_distance=return_distance,
-                survive=self._members.survive,
-            )
+            with current(self._buckets, write=True):
+                distance = self._averaging.average(
+                    lambda: (self._wiring.world_reduce, self._wiring.gossip),  # new ones after a change
+                    self._local,
+                    step=self._progress.step,
+                    may_revert=may_revert,
+                    extra=extra,
+                    return_distance=return_distance,
+                    survive=self._members.survive,
+                )
         self._members.collective_done()
         return distance
 
     def revert_global_avg(self) -> None:
         """Restore the replica saved by :meth:`global_avg` bit for bit (local; RuntimeError if none)."""
-        self._averaging.revert(self._wiring.gossip, self._local)
+        with current(self._buckets, write=True):
+            self._averaging.revert(self._wiring.gossip, self._local)
 
     def consensus_distance(self) -> float:
         """Root-mean-square distance of the replicas to their average, gossip in flight left out.
@@ -640,7 +647,7 @@ class GossipEngine:
         .. warning:: This is a collective: all ranks must call it.
         """
         self.check_buckets()
-        with self._averaging.whole_world():
+        with self._averaging.whole_world(), current(self._buckets, write=False):
             distance = self._averaging.distance(lambda: self._wiring.world_reduce, self._members.survive)
         self._members.collective_done()
         self._consensus = (self._progress.step, float(distance))
@@ -689,7 +696,8 @@ class GossipEngine:
         """This replica's engine state: the ``"decent"`` entry of a front-end's checkpoint
         (:meth:`~.checkpointing.EngineCheckpoint.state_dict`). Waits for gossip in flight (no
         collective), so a run resumed from it continues bit for bit."""
-        return self._checkpoint.state_dict()
+        with current(self._buckets, write=False):
+            return self._checkpoint.state_dict()
 
     def check_state_dict(self, state: Any) -> None:
         """Raise ``ValueError`` naming the mismatch if ``state`` cannot be loaded into this engine."""
@@ -698,7 +706,8 @@ class GossipEngine:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same rank, world size, topology and layout (checked
         before anything changes). Local."""
-        self._checkpoint.load_state_dict(state)
+        with current(self._buckets, write=True):
+            self._checkpoint.load_state_dict(state)
 
     def resume_state(self, states: Sequence[Any]) -> dict[str, Any] | None:
         """What this rank loads from a checkpoint's engine entries (every saved rank's, in order): None

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from decent_optim_wrapper.engine.exchange.buckets import Bucket
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
 from decent_optim_wrapper.engine.fleet.growth import Growth
 from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, Decision, Membership, PeerLost, Phase
@@ -219,7 +219,8 @@ class MemberChanges:
     def _settle_rounds(self, decision: Decision) -> None:
         assert self._survival is not None
         member, factor = self._survival.membership.member, self._progress.mixing_factor
-        settle_rounds(decision, member, self._buckets, self._wiring.gossip, self._local, factor)
+        with current(self._buckets, write=True):  # the parts write the buckets as they would views
+            settle_rounds(decision, member, self._buckets, self._wiring.gossip, self._local, factor)
         # The trackers restart over the survivors (their mean would still hold the lost rank's share).
         self._averaging.forget_rounds()
         self._restart_rounds(decision.resume_step)

@@ -21,7 +21,7 @@ from loguru import logger
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.errors import PeerFailureError
-from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
+from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import (
@@ -76,9 +76,8 @@ def settle_rounds(
     """
     mine = decision.reports[decision.members.index(member)]
     finish = {(c.kind, c.bucket): decision.finishes(c, mine.shard) for c in mine.channels}
-    for bucket, owner in enumerate(buckets):
-        with current([owner], write=True):
-            gossip.resolve(bucket, finish.get(("params", bucket), False), mixing_factor)
+    for bucket in range(len(buckets)):
+        gossip.resolve(bucket, finish.get(("params", bucket), False), mixing_factor)
         if local is not None:
             local.resolve(bucket, finish.get(("anchors", bucket), False), mixing_factor)
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from decent_optim_wrapper.engine import GossipConfig
-from decent_optim_wrapper.wrapper import DecentOptimWrapper
+from decent_optim_wrapper.front_ends import DecentOptimWrapper
 
 __all__ = ["Replicas", "ensure_process_group", "framework_config", "require_version", "wrap_optimizer"]
 

@@ -39,13 +39,13 @@ from decent_optim_wrapper.engine import (
     given,
     is_sharded,
 )
+from decent_optim_wrapper.front_ends import DecentOptimWrapper
 from decent_optim_wrapper.integrations.common import (
     Replicas,
     framework_config,
     require_version,
     wrap_optimizer,
 )
-from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 __all__ = ["DecentralizedStrategy", "rank_part_path"]
 

@@ -27,6 +27,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
     ) from err
 
 from decent_optim_wrapper.engine import GossipConfig, document_options
+from decent_optim_wrapper.front_ends import DecentOptimWrapper
 from decent_optim_wrapper.integrations.common import (
     Replicas,
     ensure_process_group,
@@ -34,7 +35,6 @@ from decent_optim_wrapper.integrations.common import (
     require_version,
     wrap_optimizer,
 )
-from decent_optim_wrapper.wrapper import DecentOptimWrapper
 
 __all__ = ["PART_NAME", "DecentralizedTrainer", "DecentralizedTrainerMixin", "rank_part_name"]
 

@@ -54,7 +54,7 @@ class Candidate:
         return f"{self.topology}{period}" + (f"@{self.compression}" if self.compression else "")
 
     def options(self) -> dict[str, Any]:
-        """The keyword arguments of :class:`~decent_optim_wrapper.wrapper.DecentOptimWrapper` (and of
+        """The keyword arguments of :class:`~decent_optim_wrapper.DecentOptimWrapper` (and of
         the module front-end) for this setting; the defaults are left out."""
         options: dict[str, Any] = {"topology": self.topology}
         if self.compression is not None:

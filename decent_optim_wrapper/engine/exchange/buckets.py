@@ -128,6 +128,8 @@ class Bucket:
         self.shapes = [local_tensor(p).shape for p in self.params]
         self.data = torch.zeros(spec.numel, dtype=spec.dtype, device=spec.device)  #: The flat tensor.
         self._views: list[torch.Tensor] = []  # each parameter's slice of data, shaped like it
+        self._checkouts = 0  # how many blocks of current() hold the bucket now (they nest)
+        self._written = False  # whether one of them writes: the outermost copies data back
 
     @torch.no_grad()
     def bind(self) -> None:
@@ -157,6 +159,21 @@ class Bucket:
         """Copy :attr:`data` into the parameters (nothing to do when they are views of it)."""
         if not self.as_views:
             torch._foreach_copy_([p.data for p in self.shards()], self._views)
+
+    def check_out(self, write: bool) -> None:
+        """Enter a block that reads :attr:`data` (and writes it, with ``write``): the outermost block
+        pulls the parameters in; a nested one finds them there already."""
+        if self._checkouts == 0:
+            self.pull()
+        self._checkouts += 1
+        self._written |= write
+
+    def check_in(self) -> None:
+        """Leave a block of :meth:`check_out`: the outermost pushes :attr:`data` back if a block wrote."""
+        self._checkouts -= 1
+        if self._checkouts == 0 and self._written:
+            self._written = False
+            self.push()
 
     def shards(self) -> list[torch.Tensor]:
         """The tensors the bucket holds: each parameter, or its local shard if it is sharded."""
@@ -199,17 +216,26 @@ class Bucket:
 def current(buckets: Iterable[Bucket], *, write: bool) -> Iterator[None]:
     """Bring every bucket's :attr:`~Bucket.data` up to date to read it and, with ``write``, copy it back.
 
-    The one place where ``params_as_views=False`` costs its copies: parameters are pulled into their
-    buckets before the block and, if it writes the buckets and succeeds, pushed back after it. With
-    views (the default) both are no-ops.
+    Where ``params_as_views=False`` (and a sharded parameter, whose storage FSDP2 owns) costs its
+    copies: the parameters are pulled into their buckets when the block starts and pushed back when it
+    ends, if it or a block inside it writes. Blocks nest: only the outermost copies, so the engine
+    holds one block around each phase of a bucket (its mix, its launch with the folds and outer step
+    of low-communication gossip, a global average, a checkpoint, the settling of rounds after a lost
+    peer), and the parts it calls read and write :attr:`~Bucket.data` as they would a view. The
+    parameters are pushed back when the block ends by an error too: with views they would hold what
+    the block wrote, and recovery then starts from the same values either way. With views (the
+    default) nothing is copied.
     """
     buckets = list(buckets)
-    for bucket in buckets:
-        bucket.pull()
-    yield
-    if write:
+    entered: list[Bucket] = []
+    try:
         for bucket in buckets:
-            bucket.push()
+            bucket.check_out(write)
+            entered.append(bucket)
+        yield
+    finally:
+        for bucket in entered:
+            bucket.check_in()
 
 
 def build_buckets(

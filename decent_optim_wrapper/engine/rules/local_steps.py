@@ -55,7 +55,7 @@ from typing import Any
 import torch
 
 from decent_optim_wrapper.checks import is_int
-from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors, current
+from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
 from decent_optim_wrapper.engine.exchange.guard import GuardLog, drop_state
@@ -318,16 +318,14 @@ class LocalSteps:
     @torch.no_grad()
     def reset_anchors(self) -> None:
         """``a_i <- x_i`` for every bucket (the first step: the anchors start as the parameters)."""
-        with current(self._buckets, write=False):
-            for bucket, anchor in zip(self._buckets, self._anchors, strict=True):
-                anchor.copy_(bucket.data)
+        for bucket, anchor in zip(self._buckets, self._anchors, strict=True):
+            anchor.copy_(bucket.data)
 
     def fold_due(self, bucket: int, step: int, mixing_factor: float) -> None:
         """Fold bucket ``bucket``'s round in if it is due after inner step ``step``."""
         pending = self._channels.pending(bucket)
         if pending is not None and step >= self._clock.fold_after(pending, step):
-            with current([self._buckets[bucket]], write=True):
-                self._fold(bucket, mixing_factor)
+            self._fold(bucket, mixing_factor)
 
     def end_round(self, bucket: int, step: int, mixing_factor: float, launch_from: int = 0) -> None:
         """At the end of a round (after inner step ``step``): the outer step, the anchors' launch (from
@@ -335,12 +333,11 @@ class LocalSteps:
         round_ = self._clock.round_ending_at(step)
         if round_ is None:
             return
-        with current([self._buckets[bucket]], write=True):
-            self._outer_step(bucket, self._clock.scale())
-            if self._clock.launches(round_, step, launch_from):
-                self._channels.launch(bucket, round_)
-            if self._spec.sync_delay == 0:
-                self._fold(bucket, mixing_factor)
+        self._outer_step(bucket, self._clock.scale())
+        if self._clock.launches(round_, step, launch_from):
+            self._channels.launch(bucket, round_)
+        if self._spec.sync_delay == 0:
+            self._fold(bucket, mixing_factor)
 
     def _fold(self, bucket: int, mixing_factor: float) -> None:
         """``x <- x + (mixed - sent)``, ``a <- mixed``: two roundings, none when ``x`` is still ``a'``.
@@ -424,8 +421,7 @@ class LocalSteps:
             except PeerLost:  # a second failure: dropped after all, x and a unchanged
                 finish = False
         if finish:
-            with current([self._buckets[bucket]], write=True):
-                self._fold(bucket, mixing_factor)
+            self._fold(bucket, mixing_factor)
         else:
             self._channels.resolve(bucket, False, mixing_factor)
 

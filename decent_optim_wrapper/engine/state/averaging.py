@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import GlobalAverageError
-from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
+from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.exchange.shards import ShardLayout
 from decent_optim_wrapper.engine.fleet.comm import reduction_dtype, wait_all
@@ -250,42 +250,41 @@ class GlobalAverage:
         """
         if local is not None:
             local.check_round_boundary(step, "global_avg()")
-        with current(self._buckets, write=True):
-            before = [b.data.clone() for b in self._buckets] if return_distance else []
-            if may_revert:
-                if self.snapshot is None:
-                    # References stay as they are until the revert: the snapshot need not copy them.
-                    self.snapshot = Snapshot(
-                        params=[b.data.clone() for b in self._buckets],
-                        gossip=wiring()[1].state_dict(references=False),
-                        local=None if local is None else local.snapshot(),
-                    )
-                self.snapshot.add_buffers(extra)
-
-            def average() -> None:
-                world, gossip = wiring()
-                # Every rank settles its groups' references before the rounds are dropped, so ranks that
-                # revert and ranks that do not keep identical references.
-                gossip.settle_references()
-                gossip.discard_all()
-                # With low-communication gossip both the parameters and the anchors are averaged.
-                anchors = [] if local is None else local.prepare_global_avg()
-                # With survival, reduced in copies written back once complete: a failure midway leaves
-                # the replicas as they were, and the survivors average them again.
-                waits: dict[str, Any] = {}
-                if world.waiter is not None:
-                    waits = {"waiter": world.waiter, "in_place": False}
-                average_across_world_(
-                    [b.data for b in self._buckets] + anchors + extra,
-                    world.group,
-                    world.world_size,
-                    world.timeout,
-                    rank=world.rank,
-                    step=step,
-                    **waits,
+        before = [b.data.clone() for b in self._buckets] if return_distance else []
+        if may_revert:
+            if self.snapshot is None:
+                # References stay as they are until the revert: the snapshot need not copy them.
+                self.snapshot = Snapshot(
+                    params=[b.data.clone() for b in self._buckets],
+                    gossip=wiring()[1].state_dict(references=False),
+                    local=None if local is None else local.snapshot(),
                 )
+            self.snapshot.add_buffers(extra)
 
-            survive(average)
+        def average() -> None:
+            world, gossip = wiring()
+            # Every rank settles its groups' references before the rounds are dropped, so ranks that
+            # revert and ranks that do not keep identical references.
+            gossip.settle_references()
+            gossip.discard_all()
+            # With low-communication gossip both the parameters and the anchors are averaged.
+            anchors = [] if local is None else local.prepare_global_avg()
+            # With survival, reduced in copies written back once complete: a failure midway leaves
+            # the replicas as they were, and the survivors average them again.
+            waits: dict[str, Any] = {}
+            if world.waiter is not None:
+                waits = {"waiter": world.waiter, "in_place": False}
+            average_across_world_(
+                [b.data for b in self._buckets] + anchors + extra,
+                world.group,
+                world.world_size,
+                world.timeout,
+                rank=world.rank,
+                step=step,
+                **waits,
+            )
+
+        survive(average)
         if not return_distance:
             return None
         squared = torch.zeros((), dtype=torch.float64, device=self._buckets[0].data.device)
@@ -330,15 +329,14 @@ class GlobalAverage:
                 def wait(work: dist.Work, tensor: torch.Tensor) -> None:
                     waiter([work], tensor.device, world.timeout, lambda c: PeerLost(str(c)))
 
-            with current(self._buckets, write=False):
-                return tensors_consensus_distance(
-                    [b.data for b in self._buckets],
-                    world.group,
-                    world.world_size,
-                    wait,
-                    square_sum=self._square_sum if self._shards.sharded else None,
-                    across=self._shards.sum_over_mesh_ if self._shards.sharded else None,
-                )
+            return tensors_consensus_distance(
+                [b.data for b in self._buckets],
+                world.group,
+                world.world_size,
+                wait,
+                square_sum=self._square_sum if self._shards.sharded else None,
+                across=self._shards.sum_over_mesh_ if self._shards.sharded else None,
+            )
 
         result = survive(distance)
         assert result is not None
@@ -358,6 +356,5 @@ class GlobalAverage:
 @torch.no_grad()
 def restore_buckets(buckets: Sequence[Bucket], saved: Sequence[torch.Tensor]) -> None:
     """Copy ``saved`` into the buckets (a snapshot taken before ``add_parameters`` covers a prefix)."""
-    with current(buckets, write=True):
-        for bucket, values in zip(buckets, saved, strict=False):
-            bucket.data.copy_(values)
+    for bucket, values in zip(buckets, saved, strict=False):
+        bucket.data.copy_(values)

@@ -20,7 +20,6 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.checks import is_real
-from decent_optim_wrapper.data_parallel_backward import Scaler
 from decent_optim_wrapper.engine import (
     GossipEngine,
     agree,
@@ -29,6 +28,7 @@ from decent_optim_wrapper.engine import (
     check_identical,
     is_sharded,
 )
+from decent_optim_wrapper.front_ends.data_parallel_backward import Scaler
 from decent_optim_wrapper.optim import LR_SCHEDULER_FN_TYPE, OPTIM_FN_TYPE
 
 __all__ = ["TRAINING_STATE_VERSION", "BucketOptimizers", "check_arguments"]

@@ -25,7 +25,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from decent_optim_wrapper.engine import GossipEngine
-from decent_optim_wrapper.inner_step import (
+from decent_optim_wrapper.front_ends.inner_step import (
     fire_global_step_post_hooks,
     fire_global_step_pre_hooks,
     global_step_hooks_suspended,

@@ -11,13 +11,17 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from decent_optim_wrapper.engine.engine import GossipEngine
-from decent_optim_wrapper.engine.exchange.buckets import Bucket
-from decent_optim_wrapper.engine.exchange.guard import GuardEvent
-from decent_optim_wrapper.engine.fleet.growth import JoinHook, Stateful
-from decent_optim_wrapper.engine.fleet.membership import PeerFailure, PeerJoin
-from decent_optim_wrapper.engine.rules.pacing import PaceReport
-from decent_optim_wrapper.engine.survival import PeerFailureHook
+from decent_optim_wrapper.engine import (
+    Bucket,
+    GossipEngine,
+    GuardEvent,
+    JoinHook,
+    PaceReport,
+    PeerFailure,
+    PeerFailureHook,
+    PeerJoin,
+    Stateful,
+)
 from decent_optim_wrapper.topo import Topology
 
 __all__ = ["EngineFrontEnd"]
