@@ -752,7 +752,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
             if key == "reuse":
                 sub.add_argument(flag, nargs=2, action="append", default=[], metavar=("JSON", "METHOD"))
             elif isinstance(default, list):
-                sub.add_argument(flag, nargs="*", type=type(default[0]), default=default)
+                sub.add_argument(flag, nargs="*", type=type(default[0]) if default else str, default=default)
             elif key != "help":
                 sub.add_argument(flag, type=type(default), default=default)
         add_output_arguments(sub)
