@@ -1,18 +1,14 @@
 """One rank of a time-to-loss run: the language model trained with one method, its parameters written.
 
-Started by ``run.py`` inside a node's namespace (``MASTER_ADDR``, ``MASTER_PORT``, ``GLOO_SOCKET_IFNAME``,
-``NODE_ADDR`` set), or on loopback by the tests. Trains ``lm_task.py``'s transformer on this rank's iid
-windows with AdamW, by steps (``--stop-at`` of a ``--steps`` cosine after ``--warmup`` linear steps) or,
-low-communication methods only, by rounds (``--rounds R``, the learning rate a cosine over the rounds,
-``--pacing measured`` for paced rounds). Every ``--eval-every`` steps (by rounds: at the end of every
-``--eval-rounds``-th round, labelled ``round x H`` steps of equal workers) it writes its flat parameters
-and its training seconds so far (the writing left out); ``run.py`` averages and evaluates them
-afterwards. Each step starts with ``--pad-ms`` of sleep, compute besides the model's own. With
-``--gate`` a built rank writes ``ready-{rank}`` and waits for ``go`` in ``--outdir`` before its first
-step (the driver shapes the links in between). Methods: ``nocomm``; ``ddp``; ``ddp-psgdR`` (torch's
-``powerSGD_hook`` of rank R, compressing from the second step); ``torchft~hH[dD][aA]`` (torchft's
-DiLoCo, ``fragment_sync_delay=D``, ``fragment_update_alpha=A``, outer SGD ``--outer-lr`` without
-momentum); ours in ``methods.py``'s grammar (``ring~h8d1@topk:0.03:int4``).
+Started by ``run.py`` in a node's namespace (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_ADDR`` set) or on
+loopback. AdamW on this rank's iid windows, by steps (``--stop-at`` of a ``--steps`` cosine after
+``--warmup``) or by rounds (``--rounds``, ours only: a cosine over the rounds; ``--pacing measured``);
+every ``--eval-every`` steps (or ``--eval-rounds`` rounds, labelled ``round x H`` steps) it writes its
+parameters and training seconds (the writing left out), which ``run.py`` averages and evaluates. Each
+step sleeps ``--pad-ms`` first. ``--gate``: once built, write ``ready-{rank}`` and wait for ``go``.
+Methods: ``nocomm``, ``ddp``, ``ddp-psgdR`` (torch's ``powerSGD_hook``, rank R), ``torchft~hH[dD][aA]``
+(torchft's DiLoCo, ``fragment_sync_delay=D``, ``fragment_update_alpha=A``, outer SGD ``--outer-lr``),
+and ours in ``methods.py``'s grammar (``ring~h8d1@topk:0.03:int4``).
 """
 
 from __future__ import annotations
@@ -103,19 +99,16 @@ def train(args: argparse.Namespace) -> None:
     model = make_lm_model(args.width, args.depth, seed=0)
     net, optimizer, sent, diloco = build(args.method, model, args)
     wrapper = optimizer if isinstance(optimizer, DecentOptimWrapper) else None
-    by_rounds = args.rounds > 0
     every = 1 if wrapper is None else parse_method(args.method).sync_every
-    if (by_rounds or args.pacing != "none") and every < 2:
+    rounds = wrapper if args.rounds > 0 else None  # by rounds: ours, every rank to the same round
+    if (args.rounds > 0 or args.pacing != "none") and every < 2:
         raise ValueError(f"method {args.method!r}: --rounds and --pacing need low-communication gossip")
-    if args.pacing != "none" and not by_rounds:
+    if args.pacing != "none" and rounds is None:
         raise ValueError("--pacing measured: ranks take different steps; train by --rounds")
-    scheduler = None if by_rounds else warmup_cosine(optimizer, args.steps, args.warmup)
+    scheduler = None if rounds is not None else warmup_cosine(optimizer, args.steps, args.warmup)
     sampler = torch.Generator().manual_seed(100 + rank)
-    points: list[tuple[int, float]] = []
-    losses: list[float] = []
-    ends: list[float] = []
-    round_ends: list[float] = []
-    if args.gate:
+    points, losses, ends, round_ends = [], [], [], []
+    if args.gate:  # built: wait for the driver's go
         (outdir / f"ready-{rank}").touch()
         deadline = time.monotonic() + args.timeout_s
         while not (outdir / "go").exists():
@@ -124,12 +117,10 @@ def train(args: argparse.Namespace) -> None:
             time.sleep(0.1)
     dist.barrier()
     clock, resumed, start = 0.0, time.perf_counter(), time.time()
-    while (
-        wrapper.round_count < args.rounds if wrapper is not None and by_rounds else len(ends) < args.stop_at
-    ):
-        if wrapper is not None and by_rounds:
+    while rounds.round_count < args.rounds if rounds is not None else len(ends) < args.stop_at:
+        if rounds is not None:
             for group in optimizer.param_groups:
-                group["lr"] = round_lr(args.adam_lr, wrapper.round_count, args.rounds)
+                group["lr"] = round_lr(args.adam_lr, rounds.round_count, args.rounds)
         x, y = windows(tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (args.batch,), generator=sampler))
         time.sleep(args.pad_ms / 1e3)
         optimizer.zero_grad()
@@ -140,12 +131,10 @@ def train(args: argparse.Namespace) -> None:
             scheduler.step()
         ends.append(time.time())
         losses.append(loss.item())
-        if wrapper is not None and wrapper.round_ended:
-            round_ends.append(ends[-1])
-        if wrapper is not None and by_rounds:
-            done = wrapper.round_count
-            write = wrapper.round_ended and (done % args.eval_rounds == 0 or done == args.rounds)
-            label = done * every  # the samples of that many steps of equal workers
+        round_ends += ends[-1:] if wrapper is not None and wrapper.round_ended else []
+        if rounds is not None:  # labelled with the samples of that many steps of equal workers
+            done, label = rounds.round_count, rounds.round_count * every
+            write = rounds.round_ended and (done % args.eval_rounds == 0 or done == args.rounds)
         else:
             label = len(ends)
             write = label % args.eval_every == 0 or label == args.stop_at
@@ -155,14 +144,13 @@ def train(args: argparse.Namespace) -> None:
             torch.save(flat, outdir / f"rank{rank}-step{label}.pt")
             points.append((label, clock))
             resumed = time.perf_counter()
-    record: dict[str, object] = {"rank": rank, "points": points, "bytes_sent_per_step": sent}
-    record |= {"train_losses": losses, "start": start, "ends": ends, "round_ends": round_ends}
-    report = None if wrapper is None else wrapper.pace_report()
-    if report is not None:
+    record = {"rank": rank, "points": points, "bytes_sent_per_step": sent, "train_losses": losses}
+    record |= {"start": start, "ends": ends, "round_ends": round_ends}
+    if (report := None if wrapper is None else wrapper.pace_report()) is not None:
         record["pace"] = {"round_s": report.round_seconds, "step_s": report.step_seconds}
         record["pace"] |= {"waited_s": report.waited_seconds}
-    if wrapper is not None and by_rounds:
-        wrapper.global_avg(may_revert=False)  # at a round's end: finishes the rounds in flight
+    if rounds is not None:
+        rounds.global_avg(may_revert=False)  # at a round's end: finishes the rounds in flight
     if diloco is not None:
         diloco.close()
     dist.barrier()

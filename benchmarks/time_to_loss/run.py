@@ -117,13 +117,8 @@ def launch(
     start there, and the links are fast again afterwards. Raises if a rank failed or ran out of time."""
     outdir, nodes = Path(tempfile.mkdtemp(prefix="dow-ttl-")), cluster.nodes
     flags |= {"world_size": nodes, "method": method, "steps": q.steps, "warmup": q.warmup, "batch": q.batch}
-    flags |= {
-        "adam_lr": q.adam_lr,
-        "width": q.width,
-        "depth": q.depth,
-        "timeout_s": q.timeout_s,
-        "outdir": outdir,
-    }
+    flags |= {"adam_lr": q.adam_lr, "width": q.width, "depth": q.depth, "timeout_s": q.timeout_s}
+    flags["outdir"] = outdir
     port, procs, counted = 29681 + next(_runs) % 16, [], cluster.sent_bytes()
     for rank in range(nodes):
         mine = {**flags, "rank": rank, "pad_ms": pads[rank]}
@@ -167,13 +162,8 @@ def evaluate(outdir: Path, nodes: int, q: Namespace) -> dict[str, Any]:
         flats = [torch.load(outdir / f"rank{r}-step{step}.pt") for r in range(nodes)]
         torch.nn.utils.vector_to_parameters(torch.stack(flats).mean(0), model.parameters())
         curve.append((step, max(r["points"][i][1] for r in ranks), validation_loss(model, validation)))
-    sent = max(r["bytes_sent_per_step"] for r in ranks)
-    return {
-        "curve": curve,
-        "steps": curve[-1][0],
-        "step_ms": 1e3 * curve[-1][1] / curve[-1][0],
-        "bytes_sent_per_step": sent,
-    }
+    out = {"curve": curve, "steps": curve[-1][0], "step_ms": 1e3 * curve[-1][1] / curve[-1][0]}
+    return out | {"bytes_sent_per_step": max(r["bytes_sent_per_step"] for r in ranks)}
 
 
 def reached(curve: Curve, target: float) -> tuple[int, float] | None:
@@ -191,10 +181,13 @@ def planner_label(method: str) -> str:
     if not ours(method):
         return method
     spec = parse_method(method)
-    delay = spec.sync_every if spec.sync_delay is None else spec.sync_delay
-    return f"{spec.topology}~h{spec.sync_every}d{delay}" + (
-        f"@{spec.compression}" if spec.compression else ""
-    )
+    wire = f"@{spec.compression}" if spec.compression else ""
+    return f"{spec.topology}~h{spec.sync_every}d{delay(spec)}{wire}"
+
+
+def delay(spec: Any) -> int:
+    """The steps a round of ``spec`` is folded in late (unset: the library's default, a whole round)."""
+    return spec.sync_every if spec.sync_delay is None else spec.sync_delay
 
 
 def wire_bytes(method: str, model: nn.Module, nodes: int) -> float:
@@ -221,19 +214,11 @@ def predictions(
         return costs[key]
 
     specs = [parse_method(m) for m in methods if ours(m)]
-    found = predict(
-        model_bytes,
-        ComputeTimes(compute_s),
-        Network(link),
-        nodes,
-        sorted({str(spec.topology) for spec in specs}),
-        compressions=sorted({spec.compression for spec in specs if spec.compression}),
-        local_steps=sorted(
-            {(s.sync_every, s.sync_every if s.sync_delay is None else s.sync_delay) for s in specs}
-        ),
-        round_costs=round_cost if measured else None,
-        overhead_s=overhead_s,
-    )
+    options = {"compressions": sorted({s.compression for s in specs if s.compression})}
+    options |= {"local_steps": sorted({(s.sync_every, delay(s)) for s in specs}), "overhead_s": overhead_s}
+    options["round_costs"] = round_cost if measured else None
+    topologies = sorted({str(s.topology) for s in specs})
+    found = predict(model_bytes, ComputeTimes(compute_s), Network(link), nodes, topologies, **options)
     return {p.method: p.step_s for p in found}
 
 
@@ -241,9 +226,8 @@ def partial(q: Namespace, results: object) -> None:
     """Write what is measured so far to ``--json`` (``"partial": true``): a long run is not lost to a
     later phase that fails; the finished run overwrites it."""
     if q.json:
-        Path(q.json).write_text(
-            json.dumps({"partial": True, "args": vars(q), "results": results}, default=str)
-        )
+        payload = {"partial": True, "args": vars(q), "results": results}
+        Path(q.json).write_text(json.dumps(payload, default=str))
 
 
 # -- slow-link and scale-model: methods trained to a loss and timed on shaped links, against the planner
@@ -322,10 +306,7 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
         flags = {"stop_at": stop_at, "eval_every": q.eval_every}
         records, r = launch(cluster, q, method, [pad_ms] * nodes, deadline_s, shape, evaluated, **flags)
         r |= {"timed_s": step_seconds(records, timed_steps(method, q)[1]), "wall_s": time.monotonic() - began}
-        print(
-            f"  {nodes} nodes, {method}{' (shaped)' * bool(shape)}: {1e3 * r['timed_s']:.1f} ms/step",
-            flush=True,
-        )
+        print(f"  {nodes} nodes, {method}{' (shaped)' * bool(shape)}: {1e3 * r['timed_s']:.1f} ms/step")
         partial(q, results)
         return r
 
@@ -338,32 +319,28 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
         link_steps = q.link_steps or q.ddp_ratio * nodes / (2 * (nodes - 1))  # DDP's all-reduce: ddp_ratio
         rate = 4.0 * numel * 8 / (link_steps * nocomm_s)
 
+        burst = q.burst_frames * MTU_FRAME or None
+
         def shape() -> None:
-            cluster.shape(
-                f"{int(rate)}bit", burst=q.burst_frames * MTU_FRAME or None, latency=f"{q.queue_s:g}s"
-            )
+            cluster.shape(f"{int(rate)}bit", burst=burst, latency=f"{q.queue_s:g}s")
 
         shape()
         megabits = emu.measure_link(cluster, min(2.0, rate / 8 * 20 / 1e6), 29669, timeout_s=120)  # or 20 s
         message = q.message_bytes  # the link's cost per message beyond its payload; < 0: probe it
         if message < 0:  # with a round of what the link moves in a step, as a pair's all-reduce sends it
-            message = emu.measure_message_bytes(
-                cluster, int(4 * numel / link_steps), 29670, megabits * 1e6 / rate
-            )
+            payload, goodput = int(4 * numel / link_steps), megabits * 1e6 / rate
+            message = emu.measure_message_bytes(cluster, payload, 29670, goodput)
         cluster.shape(None)
         print(f"  links {rate / 1e3:.1f} kbit/s ({megabits * 1e3:.1f} measured), {message:.0f} B a message")
         link = Link(megabits * 1e6, message_bytes=message)
-        mine = [recommended(q, 4.0 * numel, nocomm_s, link, nodes) if q.ours == "planner" else q.ours] * bool(
-            q.ours
-        )
+        mine = [q.ours] if q.ours != "planner" else [recommended(q, 4.0 * numel, nocomm_s, link, nodes)]
+        mine = [m for m in mine if m]
         planned = predictions([*q.methods, *mine], 4.0 * numel, nocomm_s, link, nodes, numel, q.overhead_s)
         for method in [m for m in [*q.methods, *mine] if m != "nocomm"]:
             stop_at, deadline_s = q.steps, fast_s * 2
             if q.budget_s:  # at most the budget at the planned pace, or with nothing hidden
-                pace = (
-                    planned.get(planner_label(method))
-                    or nocomm_s + wire_bytes(method, model, nodes) * 8 / link.bandwidth
-                )
+                unhidden = nocomm_s + wire_bytes(method, model, nodes) * 8 / link.bandwidth
+                pace = planned.get(planner_label(method)) or unhidden
                 stop_at = min(q.steps, max(q.eval_every, int(q.budget_s / pace)))
                 stop_at, deadline_s = stop_at - stop_at % q.eval_every, q.budget_s * 1.5 + 60
             runs[method] = train(method, stop_at, deadline_s, shape)
@@ -387,9 +364,8 @@ def full_size(method: str, q: Namespace) -> dict[str, float]:
     size, step_ms, link, nodes = q.full_size
     out = {"model_bytes": parse_quantity(size, "bytes"), "step_s": float(step_ms) / 1e3, "nodes": int(nodes)}
     out["link_bits"] = parse_quantity(link, "bandwidth")
-    step_s = predictions(
-        [method], out["model_bytes"], out["step_s"], Link(out["link_bits"]), int(nodes), 0, 0.0, False
-    )
+    link_ = Link(out["link_bits"])
+    step_s = predictions([method], out["model_bytes"], out["step_s"], link_, int(nodes), 0, 0.0, False)
     out["throughput"] = step_s["nocomm"] / step_s[planner_label(method)]
     return out | {"ddp_throughput": step_s["nocomm"] / step_s["ddp"]}
 
@@ -422,14 +398,11 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
     goals = {f"{q.target_loss}": q.target_loss} if q.target_loss else {"DDP's loss": ddp_final}
     goals |= {} if q.target_loss else {f"every method's final loss, {common:.4f},": common}
     reach = {goal: {m: seconds_to(runs[m], loss) for m in finals} for goal, loss in goals.items()}
-    sparse = sorted(
-        (t, m) for m, (_, t) in next(iter(reach.values())).items() if is_sparse(m) and t is not None
-    )
+    first = next(iter(reach.values()))
+    sparse = sorted((t, m) for m, (_, t) in first.items() if is_sparse(m) and t is not None)
     mine = result["ours"] or (sparse[0][1] if sparse else next((m for m in finals if is_sparse(m)), None))
-    step_ms = {
-        m: 1e3 * r["shaped_step_s"] if "shaped_step_s" in r else r.get("step_ms", float("nan"))
-        for m, r in runs.items()
-    }
+    step_ms = {m: r.get("step_ms", float("nan")) for m, r in runs.items()}
+    step_ms |= {m: 1e3 * r["shaped_step_s"] for m, r in runs.items() if "shaped_step_s" in r}
     rows = []
     for m, r in runs.items():
         if m == "nocomm":
@@ -445,24 +418,14 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
             row += [step or "never", ran if seconds is None else f"{seconds:.0f}"]
             row += [cell(seconds / theirs if seconds and theirs else None, ".2f")]
         rows.append(row)
-    header = [
-        "method",
-        "steps",
-        "ms/step",
-        "planned",
-        "/ nocomm",
-        "B/step",
-        "on wire",
-        "final loss",
-        "vs DDP",
-    ]
+    header = ["method", "steps", "ms/step", "planned", "/ nocomm", "B/step", "on wire", "final loss"]
+    header += ["vs DDP"]
     header += [c for goal in goals for c in (f"step to {goal}", f"s to {goal}", f"vs {mine}")]
-    lines = [
-        f"{nodes} nodes x 1 worker, {result['parameters']:,} parameters, links {result['megabits']:.3f} "
-        "Mbit/s "
-        f"({result['message_bytes']:.0f} B a message): {nocomm_ms:.1f} ms/step without communication",
-        markdown_table(header, rows, ".1f"),
-    ]
+    title = f"{nodes} nodes x 1 worker, {result['parameters']:,} parameters, links {result['megabits']:.3f}"
+    title += (
+        f" Mbit/s ({result['message_bytes']:.0f} B a message): {nocomm_ms:.1f} ms/step without communication"
+    )
+    lines = [title, markdown_table(header, rows, ".1f")]
     verdicts = result.setdefault("verdicts", [])
 
     def judge(name: str, met: bool) -> None:
@@ -471,19 +434,15 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
 
     if result["ours"]:  # one of ours chosen beforehand: as fast and as good as the targets ask?
         throughput, loss = nocomm_ms / step_ms[mine], finals[mine] / ddp_final
-        judge(
-            f"{mine} at least {THROUGHPUT:.2f} of no communication ({throughput:.3f})",
-            throughput >= THROUGHPUT,
-        )
+        met = throughput >= THROUGHPUT
+        judge(f"{mine} at least {THROUGHPUT:.2f} of no communication ({throughput:.3f})", met)
         judge(f"{mine} final loss at most {LOSS:.2f}x DDP's ({loss:.4f}x)", loss <= LOSS)
     for goal, times in reach.items() if mine else ():
         mine_s = times[mine][1]
         if q.target_loss:
             others = [t for m, (_, t) in times.items() if m != mine]
-            judge(
-                f"{mine} reaches {goal} first",
-                mine_s is not None and all(t is None or t >= mine_s for t in others),
-            )
+            first_ = mine_s is not None and all(t is None or t >= mine_s for t in others)
+            judge(f"{mine} reaches {goal} first", first_)
         for family in ("ddp-psgd", "torchft"):
             theirs = [t for m, (_, t) in times.items() if m.startswith(family)]
             if theirs:
@@ -522,16 +481,9 @@ def uneven_flags(method: str, q: Namespace) -> tuple[str, dict[str, object]]:
     """``rank.py``'s method for ``method`` (nocomm, ddp, sync or paced), and its flags besides launch's."""
     if method in ("nocomm", "ddp"):
         steps = q.nocomm_steps if method == "nocomm" else q.steps
-        return method, {
-            "stop_at": steps,
-            "eval_every": q.nocomm_steps if method == "nocomm" else q.eval_every,
-        }
-    pacing = "measured" if method == "paced" else "none"
-    return q.gossip, {
-        "rounds": gossip_rounds(q),
-        "eval_rounds": max(1, q.eval_every // q.sync_every),
-        "pacing": pacing,
-    }
+        return method, {"stop_at": steps, "eval_every": q.eval_every if method == "ddp" else steps}
+    flags = {"rounds": gossip_rounds(q), "eval_rounds": max(1, q.eval_every // q.sync_every)}
+    return q.gossip, flags | {"pacing": "measured" if method == "paced" else "none"}
 
 
 def fleet_rate(records: list[dict[str, Any]], method: str, every: int) -> float:
@@ -555,23 +507,14 @@ def uneven_rates(
     for rank, run in enumerate(records["nocomm"]):
         steps = zip([run["start"], *run["ends"][:-1]], run["ends"], strict=True)
         beyond.append(statistics.fmean([b - a - q.compute_ms / 1e3 * factors[rank] for a, b in steps][2:]))
-    o, every, delay = statistics.median(beyond), q.sync_every, parse_method(q.gossip).sync_delay
-    delay = every if delay is None else delay
-    found = predict(
-        4.0 * sum(p.numel() for p in make_lm_model(q.width, q.depth).parameters()),
-        ComputeTimes(q.compute_ms / 1e3, "uneven", factors=tuple(factors)),
-        Network(Link(megabits * 1e6)),
-        nodes,
-        ["ring"],
-        compressions=(),
-        steps=min(gossip_rounds(q), 30) * every,
-        warmup=3 * every,
-        local_steps=[(every, delay)],
-        overhead_s=o,
-        paced=True,
-    )
+    o, every, late = statistics.median(beyond), q.sync_every, delay(parse_method(q.gossip))
+    compute = ComputeTimes(q.compute_ms / 1e3, "uneven", factors=tuple(factors))
+    options = {"steps": min(gossip_rounds(q), 30) * every, "warmup": 3 * every, "overhead_s": o}
+    options |= {"local_steps": [(every, late)], "compressions": (), "paced": True}
+    model_bytes = 4.0 * sum(p.numel() for p in make_lm_model(q.width, q.depth).parameters())
+    found = predict(model_bytes, compute, Network(Link(megabits * 1e6)), nodes, ["ring"], **options)
     step_s = {p.method: p.step_s for p in found}
-    labels = {"ddp": "ddp", "sync": f"ring~h{every}d{delay}", "paced": f"ring~h{every}d{delay}p"}
+    labels = {"ddp": "ddp", "sync": f"ring~h{every}d{late}", "paced": f"ring~h{every}d{late}p"}
     planned = {m: nodes / step_s[label] for m, label in labels.items() if label in step_s}
     measured = {m: fleet_rate(records[m], m, every) for m in ("ddp", "sync", "paced") if m in records}
     errors = {m: planned[m] / rate - 1 for m, rate in measured.items() if planned.get(m)}
@@ -596,10 +539,8 @@ def time_to_target(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def uneven_verdicts(row: dict[str, Any]) -> dict[str, bool]:
     """The two targets of one node count and scenario: paced 1.5x sooner, the planner within 15%."""
     ratio, errors = row["sync_over_paced"], row["planner_error"]
-    return {
-        "sooner": ratio is not None and ratio >= PACED_SOONER,
-        "planner": bool(errors) and all(abs(e) <= PREDICTION for e in errors.values()),
-    }
+    planner = bool(errors) and all(abs(e) <= PREDICTION for e in errors.values())
+    return {"sooner": ratio is not None and ratio >= PACED_SOONER, "planner": planner}
 
 
 def uneven(q: Namespace) -> tuple[dict[str, Any], str]:
@@ -612,22 +553,18 @@ def uneven(q: Namespace) -> tuple[dict[str, Any], str]:
             megabits = emu.measure_link(cluster, 4, 29669)
             results["results"].append({"nodes": nodes, "megabits": megabits, "scenarios": {}})
             for scenario in q.scenarios:
-                pads = [
-                    max(0.0, q.compute_ms * speed_factor(scenario, r, nodes) - real_ms) for r in range(nodes)
-                ]
+                factors = [speed_factor(scenario, r, nodes) for r in range(nodes)]
+                pads = [max(0.0, q.compute_ms * factor - real_ms) for factor in factors]
                 records, runs = {}, {}
                 for method in q.methods:
                     name, flags = uneven_flags(method, q)
                     records[method], runs[method] = launch(cluster, q, name, pads, q.deadline_s, **flags)
-                    print(
-                        f"  {nodes} nodes, {scenario}/{method}: final loss {runs[method]['curve'][-1][2]:.4f}"
-                    )
-                row = {
-                    **time_to_target(runs),
-                    **uneven_rates(records, scenario, nodes, megabits, q),
+                    print(f"  {nodes} nodes, {scenario}/{method}: {runs[method]['curve'][-1][2]:.4f}")
+                row = time_to_target(runs) | uneven_rates(records, scenario, nodes, megabits, q)
+                row |= {
                     "runs": runs,
+                    "steps_per_rank": {m: [len(r["ends"]) for r in rs] for m, rs in records.items()},
                 }
-                row |= {"steps_per_rank": {m: [len(r["ends"]) for r in rs] for m, rs in records.items()}}
                 row["verdicts"] = uneven_verdicts(row)
                 results["results"][-1]["scenarios"][scenario] = row
                 text.append(uneven_report(nodes, megabits, scenario, row, q))
@@ -646,11 +583,9 @@ def uneven_report(nodes: int, megabits: float, scenario: str, row: dict[str, Any
     ratio, met = row["sync_over_paced"], row["verdicts"]
     bound = "" if row["sync_reached"] else " (at least: sync did not reach it)"
     header = ["method", "final loss", "loss at DDP's samples", "s to target", "steps/s", "planned", "error"]
-    title = (
-        f"{nodes} nodes, {scenario}, links {q.bandwidth} ({megabits:.0f} Mbit/s measured): DDP's final loss"
-    )
+    title = f"{nodes} nodes, {scenario}, links {q.bandwidth} ({megabits:.0f} Mbit/s measured)"
     return "\n".join([
-        f"{title} {row['target']:.4f}; o = {1e3 * row['overhead_s']:.1f} ms/step",
+        f"{title}: DDP's final loss {row['target']:.4f}; o = {1e3 * row['overhead_s']:.1f} ms/step",
         markdown_table(header, table, ".2f"),
         f"sync / paced time to DDP's loss: {cell(ratio, '.2f')}x{bound} (target {PACED_SOONER}x: "
         f"{'met' if met['sooner'] else 'MISSED'}); planner within {PREDICTION:.0%}: "
@@ -693,9 +628,8 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
         times = {}
         for jitter in ("none", "lognormal"):
             compute = ComputeTimes(compute_s, jitter=jitter, sigma=0.3)
-            found = predict(
-                model_bytes, compute, Network(Link(bandwidth)), workers, compressions=(), blocking=True
-            )
+            network = Network(Link(bandwidth))
+            found = predict(model_bytes, compute, network, workers, compressions=(), blocking=True)
             times[jitter] = {p.method: p.step_s for p in found}
         steps_to = {r["method"]: next((s for s, loss in r["curve"] if loss <= target), None) for r in results}
         rows, table = [], []
@@ -714,21 +648,13 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
             rows.append(row)
             cells = [cell(row.get(f"{k}{s}"), f) for s in ("", "_jitter") for k, f in SPECS.items()]
             table.append([r["method"], "never" if row["steps"] is None else steps, *cells])
-        text.append(
-            f"{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: "
-            "DDP's final "
-            f"validation loss {reference['validation_loss']:.4f} (target x{q.tolerance:g}: {target:.4f}); "
-            f"compute {q.compute_ms:g} ms/step, links {bandwidth / 1e6:.0f} Mbit/s\n"
-            + markdown_table(
-                ["method", "steps", "ms/step", "time s", "vs DDP", "ms/step jit", "time jit", "vs DDP jit"],
-                table,
-            )
-        )
+        header = ["method", "steps", "ms/step", "time s", "vs DDP", "ms/step jit", "time jit", "vs DDP jit"]
+        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
+        title += f"final validation loss {reference['validation_loss']:.4f} (target x{q.tolerance:g}: "
+        title += f"{target:.4f}); compute {q.compute_ms:g} ms/step, links {bandwidth / 1e6:.0f} Mbit/s"
+        text.append(f"{title}\n{markdown_table(header, table)}")
         out.append({"workers": workers, "target": target, "bandwidth": bandwidth, "rows": rows})
-    text.append(
-        "('jit': log-normal compute jitter, sigma 0.3; '~h1d0': blocking per-step gossip, each round added "
-        "to the step)"
-    )
+    text.append("('jit': log-normal compute jitter, sigma 0.3; '~h1d0': blocking per-step gossip)")
     return out, "\n\n".join(text)
 
 
@@ -741,9 +667,8 @@ RUN = {"slow-link": on_links, "scale-model": on_links, "uneven": uneven, "lm": l
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
     questions = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")
     for name, defaults in QUESTIONS.items():
         sub = questions.add_parser(name, help=defaults["help"], description=defaults["help"])
@@ -758,9 +683,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
         add_output_arguments(sub)
     q = parser.parse_args(argv)
     for key in ("methods", "baselines"):
-        if importlib.util.find_spec("torchft") is None and any(
-            m.startswith("torchft") for m in vars(q).get(key, [])
-        ):
+        torchft = [m for m in vars(q).get(key, []) if m.startswith("torchft")]
+        if torchft and importlib.util.find_spec("torchft") is None:
             print("torchft is not installed (uv run --group bench ...): skipping its methods")
             setattr(q, key, [m for m in getattr(q, key) if not m.startswith("torchft")])
     if q.question in ("slow-link", "scale-model"):  # nocomm first: the planner's input, the link's pace
@@ -769,9 +693,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
             if "@" in method:
                 parse_compression(method.partition("@")[2])
         if q.ours not in ("", "planner") and not ours(q.ours):
-            parser.error(
-                f"--ours {q.ours!r}: 'planner', or ours in methods.py's grammar (ring~h2@topk:0.01:int2)"
-            )
+            parser.error(f"--ours {q.ours!r}: 'planner', or ours in methods.py's grammar (ring~h2@int8)")
         try:
             q.reused = {method: reused_run(Path(path), method, q) for path, method in q.reuse}
         except ValueError as err:
@@ -779,9 +701,7 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
     if q.question == "uneven":
         spec = parse_method(q.gossip)
         if spec.topology is None or spec.sync_every < 2 or spec.paced:
-            parser.error(
-                f"--gossip must be low-communication gossip without 'p' ('ring~h8d1'), got {q.gossip!r}"
-            )
+            parser.error(f"--gossip: low-communication gossip without 'p' ('ring~h8d1'), not {q.gossip!r}")
         q.sync_every = spec.sync_every
         q.methods = [m for m in ("nocomm", "ddp", "sync", "paced") if m in {*q.methods, "nocomm", "ddp"}]
     return q
