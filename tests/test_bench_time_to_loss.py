@@ -105,6 +105,12 @@ def _run(
     return run | ({} if shaped_s is None else {"shaped_step_s": shaped_s})
 
 
+def _rows(text: str) -> dict[str, list[str]]:
+    """The markdown tables' rows in ``text``, by their first cell."""
+    cells = [[c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines() if line.startswith("|")]
+    return {row[0]: row for row in cells}
+
+
 def _links(nodes: int, runs: dict) -> dict:
     """A result of one node count, as ``on_links_nodes`` returns it, but for the planned and ours."""
     return {"nodes": nodes, "parameters": 120_576, "megabits": 8.0, "message_bytes": 0.0, "runs": runs}
@@ -128,9 +134,7 @@ def test_slow_link_verdicts_follow_the_times_to_the_target():
     assert verdicts[f"{SPARSE} reaches 2.2 2x sooner than the best torchft run"]  # it never got there
     (prediction,) = [name for name in verdicts if "predicted" in name]
     assert verdicts[prediction] and "(-10.0%)" in prediction
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-    }
+    rows = _rows(text)
     assert rows["ddp"][9:12] == ["300", "144", "8.18"]  # step, seconds and ratio to the best sparse run
     assert rows["torchft~h8"][9:11] == ["never", ">54"]
     assert driver.reached(runs["ddp"]["curve"], 2.2) == (300, 144.0)
@@ -170,9 +174,7 @@ def test_scale_model_picks_ours_extrapolates_and_judges():
     found, text = judged(160.0, [(200, 32.0, 2.1), (300, 48.0, 1.99)])
     # throughput, loss, two families to DDP's loss and to 2.1 (torchft's, the highest), the planner
     assert all(found.values()) and len(found) == 7, found
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-    }
+    rows = _rows(text)
     assert rows["ddp"][9:11] == ["300", "27000"]  # its steps at its shaped pace
     assert rows["torchft~h8"][9:11] == ["never", "-"]
     assert rows[ours][4] == "0.938" and rows[ours][9:12] == ["300", "48", "1.00"]  # its own clock
@@ -302,9 +304,7 @@ def test_lm_multiplies_steps_by_the_planners_step_time(tmp_path):
     results, text = driver.lm(
         driver.parse_args(["lm", "--results", str(first), str(second), "--compute-ms", "10"])
     )
-    rows = {
-        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]] for line in text.splitlines()
-    }
+    rows = _rows(text)
     ddp_row, ring = rows["ddp+adamw"], rows["ring+adamw"]
     assert ddp_row[1] == ring[1] == "20"
     assert float(ring[3]) == pytest.approx(20 * float(ring[2]) / 1000, rel=1e-2)  # steps x step time
