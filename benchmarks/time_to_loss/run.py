@@ -409,13 +409,18 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
             continue
         plan = planned.get(planner_label(m))
         sent = r.get("bytes_sent_per_step") or wire_bytes(m, make_lm_model(q.width, q.depth), nodes)
-        row = [m + " (reused)" * ("reused_from" in r), r.get("steps"), step_ms[m], plan and 1e3 * plan]
+        row = [
+            m + " (reused)" * ("reused_from" in r),
+            cell(r.get("steps"), "d"),
+            step_ms[m],
+            plan and 1e3 * plan,
+        ]
         row += [f"{nocomm_ms / step_ms[m]:.3f}", f"{sent:.0f}", cell(r.get("wire_bytes_per_step"), ".0f")]
         row += [f"{finals[m]:.4f}", f"{finals[m] / ddp_final:.4f}"]
         for times in reach.values():
             (step, seconds), theirs = times[m], times[mine][1] if mine else None
             ran = f">{r['curve'][-1][1]:.0f}" if "step_ms" in r and "shaped_step_s" not in r else "-"
-            row += [step or "never", ran if seconds is None else f"{seconds:.0f}"]
+            row += [cell(step, "d") if step else "never", ran if seconds is None else f"{seconds:.0f}"]
             row += [cell(seconds / theirs if seconds and theirs else None, ".2f")]
         rows.append(row)
     header = ["method", "steps", "ms/step", "planned", "/ nocomm", "B/step", "on wire", "final loss"]
@@ -647,7 +652,7 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
                     row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
             rows.append(row)
             cells = [cell(row.get(f"{k}{s}"), f) for s in ("", "_jitter") for k, f in SPECS.items()]
-            table.append([r["method"], "never" if row["steps"] is None else steps, *cells])
+            table.append([r["method"], "never" if row["steps"] is None else str(steps), *cells])
         header = ["method", "steps", "ms/step", "time s", "vs DDP", "ms/step jit", "time jit", "vs DDP jit"]
         title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
         title += f"final validation loss {reference['validation_loss']:.4f} (target x{q.tolerance:g}: "
