@@ -53,8 +53,9 @@ _runs = itertools.count()  # a fresh port per run: the last run's may linger
 # -- what every question shares: the model's step, a run on the cluster, its evaluation, the planner
 
 
-def real_step_seconds(q: Namespace, steps: int = 30) -> float:
-    """Median seconds of the model's own forward, backward and AdamW step here, one thread."""
+def padding(q: Namespace, steps: int = 30) -> tuple[float, float]:
+    """The model's own forward, backward and AdamW step here (median ms, one thread), and the sleep
+    that tops it up to ``--compute-ms``."""
     torch.set_num_threads(1)
     tokens, _ = make_lm_data(1, 0, "iid")
     model = make_lm_model(q.width, q.depth)
@@ -67,12 +68,7 @@ def real_step_seconds(q: Namespace, steps: int = 30) -> float:
         nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
         optimizer.step()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
-
-
-def padding(q: Namespace) -> tuple[float, float]:
-    """The model's own step here and the sleep that tops it up to ``--compute-ms`` (ms)."""
-    real_ms = 1e3 * real_step_seconds(q)
+    real_ms = 1e3 * sorted(times)[len(times) // 2]
     print(f"the model's own step: {real_ms:.1f} ms here (batch {q.batch}); a step {q.compute_ms:g} ms")
     return real_ms, max(0.0, q.compute_ms - real_ms)
 
@@ -113,8 +109,8 @@ def launch(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Train ``method`` on every node (``pads``: each rank's sleep; ``flags``: more of ``rank.py``'s): the
     ranks' records and the evaluated curve. With ``shape``, the ranks are built on fast links and wait at
-    the gate until ``shape`` has slowed them (start-up is not what a run measures); the links' counters
-    start there, and the links are fast again afterwards. Raises if a rank failed or ran out of time."""
+    the gate until ``shape`` slows them (start-up is not what a run measures; the links' counters start
+    there). Raises if a rank failed or ran out of time."""
     outdir, nodes = Path(tempfile.mkdtemp(prefix="dow-ttl-")), cluster.nodes
     flags |= {"world_size": nodes, "method": method, "steps": q.steps, "warmup": q.warmup, "batch": q.batch}
     flags |= {"adam_lr": q.adam_lr, "width": q.width, "depth": q.depth, "timeout_s": q.timeout_s}
@@ -284,6 +280,7 @@ def reused_run(path: Path, method: str, q: Namespace) -> dict[str, Any]:
 
 
 def on_links(q: Namespace) -> tuple[dict[str, Any], str]:
+    """slow-link and scale-model, one node count after the other."""
     real_ms, pad_ms = padding(q)
     q.overhead_s = engine_overhead_seconds(q)
     results: dict[str, Any] = {"real_step_ms": real_ms, "overhead_s": q.overhead_s, "results": []}
