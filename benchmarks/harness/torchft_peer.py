@@ -1,9 +1,8 @@
 """torchft's ``DiLoCo`` as the benchmarks' external peer: one replica group per emulated node.
 
-Each :class:`TorchftDiLoCo` is one segment of a worker's run (a fresh model): its own ``Manager``, with a
-store and a manager port of its own, the lighthouse on rank 0 (started once per process), and torchft's
-gloo process group. Needs the ``bench`` dependency group (``uv run --group bench ...``). Every replica
-builds the same model from one seed, as ours do, so torchft's step-0 sync is off (it would fetch the
+Each :class:`TorchftDiLoCo` is one segment of a worker's run: its own ``Manager`` (a store and manager
+port of its own), the lighthouse on rank 0 (once per process), torchft's gloo group; the ``bench`` group.
+Every replica builds the same model from one seed, so torchft's step-0 sync is off (it would fetch the
 model over HTTP from a host name that does not resolve inside a network namespace).
 """
 
@@ -22,13 +21,10 @@ _segments = [0]
 
 
 class TorchftDiLoCo:
-    """torchft's DiLoCo over ``model``: ``inner`` steps locally, ``outer`` every ``every`` steps over
-    the replica groups (``delay``: torchft's ``fragment_sync_delay``, the exchange overlapped with
-    that many inner steps; ``update_alpha``: its ``fragment_update_alpha``, how much of those inner
-    steps the synced parameters keep; ``timeout``: its group's and manager's, longer than one exchange
-    takes on the link). ``NODE_ADDR`` and ``MASTER_ADDR`` (rank 0's node) come from
-    the environment.
-    """
+    """torchft's DiLoCo over ``model``: ``inner`` steps locally, ``outer`` every ``every`` steps over the
+    replica groups (``delay``: ``fragment_sync_delay``; ``update_alpha``: ``fragment_update_alpha``, the
+    share of the delayed inner steps kept; ``timeout``: longer than one exchange on the link).
+    ``NODE_ADDR`` and ``MASTER_ADDR`` (rank 0's node) come from the environment."""
 
     def __init__(
         self,

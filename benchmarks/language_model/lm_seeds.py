@@ -7,18 +7,34 @@ One run's validation losses are only comparable with that run's DDP: a seed chan
 initialization and every rank's batch order, and on this task it moves DDP's own loss by 1-2%. So
 each method's loss is divided by the DDP loss of its own run, and only then are the runs summarised.
 Files with the same DDP result (``--reuse`` copies it) are one run and merged, as in
-``lm_time_to_loss.py``. A method with a ``-local`` twin (``second_moment="local"``) gets the twin's
+``time_to_loss/run.py lm``. A method with a ``-local`` twin (``second_moment="local"``) gets the twin's
 mean beside its own: the uncorrected rule's figure. ``--target``: how many runs end within it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 from pathlib import Path
+from typing import Any
 
 from benchmarks.harness.methods import LOCAL_MOMENT_SUFFIX
-from benchmarks.language_model.lm_time_to_loss import merged_runs
+
+
+def merged_runs(paths: list[Path]) -> list[list[dict[str, Any]]]:
+    """The ``iid`` results of ``paths``, one list per run: files whose DDP result is the same (the same
+    workers and loss, as ``--reuse`` copies it) are merged, first file first."""
+    runs: dict[tuple[int, float], dict[str, dict[str, Any]]] = {}
+    for path in paths:
+        results = [r for r in json.loads(Path(path).read_text()) if r["split"] == "iid"]
+        reference = next((r for r in results if r["method"] == "ddp+adamw"), None)
+        if reference is None:
+            raise SystemExit(f"{path} has no ddp+adamw result to compare with")
+        run = runs.setdefault((reference["workers"], reference["validation_loss"]), {})
+        for r in results:
+            run.setdefault(r["method"], r)
+    return [list(run.values()) for run in runs.values()]
 
 
 def ratios_by_method(paths: list[Path]) -> tuple[int, dict[str, list[float]]]:

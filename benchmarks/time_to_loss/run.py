@@ -1,0 +1,721 @@
+"""Time to a loss: methods trained to a target loss on a fleet of emulated nodes, timed, against the planner.
+
+    sudo uv run --group bench benchmarks/time_to_loss/run.py slow-link [--nodes 4 --ddp-ratio 48] [--json P]
+    sudo uv run --group bench benchmarks/time_to_loss/run.py scale-model [--reuse JSON METHOD] [--json P]
+    sudo uv run benchmarks/time_to_loss/run.py uneven --nodes 4 8 16 [--scenarios one3x half2x] [--json P]
+    uv run benchmarks/time_to_loss/run.py lm [--results LM_CONVERGENCE_JSON ...]
+
+Every question but ``lm`` builds the emulated cluster (``harness/emulated_cluster.py``; needs root, without
+it says so and exits 0) and runs ``rank.py`` on each node, one method at a time from the same model, a
+step's compute the model's own topped up by a sleep. The ranks write their parameters at fixed steps and
+the replicas' average is evaluated afterwards (256 fixed validation windows), so a curve costs the run
+nothing. ``lm`` multiplies the steps of ``lm_convergence`` curves by the planner's step time. Defaults:
+``questions.py``; what each measures and found: docs/benchmarks.md. torchft needs the ``bench`` group.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.harness import emulated_cluster as emu
+from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
+from benchmarks.harness.methods import optimizer_factory, parse_method
+from benchmarks.harness.report import add_output_arguments, cell, markdown_table, save
+from benchmarks.time_to_loss.questions import QUESTIONS
+from benchmarks.time_to_loss.rank import POWER_SGD, TORCHFT, power_sgd_numel
+from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
+from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
+from decent_optim_wrapper.plan.cli import parse_quantity
+from decent_optim_wrapper.plan.recommend import recommend
+from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
+
+RANK = Path(__file__).with_name("rank.py")
+PREDICTION, THROUGHPUT, LOSS, PACED_SOONER = 0.15, 0.90, 1.02, 1.5  # the targets (and --sooner)
+MTU_FRAME = 1514  # bytes of one Ethernet frame (--burst-frames)
+Curve = list[tuple[int, float, float]]  # (step, training seconds, the average's validation loss)
+Namespace = argparse.Namespace
+_runs = itertools.count()  # a fresh port per run: the last run's may linger
+
+
+# -- what every question shares: the model's step, a run on the cluster, its evaluation, the planner
+
+
+def padding(q: Namespace, steps: int = 30) -> tuple[float, float]:
+    """The model's own forward, backward and AdamW step here (median ms, one thread), and the sleep
+    that tops it up to ``--compute-ms``."""
+    torch.set_num_threads(1)
+    tokens, _ = make_lm_data(1, 0, "iid")
+    model = make_lm_model(q.width, q.depth)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=q.adam_lr)
+    sampler, times = torch.Generator().manual_seed(0), []
+    for _ in range(steps):
+        x, y = windows(tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (q.batch,), generator=sampler))
+        start = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        optimizer.step()
+        times.append(time.perf_counter() - start)
+    real_ms = 1e3 * sorted(times)[len(times) // 2]
+    print(f"the model's own step: {real_ms:.1f} ms here (batch {q.batch}); a step {q.compute_ms:g} ms")
+    return real_ms, max(0.0, q.compute_ms - real_ms)
+
+
+def engine_overhead_seconds(q: Namespace, method: str = "ring~h8d1", steps: int = 64) -> float:
+    """Seconds our optimizer step adds to AdamW's (the planner's ``overhead_s``), in a world of one rank
+    (what a round costs besides is ``plan.round_cost``'s)."""
+    import torch.distributed as dist
+
+    from decent_optim_wrapper import DecentOptimWrapper
+
+    torch.set_num_threads(1)
+    folder = Path(tempfile.mkdtemp(prefix="dow-ttl-store-"))
+    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
+    try:
+        means = []
+        for wrapped in (False, True):
+            model = make_lm_model(q.width, q.depth)
+            optimizer = optimizer_factory("adamw", 0.0, q.adam_lr)(list(model.named_parameters()))
+            if wrapped:
+                optimizer = DecentOptimWrapper(optimizer, **parse_method(method).engine_options())
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            start = 0.0
+            for k in range(8 + steps):  # 8 untimed: buckets built, first allocations
+                start = time.perf_counter() if k == 8 else start
+                optimizer.step()
+            means.append((time.perf_counter() - start) / steps)
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(folder, ignore_errors=True)
+    return max(0.0, means[1] - means[0])
+
+
+def launch(
+    cluster: emu.Cluster, q: Namespace, method: str, pads: list[float], deadline_s: float,
+    shape: Callable[[], None] | None = None, evaluated: bool = True, **flags: object,
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """Train ``method`` on every node (``pads``: each rank's sleep; ``flags``: more of ``rank.py``'s): the
+    ranks' records and the evaluated curve. With ``shape``, the ranks are built on fast links and wait at
+    the gate until ``shape`` slows them (start-up is not what a run measures; the links' counters start
+    there). Raises if a rank failed or ran out of time."""
+    outdir, nodes = Path(tempfile.mkdtemp(prefix="dow-ttl-")), cluster.nodes
+    flags |= {"world_size": nodes, "method": method, "steps": q.steps, "warmup": q.warmup, "batch": q.batch}
+    flags |= {"adam_lr": q.adam_lr, "width": q.width, "depth": q.depth, "timeout_s": q.timeout_s}
+    flags["outdir"] = outdir
+    port, procs, counted = 29681 + next(_runs) % 16, [], cluster.sent_bytes()
+    for rank in range(nodes):
+        mine = {**flags, "rank": rank, "pad_ms": pads[rank]}
+        argv = [str(RANK), *[x for k, v in mine.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
+        env, log = emu.node_env(cluster, rank, port), outdir / f"rank{rank}.log"
+        procs.append(emu.start_in_node(cluster, rank, argv + ["--gate"] * bool(shape), env, log))
+    deadline, gated = time.monotonic() + deadline_s, shape is None
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if any(p.returncode not in (None, 0) for p in procs):
+                break
+            if shape and not gated and all((outdir / f"ready-{r}").exists() for r in range(nodes)):
+                shape()
+                counted, gated = cluster.sent_bytes(), True
+                (outdir / "go").touch()
+            time.sleep(0.5)
+    finally:
+        emu.stop(procs)
+        if shape is not None:
+            cluster.shape(None)  # the next run starts on fast links again, also after a failed one
+    try:
+        missing = [r for r in range(nodes) if not (outdir / f"rank{r}.json").exists()]
+        if missing:
+            tail = (outdir / f"rank{missing[0]}.log").read_text()[-2000:]
+            raise RuntimeError(f"{method}: rank {missing[0]} failed or timed out; its log ends:\n{tail}")
+        records = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(nodes)]
+        result = evaluate(outdir, nodes, q) if evaluated else {}
+        if shape is not None:  # the run's whole traffic per node and step, headers and the store's too
+            result["wire_bytes_per_step"] = (cluster.sent_bytes() - counted) / nodes / len(records[0]["ends"])
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)
+    return records, result
+
+
+def evaluate(outdir: Path, nodes: int, q: Namespace) -> dict[str, Any]:
+    """The average model's validation loss at every written step, and when every rank had passed it."""
+    ranks = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(nodes)]
+    _, validation = make_lm_data(1, 0, "iid")
+    model, curve = make_lm_model(q.width, q.depth), []
+    for i, (step, _) in enumerate(ranks[0]["points"]):
+        flats = [torch.load(outdir / f"rank{r}-step{step}.pt") for r in range(nodes)]
+        torch.nn.utils.vector_to_parameters(torch.stack(flats).mean(0), model.parameters())
+        curve.append((step, max(r["points"][i][1] for r in ranks), validation_loss(model, validation)))
+    out = {"curve": curve, "steps": curve[-1][0], "step_ms": 1e3 * curve[-1][1] / curve[-1][0]}
+    return out | {"bytes_sent_per_step": max(r["bytes_sent_per_step"] for r in ranks)}
+
+
+def reached(curve: Curve, target: float) -> tuple[int, float] | None:
+    """The first (step, seconds) at which the average's validation loss is at most ``target``."""
+    return next(((s, t) for s, t, loss in curve if loss <= target), None)
+
+
+def ours(method: str) -> bool:
+    """Whether ``method`` is one of ours (``methods.py``'s grammar) rather than a baseline."""
+    return method != "nocomm" and not method.startswith(("ddp", "torchft"))
+
+
+def planner_label(method: str) -> str:
+    """The planner's name for ``method``: ``ring~h8d1@int8`` (it needs no outer optimizer to time a step)."""
+    if not ours(method):
+        return method
+    spec = parse_method(method)
+    wire = f"@{spec.compression}" if spec.compression else ""
+    return f"{spec.topology}~h{spec.sync_every}d{delay(spec)}{wire}"
+
+
+def delay(spec: Any) -> int:
+    """The steps a round of ``spec`` is folded in late (unset: the library's default, a whole round)."""
+    return spec.sync_every if spec.sync_delay is None else spec.sync_delay
+
+
+def wire_bytes(method: str, model: nn.Module, nodes: int) -> float:
+    """Bytes a rank sends per step with a baseline (a ring all-reduce's count)."""
+    allreduce, numel = 2 * (nodes - 1) / nodes * 4, sum(p.numel() for p in model.parameters())
+    if (power := POWER_SGD.fullmatch(method)) is not None:
+        return allreduce * power_sgd_numel(model, int(power["rank"]))
+    torchft = TORCHFT.fullmatch(method)
+    return allreduce * numel / (int(torchft["every"]) if torchft else 1)
+
+
+def predictions(
+    methods: list[str], model_bytes: float, compute_s: float, link: Link, nodes: int, numel: int,
+    overhead_s: float, measured: bool = True,
+) -> dict[str, float]:  # fmt: skip
+    """Planner step times (seconds) of DDP and of our methods among ``methods``; ``measured``: each wire
+    format's round timed on this machine for ``numel`` parameters (``plan.round_cost``)."""
+    costs: dict[str | None, RoundCost] = {}
+
+    def round_cost(compression: GossipCompression | None, group_size: int) -> RoundCost:
+        key = None if compression is None else compression.name
+        if key not in costs:
+            costs[key] = measure_round_cost(numel, group_size, compression)
+        return costs[key]
+
+    specs = [parse_method(m) for m in methods if ours(m)]
+    options = {"compressions": sorted({s.compression for s in specs if s.compression})}
+    options |= {"local_steps": sorted({(s.sync_every, delay(s)) for s in specs}), "overhead_s": overhead_s}
+    options["round_costs"] = round_cost if measured else None
+    topologies = sorted({str(s.topology) for s in specs})
+    found = predict(model_bytes, ComputeTimes(compute_s), Network(link), nodes, topologies, **options)
+    return {p.method: p.step_s for p in found}
+
+
+def partial(q: Namespace, results: object) -> None:
+    """Write what is measured so far to ``--json`` (``"partial": true``): a long run is not lost to a
+    later phase that fails; the finished run overwrites it."""
+    if q.json:
+        payload = {"partial": True, "args": vars(q), "results": results}
+        Path(q.json).write_text(json.dumps(payload, default=str))
+
+
+# -- slow-link and scale-model: methods trained to a loss and timed on shaped links, against the planner
+
+
+def recommended(q: Namespace, model_bytes: float, step_s: float, link: Link, nodes: int) -> str:
+    """The planner's recommendation for this cluster, in the benchmarks' method grammar."""
+    found = recommend(model_bytes, ComputeTimes(step_s), Network(link), nodes, q.topology)
+    if not found.hides:
+        raise RuntimeError(f"the planner hides no setting on {link.bandwidth / 1e3:.1f} kbit/s: pass --ours")
+    return found.chosen.method.partition("+")[0]
+
+
+def step_seconds(records: list[dict[str, Any]], skip: int) -> float:
+    """Mean seconds per step on the slowest rank, leaving out the first ``skip`` steps."""
+    steps = [[b - a for a, b in itertools.pairwise([r["start"], *r["ends"]])][skip:] for r in records]
+    return max(statistics.fmean(s) for s in steps)
+
+
+def timed_steps(method: str, q: Namespace) -> tuple[int, int]:
+    """(steps to run, steps to leave out) when timing a baseline on the shaped links."""
+    if POWER_SGD.fullmatch(method):
+        return 2 + q.timed_steps, 2  # torch all-reduces the first two steps in full
+    torchft = TORCHFT.fullmatch(method)
+    return (int(torchft["every"]), 0) if torchft else (q.timed_steps, 0)  # torchft: one whole period
+
+
+#: What a loss curve depends on, and what its times are measured in (``--reuse``).
+TRAINING_FLAGS = ("nodes", "steps", "warmup", "eval_every", "batch", "adam_lr", "width", "depth")
+TIMING_FLAGS = ("compute_ms", "link_steps")
+TIMES = ("shaped_step_s", "step_ms", "timed_s", "wall_s", "wire_bytes_per_step")
+
+
+def reused_run(path: Path, method: str, q: Namespace) -> dict[str, Any]:
+    """``method``'s run from an earlier run's JSON (a ValueError says why not): its curve only if the
+    training flags are the same, its times only if the timing flags are too."""
+    earlier = json.loads(path.read_text())
+    before = earlier["args"]
+    runs = earlier["results"]["results"][-1]["runs"] if "results" in earlier else earlier["runs"]
+    if method not in runs:
+        raise ValueError(f"{path} has no run of {method!r}; it has {', '.join(runs)}")
+    differ = [  # --nodes: 16 then, [16] now
+        f"--{k.replace('_', '-')} {before.get(k)} (here {getattr(q, k)})"
+        for k in TRAINING_FLAGS
+        if str(before.get(k)).strip("[]") != str(getattr(q, k)).strip("[]")
+    ]
+    if differ:
+        raise ValueError(f"{path} trained with {', '.join(differ)}: its curve is not this run's")
+    record = dict(runs[method], reused_from=str(path))
+    if any(before.get(k) != getattr(q, k) for k in TIMING_FLAGS):
+        for key in TIMES:
+            record.pop(key, None)
+    return record
+
+
+def on_links(q: Namespace) -> tuple[dict[str, Any], str]:
+    """slow-link and scale-model, one node count after the other."""
+    real_ms, pad_ms = padding(q)
+    q.overhead_s = engine_overhead_seconds(q)
+    results: dict[str, Any] = {"real_step_ms": real_ms, "overhead_s": q.overhead_s, "results": []}
+    for nodes in q.nodes:
+        results["results"].append({"nodes": nodes, "runs": {}})
+        results["results"][-1] = on_links_nodes(nodes, pad_ms, q, results)
+    return results, "\n\n".join(links_report(r, q) for r in results["results"])
+
+
+def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, Any]) -> dict[str, Any]:
+    """``nocomm``, then the baselines in full on fast links (their loss), then every link shaped from
+    the ``nocomm`` step and probed: the methods and ours trained there, the baselines timed there."""
+    model = make_lm_model(q.width, q.depth)
+    numel, result = sum(p.numel() for p in model.parameters()), results["results"][-1]
+    runs = result["runs"]
+    fast_s = q.steps * q.compute_ms / 1e3 * 4 + 900  # generous: 16 starts on 2 cores are slow
+
+    def train(method: str, stop_at: int, deadline_s: float, shape: Any = None, evaluated: bool = True) -> Any:
+        began = time.monotonic()
+        flags = {"stop_at": stop_at, "eval_every": q.eval_every}
+        records, r = launch(cluster, q, method, [pad_ms] * nodes, deadline_s, shape, evaluated, **flags)
+        r |= {"timed_s": step_seconds(records, timed_steps(method, q)[1]), "wall_s": time.monotonic() - began}
+        print(f"  {nodes} nodes, {method}{' (shaped)' * bool(shape)}: {1e3 * r['timed_s']:.1f} ms/step")
+        partial(q, results)
+        return r
+
+    with emu.Cluster(nodes) as cluster:
+        runs["nocomm"] = train("nocomm", min(100, q.steps), fast_s)
+        nocomm_s = runs["nocomm"]["step_ms"] / 1e3
+        runs.update(q.reused)
+        for method in q.baselines:  # their loss does not depend on the link: curves on fast links
+            runs[method] = train(method, q.steps, fast_s)
+        link_steps = q.link_steps or q.ddp_ratio * nodes / (2 * (nodes - 1))  # DDP's all-reduce: ddp_ratio
+        rate = 4.0 * numel * 8 / (link_steps * nocomm_s)
+
+        burst = q.burst_frames * MTU_FRAME or None
+
+        def shape() -> None:
+            cluster.shape(f"{int(rate)}bit", burst=burst, latency=f"{q.queue_s:g}s")
+
+        shape()
+        megabits = emu.measure_link(cluster, min(2.0, rate / 8 * 20 / 1e6), 29669, timeout_s=120)  # or 20 s
+        message = q.message_bytes  # the link's cost per message beyond its payload; < 0: probe it
+        if message < 0:  # with a round of what the link moves in a step, as a pair's all-reduce sends it
+            payload, goodput = int(4 * numel / link_steps), megabits * 1e6 / rate
+            message = emu.measure_message_bytes(cluster, payload, 29670, goodput)
+        cluster.shape(None)
+        print(f"  links {rate / 1e3:.1f} kbit/s ({megabits * 1e3:.1f} measured), {message:.0f} B a message")
+        link = Link(megabits * 1e6, message_bytes=message)
+        mine = [q.ours] if q.ours != "planner" else [recommended(q, 4.0 * numel, nocomm_s, link, nodes)]
+        mine = [m for m in mine if m]
+        planned = predictions([*q.methods, *mine], 4.0 * numel, nocomm_s, link, nodes, numel, q.overhead_s)
+        for method in [m for m in [*q.methods, *mine] if m != "nocomm"]:
+            stop_at, deadline_s = q.steps, fast_s * 2
+            if q.budget_s:  # at most the budget at the planned pace, or with nothing hidden
+                unhidden = nocomm_s + wire_bytes(method, model, nodes) * 8 / link.bandwidth
+                pace = planned.get(planner_label(method)) or unhidden
+                stop_at = min(q.steps, max(q.eval_every, int(q.budget_s / pace)))
+                stop_at, deadline_s = stop_at - stop_at % q.eval_every, q.budget_s * 1.5 + 60
+            runs[method] = train(method, stop_at, deadline_s, shape)
+        for baseline in q.baselines:
+            steps = timed_steps(baseline, q)[0]
+            unhidden = wire_bytes(baseline, model, nodes) * 8 / link.bandwidth + nocomm_s
+            try:
+                timing = train(baseline, steps, steps * unhidden * 3 + 900, shape, evaluated=False)
+                runs[baseline]["shaped_step_s"] = timing["timed_s"]
+            except RuntimeError as err:  # its loss stands; a run that cannot be timed loses nothing else
+                for key in TIMES:  # its times on the fast links are not the shaped links'
+                    runs[baseline].pop(key, None)
+                runs[baseline]["not_timed"] = str(err).splitlines()[0]
+    result |= {"parameters": numel, "rate_bits": rate, "megabits": megabits, "message_bytes": message}
+    result |= {"planned": planned, "ours": mine[0] if mine else None}
+    return result | {"full_size": full_size(mine[0], q) if mine else None}
+
+
+def full_size(method: str, q: Namespace) -> dict[str, float]:
+    """The planner's throughput of ``method`` on the full-size job (no measured round costs there)."""
+    size, step_ms, link, nodes = q.full_size
+    out = {"model_bytes": parse_quantity(size, "bytes"), "step_s": float(step_ms) / 1e3, "nodes": int(nodes)}
+    out["link_bits"] = parse_quantity(link, "bandwidth")
+    link_ = Link(out["link_bits"])
+    step_s = predictions([method], out["model_bytes"], out["step_s"], link_, int(nodes), 0, 0.0, False)
+    out["throughput"] = step_s["nocomm"] / step_s[planner_label(method)]
+    return out | {"ddp_throughput": step_s["nocomm"] / step_s["ddp"]}
+
+
+def seconds_to(run: dict[str, Any], loss: float) -> tuple[int | None, float | None]:
+    """The first evaluated step at which ``run``'s average is at ``loss`` or below, and the seconds to
+    it on the shaped links: a baseline's steps at the pace timed there, else the run's own clock (None:
+    never, or a reused run without times)."""
+    hit = reached(run["curve"], loss)
+    if hit is None:
+        return None, None
+    if "shaped_step_s" in run:
+        return hit[0], hit[0] * run["shaped_step_s"]
+    return hit[0], (hit[1] if "step_ms" in run else None)
+
+
+def is_sparse(method: str) -> bool:
+    return ours(method) and "@" in method and parse_compression(method.partition("@")[2]).sparse
+
+
+def links_report(result: dict[str, Any], q: Namespace) -> str:
+    """One row per method (its step on the shaped links against ``nocomm`` and the planner, bytes per step
+    counted and on the links, final loss against DDP's, the step and seconds to each target loss against
+    ours), then the targets, met or MISSED."""
+    runs, planned, nodes = result["runs"], result["planned"], result["nodes"]
+    nocomm_ms = runs["nocomm"]["step_ms"]
+    ddp_final = runs["ddp"]["curve"][-1][2] if "ddp" in runs else float("nan")
+    finals = {m: r["curve"][-1][2] for m, r in runs.items() if m != "nocomm"}
+    common = max(finals.values())  # the loss every method reaches
+    goals = {f"{q.target_loss}": q.target_loss} if q.target_loss else {"DDP's loss": ddp_final}
+    goals |= {} if q.target_loss else {f"every method's final loss, {common:.4f},": common}
+    reach = {goal: {m: seconds_to(runs[m], loss) for m in finals} for goal, loss in goals.items()}
+    first = next(iter(reach.values()))
+    sparse = sorted((t, m) for m, (_, t) in first.items() if is_sparse(m) and t is not None)
+    mine = result["ours"] or (sparse[0][1] if sparse else next((m for m in finals if is_sparse(m)), None))
+    step_ms = {m: r.get("step_ms", float("nan")) for m, r in runs.items()}
+    step_ms |= {m: 1e3 * r["shaped_step_s"] for m, r in runs.items() if "shaped_step_s" in r}
+    rows = []
+    for m, r in runs.items():
+        if m == "nocomm":
+            continue
+        plan = planned.get(planner_label(m))
+        sent = r.get("bytes_sent_per_step") or wire_bytes(m, make_lm_model(q.width, q.depth), nodes)
+        row = [
+            m + " (reused)" * ("reused_from" in r),
+            cell(r.get("steps"), "d"),
+            step_ms[m],
+            plan and 1e3 * plan,
+        ]
+        row += [f"{nocomm_ms / step_ms[m]:.3f}", f"{sent:.0f}", cell(r.get("wire_bytes_per_step"), ".0f")]
+        row += [f"{finals[m]:.4f}", f"{finals[m] / ddp_final:.4f}"]
+        for times in reach.values():
+            (step, seconds), theirs = times[m], times[mine][1] if mine else None
+            ran = f">{r['curve'][-1][1]:.0f}" if "step_ms" in r and "shaped_step_s" not in r else "-"
+            row += [cell(step, "d") if step else "never", ran if seconds is None else f"{seconds:.0f}"]
+            row += [cell(seconds / theirs if seconds and theirs else None, ".2f")]
+        rows.append(row)
+    header = ["method", "steps", "ms/step", "planned", "/ nocomm", "B/step", "on wire", "final loss"]
+    header += ["vs DDP"]
+    header += [c for goal in goals for c in (f"step to {goal}", f"s to {goal}", f"vs {mine}")]
+    title = f"{nodes} nodes x 1 worker, {result['parameters']:,} parameters, links {result['megabits']:.3f}"
+    title += (
+        f" Mbit/s ({result['message_bytes']:.0f} B a message): {nocomm_ms:.1f} ms/step without communication"
+    )
+    lines = [title, markdown_table(header, rows, ".1f")]
+    verdicts = result.setdefault("verdicts", [])
+
+    def judge(name: str, met: bool) -> None:
+        verdicts.append({"nodes": nodes, "target": name, "met": met})
+        lines.append(f"target: {name}: {'met' if met else 'MISSED'}")
+
+    if result["ours"]:  # one of ours chosen beforehand: as fast and as good as the targets ask?
+        throughput, loss = nocomm_ms / step_ms[mine], finals[mine] / ddp_final
+        met = throughput >= THROUGHPUT
+        judge(f"{mine} at least {THROUGHPUT:.2f} of no communication ({throughput:.3f})", met)
+        judge(f"{mine} final loss at most {LOSS:.2f}x DDP's ({loss:.4f}x)", loss <= LOSS)
+    for goal, times in reach.items() if mine else ():
+        mine_s = times[mine][1]
+        if q.target_loss:
+            others = [t for m, (_, t) in times.items() if m != mine]
+            first_ = mine_s is not None and all(t is None or t >= mine_s for t in others)
+            judge(f"{mine} reaches {goal} first", first_)
+        for family in ("ddp-psgd", "torchft"):
+            theirs = [t for m, (_, t) in times.items() if m.startswith(family)]
+            if theirs:
+                best = min((t for t in theirs if t is not None), default=None)
+                name = f"{mine} reaches {goal} {q.sooner:g}x sooner than the best {family} run"
+                judge(name, mine_s is not None and (best is None or best >= q.sooner * mine_s))
+    for m in runs:
+        if ours(m) and "@" in m and planner_label(m) in planned:
+            error = 1e3 * planned[planner_label(m)] / step_ms[m] - 1
+            judge(f"{m} step time predicted within {PREDICTION:.0%} ({error:+.1%})", abs(error) <= PREDICTION)
+    if full := result.get("full_size"):
+        lines.append(
+            f"the planner on the full-size job ({full['model_bytes'] / 1e9:g} GB, {1e3 * full['step_s']:.0f} "
+            f"ms/step, {full['link_bits'] / 1e6:g} Mbit/s, {full['nodes']} nodes): {mine} at "
+            f"{full['throughput']:.3f} of no communication, DDP at {full['ddp_throughput']:.4f}"
+        )
+    return "\n".join(lines)
+
+
+# -- uneven: paced rounds against synchronous gossip and DDP, one worker 3x slower (or half 2x)
+
+
+def speed_factor(scenario: str, rank: int, nodes: int) -> float:
+    """How many times ``--compute-ms`` a step of ``rank`` takes."""
+    if scenario not in ("one3x", "half2x"):
+        raise ValueError(f"scenario must be one3x or half2x, got {scenario!r}")
+    return (3.0 if rank == 0 else 1.0) if scenario == "one3x" else (2.0 if rank < nodes // 2 else 1.0)
+
+
+def gossip_rounds(q: Namespace) -> int:
+    """Rounds of the gossip methods: ``--budget`` times DDP's samples."""
+    return int(q.budget * q.steps) // q.sync_every
+
+
+def uneven_flags(method: str, q: Namespace) -> tuple[str, dict[str, object]]:
+    """``rank.py``'s method for ``method`` (nocomm, ddp, sync or paced), and its flags besides launch's."""
+    if method in ("nocomm", "ddp"):
+        steps = q.nocomm_steps if method == "nocomm" else q.steps
+        return method, {"stop_at": steps, "eval_every": q.eval_every if method == "ddp" else steps}
+    flags = {"rounds": gossip_rounds(q), "eval_rounds": max(1, q.eval_every // q.sync_every)}
+    return q.gossip, flags | {"pacing": "measured" if method == "paced" else "none"}
+
+
+def fleet_rate(records: list[dict[str, Any]], method: str, every: int) -> float:
+    """Steps of all ranks per second over the window after warm-up (3 rounds; paced: 5)."""
+    warm = 5 if method == "paced" else 3
+    if method == "ddp":
+        began = max(r["ends"][warm * every - 1] for r in records)
+    else:
+        began = max(r["round_ends"][warm - 1] for r in records)
+    ended = min(r["ends"][-1] for r in records)
+    return sum(sum(1 for t in r["ends"] if began < t <= ended) for r in records) / (ended - began)
+
+
+def uneven_rates(
+    records: dict[str, list[dict[str, Any]]], scenario: str, nodes: int, megabits: float, q: Namespace
+) -> dict[str, Any]:
+    """Measured fleet steps per second of ddp, sync and paced, the planner's (``predict(..., paced=True)``
+    with the measured link, the factors and ``o``: a step's time beyond compute alone), and its errors."""
+    factors = [speed_factor(scenario, r, nodes) for r in range(nodes)]
+    beyond = []
+    for rank, run in enumerate(records["nocomm"]):
+        steps = zip([run["start"], *run["ends"][:-1]], run["ends"], strict=True)
+        beyond.append(statistics.fmean([b - a - q.compute_ms / 1e3 * factors[rank] for a, b in steps][2:]))
+    o, every, late = statistics.median(beyond), q.sync_every, delay(parse_method(q.gossip))
+    compute = ComputeTimes(q.compute_ms / 1e3, "uneven", factors=tuple(factors))
+    options = {"steps": min(gossip_rounds(q), 30) * every, "warmup": 3 * every, "overhead_s": o}
+    options |= {"local_steps": [(every, late)], "compressions": (), "paced": True}
+    model_bytes = 4.0 * sum(p.numel() for p in make_lm_model(q.width, q.depth).parameters())
+    found = predict(model_bytes, compute, Network(Link(megabits * 1e6)), nodes, ["ring"], **options)
+    step_s = {p.method: p.step_s for p in found}
+    labels = {"ddp": "ddp", "sync": f"ring~h{every}d{late}", "paced": f"ring~h{every}d{late}p"}
+    planned = {m: nodes / step_s[label] for m, label in labels.items() if label in step_s}
+    measured = {m: fleet_rate(records[m], m, every) for m in ("ddp", "sync", "paced") if m in records}
+    errors = {m: planned[m] / rate - 1 for m, rate in measured.items() if planned.get(m)}
+    return {"overhead_s": o, "measured": measured, "planned": planned, "planner_error": errors}
+
+
+def time_to_target(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """DDP's final loss (the target) and each method's (evaluated step, seconds) to it, or None; the
+    ratio synchronous / paced (a lower bound, ``sync_reached`` False, when synchronous gossip never
+    reached it: its last evaluation's seconds instead)."""
+    target = runs["ddp"]["curve"][-1][2]
+    hits = {m: reached(r["curve"], target) for m, r in runs.items() if m != "nocomm"}
+    hits["ddp"] = (runs["ddp"]["curve"][-1][0], runs["ddp"]["curve"][-1][1])
+    out: dict[str, Any] = {"target": target, "hits": hits, "sync_over_paced": None, "sync_reached": None}
+    if "sync" in hits and hits.get("paced") is not None:
+        sync = hits["sync"]
+        sync_s = sync[1] if sync is not None else runs["sync"]["curve"][-1][1]
+        out |= {"sync_reached": sync is not None, "sync_over_paced": sync_s / hits["paced"][1]}
+    return out
+
+
+def uneven_verdicts(row: dict[str, Any]) -> dict[str, bool]:
+    """The two targets of one node count and scenario: paced 1.5x sooner, the planner within 15%."""
+    ratio, errors = row["sync_over_paced"], row["planner_error"]
+    planner = bool(errors) and all(abs(e) <= PREDICTION for e in errors.values())
+    return {"sooner": ratio is not None and ratio >= PACED_SOONER, "planner": planner}
+
+
+def uneven(q: Namespace) -> tuple[dict[str, Any], str]:
+    real_ms, _ = padding(q)
+    results: dict[str, Any] = {"real_step_ms": real_ms, "results": []}
+    text = []
+    for nodes in q.nodes:
+        with emu.Cluster(nodes) as cluster:
+            cluster.shape(q.bandwidth)
+            megabits = emu.measure_link(cluster, 4, 29669)
+            results["results"].append({"nodes": nodes, "megabits": megabits, "scenarios": {}})
+            for scenario in q.scenarios:
+                factors = [speed_factor(scenario, r, nodes) for r in range(nodes)]
+                pads = [max(0.0, q.compute_ms * factor - real_ms) for factor in factors]
+                records, runs = {}, {}
+                for method in q.methods:
+                    name, flags = uneven_flags(method, q)
+                    records[method], runs[method] = launch(cluster, q, name, pads, q.deadline_s, **flags)
+                    print(f"  {nodes} nodes, {scenario}/{method}: {runs[method]['curve'][-1][2]:.4f}")
+                row = time_to_target(runs) | uneven_rates(records, scenario, nodes, megabits, q)
+                row |= {
+                    "runs": runs,
+                    "steps_per_rank": {m: [len(r["ends"]) for r in rs] for m, rs in records.items()},
+                }
+                row["verdicts"] = uneven_verdicts(row)
+                results["results"][-1]["scenarios"][scenario] = row
+                text.append(uneven_report(nodes, megabits, scenario, row, q))
+                partial(q, results)
+    return results, "\n\n".join(text)
+
+
+def uneven_report(nodes: int, megabits: float, scenario: str, row: dict[str, Any], q: Namespace) -> str:
+    hits, runs, table = row["hits"], row["runs"], []
+    for method in (m for m in ("ddp", "sync", "paced") if m in runs):
+        curve = runs[method]["curve"]
+        at_ddp = next((loss for step, _, loss in curve if step >= q.steps), None)  # after DDP's samples
+        when = f"{hits[method][1]:.1f}" if hits[method] else f">{curve[-1][1]:.0f} (not reached)"
+        table.append([method, f"{curve[-1][2]:.4f}", cell(at_ddp, ".4f"), when, row["measured"].get(method)])
+        table[-1] += [row["planned"].get(method), cell(row["planner_error"].get(method), "+.1%")]
+    ratio, met = row["sync_over_paced"], row["verdicts"]
+    bound = "" if row["sync_reached"] else " (at least: sync did not reach it)"
+    header = ["method", "final loss", "loss at DDP's samples", "s to target", "steps/s", "planned", "error"]
+    title = f"{nodes} nodes, {scenario}, links {q.bandwidth} ({megabits:.0f} Mbit/s measured)"
+    return "\n".join([
+        f"{title}: DDP's final loss {row['target']:.4f}; o = {1e3 * row['overhead_s']:.1f} ms/step",
+        markdown_table(header, table, ".2f"),
+        f"sync / paced time to DDP's loss: {cell(ratio, '.2f')}x{bound} (target {PACED_SOONER}x: "
+        f"{'met' if met['sooner'] else 'MISSED'}); planner within {PREDICTION:.0%}: "
+        + ("met" if met["planner"] else "MISSED"),
+    ])  # fmt: skip
+
+
+# -- lm: steps to DDP's loss (lm_convergence --eval-every results) times the planner's step time
+
+
+def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
+    """The ``iid`` results of ``paths``, one list per run: files whose DDP result is the same (the same
+    workers and loss, as ``lm_convergence --reuse`` copies it) are merged, first file first."""
+    runs: dict[tuple[int, float], dict[str, dict[str, Any]]] = {}
+    for path in paths:
+        results = [r for r in json.loads(Path(path).read_text()) if r["split"] == "iid"]
+        reference = next((r for r in results if r["method"] == "ddp+adamw"), None)
+        if reference is None:
+            raise SystemExit(f"{path} has no ddp+adamw result to compare with")
+        run = runs.setdefault((reference["workers"], reference["validation_loss"]), {})
+        for r in results:
+            run.setdefault(r["method"], r)
+    return [list(run.values()) for run in runs.values()]
+
+
+def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
+    """Per run, each per-step method's first evaluation within ``--tolerance`` of DDP's final loss, times
+    the planner's step time on as many nodes (no jitter; log-normal, sigma 0.3). Blocking gossip
+    (``~h1d0``) is simulated with each round added to the step."""
+    out, text = [], []
+    for results in merged_runs(q.results):
+        reference = next(r for r in results if r["method"] == "ddp+adamw")
+        workers, model_bytes, compute_s = (
+            reference["workers"],
+            4.0 * reference["parameters"],
+            q.compute_ms / 1e3,
+        )
+        target = reference["validation_loss"] * q.tolerance
+        bandwidth = q.bandwidth or 8 * model_bytes / compute_s  # one model per step's compute
+        times = {}
+        for jitter in ("none", "lognormal"):
+            compute = ComputeTimes(compute_s, jitter=jitter, sigma=0.3)
+            network = Network(Link(bandwidth))
+            found = predict(model_bytes, compute, network, workers, compressions=(), blocking=True)
+            times[jitter] = {p.method: p.step_s for p in found}
+        steps_to = {r["method"]: next((s for s, loss in r["curve"] if loss <= target), None) for r in results}
+        rows, table = [], []
+        for r in results:
+            spec = parse_method(r["method"])
+            name = ("ddp" if spec.topology is None else str(spec.topology)) + "~h1d0" * (spec.sync_delay == 0)
+            steps, row = steps_to[r["method"]], {"method": r["method"], "steps": None}
+            if spec.sync_every != 1:
+                continue
+            if steps is not None and name in times["none"]:
+                row["steps"] = steps
+                for jitter, suffix in (("none", ""), ("lognormal", "_jitter")):
+                    step_s, ddp_s = times[jitter][name], times[jitter]["ddp"] * (steps_to["ddp+adamw"] or 0)
+                    row |= {f"step_ms{suffix}": 1e3 * step_s, f"time_s{suffix}": steps * step_s}
+                    row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
+            rows.append(row)
+            cells = [cell(row.get(f"{k}{s}"), f) for s in ("", "_jitter") for k, f in SPECS.items()]
+            table.append([r["method"], "never" if row["steps"] is None else str(steps), *cells])
+        header = ["method", "steps", "ms/step", "time s", "vs DDP", "ms/step jit", "time jit", "vs DDP jit"]
+        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
+        title += f"final validation loss {reference['validation_loss']:.4f} (target x{q.tolerance:g}: "
+        title += f"{target:.4f}); compute {q.compute_ms:g} ms/step, links {bandwidth / 1e6:.0f} Mbit/s"
+        text.append(f"{title}\n{markdown_table(header, table)}")
+        out.append({"workers": workers, "target": target, "bandwidth": bandwidth, "rows": rows})
+    text.append("('jit': log-normal compute jitter, sigma 0.3; '~h1d0': blocking per-step gossip)")
+    return out, "\n\n".join(text)
+
+
+SPECS = {"step_ms": ".1f", "time_s": ".1f", "vs_ddp": ".2f"}  # lm's columns
+
+
+# -- the command line: a question, its defaults as flags (questions.py)
+
+RUN = {"slow-link": on_links, "scale-model": on_links, "uneven": uneven, "lm": lm}
+
+
+def parse_args(argv: list[str] | None = None) -> Namespace:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
+    questions = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")
+    for name, defaults in QUESTIONS.items():
+        sub = questions.add_parser(name, help=defaults["help"], description=defaults["help"])
+        for key, default in defaults.items():
+            flag = "--" + key.replace("_", "-")
+            if key == "reuse":
+                sub.add_argument(flag, nargs=2, action="append", default=[], metavar=("JSON", "METHOD"))
+            elif isinstance(default, list):
+                sub.add_argument(flag, nargs="*", type=type(default[0]) if default else str, default=default)
+            elif key != "help":
+                sub.add_argument(flag, type=type(default), default=default)
+        add_output_arguments(sub)
+    q = parser.parse_args(argv)
+    for key in ("methods", "baselines"):
+        torchft = [m for m in vars(q).get(key, []) if m.startswith("torchft")]
+        if torchft and importlib.util.find_spec("torchft") is None:
+            print("torchft is not installed (uv run --group bench ...): skipping its methods")
+            setattr(q, key, [m for m in getattr(q, key) if not m.startswith("torchft")])
+    if q.question in ("slow-link", "scale-model"):  # nocomm first: the planner's input, the link's pace
+        q.methods = ["nocomm", *[m for m in q.methods if m != "nocomm"]]
+        for method in [*q.methods, q.ours]:
+            if "@" in method:
+                parse_compression(method.partition("@")[2])
+        if q.ours not in ("", "planner") and not ours(q.ours):
+            parser.error(f"--ours {q.ours!r}: 'planner', or ours in methods.py's grammar (ring~h2@int8)")
+        try:
+            q.reused = {method: reused_run(Path(path), method, q) for path, method in q.reuse}
+        except ValueError as err:
+            parser.error(f"--reuse: {err}")
+    if q.question == "uneven":
+        spec = parse_method(q.gossip)
+        if spec.topology is None or spec.sync_every < 2 or spec.paced:
+            parser.error(f"--gossip: low-communication gossip without 'p' ('ring~h8d1'), not {q.gossip!r}")
+        q.sync_every = spec.sync_every
+        q.methods = [m for m in ("nocomm", "ddp", "sync", "paced") if m in {*q.methods, "nocomm", "ddp"}]
+    return q
+
+
+def main() -> None:
+    q = parse_args()
+    if q.question != "lm" and not emu.ready_to_emulate():
+        return
+    results, text = RUN[q.question](q)
+    save(q, results, text)
+
+
+if __name__ == "__main__":
+    main()
