@@ -63,8 +63,13 @@ from benchmarks.harness.emulated_cluster import (
 from benchmarks.harness.lm_snapshots import evaluate, reached, real_step_seconds
 from benchmarks.harness.lm_task import make_lm_model
 from benchmarks.harness.methods import parse_method
-from benchmarks.uneven_fleet.uneven_fleet import PLANNER_TARGET, fleet_rate, overhead_seconds, planned_rates
-from benchmarks.uneven_fleet.uneven_fleet_worker import speed_factor
+from benchmarks.harness.uneven import (
+    PLANNER_TARGET,
+    fleet_rate,
+    overhead_seconds,
+    planned_rates,
+    speed_factor,
+)
 
 WORKER = Path(__file__).parents[1] / "harness" / "lm_worker.py"
 METHODS = ("nocomm", "ddp", "sync", "paced")
