@@ -6,7 +6,7 @@
 For every node count of ``--nodes`` (one worker per emulated node: network namespaces on a bridge,
 every link shaped to ``--bandwidth`` with ``tc tbf``, ``harness/emulated_cluster.py``) and every
 scenario (``one3x``: rank 0 three times slower; ``half2x``: the first half of the ranks twice as slow;
-``uneven_fleet_worker.speed_factor``), the language model of ``harness/lm_task.py`` (AdamW, lr 3e-3,
+``harness/uneven.speed_factor``), the language model of ``harness/lm_task.py`` (AdamW, lr 3e-3,
 batch ``--batch`` per worker, iid windows) is trained with each method in turn, every rank from the
 same model. A step's compute is ``--compute-ms`` times the rank's factor: the model's own forward,
 backward and update (measured here first) topped up by a sleep (``harness/lm_worker.py``'s
@@ -33,7 +33,7 @@ the target is the training seconds (writes left out) at the first evaluation at 
 
 Measured, per node count and scenario: DDP's final loss; each method's seconds to it (``not reached``
 within the budget is said so); the ratio sync / paced (target: at least 1.5); each method's fleet
-steps per second after warm-up (``uneven_fleet.fleet_rate``) beside the planner's simulation of the
+steps per second after warm-up (``harness/uneven.fleet_rate``) beside the planner's simulation of the
 mode (``decent_optim_wrapper.plan.predict(..., paced=True)`` with the measured link, the factors and the
 ``nocomm`` overhead; target: within 15%).
 
