@@ -427,6 +427,7 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
     ``--fit PATH`` fits a stored run again (no root)."""
     if args.fit:
         record = json.loads(Path(args.fit).read_text())
+        record = record.get("results", record)  # a file run.py wrote keeps the run under "results"
     else:
         if not ready_to_emulate():
             sys.exit(0)
