@@ -207,30 +207,18 @@ def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
         sys.exit(1)
     exchange_s = model_bytes * 8 / (link * 1e6)  # over the link as measured
     rel = {m: r["mean_s"] / runs["nocomm"]["mean_s"] for m, r in runs.items()}
-    rows = [
-        [
-            m,
-            1e3 * r["mean_s"],
-            rel[m],
-            rel["ddp"] / rel[m] if "ddp" in rel else None,
-            None if busiest(r["bytes_sent_per_step"]) is None else busiest(r["bytes_sent_per_step"]) / 1e6,
-        ]
-        for m, r in runs.items()
-    ]
+    rows = []
+    for m, r in runs.items():
+        sent = busiest(r["bytes_sent_per_step"])
+        ddp = rel["ddp"] / rel[m] if "ddp" in rel else None
+        rows.append([m, 1e3 * r["mean_s"], rel[m], ddp, None if sent is None else sent / 1e6])
     verdicts = []
     for m in (m for m in LOW_COMM_JUDGED if m in rel):
         checks = [(f"<= {LOW_COMM_VS_NOCOMM}x no-comm", rel[m] <= LOW_COMM_VS_NOCOMM)]
-        checks.append(
-            (
-                f">= {LOW_COMM_VS_DDP}x faster than DDP",
-                "ddp" in rel and rel["ddp"] / rel[m] >= LOW_COMM_VS_DDP,
-            )
-        )
-        checks += [
-            (f"faster than {p}", rel[m] < rel[p])
-            for p in ("avg~h8", "torchft~h8", "torchft~h8d7")
-            if p in rel
-        ]
+        faster = "ddp" in rel and rel["ddp"] / rel[m] >= LOW_COMM_VS_DDP
+        checks.append((f">= {LOW_COMM_VS_DDP}x faster than DDP", faster))
+        peers = [p for p in ("avg~h8", "torchft~h8", "torchft~h8d7") if p in rel]
+        checks += [(f"faster than {p}", rel[m] < rel[p]) for p in peers]
         verdicts += [{"method": m, "target": name, "met": met} for name, met in checks]
     text = (
         f"{args.nodes} nodes x 1 worker, link {rate} (measured {link:.0f} Mbit/s): one fp32 model exchange "
@@ -353,42 +341,21 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
             entry = {
                 "mean_ms": ms,
                 "relative": ms / mean["nocomm"],
-                "ddp_over": mean["ddp"] / ms if "ddp" in mean else None,
-            }
-            entry |= {
                 "ranks_cpu_fraction": cpu / window / cores,
-                "bytes_sent_per_step": max(run["bytes_sent_per_step"] or [0]),
             }
+            entry["ddp_over"] = mean["ddp"] / ms if "ddp" in mean else None
+            entry["bytes_sent_per_step"] = max(run["bytes_sent_per_step"] or [0])
             entry["machine_cpu_fraction"] = sum(run["measured"].get("busy_s", [[]])[0]) / window / cores
             if "compute_s" in run["measured"]:  # real compute: to calibrate the sleeps
                 for name in ("compute", "forward"):
                     steps = [t for per_rank in run["measured"][f"{name}_s"] for r in per_rank for t in r]
                     entry[f"{name}_ms"] = 1e3 * statistics.fmean(steps)
             summary[prefix + method] = entry
-            rows.append(
-                [
-                    prefix.rstrip("/") or "real compute",
-                    method,
-                    ms,
-                    entry["relative"],
-                    entry["ddp_over"],
-                    f"{100 * entry['ranks_cpu_fraction']:.1f}%",
-                    f"{100 * entry['machine_cpu_fraction']:.1f}%",
-                    entry.get("compute_ms"),
-                    entry.get("forward_ms"),
-                ]
-            )
-    header = [
-        "scenario",
-        "method",
-        "mean ms",
-        "/ nocomm",
-        "DDP / it",
-        "rank CPU",
-        "machine",
-        "compute ms",
-        "forward ms",
-    ]
+            cpu_cells = [f"{100 * entry[k]:.1f}%" for k in ("ranks_cpu_fraction", "machine_cpu_fraction")]
+            row = [prefix.rstrip("/") or "real compute", method, ms, entry["relative"], entry["ddp_over"]]
+            rows.append([*row, *cpu_cells, entry.get("compute_ms"), entry.get("forward_ms")])
+    header = ["scenario", "method", "mean ms", "/ nocomm", "DDP / it", "rank CPU", "machine"]
+    header += ["compute ms", "forward ms"]
     text = (
         f"{args.nodes} nodes x {args.workers_per_node} at {args.bandwidth}: one TCP stream "
         f"{link or math.nan:.1f} "
@@ -399,14 +366,8 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
         "wall); machine: all busy CPU of the machine in the same windows\n\n"
         + markdown_table(header, rows, ".3f")
     )
-    record = {
-        "cores": cores,
-        "link_mbit_s": link,
-        "round_trip_ms": rtt,
-        "wall_s": wall,
-        "machine_busy_s": busy,
-    }
-    return record | {"summary": summary, "runs": runs}, text
+    record = {"cores": cores, "link_mbit_s": link, "round_trip_ms": rtt, "wall_s": wall}
+    return record | {"machine_busy_s": busy, "summary": summary, "runs": runs}, text
 
 
 def report(args: argparse.Namespace) -> tuple[Any, str]:
@@ -536,29 +497,15 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
                 results[name] = ranks
         rows = hsdp_parts.memory_rows(results)
         base = rows.get("whole")
-        table = [
-            [
-                c,
-                r["ranks"],
-                *(r[k] / 1e6 for k in hsdp_parts.HELD_COLUMNS),
-                r["total"] / base["total"] if base else None,
-                r["rss_growth"] / 1e6,
-                r["peak_rss_growth"] / 1e6,
-                r["peak_rss_growth"] / base["peak_rss_growth"] if base else None,
-            ]
-            for c, r in rows.items()
-        ]
-        header = [
-            "config",
-            "ranks",
-            "params",
-            "grads",
-            "opt state",
-            "engine copy",
-            "gossip buf",
-            "tensors",
-            "/ whole",
-        ]
+        table = []
+        for c, r in rows.items():
+            held = [r[k] / 1e6 for k in hsdp_parts.HELD_COLUMNS]
+            tensors, peak = (r[k] / base[k] if base else None for k in ("total", "peak_rss_growth"))
+            table.append(
+                [c, r["ranks"], *held, tensors, r["rss_growth"] / 1e6, r["peak_rss_growth"] / 1e6, peak]
+            )
+        header = ["config", "ranks", "params", "grads", "opt state", "engine copy", "gossip buf", "tensors"]
+        header += ["/ whole", "RSS after", "RSS peak", "/ whole"]
         params = next((r[0]["params"] for r in results.values()), 0)
         text.append(
             f"memory per rank, MB (largest rank; model {params / 1e6:.2f}M params = "
@@ -566,7 +513,7 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
             f"{args.mem_steps} AdamW steps of batch {args.mem_batch}, gloo on loopback; RSS after / "
             "peak: resident "
             f"size after the last step / ru_maxrss over that after a warm-up run of a tiny model)\n\n"
-            + markdown_table([*header, "RSS after", "RSS peak", "/ whole"], table, ".3f")
+            + markdown_table(header, table, ".3f")
         )
         record["memory"] = {"rows": rows, "ranks": results}
     if args.part in ("all", "cluster") and ready_to_emulate():
@@ -585,29 +532,13 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         excess = max(0.0, rows["fsdp"]["median_ms"] - args.compute_ms) if "fsdp" in rows else None  # type: ignore[operator]
         with_fsdp = {} if excess is None else planner_predictions(list(runs), shard, args, excess)
         base = rows.get("torch-hsdp", {}).get("median_ms")
-        table = [
-            [
-                m,
-                r["median_ms"],
-                base / r["median_ms"] if base else None,
-                r["cpu_ms"],
-                r["counted_bytes"] / 1e6,  # type: ignore[operator]
-                None if r["link_bytes"] is None else r["link_bytes"] / 1e6,
-                predicted.get(m),
-                with_fsdp.get(m),
-            ]
-            for m, r in rows.items()
-        ]
-        header = [
-            "method",
-            "median ms",
-            "torch-hsdp / it",
-            "CPU ms",
-            "MB counted",
-            "MB on link",
-            "plan ms",
-            "plan+fsdp ms",
-        ]
+        table = []
+        for m, r in rows.items():
+            link_mb = None if r["link_bytes"] is None else r["link_bytes"] / 1e6
+            times = [r["median_ms"], base / r["median_ms"] if base else None, r["cpu_ms"]]  # type: ignore[operator]
+            table.append([m, *times, r["counted_bytes"] / 1e6, link_mb, predicted.get(m), with_fsdp.get(m)])  # type: ignore[operator]
+        header = ["method", "median ms", "torch-hsdp / it", "CPU ms", "MB counted", "MB on link", "plan ms"]
+        header += ["plan+fsdp ms"]
         per_rank = rate_bits(args.bandwidth) / args.shards / 1e6
         topologies = sorted({m.partition("@")[0] for m in runs if m not in hsdp_parts.PLANNER_NAMES})
         text.append(
