@@ -85,7 +85,10 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
                 continue
             cluster.shape(None if bandwidth == "unlimited" else bandwidth)
             link = measure_link(cluster, args.link_check_mb, port + 1) if args.link_check_mb else None
-            print(f"{bandwidth}: one TCP stream node1->node0 {link or float('nan'):.0f} Mbit/s", flush=True)
+            print(
+                f"{bandwidth}: one TCP stream node1->node0 {link or math.nan:.0f} Mbit/s (nan: not checked)",
+                flush=True,
+            )
             load = os.getloadavg()[0]
             runs = run_workers(cluster, port, min(left, args.run_seconds), args, config(args)) or {}
             results[bandwidth] = {
@@ -225,9 +228,9 @@ def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
         f"{1e3 * exchange_s:.0f} ms = {exchange_s / step_s:.1f}x one step's compute ({1e3 * step_s:.0f} ms "
         f"calibrated; no-comm step in the run {1e3 * runs['nocomm']['mean_s']:.0f} ms)\n\n"
         + markdown_table(["method", "mean ms", "/ nocomm", "DDP / it", "MB sent/step/rank"], rows)
-        + "\n\n"
-        + markdown_table(["method", "target", "met"], [list(v.values()) for v in verdicts])
     )
+    if verdicts:
+        text += "\n\n" + markdown_table(["method", "target", "met"], [list(v.values()) for v in verdicts])
     results = {"rate": rate, "step_s": step_s, "exchange_s": exchange_s, "link_mbit_s": link, "runs": runs}
     return results | {"relative": rel, "verdicts": verdicts}, text
 
