@@ -505,7 +505,7 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
             held = [r[k] / 1e6 for k in hsdp_parts.HELD_COLUMNS]
             tensors, peak = (r[k] / base[k] if base else None for k in ("total", "peak_rss_growth"))
             table.append(
-                [c, r["ranks"], *held, tensors, r["rss_growth"] / 1e6, r["peak_rss_growth"] / 1e6, peak]
+                [c, str(r["ranks"]), *held, tensors, r["rss_growth"] / 1e6, r["peak_rss_growth"] / 1e6, peak]
             )
         header = ["config", "ranks", "params", "grads", "opt state", "engine copy", "gossip buf", "tensors"]
         header += ["/ whole", "RSS after", "RSS peak", "/ whole"]
