@@ -85,10 +85,8 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
                 continue
             cluster.shape(None if bandwidth == "unlimited" else bandwidth)
             link = measure_link(cluster, args.link_check_mb, port + 1) if args.link_check_mb else None
-            print(
-                f"{bandwidth}: one TCP stream node1->node0 {link or math.nan:.0f} Mbit/s (nan: not checked)",
-                flush=True,
-            )
+            checked = f"one TCP stream node1->node0 {link:.0f} Mbit/s" if link else "link not checked"
+            print(f"{bandwidth}: {checked}", flush=True)
             load = os.getloadavg()[0]
             runs = run_workers(cluster, port, min(left, args.run_seconds), args, config(args)) or {}
             results[bandwidth] = {
