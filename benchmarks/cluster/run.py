@@ -124,7 +124,7 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
         "2(n-1)/n gradients; gossip: the engine's bytes_sent_per_step())\n\n"
         + markdown_table(header, rows, ".3f")
     )
-    targets = speed_targets(summary) if "ring" in args.methods else []
+    targets = speed_targets(summary)
     if targets:
         text += "\n\n" + markdown_table(
             ["target", "link", "value", "bound", "met"], [list(t.values()) for t in targets]
