@@ -127,7 +127,8 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
     targets = speed_targets(summary)
     if targets:
         text += "\n\n" + markdown_table(
-            ["target", "link", "value", "bound", "met"], [list(t.values()) for t in targets]
+            ["target", "link", "value", "bound", "met"],
+            [[*list(t.values())[:4], str(t["met"])] for t in targets],
         )
     return {"runs": results, "summary": summary, "targets": targets}, text
 
@@ -228,7 +229,9 @@ def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
         + markdown_table(["method", "mean ms", "/ nocomm", "DDP / it", "MB sent/step/rank"], rows)
     )
     if verdicts:
-        text += "\n\n" + markdown_table(["method", "target", "met"], [list(v.values()) for v in verdicts])
+        text += "\n\n" + markdown_table(
+            ["method", "target", "met"], [[v["method"], v["target"], str(v["met"])] for v in verdicts]
+        )
     results = {"rate": rate, "step_s": step_s, "exchange_s": exchange_s, "link_mbit_s": link, "runs": runs}
     return results | {"relative": rel, "verdicts": verdicts}, text
 
