@@ -1,19 +1,15 @@
-"""The Accelerate benchmarks at a toy size: the loss driver end to end, the cluster's rank on loopback.
-
-``benchmarks/accelerate/accelerate_cluster.py`` builds the emulated cluster (root, namespaces); here
-two of its ranks run on 127.0.0.1, as ``run_workers`` would start them inside the nodes.
-"""
+"""The Accelerate loss benchmark at a toy size, end to end (its step time on the emulated cluster is
+``benchmarks/cluster/run.py accelerate``, tested in ``test_bench_cluster.py``)."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, run_ranks, run_script
+from tests.helpers import ROOT, run_script
 
 pytestmark = pytest.mark.examples
 
@@ -34,23 +30,3 @@ def test_loss_driver_trains_every_kind_of_method(tmp_path: Path) -> None:
         # DDP's replicas are equal, LocalSGD's after its last mean (step 8 of K = 4), gossip's after
         # global_avg: every rank evaluates the same model.
         assert len(set(record["val_loss_all_ranks"])) == 1, (method, record["val_loss_all_ranks"])
-
-
-def test_cluster_rank_times_every_method_on_loopback(tmp_path: Path) -> None:
-    pytest.importorskip("accelerate", reason="the [accelerate] extra is not installed")
-    from benchmarks.harness.common import free_port
-
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    methods = ["nocomm", "ddp", "local-sgd", "gossip-complete", "gossip-ring"]
-    flags = ["--world-size", "2", "--rounds", "1", "--iters", "4", "--warmup", "0", "--every", "2"]
-    flags += ["--inputs", "16", "--width", "16", "--batch", "8", "--methods", *methods]
-    paths = run_ranks(BENCHMARKS / "accelerate_cluster.py", 2, flags, tmp_path, env, deadline_s=240)
-    result = json.loads(paths[0].read_text())
-    assert sorted(result["times"]) == sorted(methods)
-    assert all(len(result["times"][m]) == 4 for m in methods)
-    sent = result["bytes_sent_per_step"]
-    assert sent["nocomm"] == 0
-    # DDP all-reduces one model's gradients a step, LocalSGD one model every K = 2 steps; gossip with
-    # sync_every=2 sends one model every 2 steps in a pair.
-    assert sent["ddp"] == pytest.approx(2 * sent["local-sgd"])
-    assert sent["gossip-ring"] == pytest.approx(sent["gossip-complete"]) and sent["gossip-ring"] > 0

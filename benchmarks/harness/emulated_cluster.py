@@ -3,16 +3,17 @@
 :class:`Cluster` builds ``nodes`` Linux network namespaces (``dow-n0``, ``dow-n1``, ...), each with one
 veth link to a bridge that lives in a namespace of its own (``dow-br``), addresses ``10.213.7.0/24``,
 and removes them on exit, error or Ctrl-C; :meth:`Cluster.shape` sets every link to one rate in both
-directions and :func:`measure_link` checks it with one TCP stream; :func:`measure_message_bytes`
-measures what a small all-reduce costs beyond its payload (the planner's ``Link.message_bytes``).
-:func:`run_workers` starts one process per rank inside its node's namespace (``cluster_worker.py``,
-or a script that takes its flags), waits for them within a deadline and :func:`summarize` pools
-their step times. Building it needs root: :func:`ready_to_emulate` says whether this process can.
+directions (the node-side veth shapes what the node sends, the bridge-side one what it receives) and
+:func:`measure_link` checks it with one TCP stream; :func:`measure_message_bytes` measures what a small
+all-reduce costs beyond its payload (the planner's ``Link.message_bytes``). Ranks of one node talk over
+the node's own address, through loopback: unshaped. :func:`launch` starts one process per rank inside
+its node's namespace (or on loopback without a cluster), :func:`collect` waits for them within a
+deadline and :func:`run_workers` pools their step times (:func:`summarize`). Building it needs root:
+:func:`ready_to_emulate` says whether this process can.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -30,7 +31,8 @@ from typing import Any
 PREFIX = "dow-"
 BRIDGE_NS = f"{PREFIX}br"
 SUBNET = "10.213.7"
-WORKER = Path(__file__).with_name("cluster_worker.py")
+#: The emulated cluster's timed rank (``run_workers``' default).
+WORKER = Path(__file__).parents[1] / "cluster" / "rank.py"
 
 
 def sh(*cmd: str, timeout: float = 20.0) -> str:
@@ -42,7 +44,7 @@ def sh(*cmd: str, timeout: float = 20.0) -> str:
 
 
 def remove_namespaces() -> None:
-    """Delete every namespace this script creates (their veths and qdiscs go with them)."""
+    """Delete every namespace this module creates (their veths and qdiscs go with them)."""
     names = [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
     for name in names:
         if name == BRIDGE_NS or (name.startswith(f"{PREFIX}n") and name[len(PREFIX) + 1 :].isdigit()):
@@ -74,21 +76,32 @@ class Cluster:
             sh("ip", "-n", BRIDGE_NS, "link", "add", "dowbr", "type", "bridge")
             sh("ip", "-n", BRIDGE_NS, "link", "set", "dowbr", "up")
             for node in range(self.nodes):
-                self._add_node(node)
+                ns, dev, peer = self.namespace(node), self.ifname(node), f"dow{node}br"
+                sh("ip", "netns", "add", ns)
+                sh("ip", "-n", ns, "link", "set", "lo", "up")
+                sh(
+                    "ip",
+                    "-n",
+                    ns,
+                    "link",
+                    "add",
+                    dev,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    peer,
+                    "netns",
+                    BRIDGE_NS,
+                )
+                sh("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
+                sh("ip", "-n", ns, "link", "set", dev, "up")
+                sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "dowbr")
+                sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "up")
         except BaseException:
             remove_namespaces()
             raise
         return self
-
-    def _add_node(self, node: int) -> None:
-        ns, dev, peer = self.namespace(node), self.ifname(node), f"dow{node}br"
-        sh("ip", "netns", "add", ns)
-        sh("ip", "-n", ns, "link", "set", "lo", "up")
-        sh("ip", "-n", ns, "link", "add", dev, "type", "veth", "peer", "name", peer, "netns", BRIDGE_NS)
-        sh("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
-        sh("ip", "-n", ns, "link", "set", dev, "up")
-        sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "dowbr")
-        sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "up")
 
     def __exit__(self, *exc: object) -> None:
         remove_namespaces()
@@ -110,23 +123,15 @@ class Cluster:
         seconds of its traffic at the bridge's speed (tbf splits a larger GSO packet itself).
         ``latency``: how long a packet may wait in the bucket's queue before it is dropped (tc's
         ``latency``); at tens of kbit/s 100 ms queue a few KB, less than one start-up burst."""
+        if rate is not None and burst is None:
+            burst = max(64 * 1024, rate_bits(rate) // 8 // 250)
         for node in range(self.nodes):
             for ns, dev in ((self.namespace(node), self.ifname(node)), (BRIDGE_NS, f"dow{node}br")):
-                subprocess.run(
-                    ["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root"],
-                    capture_output=True,
-                    timeout=20,
-                )
+                tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
+                subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True, timeout=20)
                 if rate is not None:
-                    if burst is None:
-                        burst = max(64 * 1024, rate_bits(rate) // 8 // 250)  # 4 ms at the rate, a GSO packet
                     sh(
-                        "ip",
-                        "netns",
-                        "exec",
-                        ns,
-                        "tc",
-                        "qdisc",
+                        *tc,
                         "add",
                         "dev",
                         dev,
@@ -178,19 +183,8 @@ def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float
         text=True,
     )
     try:
-        sh(
-            "ip",
-            "netns",
-            "exec",
-            cluster.namespace(1),
-            sys.executable,
-            "-c",
-            LINK_SENDER,
-            addr,
-            str(port),
-            str(int(megabytes * 10**6)),
-            timeout=timeout_s,
-        )
+        sender = [sys.executable, "-c", LINK_SENDER, addr, str(port), str(int(megabytes * 10**6))]
+        sh("ip", "netns", "exec", cluster.namespace(1), *sender, timeout=timeout_s)
         # The sender returns once its kernel buffers hold the stream: on a slow link most of it is
         # still on its way, so the receiver gets what is left of the whole budget.
         out, _ = receiver.communicate(timeout=max(30.0, deadline - time.monotonic()))
@@ -198,6 +192,39 @@ def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float
     finally:
         if receiver.poll() is None:
             receiver.kill()
+
+
+ECHO_SERVER = """
+import socket, sys
+server = socket.create_server((sys.argv[1], int(sys.argv[2]))); server.settimeout(20)
+conn, _ = server.accept(); conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while data := conn.recv(64):
+    conn.sendall(data)
+"""
+ECHO_CLIENT = """
+import socket, statistics, sys, time
+for _ in range(100):
+    try: conn = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
+    except OSError: time.sleep(0.05)
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); times = []
+for _ in range(50):
+    start = time.perf_counter(); conn.sendall(b"x"); conn.recv(64); times.append(time.perf_counter() - start)
+print(1e3 * statistics.median(times))
+"""
+
+
+def round_trip_ms(cluster: Cluster, port: int) -> float:
+    """Median round trip of a one-byte TCP message node 1 -> node 0 -> node 1 on the idle link, in ms."""
+    addr = cluster.address(0)
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", ECHO_SERVER, addr, str(port)]
+    )
+    try:
+        client = [sys.executable, "-c", ECHO_CLIENT, addr, str(port)]
+        return float(sh("ip", "netns", "exec", cluster.namespace(1), *client, timeout=30))
+    finally:
+        server.kill()
+        server.wait()
 
 
 MESSAGE_PROBE = """
@@ -239,14 +266,14 @@ def measure_message_bytes(
     try:
         for node in (0, 1):
             argv = ["-c", MESSAGE_PROBE, str(node), str(payload_bytes), str(rounds), str(gate)]
-            env = node_env(cluster, node, port)
-            procs.append(start_in_node(cluster, node, argv, env, gate / f"{node}.log"))
+            procs.append(
+                start_in_node(cluster, node, argv, node_env(cluster, node, port), gate / f"{node}.log")
+            )
         deadline = time.monotonic() + timeout_s
 
         def wait_for(*names: str) -> None:
             while not all((gate / name).exists() for name in names):
-                failed = [p for p in procs if p.poll() not in (None, 0)]
-                if failed or time.monotonic() > deadline:
+                if any(p.poll() not in (None, 0) for p in procs) or time.monotonic() > deadline:
                     tail = (gate / "0.log").read_text()[-800:]
                     raise RuntimeError(f"the message probe failed or timed out; node 0's log:\n{tail}")
                 time.sleep(0.05)
@@ -264,37 +291,17 @@ def measure_message_bytes(
     return max(0.0, (wire * goodput_fraction - payload_bytes) / 2)
 
 
-def worker_command(
-    cluster: Cluster,
-    rank: int,
-    outdir: Path,
-    args: argparse.Namespace,
-    extra: Sequence[str] = (),
-    worker: Path = WORKER,
-) -> list[str]:
-    """``ip netns exec <node> python <worker> ...`` for ``rank``, ``extra`` flags appended.
-
-    ``worker``: a script that takes ``cluster_worker.py``'s flags (default: ``cluster_worker.py``).
-    """
-    options = {
-        "--rank": rank,
-        "--world-size": args.nodes * args.workers_per_node,
-        "--local-world-size": args.workers_per_node,
-        "--rounds": args.rounds,
-        "--batch": args.batch,
-        "--iters": args.iters,
-        "--warmup": args.warmup,
-        "--out": outdir / f"rank{rank}.json",
-    }
-    node = cluster.namespace(rank // args.workers_per_node)
-    flags = [str(item) for pair in options.items() for item in pair]
-    command = ["ip", "netns", "exec", node, sys.executable, str(worker), *flags]
-    return [*command, "--methods", *args.methods, *extra]
-
-
-def node_env(cluster: Cluster, node: int, port: int) -> dict[str, str]:
+def node_env(cluster: Cluster | None, node: int, port: int) -> dict[str, str]:
     """The environment of a process on ``node``: rank 0's address and ``port`` to meet at, this node's
-    interface and address (``NODE_ADDR``), one thread."""
+    interface and address (``NODE_ADDR``), one thread; without a cluster, loopback."""
+    if cluster is None:
+        return dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            NODE_ADDR="127.0.0.1",
+            OMP_NUM_THREADS="1",
+        )
     return dict(
         os.environ,
         MASTER_ADDR=cluster.address(0),
@@ -305,38 +312,22 @@ def node_env(cluster: Cluster, node: int, port: int) -> dict[str, str]:
     )
 
 
-def start_in_node(cluster: Cluster, node: int, argv: Sequence[str], env: dict[str, str], log: Path) -> Any:
-    """Start ``python argv...`` inside ``node``'s namespace, in a session of its own (``stop`` kills
-    the session), its output to ``log``."""
-    command = ["ip", "netns", "exec", cluster.namespace(node), sys.executable, *argv]
+def start_in_node(
+    cluster: Cluster | None, node: int, argv: Sequence[str], env: dict[str, str], log: Path
+) -> Any:
+    """Start ``python argv...`` inside ``node``'s namespace (without a cluster: here), in a session of
+    its own (``stop`` kills the session), its output to ``log``."""
+    command = [sys.executable, *argv]
+    if cluster is not None:
+        command = ["ip", "netns", "exec", cluster.namespace(node), *command]
     with open(log, "w") as out:  # the child keeps its own descriptor
         return subprocess.Popen(
             command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
 
 
-def start_workers(
-    cluster: Cluster,
-    port: int,
-    outdir: Path,
-    args: argparse.Namespace,
-    extra: Sequence[str] = (),
-    worker: Path = WORKER,
-) -> list:
-    """One process per rank, each in its node's namespace, in its own session (killed as a group)."""
-    procs = []
-    for rank in range(args.nodes * args.workers_per_node):
-        env = node_env(cluster, rank // args.workers_per_node, port)
-        with open(outdir / f"rank{rank}.log", "w") as log:  # the child keeps its own descriptor
-            cmd = worker_command(cluster, rank, outdir, args, extra, worker)
-            procs.append(
-                subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            )
-    return procs
-
-
 def stop(procs: list) -> None:
-    """Kill the worker sessions this script started (by process group id)."""
+    """Kill the worker sessions this process started (by process group id)."""
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
@@ -344,25 +335,33 @@ def stop(procs: list) -> None:
         proc.wait()
 
 
-def run_workers(
-    cluster: Cluster,
+def launch(
+    cluster: Cluster | None,
     port: int,
-    seconds: float,
-    args: argparse.Namespace,
+    ranks: int,
+    per_node: int,
+    outdir: Path,
     extra: Sequence[str] = (),
-    keys: Sequence[str] | None = None,
     worker: Path = WORKER,
-) -> dict | None:
-    """All methods, ``--rounds`` times, on every rank; per-method times of all ranks, or None on failure.
+    env: dict[str, str] | None = None,
+) -> list:
+    """``ranks`` processes of ``worker --rank R --world-size N --local-world-size L --out DIR/rankR.json
+    *extra``, ``per_node`` to a node, each in its node's namespace (``env``: more variables)."""
+    procs = []
+    for rank in range(ranks):
+        flags = ["--rank", rank, "--world-size", ranks, "--local-world-size", per_node]
+        argv = [str(worker), *map(str, flags), "--out", str(outdir / f"rank{rank}.json"), *extra]
+        node_vars = node_env(cluster, rank // per_node, port) | (env or {})
+        procs.append(start_in_node(cluster, rank // per_node, argv, node_vars, outdir / f"rank{rank}.log"))
+    return procs
 
-    ``extra``: more worker flags; ``keys``: the worker's result keys (default: the methods; with
-    ``--scenarios``, ``scenario/method``); ``worker``: the script each rank runs. At the deadline the
-    workers are killed and the rounds that every rank finished are kept.
-    """
-    outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
-    procs = start_workers(cluster, port, outdir, args, extra, worker)
+
+def collect(procs: list, outdir: Path, seconds: float) -> list[dict[str, Any]] | None:
+    """Wait for ``procs`` up to ``seconds`` (stop at the first failure), kill what is left; every rank's
+    JSON, or None (the tail of a failed rank's log printed). A rank killed at the deadline keeps
+    what it wrote last (its rounds so far)."""
+    deadline = time.monotonic() + seconds
     try:
-        deadline = time.monotonic() + seconds
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs):
                 break
@@ -374,17 +373,39 @@ def run_workers(
         if failed or not all(path.exists() for path in written):
             status = f"timed out after {seconds:.0f} s before a round ended" if timed_out else "failed"
             rank = failed[0] if failed else 0
-            tail = (outdir / f"rank{rank}.log").read_text()[-800:]
+            tail = (outdir / f"rank{rank}.log").read_text()[-1500:]
             print(f"  rank(s) {failed or 'all'} {status}; rank {rank} log tail:\n{tail}", flush=True)
             return None
-        ranks = [json.loads(path.read_text()) for path in written]
+        return [json.loads(path.read_text()) for path in written]
     finally:
         stop(procs)
+
+
+def run_workers(
+    cluster: Cluster,
+    port: int,
+    seconds: float,
+    args: Any,
+    extra: Sequence[str] = (),
+    keys: Sequence[str] | None = None,
+    worker: Path = WORKER,
+) -> dict | None:
+    """``args.nodes * args.workers_per_node`` ranks of ``worker``; per result key (default: the
+    methods) the summary over all ranks of the rounds every rank finished, or None on failure."""
+    outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
+    try:
+        procs = launch(
+            cluster, port, args.nodes * args.workers_per_node, args.workers_per_node, outdir, extra, worker
+        )
+        ranks = collect(procs, outdir, seconds)
+    finally:
         shutil.rmtree(outdir, ignore_errors=True)
+    if ranks is None:
+        return None
     rounds = min(len(r["round_medians"]) for r in ranks)
     if rounds < args.rounds:
         print(
-            f"  timed out after {seconds:.0f} s: keeping the {rounds} of {args.rounds} rounds that every "
+            f"  timed out after {seconds:.0f} s: keeping the {rounds} of {args.rounds} rounds every "
             "rank finished"
         )
     return {key: summarize(key, ranks, rounds, args.iters) for key in keys or args.methods}

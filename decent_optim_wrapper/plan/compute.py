@@ -1,7 +1,7 @@
 """Per-rank, per-step compute times: constant, heavy-tailed jitter with the same mean, a slow rank, or
 ranks of given speeds (an uneven fleet).
 
-The same draws serve the emulated cluster (``benchmarks/harness/cluster_worker.py`` sleeps them) and the
+The same draws serve the emulated cluster (``benchmarks/cluster/rank.py`` sleeps them) and the
 simulator (:mod:`.simulator`), so a simulated run can replay a measured one draw for draw: rank ``r``'s
 draws come from a generator seeded with ``(seed, r)`` alone, whatever the world size.
 """

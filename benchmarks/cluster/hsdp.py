@@ -1,0 +1,257 @@
+"""Decentralized HSDP against whole replicas and torch's HSDP: the ranks' methods and memory counts.
+
+Decentralized HSDP shards each replica over the ranks of a node with FSDP2's ``fully_shard`` (mesh
+dimension ``"shard"``) and gossips every shard with the ranks holding the same shard in the other
+replicas (``DecentOptimWrapper(..., device_mesh=mesh["replicate"])``); torch's HSDP (``fully_shard``
+over the 2-D mesh) all-reduces each gradient shard across the replicas in every backward.
+
+* Cluster (``rank.py``'s timed mode with ``shards``): ``fsdp`` (sharded inside the node, replicas never
+  talk: the floor), ``torch-hsdp``, and gossip HSDP ``topology[@compression]``. Beside the bytes each
+  method counts per step over the slow link (gossip: the engine's; torch's HSDP: a ring all-reduce of
+  the rank's fp32 gradient shard among the R replicas) it reads what the node's veth carried.
+* Memory (``rank.py``'s memory mode, on loopback): ``whole`` (gossip, no mesh), ``gossip-hsdp`` and
+  ``torch-hsdp``, ``@bf16`` after a gossip one. Reported per rank: the tensors held after a step,
+  counted from the objects (parameter storages, gradients, optimizer state, the engine's bucket
+  copies not already counted, the gossip buffers its ``state_dict()`` shows), and the resident size's
+  growth after the last step and at peak over that after a warm-up run of a tiny model. RSS follows
+  the tensors only because the driver makes glibc map every allocation of 128 KiB or more on its own
+  (``MALLOC_MMAP_THRESHOLD_``) and so give it back when freed.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import os
+import resource
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from benchmarks.harness.cluster_worker import COLLECTIVE_TIMEOUT, write_atomically
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.methods import parse_method
+from decent_optim_wrapper import DecentOptimWrapper
+
+MEMORY_KINDS = ("whole", "gossip-hsdp", "torch-hsdp")
+SHARDED_BASELINES = ("fsdp", "torch-hsdp")
+HELD_COLUMNS = ("params", "grads", "optimizer_state", "engine_copy", "gossip_buffers", "total")
+MMAP_THRESHOLD = 128 * 1024
+#: The planner's names for the methods that are not gossip.
+PLANNER_NAMES = {"torch-hsdp": "ddp", "fsdp": "nocomm"}
+
+
+@functools.cache
+def hsdp_mesh(replicas: int, shards: int) -> DeviceMesh:
+    """The (replicate, shard) mesh, built once per process: every build creates new process groups."""
+    return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """FSDP2 over ``mesh``: every Linear its own unit (gathered only while it runs), then the root."""
+    for layer in [m for m in model.modules() if isinstance(m, nn.Linear)]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def shard_bytes(model: nn.Module) -> int:
+    return sum(local(p).numel() * local(p).element_size() for p in model.parameters())
+
+
+def gossip_optimizer(model: nn.Module, method: str, mesh: DeviceMesh | None) -> DecentOptimWrapper:
+    spec = parse_method(method)
+    if spec.module or spec.topology is None:
+        raise ValueError(f"method {method!r}: HSDP gossip is topology[@compression] (no -module)")
+    options: dict[str, Any] = {"compression": spec.compression} if spec.compression else {}
+    if mesh is not None:
+        options["device_mesh"] = mesh["replicate"]
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return DecentOptimWrapper(adamw, topology=spec.topology, timeout=COLLECTIVE_TIMEOUT, **options)
+
+
+def link_tx_bytes() -> int | None:
+    """Bytes this node has sent over its link (``ip netns exec`` mounts the namespace's /sys)."""
+    path = Path(f"/sys/class/net/{os.environ.get('GLOO_SOCKET_IFNAME')}/statistics/tx_bytes")
+    return int(path.read_text()) if "GLOO_SOCKET_IFNAME" in os.environ and path.exists() else None
+
+
+def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Callable[[], Any]]:
+    """``model`` sharded (or not) for ``method``, its optimizer, and what it sent per step.
+
+    ``sent()``: ``counted`` over the inter-node link per step and rank (0 for fsdp and nocomm),
+    ``shard_bytes``, and ``link_tx_per_step``, the node's veth ``tx_bytes`` over all the segment's
+    steps (warm-up included, so a compressed group's exact first round; TCP/IP headers included).
+    """
+    shards = cfg.local_world_size
+    replicas = cfg.world_size // shards
+    mesh = hsdp_mesh(replicas, shards)
+    if method == "nocomm":
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    elif method in SHARDED_BASELINES:
+        shard_model(model, mesh if method == "torch-hsdp" else mesh["shard"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    else:
+        optimizer = gossip_optimizer(shard_model(model, mesh["shard"]), method, mesh)
+    start, steps = link_tx_bytes(), cfg.warmup + cfg.iters
+
+    def sent() -> dict[str, float | None]:
+        own = shard_bytes(model)
+        if method == "torch-hsdp":
+            counted = own * 2 * (replicas - 1) / replicas
+        else:
+            counted = float(optimizer.engine.bytes_sent_per_step()) if hasattr(optimizer, "engine") else 0.0
+        end = link_tx_bytes()
+        link = None if start is None or end is None else (end - start) / steps
+        return {"counted": counted, "shard_bytes": float(own), "link_tx_per_step": link}
+
+    return model, optimizer, sent
+
+
+# -- memory ---------------------------------------------------------------------------------------
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
+    """Bytes of the storages under ``tensors`` not in ``seen`` (which they join): a view counts once."""
+    total = 0
+    for tensor in tensors:
+        if isinstance(tensor, torch.Tensor):
+            storage = local(tensor).untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
+def gossip_buffer_tensors(optimizer: Any) -> list[torch.Tensor]:
+    """The engine's gossip buffers as its public ``state_dict()`` shows them: the received sums of the
+    round in flight, with compression the gathered payloads and the references."""
+    if not isinstance(optimizer, DecentOptimWrapper):
+        return []
+    gossip = optimizer.engine.state_dict()["gossip"] or {}
+    tensors = [t for t in gossip.get("buffers", []) + gossip.get("gathered", []) if t is not None]
+    for entry in gossip.get("references", []):
+        tensors += [t for t in entry["tensors"] if t is not None]
+    return tensors
+
+
+def held_tensor_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
+    """Bytes of the tensors this rank holds, by kind, each storage counted once (first kind wins):
+    whole replicas' parameters are views of the buckets, FSDP2's shards are copied into them."""
+    seen: set[int] = set()
+    params = list(model.parameters())
+    held = {
+        "params": storage_bytes(params, seen),
+        "grads": storage_bytes((p.grad for p in params), seen),
+        "optimizer_state": storage_bytes((v for s in optimizer.state.values() for v in s.values()), seen),
+    }
+    engine = optimizer.engine if isinstance(optimizer, DecentOptimWrapper) else None
+    held["engine_copy"] = storage_bytes((b.data for b in engine.buckets), seen) if engine else 0
+    held["gossip_buffers"] = sum(t.numel() * t.element_size() for t in gossip_buffer_tensors(optimizer))
+    held["total"] = sum(held.values())
+    return held
+
+
+def train(cfg: Any, width: int, steps: int) -> tuple[nn.Module, Any]:
+    """``steps`` AdamW steps of the MLP of ``width`` in configuration ``cfg.config``."""
+    kind, _, compression = cfg.config.partition("@")
+    torch.manual_seed(0)
+    model = build_mlp(cfg.mem_inputs, width, cfg.mem_depth, 10)
+    mesh = None if kind == "whole" else hsdp_mesh(cfg.world_size // cfg.shards, cfg.shards)
+    if kind == "torch-hsdp":
+        optimizer: Any = torch.optim.AdamW(shard_model(model, mesh).parameters(), lr=1e-3)
+    else:
+        if mesh is not None:
+            shard_model(model, mesh["shard"])
+        method = cfg.topology + (f"@{compression}" if compression else "")
+        optimizer = gossip_optimizer(model, method, mesh)
+    generator = torch.Generator().manual_seed(dist.get_rank())
+    x = torch.randn(cfg.mem_batch, cfg.mem_inputs, generator=generator)
+    y = torch.randint(0, 10, (cfg.mem_batch,), generator=generator)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memory_rank(cfg: Any) -> None:
+    """Train ``mem_steps`` steps of ``config``; write what this rank held."""
+    # A tiny model first: lazy imports, autograd's and gloo's threads and the mesh's groups then exist
+    # before the baseline, not in the growth.
+    train(cfg, width=8, steps=2)
+    gc.collect()
+    baseline = rss_bytes()
+    model, optimizer = train(cfg, cfg.mem_width, cfg.mem_steps)
+    steady = rss_bytes()  # before held_tensor_bytes, whose copies would count
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result = {
+        "config": cfg.config,
+        "rank": dist.get_rank(),
+        "params": sum(p.numel() for p in model.parameters()),
+        "held": held_tensor_bytes(model, optimizer),
+        "rss_growth": steady - baseline,
+        "peak_rss_growth": peak - baseline,
+    }
+    dist.barrier()
+    write_atomically(cfg.out, result)
+
+
+def memory_world_size(config: str, replicas: int, shards: int) -> int:
+    """Ranks of a memory configuration: one per whole replica, or replicas x shards."""
+    return replicas if config.startswith("whole") else replicas * shards
+
+
+def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
+    """Per configuration: the largest rank's bytes of each kind, its RSS growth after a step and at peak."""
+    rows = {}
+    for config, ranks in results.items():
+        row: dict[str, float] = {kind: max(r["held"][kind] for r in ranks) for kind in HELD_COLUMNS}
+        row["rss_growth"] = max(r["rss_growth"] for r in ranks)
+        row["peak_rss_growth"] = max(r["peak_rss_growth"] for r in ranks)
+        row["ranks"] = len(ranks)
+        rows[config] = row
+    return rows
+
+
+def cluster_rows(runs: dict[str, Any], shards: int, iters: int) -> dict[str, dict[str, float | None]]:
+    """Per method: step times (ms), CPU per step, and per step and rank the bytes on the slow link.
+
+    Both ranks of a node read the node's counter a moment apart: a node's bytes are the mean of its
+    ranks' readings, a rank's the node's over ``shards``; ``link_bytes`` is the mean over the nodes
+    (node 0 also carries the rendezvous store's traffic), ``link_bytes_max`` the busiest node's.
+    """
+    rows: dict[str, dict[str, float | None]] = {}
+    for method, run in runs.items():
+        sent = run["bytes_sent_per_step"]  # one dict per rank, in rank order
+        readings = [s["link_tx_per_step"] for s in sent]
+        nodes = None
+        if None not in readings:
+            nodes = [sum(readings[i : i + shards]) / shards / shards for i in range(0, len(readings), shards)]
+        windows = [seconds for rank in run["measured"].get("cpu_s", []) for seconds in rank]
+        rows[method] = {
+            "median_ms": 1e3 * run["median_s"],
+            "mean_ms": 1e3 * run["mean_s"],
+            "cpu_ms": 1e3 * sum(windows) / len(windows) / iters if windows else None,
+            "counted_bytes": max(s["counted"] for s in sent),
+            "link_bytes": None if nodes is None else sum(nodes) / len(nodes),
+            "link_bytes_max": None if nodes is None else max(nodes),
+            "shard_bytes": max(s["shard_bytes"] for s in sent),
+        }
+    return rows

@@ -1,0 +1,354 @@
+"""The ``report`` question: tables of the ``scaling`` runs, the simulator replayed on each, predictions.
+
+Reads every ``emulated-*.json`` (and ``real-*.json``) in ``--results``, then: one table per scenario
+and ranks per node, each method's mean iteration time and its ratio to no communication against the
+number of nodes, beside the simulator's error; the simulator (``decent_optim_wrapper.plan``) replays
+every measured run (the same compute-time draws, the link rate and round trip measured before the
+run, the bytes from the engine's rule, per-step CPU work taken from the same run's no-communication
+time, the link sharing ``link_sharing`` measured); the figure (measured as markers, simulated as lines)
+to ``--figure``; predictions for 32 to 1024 nodes of a 125M- and a 1B-parameter model on a datacentre
+and an internet link; the ranks' CPU; real against emulated compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from benchmarks.harness.report import markdown_table
+from decent_optim_wrapper import GossipCompression
+from decent_optim_wrapper.plan import (
+    ComputeTimes,
+    Link,
+    Network,
+    NoComm,
+    SharingModel,
+    allreduce_scheme,
+    gossip_scheme,
+    predict,
+    simulate,
+)
+from decent_optim_wrapper.topo import TopologyFactory
+
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "scaling"
+#: Ranks of one node talk through the kernel's loopback: a fast link next to the shaped ones.
+LOOPBACK = Link(10e9, 20e-6)
+#: How two exchanges that overlap share a shaped link of the emulated cluster: the best fit of
+#: ``link_sharing`` to its measurement (``results/scaling/link-sharing.json``). TCP behind tbf's
+#: FIFO favours the exchange already running; exchanges that start together race, and the stream
+#: that lost a race backs off rather than taking up at once what a neighbour leaves (no reclaim).
+EMULATED_SHARING = SharingModel(doubling_s=0.1, head_start_s=0.15, reclaim=False)
+#: Draws of the race (head starts) each round is replayed with. Which exchange wins a race is not
+#: recorded, and under constant compute it decides whether a node's two ranks stay aligned or part
+#: for the rest of the round, so a replay predicts the mean over draws, not one arbitrary draw.
+RACE_DRAWS = 64
+#: Prediction grid: fp32 models, compute per step on one accelerator, and two kinds of link.
+MODELS = {"125M": (125e6 * 4, 0.10), "1B": (1e9 * 4, 0.80)}
+LINKS = {"datacentre": Link(25e9, 10e-6), "internet": Link(1e9, 50e-3)}
+NODES = (32, 64, 256, 1024)
+TITLES = {
+    "none": "constant compute",
+    "lognormal": "transient jitter (log-normal)",
+    "straggler": "one rank 1.5x slower",
+}
+
+
+def load(folder: Path, kind: str) -> list[dict[str, Any]]:
+    """The runs of ``kind`` in ``folder``; a file ``run.py`` wrote keeps them under ``results``."""
+    records = []
+    for path in sorted(folder.glob(f"{kind}-*.json")):
+        record = json.loads(path.read_text())
+        records.append({**record.pop("results", {}), **record})
+    return sorted(records, key=lambda r: (r["args"]["workers_per_node"], r["args"]["nodes"]))
+
+
+def measured_ms(record: dict[str, Any], key: str) -> float | None:
+    run = record["runs"].get(key)
+    return 1e3 * statistics.fmean(run["rank_means_s"]) if run else None
+
+
+def scheme_for(method: str, ranks: int, local: int, numel: int, network: Network, overhead_s: float) -> Any:
+    """The simulator's scheme of a benchmark method (nocomm, ddp, ddp-bf16, topology[@compression])."""
+    if method == "nocomm":
+        return NoComm(ranks, overhead_s)
+    if method in ("ddp", "ddp-bf16"):
+        wire = 0.5 if method == "ddp-bf16" else 1.0
+        return allreduce_scheme(
+            ranks, network, model_bytes=4 * numel, overhead_s=overhead_s, wire_fraction=wire
+        )
+    name, _, wire_format = method.partition("@")
+    topology = TopologyFactory.create(name, ranks, local)
+    compression = GossipCompression(wire_format) if wire_format else None
+    return gossip_scheme(topology, numel, network, compression, overhead_s)
+
+
+def compute_times(args: dict[str, Any], scenario: str, round_: int) -> ComputeTimes:
+    return ComputeTimes(
+        args["compute_ms"] / 1e3,
+        scenario,
+        args["sigma"],
+        slow_factor=args["slow_factor"],
+        seed=args["seed"] + round_,
+    )
+
+
+def overhead_s(record: dict[str, Any], scenario: str) -> float:
+    """Measured no-communication step minus the mean drawn compute of its timed steps."""
+    args = record["args"]
+    ranks = args["nodes"] * args["workers_per_node"]
+    rounds = len(record["runs"][f"{scenario}/nocomm"]["round_medians_s"])
+    drawn = [
+        t
+        for r in range(rounds)
+        for rank in range(ranks)
+        for t in compute_times(args, scenario, r).draws(rank, args["warmup"] + args["iters"])[
+            args["warmup"] :
+        ]
+    ]
+    return measured_ms(record, f"{scenario}/nocomm") / 1e3 - statistics.fmean(drawn)  # type: ignore[operator]
+
+
+def replay(record: dict[str, Any], scenario: str, method: str) -> float:
+    """Simulated mean iteration time (ms) of one measured run: same draws, rounds, warm-up and barrier;
+    each round the mean over ``RACE_DRAWS`` draws of the head starts."""
+    args = record["args"]
+    ranks, local = args["nodes"] * args["workers_per_node"], args["workers_per_node"]
+    link = Link(record["link_mbit_s"] * 1e6, record["round_trip_ms"] / 2e3)
+    numel = record["runs"][f"{scenario}/nocomm"]["params"]
+    rounds = len(record["runs"][f"{scenario}/{method}"]["round_medians_s"])
+    steps = args["warmup"] + args["iters"]
+    # Per-step CPU work besides the waits (the optimizer step, Python, sleeps' overshoot): what the
+    # same run's no-communication steps took beyond their drawn compute, without jitter.
+    overhead = overhead_s(record, "none")
+    times = []
+    for r in range(rounds):
+        compute = compute_times(args, scenario, r)
+        for draw in range(RACE_DRAWS):
+            sharing = dataclasses.replace(EMULATED_SHARING, seed=(args["seed"] + r) * RACE_DRAWS + draw)
+            scheme = scheme_for(
+                method, ranks, local, numel, Network(link, LOOPBACK, local, sharing=sharing), overhead
+            )
+            times.append(
+                simulate(scheme, compute, steps, barrier_at=args["warmup"]).iteration_s(args["warmup"])
+            )
+    return 1e3 * statistics.fmean(times)
+
+
+def validate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Predicted vs measured for every run, scenario and method."""
+    rows = []
+    for record in records:
+        args = record["args"]
+        for scenario in args["scenarios"]:
+            for method in args["methods"]:
+                ms = measured_ms(record, f"{scenario}/{method}")
+                if ms is not None:
+                    predicted = replay(record, scenario, method)
+                    where = {"nodes": args["nodes"], "workers_per_node": args["workers_per_node"]}
+                    rows.append(
+                        where
+                        | {"scenario": scenario, "method": method, "measured_ms": ms}
+                        | {"predicted_ms": predicted, "error": predicted / ms - 1}
+                    )
+    return rows
+
+
+def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path) -> None:
+    """Time per iteration / no communication against nodes: one panel per scenario (1 rank per node)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    single = [r for r in records if r["args"]["workers_per_node"] == 1]
+    scenarios = list(dict.fromkeys(s for r in single for s in r["args"]["scenarios"]))
+    methods = [m for m in dict.fromkeys(m for r in single for m in r["args"]["methods"]) if m != "nocomm"]
+    predicted = {
+        (r["nodes"], r["scenario"], r["method"]): r["predicted_ms"]
+        for r in rows
+        if r["workers_per_node"] == 1
+    }
+    fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8), sharey=True)
+    for ax, scenario in zip(axes, scenarios, strict=True):
+        for index, method in enumerate(methods):
+            nodes, measured, simulated = [], [], []
+            for record in single:
+                ms, base = (
+                    measured_ms(record, f"{scenario}/{method}"),
+                    measured_ms(record, f"{scenario}/nocomm"),
+                )
+                if ms and base:
+                    n = record["args"]["nodes"]
+                    nodes.append(n)
+                    measured.append(ms / base)
+                    simulated.append(predicted[(n, scenario, method)] / base)
+            ax.plot(nodes, measured, "o-", color=f"C{index}", label=method)
+            ax.plot(nodes, simulated, "x--", color=f"C{index}", alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([r["args"]["nodes"] for r in single], [str(r["args"]["nodes"]) for r in single])
+        ax.set_title(TITLES.get(scenario, scenario))
+        ax.set_xlabel("nodes (1 rank each)")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("time per iteration / no communication")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(
+        "Emulated cluster, 20 Mbit/s links, exchange ~ compute: measured (o) and simulated (x)", fontsize=10
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def predictions(sigma: float) -> list[dict[str, Any]]:
+    """DDP and per-step gossip at scale, from the simulator alone (log-normal jitter ``sigma``)."""
+    out = []
+    for model, (model_bytes, compute_s) in MODELS.items():
+        for link_name, link in LINKS.items():
+            for nodes in NODES:
+                compute = ComputeTimes(compute_s, "lognormal", sigma)
+                found = predict(
+                    model_bytes,
+                    compute,
+                    Network(link),
+                    nodes,
+                    ["ring", "one-peer-exp"],
+                    compressions=("bf16",),
+                    steps=30,
+                )
+                ms = {p.method: 1e3 * p.step_s for p in found}
+                # DDP with a tree all-reduce's latency (2 log2 N messages, as NCCL does at scale)
+                tree = Network(link, tree_latency=True)
+                ms["ddp-tree"] = 1e3 * predict(model_bytes, compute, tree, nodes, [], ())[1].step_s
+                out.append({"model": model, "link": link_name, "nodes": nodes, "ms": ms})
+    return out
+
+
+def markdown(
+    records: list[dict[str, Any]], rows: list[dict[str, Any]], predicted: list[dict[str, Any]]
+) -> str:
+    """The tables of docs/scaling.md: measured per scenario, simulator errors, predictions."""
+    out = []
+    errors = {(r["nodes"], r["workers_per_node"], r["scenario"], r["method"]): r["error"] for r in rows}
+    for local in sorted({r["args"]["workers_per_node"] for r in records}):
+        group = [r for r in records if r["args"]["workers_per_node"] == local]
+        cols = [r["args"]["nodes"] for r in group]
+        for scenario in dict.fromkeys(s for r in group for s in r["args"]["scenarios"]):
+            out.append(
+                f"\n**{scenario}**, {local} rank(s) per node: ms per iteration (x no-communication) "
+                "[simulator error]\n"
+            )
+            out.append("| method | " + " | ".join(f"{n} nodes" for n in cols) + " |")
+            out.append("|---" * (len(cols) + 1) + "|")
+            for method in dict.fromkeys(m for r in group for m in r["args"]["methods"]):
+                cells = []
+                for record in group:
+                    ms = measured_ms(record, f"{scenario}/{method}")
+                    base = measured_ms(record, f"{scenario}/nocomm")
+                    err = errors.get((record["args"]["nodes"], local, scenario, method))
+                    ok = ms and base and err is not None
+                    cells.append(f"{ms:.0f} ({ms / base:.2f}x) [{100 * err:+.0f}%]" if ok else "-")  # type: ignore[operator]
+                out.append(f"| {method} | " + " | ".join(cells) + " |")
+    columns = ["model", "link", "nodes", "no comm", "DDP (ring)", "DDP (tree latency)", "ddp-bf16", "ring"]
+    columns += ["one-peer-exp", "ring@bf16", "DDP / one-peer-exp"]
+    out.append("\n| " + " | ".join(columns) + " |")
+    out.append("|---" * 11 + "|")
+    for row in predicted:
+        ms = row["ms"]
+        cells = [
+            ms[k] for k in ("nocomm", "ddp", "ddp-tree", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16")
+        ]
+        out.append(
+            f"| {row['model']} | {row['link']} | {row['nodes']} | "
+            + " | ".join(f"{c:,.0f}" for c in cells)
+            + f" | {ms['ddp'] / ms['one-peer-exp']:.2f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
+    """Per run: each rank's own CPU per step (ms) and the machine's busy share, per method."""
+    out = [
+        "\n| nodes x ranks | method | CPU per rank and step (ms) | ranks' CPU / cores | machine busy |",
+        "|---|---|---|---|---|",
+    ]
+    for record in records:
+        args = record["args"]
+        for method in args["methods"]:
+            run = record["runs"].get(f"{scenario}/{method}")
+            if run:
+                steps = len(run["round_medians_s"]) * args["iters"]
+                cpu = sum(sum(per_rank) for per_rank in run["measured"]["cpu_s"])
+                summary = record["summary"][f"{scenario}/{method}"]
+                out.append(
+                    f"| {args['nodes']} x {args['workers_per_node']} | {method} | "
+                    f"{1e3 * cpu / len(run['rank_means_s']) / steps:.1f} | "
+                    f"{100 * summary['ranks_cpu_fraction']:.0f}% | "
+                    f"{100 * summary['machine_cpu_fraction']:.0f}% |"
+                )
+    return "\n".join(out) + "\n"
+
+
+def calibration(folder: Path) -> str:
+    """Real compute vs emulated compute (constant) at the same cluster size, per method: the emulated
+    run is ``calibration-emulated-NxL.json`` where there is one (waits as long as the real run's
+    forward and backward, measured right after it), else the scaling run."""
+    out = [
+        "\n| nodes | method | real compute (ms) | emulated compute (ms) | emulated / real - 1 |",
+        "|---|---|---|---|---|",
+    ]
+    for real in load(folder, "real"):
+        args = real["args"]
+        size = f"{args['nodes']}x{args['workers_per_node']}"
+        found = [
+            folder / n
+            for n in (f"calibration-emulated-{size}.json", f"emulated-{size}.json")
+            if (folder / n).exists()
+        ]
+        if found:
+            emulated = json.loads(found[0].read_text())
+            emulated = {**emulated.pop("results", {}), **emulated}
+            for method in args["methods"]:
+                a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
+                if a and b:
+                    out.append(
+                        f"| {args['nodes']} | {method} | {a:.1f} | {b:.1f} | {100 * (b / a - 1):+.1f}% |"
+                    )
+    return "\n".join(out) + "\n"
+
+
+def report(folder: Path, figure_path: Path, sigma: float) -> tuple[dict[str, Any], str]:
+    """Everything above: the results (validation rows, predictions) and the tables' text."""
+    records = load(folder, "emulated")
+    rows = validate(records)
+    figure(records, rows, figure_path)
+    predicted = predictions(sigma)
+    text = markdown(records, rows, predicted) + cpu_table(records) + calibration(folder)
+    lines = []
+    for local in sorted({r["workers_per_node"] for r in rows}):
+        group = [r for r in rows if r["workers_per_node"] == local]
+        worst = max(group, key=lambda r: abs(r["error"]))
+        mean = statistics.fmean(abs(r["error"]) for r in group)
+        lines.append(
+            f"{local} rank(s) per node: worst simulator error {100 * worst['error']:+.1f}% "
+            f"({worst['method']}, "
+            f"{worst['scenario']}, {worst['nodes']} nodes); mean |error| {100 * mean:.1f}% over "
+            f"{len(group)} runs"
+        )
+    table = markdown_table(
+        ["nodes x L", "scenario", "method", "measured ms", "predicted ms", "error"],
+        [
+            [
+                f"{r['nodes']} x {r['workers_per_node']}",
+                r["scenario"],
+                r["method"],
+                r["measured_ms"],
+                r["predicted_ms"],
+                f"{100 * r['error']:+.1f}%",
+            ]
+            for r in rows
+        ],
+        ".1f",
+    )
+    return {"validation": rows, "predictions": predicted}, text + "\n" + table + "\n\n" + "\n".join(lines)
