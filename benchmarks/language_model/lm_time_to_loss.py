@@ -2,7 +2,7 @@
 
     uv run benchmarks/language_model/lm_time_to_loss.py benchmarks/results/adam/lm-iid-{2,4,8,16}.json
 
-Reads ``lm_convergence.py`` results run with ``--eval-every`` (files with the same DDP result, as
+Reads the convergence driver's ``lm`` results run with ``--eval-every`` (files with the same DDP result, as
 ``--reuse`` copies it, are one run and merged), takes for
 each method the first evaluated step at which the average model reaches DDP's final validation loss
 at that world size times ``--tolerance`` (1.02 by default: within the 2% target, since a method that
@@ -25,8 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.methods import parse_method
-from benchmarks.language_model.lm_convergence import steps_to_reach
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
+
+
+def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
+    """The first evaluated step whose validation loss is at most ``target`` (None: never)."""
+    return next((step for step, loss in curve if loss <= target), None)
 
 
 def step_times(
