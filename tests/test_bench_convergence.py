@@ -644,11 +644,11 @@ def test_lm_trains_a_paced_method_by_rounds_and_evaluates_the_average(tmp_path):
 @pytest.mark.examples
 @pytest.mark.timeout(420)
 def test_attack_reports_a_lost_plain_job_and_a_held_clipped_one(tmp_path):
-    # 4 workers, 40 steps, worker 3 multiplying its model by 100 after each step. Plain gossip loses
+    # 4 workers, 20 steps, worker 3 multiplying its model by 100 after each step. Plain gossip loses
     # the job (the attacker's values overflow until nobody around it can heal), reported promptly
     # rather than waiting for the lost rounds; clipped gossip keeps the honest workers within 5%.
     out = tmp_path / "attack.json"
-    flags = ["--workers", "4", "--steps", "40", "--methods", "ring", "ring-clipped"]
+    flags = ["--workers", "4", "--steps", "20", "--methods", "ring", "ring-clipped"]
     output = run_script(
         DRIVER, "attack", *flags, "--attacks", "none", "scaled", "--json", str(out), deadline_s=400
     )

@@ -1,13 +1,11 @@
 """Train methods side by side on ranks that are already started, each from the same model and seeds.
 
-:func:`train` is the loop every task shares: one method (a name of ``methods.py``) trained by steps, or a
-paced method (``~h8n0.1p``: ``methods.HalfFastSchedule``, half the ranks twice as fast) by rounds,
-``steps // H`` of them, each of ``N H`` inner steps over the fleet: the same samples as ``steps`` steps
-of the unpaced method or of DDP (with ``H = 1`` fast ranks take 2 steps per round and the others 1:
-fewer rounds of more steps, the same samples). Each rank's cosine schedule spans its own inner steps, so
-every rank's schedule ends at the last round; losses are kept per round, and the hook that measures
-(a collective) runs at round ends, the same rounds on every rank. :func:`run` trains the synthetic or
-digits classification task with it (``benchmarks/convergence/``); the language model uses it too.
+:func:`train` is the loop every task shares: a method (a name of ``methods.py``) trained by steps, or a
+paced one (``~h8n0.1p``: ``methods.HalfFastSchedule``) by rounds, ``steps // H`` of ``N H`` inner steps
+over the fleet: the same samples as ``steps`` steps of DDP (with ``H = 1``: fewer rounds of more steps).
+Each rank's cosine schedule spans its own inner steps; losses are kept per round, and the hook that
+measures (a collective) runs at round ends. :func:`run` trains the classification tasks with it;
+:func:`on_local_ranks` starts a driver's local ranks.
 """
 
 from __future__ import annotations
