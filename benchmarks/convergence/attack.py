@@ -137,14 +137,9 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_into_tensor(replicas, own)
         honest = [r for r in range(world) if attack is None or r != ATTACKER]
         torch.nn.utils.vector_to_parameters(replicas.view(world, -1)[honest].mean(0), params)
-    average_loss = evaluate()[0]
-    return dict(
-        loss=loss,
-        accuracy=accuracy,
-        average_loss=average_loss,
-        attacker=attacker is not None,
-        seconds=seconds,
-    )
+    honest_average = evaluate()[0]
+    mine = {"loss": loss, "accuracy": accuracy, "attacker": attacker is not None, "seconds": seconds}
+    return {**mine, "average_loss": honest_average}
 
 
 def one_run(method: str, name: str | None, seed: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -175,10 +170,7 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
         for method in args.methods:
             for name in attacks:
                 rows.append(one_run(method, name, seed, {**vars(args), "clipping": clipping}))
-                print(
-                    f"[{method} / {name or 'no attack'} / seed {seed}] loss {rows[-1]['loss']:.4f}",
-                    flush=True,
-                )
+                print(f"[{method} / {name or 'no attack'} / seed {seed}] {rows[-1]['loss']:.4f}", flush=True)
     clean = {(r["method"], r["seed"]): r["loss"] for r in rows if r["attack"] is None}
     for r in rows:
         r["ratio"] = r["loss"] / clean.get((r["method"], r["seed"]), math.nan)
@@ -195,10 +187,9 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
             table.append([method, name or "none", f"{loss:.4f}", f"{accuracy:.4f}", spread, mark])
     title = (
         f"One attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, seeds "
-        f"{args.seeds}, "
-        f"task {args.task} ({'validation' if args.task == 'lm' else 'test'} loss); the worst honest worker's "
-        f"own replica; ring-clipped: {clipping}. Loss: the mean over seeds; vs no attack: the mean and the "
-        "worst of the seeds' ratios."
+        f"{args.seeds}, task {args.task} ({'validation' if args.task == 'lm' else 'test'} loss); the worst "
+        f"honest worker's own replica; ring-clipped: {clipping}. Loss: the mean over seeds; vs no attack: "
+        "the mean and the worst of the seeds' ratios."
     )
     text = markdown_table(["method", "attack", "loss", "accuracy", "vs no attack", "target"], table)
     target = f"Target: ring-clipped under every attack and seed within {TARGET}x its own loss without one."
