@@ -7,7 +7,7 @@ Each worker trains its own replica of a small MLP on its own shard of a syntheti
 ``ring``, ``one-peer-exp``, ``complete`` wrap SGD in ``DecentOptimWrapper`` (``step()`` updates, then
 averages with the topology's neighbours), ``ring@bf16`` gossips in bf16, ``ring-module`` wraps the model
 in ``DecentralizedDataParallel`` (backward updates), ``ddp`` is all-reduce, the baseline. It prints a
-table and plots loss against step and bytes sent. More methods: benchmarks/convergence/convergence.py.
+table and plots loss against step and bytes sent. More methods: benchmarks/convergence/run.py classification.
 """
 
 import argparse

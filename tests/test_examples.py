@@ -1,9 +1,8 @@
-"""The main job and the convergence benchmark end to end on a few steps, and the runner behind the latter.
+"""The main job end to end on a few steps, and the benchmarks' runner behind the convergence driver.
 
-examples/quickstart.py and benchmarks/convergence/convergence.py run as a user runs them (a subprocess that
-starts its own gloo workers, with a hard deadline); the benchmarks' runner (benchmarks/harness/runner.py)
-trains on the shared pool. The grammar, the splits and the verdicts are checked without workers in
-test_benchmark_methods.py.
+examples/quickstart.py runs as a user runs it (a subprocess that starts its own gloo workers, with a hard
+deadline); the benchmarks' runner (benchmarks/harness/runner.py) trains on the shared pool. The
+convergence driver's questions, grammar, splits and verdicts are tested in test_bench_convergence.py.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import helpers
 import pytest
 import torch.distributed as dist
 
-from benchmarks.convergence import convergence
+from benchmarks.convergence import classification
 from benchmarks.harness import runner
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,8 +100,10 @@ def test_benchmark_runner_trains_compressed_gossip_on_a_label_skewed_split(pool,
         assert 0.0 <= r.accuracy <= 1.0
     # the engine counts what bf16 gossip sends: fewer bytes than the same topology uncompressed
     assert 0 < by_method["ring@bf16"].bytes_per_step < by_method["ring"].bytes_per_step
-    convergence.report(
-        results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
+    print(
+        classification.table(
+            results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
+        )
     )
     out = capsys.readouterr().out
     assert "dirichlet(alpha=0.1) split" in out and "ring@bf16" in out
@@ -110,7 +111,9 @@ def test_benchmark_runner_trains_compressed_gossip_on_a_label_skewed_split(pool,
 
 def test_benchmark_runner_trains_with_gradient_tracking_on_both_front_ends(pool, capsys):
     # with the runs the convergence table compares them with: ddp and ring-module (untracked)
-    methods = convergence.with_references(["ring-gt", "ring-module-gt", "ring-gt@bf16", "ring", "ring@bf16"])
+    methods = classification.with_references(
+        ["ring-gt", "ring-module-gt", "ring-gt@bf16", "ring", "ring@bf16"]
+    )
     assert methods == ["ring-gt", "ring-module-gt", "ring-gt@bf16", "ring", "ring@bf16", "ddp", "ring-module"]
     results = pool(2).run(_short_run, methods, steps=10, split="dirichlet", alpha=0.1)[0]
     results = [SimpleNamespace(**r) for r in results]
@@ -126,31 +129,17 @@ def test_benchmark_runner_trains_with_gradient_tracking_on_both_front_ends(pool,
     # the tracker travels beside the parameters, compressed like them: twice the bytes
     assert by_method["ring-gt"].bytes_per_step == 2 * by_method["ring"].bytes_per_step
     assert by_method["ring-gt@bf16"].bytes_per_step == 2 * by_method["ring@bf16"].bytes_per_step
-    convergence.report(
-        results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
+    print(
+        classification.table(
+            results, 2, SimpleNamespace(steps=10, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
+        )
     )
     assert "ring-module-gt" in capsys.readouterr().out
 
 
-@pytest.mark.timeout(SCRIPT_DEADLINE_S + 30)
-def test_convergence_benchmark_adds_the_references_and_judges_them(tmp_path):
-    results_file = tmp_path / "convergence.json"
-    short = ["--workers", "2", "--steps", "4", "--batch-size", "16", "--splits", "dirichlet"]
-    output = run_script(
-        "benchmarks/convergence/convergence.py", *short, "--methods", "ring-gt", "--json", str(results_file)
-    )
-    results = json.loads(results_file.read_text())
-    # ring-gt is compared with DDP and with ring (untracked): both are trained after it
-    assert [r["method"] for r in results] == ["ring-gt", "ddp", "ring"]
-    assert all((r["split"], r["alpha"]) == ("dirichlet", 0.1) for r in results)
-    assert "Convergence, dirichlet(alpha=0.1) split: 2 workers, 4 steps" in output
-    ring_gt = next(line for line in output.splitlines() if line.strip().startswith("ring-gt |"))
-    assert ring_gt.rstrip().endswith(("met", "MISSED (vs DDP)"))  # judged: tracked ring on skewed data
-
-
 def test_benchmark_runner_trains_paced_rounds_on_both_front_ends(pool, capsys):
     # half the ranks twice as fast (methods.HalfFastSchedule): 4 rounds of H=4, the samples of 16 steps
-    methods = convergence.with_references(["ring~h4n0.1p+adamw", "ring-module~h4n0.1p+adamw"])
+    methods = classification.with_references(["ring~h4n0.1p+adamw", "ring-module~h4n0.1p+adamw"])
     unpaced = ["ring~h4n0.1+adamw", "ring-module~h4n0.1+adamw"]
     assert methods == ["ring~h4n0.1p+adamw", "ring-module~h4n0.1p+adamw", "ddp+adamw", *unpaced]
     results = pool(2).run(_short_run, methods, steps=16, log_every=8)[0]
@@ -168,11 +157,8 @@ def test_benchmark_runner_trains_paced_rounds_on_both_front_ends(pool, capsys):
     # pacing changes the run: not the unpaced twin's
     assert by_method["ring~h4n0.1+adamw"].accuracy != paced.accuracy
     assert by_method["ring-module~h4n0.1+adamw"].losses == by_method["ring~h4n0.1+adamw"].losses
-    convergence.report(
-        [SimpleNamespace(**r) for r in results],
-        2,
-        SimpleNamespace(steps=16, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic"),
-    )
+    args = SimpleNamespace(steps=16, batch_size=16, lr=0.05, adam_lr=3e-3, task="synthetic")
+    print(classification.table([SimpleNamespace(**r) for r in results], 2, args))
     assert "ring~h4n0.1p+adamw: inner steps per worker 11 to 21, 32 in all" in capsys.readouterr().out
 
 

@@ -1,39 +1,14 @@
 """How the benchmarks name a training method, and what each part of a name turns on.
 
-A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, or ``ddp[+optimizer]``:
-
-- ``topology``: any name ``TopologyFactory`` knows (``ring``, ``one-peer-exp``, ``complete``, ...),
-  trained with DecentOptimWrapper; ``ddp`` is PyTorch's DistributedDataParallel (all-reduce);
-- ``-module``: the module front-end (DecentralizedDataParallel) instead of DecentOptimWrapper;
-- ``-gt``: gradient tracking (``gradient_tracking=True`` of both front-ends), the remedy for
-  label-skewed data: each rank gossips a tracker of the average gradient beside its parameters and
-  steps with it, for twice the bytes. DDP takes none: it already steps with the exact average;
-- ``~hH``, ``~hHn``, ``~hHnD`` (``D`` after a ``d``): low-communication gossip with ``sync_every=H``:
-  ``~h8`` is periodic gossip (8 local steps, then a gossip round of the parameters), ``~h8n`` adds
-  DiLoCo's outer optimizer (SGD, lr 0.7, Nesterov momentum 0.9; ``~h8n0.3``: outer lr 0.3;
-  ``~h8n0.5m0.5``: outer lr 0.5 and Nesterov momentum 0.5, ``m0.0`` plain SGD),
-  ``~h8nd0`` with ``sync_delay=0``
-  (blocking; without ``d`` the default, a whole round); ``complete~h8nd0`` is DiLoCo;
-- ``p`` at the end of the ``~`` part (``~h8n0.1p``, ``~h8d1p``): paced rounds on an uneven fleet with
-  a fixed schedule (``pacing=Pacing(schedule=...)``, :class:`HalfFastSchedule`): the first half of the
-  ranks is twice as fast as the second half, so in each round a fast rank takes about ``4H/3`` inner
-  steps and a slow one about ``2H/3``. Counts are integers: a fast rank takes ``a(r)``, the error
-  diffusion of ``4H/3`` (``H=8``: 11, 10, 11, 11, 10, 11, ...), its slow partner ``2H - a(r)`` (5, 6,
-  5, ...), and with an odd number of ranks the last one ``H``: every round's counts sum to exactly
-  ``N H``, the samples of ``H`` steps of ``N`` equal workers. The runner trains such a method by rounds
-  (``steps // H``), so it processes the same samples as the unpaced method and as DDP over ``steps``
-  steps. ``H`` must be at least 2 (a slow rank takes at least one step); not with ``-gt``;
-- ``@bf16``, ``@fp16``, ``@int8``, ``@int4``, ``@int2`` or a sparse format such as
-  ``@topk:0.01:int2`` (any name ``compression=`` accepts): gossip compressed models (``compression=``
-  of both front-ends); DDP takes none;
-- ``+adamw``, ``+accum-adamw`` (AccumAdamW, accum_iter 4): train with the Adam learning rate;
-  without one (or with ``+sgd``) it is SGD with momentum. ``-local`` after the optimizer
-  (``+adamw-local``): Adam's second moment from each rank's own gradients (``second_moment="local"``,
-  the rule before the correction) instead of the default estimate of the average gradient's.
-
-For example ``ring@bf16``, ``one-peer-exp@fp16``, ``ring-module@int8+accum-adamw``, ``ring-gt``,
-``one-peer-exp-gt@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``, ``ring~h8n``,
-``one-peer-exp~h32n@bf16+adamw``, ``ring~h8n0.1p+adamw``, ``ring~h8d1p+adamw``.
+A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, or ``ddp[+optimizer]``
+(docs/benchmarks.md gives the grammar with examples): ``topology`` any name ``TopologyFactory`` knows,
+trained with DecentOptimWrapper (``ddp``: DistributedDataParallel); ``-module`` the module front-end;
+``-gt`` gradient tracking; ``~hH[n[LR][mM]][dD][p]`` low-communication gossip (``sync_every=H``, DiLoCo's
+outer Nesterov SGD, outer lr and momentum, ``sync_delay=D``, paced rounds of :class:`HalfFastSchedule`);
+``@bf16``, ``@int8``, ``@topk:0.01:int2``, ...: compressed gossip (any name ``compression=`` accepts);
+``+adamw``, ``+accum-adamw`` (``+sgd`` or none: SGD with momentum), then ``-local`` for
+``second_moment="local"``. For example ``ring@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``,
+``one-peer-exp~h32n@bf16+adamw``, ``complete~h8nd0`` (DiLoCo), ``ring~h8n0.1p+adamw``.
 """
 
 from __future__ import annotations
@@ -81,8 +56,7 @@ def nesterov_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
 def nesterov_outer_with(
     lr: float, momentum: float = OUTER_MOMENTUM
 ) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """DiLoCo's outer optimizer with another learning rate or momentum (``~h8n0.3``: lr 0.3;
-    ``~h8n0.5m0.5``: lr 0.5, Nesterov momentum 0.5)."""
+    """DiLoCo's outer optimizer with another learning rate or momentum (``~h8n0.5m0.5``)."""
 
     def build(params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
@@ -205,20 +179,13 @@ class Method:
             "second_moment": self.second_moment,
         }
         if self.local:
-            options.update(
-                sync_every=self.sync_every,
-                outer_optimizer=(
-                    None
-                    if not self.nesterov
-                    else nesterov_outer
-                    if self.outer_lr is None and self.outer_momentum is None
-                    else nesterov_outer_with(
-                        OUTER_LR if self.outer_lr is None else self.outer_lr,
-                        OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum,
-                    )
-                ),
-                sync_delay=self.sync_delay,
-            )
+            outer = None
+            if self.nesterov:
+                plain = self.outer_lr is None and self.outer_momentum is None
+                lr = OUTER_LR if self.outer_lr is None else self.outer_lr
+                momentum = OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
+                outer = nesterov_outer if plain else nesterov_outer_with(lr, momentum)
+            options.update(sync_every=self.sync_every, outer_optimizer=outer, sync_delay=self.sync_delay)
         if self.paced:
             options.update(pacing=Pacing(schedule=self.schedule(world)))
         return options
@@ -226,20 +193,15 @@ class Method:
     @property
     def name(self) -> str:
         """The method's name, as :func:`parse_method` reads it."""
-        name = self.topology or "ddp"
-        if self.module:
-            name += MODULE_SUFFIX
-        if self.tracking:
-            name += TRACKING_SUFFIX
-        if self.local:
-            name += f"~{self.local}"
-        if self.compression:
-            name += f"@{self.compression}"
-        if self.optimizer:
-            name += f"+{self.optimizer}"
-        if self.second_moment == "local":
-            name += LOCAL_MOMENT_SUFFIX
-        return name
+        return (
+            (self.topology or "ddp")
+            + (MODULE_SUFFIX if self.module else "")
+            + (TRACKING_SUFFIX if self.tracking else "")
+            + (f"~{self.local}" if self.local else "")
+            + (f"@{self.compression}" if self.compression else "")
+            + (f"+{self.optimizer}" if self.optimizer else "")
+            + (LOCAL_MOMENT_SUFFIX if self.second_moment == "local" else "")
+        )
 
 
 def parse_method(method: str) -> Method:

@@ -1,40 +1,39 @@
-"""Train several methods side by side on the synthetic task, on ranks that are already started.
+"""Train methods side by side on ranks that are already started, each from the same model and seeds.
 
-Every rank of a gloo process group calls :func:`run`; each method (a name in the grammar of
-``methods.py``) trains from the same initial model with the same seeds and hyper-parameters on the
-rank's part of a split of the training set (``synthetic_task.py``), and rank 0 gets one
-:class:`Result` per method. ``benchmarks/convergence/convergence.py`` starts the ranks and judges the
-results.
-
-A paced method (``~h8n0.1p``: ``methods.HalfFastSchedule``, half the ranks twice as fast) trains by
-rounds, ``steps // H`` of them, each of ``N H`` inner steps over the fleet: the same samples as
-``steps`` steps of the unpaced method or of DDP (with ``H = 1``, ``~h1d0p``, fast ranks take 2 steps per
-round and the others 1: fewer rounds of more steps, the same samples). Each rank's cosine schedule spans
-its own total of inner steps (a fast rank's is longer), so every rank's schedule ends at the last round;
-the losses are kept per round and the consensus distance is measured at round ends (a collective: the
-same rounds on every rank).
+:func:`train` is the loop every task shares: a method (a name of ``methods.py``) trained by steps, or a
+paced one (``~h8n0.1p``: ``methods.HalfFastSchedule``) by rounds, ``steps // H`` of ``N H`` inner steps
+over the fleet: the same samples as ``steps`` steps of DDP (with ``H = 1``: fewer rounds of more steps).
+Each rank's cosine schedule spans its own inner steps; losses are kept per round, and the hook that
+measures (a collective) runs at round ends. :func:`run` trains the classification tasks with it;
+:func:`on_local_ranks` starts a driver's local ranks.
 """
 
 from __future__ import annotations
 
+import os
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.digits_task import make_digits, make_digits_model
 from benchmarks.harness.methods import HalfFastSchedule, Method, optimizer_factory, parse_method
 from benchmarks.harness.synthetic_task import describe_split, make_data, make_model, split_data, split_label
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 
+Replicas = DecentOptimWrapper | DecentralizedDataParallel
+
 
 @dataclass
 class Result:
-    """What one method produced, as rank 0 reports it."""
+    """What one method produced on the classification task, as rank 0 reports it."""
 
     method: str
     losses: list[float]  # per step, averaged over ranks (a paced method: per round, over its samples)
@@ -53,6 +52,17 @@ class Result:
     accuracies: list[float] = field(default_factory=list)  # per seed, where results were averaged over seeds
 
 
+@dataclass
+class Trained:
+    """What :func:`train` returns on every rank (the sums over ranks are the same everywhere)."""
+
+    losses: torch.Tensor  # per step (paced: per round), the mean over the ranks' samples
+    final_loss: float  # the mean of the last twentieth of the steps (paced: the rounds covering them)
+    seconds: float  # training time per rank, the hook's left out
+    bytes_per_step: float
+    steps_per_rank: list[int]
+
+
 def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -60,9 +70,8 @@ def model_bytes(model: nn.Module) -> int:
 def warmup_cosine(
     optimizer: torch.optim.Optimizer, steps: int, warmup: int = 0
 ) -> torch.optim.lr_scheduler.LRScheduler:
-    """torch's own schedules: a linear warmup from 1/``warmup`` of the learning rate over ``warmup``
-    steps, then a cosine down to 0 over the rest of ``steps`` (``CosineAnnealingLR`` alone when
-    ``warmup`` is 0, as every benchmark before warmup existed)."""
+    """A linear warmup from 1/``warmup`` of the learning rate over ``warmup`` steps, then a cosine down
+    to 0 over the rest of ``steps`` (``CosineAnnealingLR`` alone when ``warmup`` is 0)."""
     if warmup <= 0:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     if warmup >= steps:
@@ -80,18 +89,14 @@ def build_training(
     steps: int,
     warmup: int = 0,
 ) -> tuple[
-    nn.Module,
-    torch.optim.Optimizer | None,
-    DecentOptimWrapper | DecentralizedDataParallel | None,
-    torch.optim.lr_scheduler.LRScheduler | None,
+    nn.Module, torch.optim.Optimizer | None, Replicas | None, torch.optim.lr_scheduler.LRScheduler | None
 ]:
     """What trains ``model`` with ``spec``: the module to call, the optimizer to step (None for the
-    module front-end, which steps inside backward), what gossips (None for DDP), and a cosine
-    schedule over ``steps`` after ``warmup`` steps of linear warmup (:func:`warmup_cosine`; None for the
-    module front-end, which steps its own per bucket). For a
-    paced method ``steps`` is this rank's own total (:func:`paced_plan`)."""
+    module front-end, which steps inside backward), what gossips (None for DDP), and the schedule of
+    :func:`warmup_cosine` over ``steps`` (None for the module front-end, which steps its own per
+    bucket). For a paced method ``steps`` is this rank's own total (:func:`paced_plan`)."""
     optimizer: torch.optim.Optimizer | None = None
-    replicas: DecentOptimWrapper | DecentralizedDataParallel | None = None
+    replicas: Replicas | None = None
     if spec.topology is None:
         net: nn.Module = DistributedDataParallel(model)
         optimizer = make_optimizer(list(model.named_parameters()))
@@ -107,17 +112,14 @@ def build_training(
         optimizer = replicas = DecentOptimWrapper(
             make_optimizer(list(model.named_parameters())), **spec.engine_options()
         )
-    scheduler = None
-    if optimizer is not None:
-        scheduler = warmup_cosine(optimizer, steps, warmup)
+    scheduler = None if optimizer is None else warmup_cosine(optimizer, steps, warmup)
     return net, optimizer, replicas, scheduler
 
 
 def paced_plan(spec: Method, steps: int, rank: int, world: int) -> tuple[HalfFastSchedule | None, int, int]:
     """A method's schedule (None unless paced), its rounds (those that process the samples of ``steps``
-    steps on every rank: ``steps // H``, or with ``H = 1`` fewer rounds of more steps; 0 unless paced)
-    and this rank's own total of inner steps (``steps`` unless paced). ``ValueError`` if no whole
-    number of rounds processes the samples of ``steps`` steps."""
+    steps on every rank; 0 unless paced) and this rank's own total of inner steps (``steps`` unless
+    paced). ``ValueError`` if no whole number of rounds processes the samples of ``steps`` steps."""
     schedule = spec.schedule(world)
     if schedule is None:
         return None, 0, steps
@@ -133,6 +135,89 @@ def covers_multiple(first: int, last: int, every: int) -> bool:
     return last // every > (first - 1) // every
 
 
+def train(
+    spec: Method,
+    model: nn.Module,
+    make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
+    batch_loss: Callable[[nn.Module], torch.Tensor],
+    steps: int,
+    hook: Callable[[int, int, bool, float, Replicas | None], None] | None = None,
+    warmup: int = 0,
+) -> tuple[Trained, Replicas | None]:
+    """Train ``model`` with ``spec`` for the samples of ``steps`` steps (every rank calls this).
+
+    ``batch_loss(net)`` draws this rank's next batch and returns its loss. ``hook(taken, span, last,
+    loss, replicas)`` runs after every step (``span`` 1) or, paced, at every round's end (``span`` H),
+    ``taken`` fleet steps done, ``last`` at the end: it may measure (a collective).
+    """
+    rank, world = dist.get_rank(), dist.get_world_size()
+    schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
+    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps, warmup)
+    losses = torch.zeros(rounds if schedule is not None else steps, dtype=torch.float64)
+    taken = torch.zeros(rounds, dtype=torch.float64)  # paced: steps per round, summed over ranks below
+    seconds = 0.0
+
+    def step() -> float:
+        nonlocal seconds
+        start = time.perf_counter()
+        if optimizer is not None:
+            optimizer.zero_grad()
+        loss = batch_loss(net)
+        loss.backward()  # the module front-end updates here
+        if optimizer is not None and scheduler is not None:
+            optimizer.step()
+            scheduler.step()
+        seconds += time.perf_counter() - start
+        return loss.item()
+
+    if schedule is None:
+        for index in range(steps):
+            losses[index] = loss = step()
+            if hook is not None:
+                hook(index + 1, 1, index + 1 == steps, loss, replicas)
+    else:  # by rounds: ranks take different steps, and every rank ends at the same round
+        assert replicas is not None
+        while replicas.round_count < rounds:
+            loss = step()
+            ended = replicas.round_ended
+            current = replicas.round_count - (1 if ended else 0)  # the round this step belongs to
+            losses[current] += loss
+            taken[current] += 1
+            if ended and hook is not None:
+                done = replicas.round_count
+                hook(done * spec.sync_every, spec.sync_every, done == rounds, loss, replicas)
+    dist.all_reduce(losses)
+    if schedule is None:
+        losses /= world
+    else:  # the mean over every sample of the round
+        dist.all_reduce(taken)
+        losses /= taken
+    totals = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(totals)
+    per_rank = torch.zeros(world, dtype=torch.int64)
+    per_rank[rank] = own_steps
+    dist.all_reduce(per_rank)
+    if replicas is None:  # a ring all-reduce of the gradients: 2(n-1)/n gradient-sized messages
+        sent = 2 * (world - 1) / world * model_bytes(model)
+    else:  # the engine's own count: the topology's period, buckets and compression included
+        sent = replicas.engine.bytes_sent_per_step()
+    tail = max(1, steps // 20)
+    if schedule is not None:  # the rounds that cover the last `tail` fleet steps
+        tail = -(-tail // spec.sync_every)
+    final = losses[-tail:].mean().item()
+    return Trained(losses, final, totals.item() / world, sent, per_rank.tolist()), replicas
+
+
+def on_average(replicas: Replicas | None, measure: Callable[[], Any]) -> Any:
+    """``measure()`` on the replicas' exact average (a collective), each replica left as it was."""
+    if replicas is not None:
+        replicas.global_avg()
+    value = measure()
+    if replicas is not None:
+        replicas.revert_global_avg()
+    return value
+
+
 def train_one_method(
     method: str,
     steps: int,
@@ -145,115 +230,55 @@ def train_one_method(
     task: str = "synthetic",
     seed: int = 0,
 ) -> Result | None:
-    """Train from scratch with ``method``; every rank calls this; rank 0 gets the Result.
-
-    Each rank trains on its part of the ``split`` of the training set (``split_data``); a
-    Dirichlet split gives every worker at least ``batch_size`` points, so no batch repeats a point
-    for want of data. ``task``: ``"synthetic"`` (``synthetic_task.py``) or ``"digits"``
-    (``digits_task.py``); ``seed`` draws the initial model and the batches (seed 0: the runs of
-    before seeds existed).
-    """
+    """Train ``method`` from scratch on this rank's part of the ``split`` of ``task``'s training set
+    (``"synthetic"`` or ``"digits"``; a Dirichlet split gives every worker at least ``batch_size``
+    points); ``seed`` draws the initial model and the batches. Every rank calls this; rank 0 gets the
+    Result, with the consensus distance measured every ``log_every`` steps and at the end."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = parse_method(method)
-    make_optimizer = optimizer_factory(spec.optimizer or "sgd", lr, adam_lr)
     train_x, train_y, test_x, test_y = task_data(task)
     shard = split_data(train_y, world, split, alpha, min_size=batch_size, seed=seed)[rank]
     shard_x, shard_y = train_x[shard], train_y[shard]
     model = make_digits_model(seed) if task == "digits" else make_model(seed)
-    schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
-    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps)
-    loss_fn = nn.CrossEntropyLoss()
     sampler = torch.Generator().manual_seed(100 + rank + 1000 * seed)
-    losses = torch.zeros(rounds if schedule is not None else steps, dtype=torch.float64)
-    distance_steps, distances = [], []
-    train_seconds = 0.0
+    distance_steps: list[int] = []
+    distances: list[float] = []
 
-    def train_step() -> float:
-        """One inner step on a fresh batch; its loss. Adds its time (the loss's read left out) to
-        ``train_seconds``."""
-        nonlocal train_seconds
-        start = time.perf_counter()
+    def batch_loss(net: nn.Module) -> torch.Tensor:
         idx = torch.randint(0, len(shard_x), (batch_size,), generator=sampler)
-        if optimizer is not None:
-            optimizer.zero_grad()
-        loss = loss_fn(net(shard_x[idx]), shard_y[idx])
-        loss.backward()  # the module front-end updates here
-        if optimizer is not None and scheduler is not None:
-            optimizer.step()
-            scheduler.step()
-        train_seconds += time.perf_counter() - start
-        return loss.item()
+        return nn.functional.cross_entropy(net(shard_x[idx]), shard_y[idx])
 
-    def measure(step: int, label: str, loss: float) -> None:
-        """The consensus distance (a collective: every rank at the same point), printed by rank 0."""
+    def measure(taken: int, span: int, last: bool, loss: float, replicas: Replicas | None) -> None:
+        if not (last or covers_multiple(taken - span, taken - 1, log_every)):
+            return
         distance = replicas.consensus_distance() if replicas is not None else 0.0
-        distance_steps.append(step)
+        distance_steps.append(taken - 1)
         distances.append(distance)
         if rank == 0:
-            print(f"  {method:>13}  {label}  loss {loss:.4f}  consensus distance {distance:.2e}", flush=True)
+            print(
+                f"  {method:>13}  step {taken:4d}/{steps}  loss {loss:.4f}  consensus {distance:.2e}",
+                flush=True,
+            )
 
-    if schedule is None:
-        for step in range(steps):
-            loss = train_step()
-            losses[step] = loss
-            # measuring is a collective: kept out of the timing
-            if step % log_every == 0 or step == steps - 1:
-                measure(step, f"step {step:4d}/{steps}", loss)
-    else:  # by rounds: ranks take different steps, and every rank ends at the same round
-        assert replicas is not None
-        taken = torch.zeros(rounds, dtype=torch.float64)  # steps per round, summed over ranks below
-        while replicas.round_count < rounds:
-            loss = train_step()
-            ended = replicas.round_ended
-            current = replicas.round_count - (1 if ended else 0)  # the round this step belongs to
-            losses[current] += loss
-            taken[current] += 1
-            done = replicas.round_count  # rounds 0 .. done - 1 have ended: fleet steps 0 .. done * H - 1
-            first, last = (done - 1) * spec.sync_every, done * spec.sync_every - 1
-            if ended and (covers_multiple(first, last, log_every) or done == rounds):  # at a round's end
-                measure(last, f"round {done:4d}/{rounds}", loss)
-
-    if replicas is not None:
-        replicas.global_avg()  # evaluate the average of the replicas ...
+    make_optimizer = optimizer_factory(spec.optimizer or "sgd", lr, adam_lr)
+    trained, replicas = train(spec, model, make_optimizer, batch_loss, steps, measure)
     with torch.no_grad():
-        accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-    if replicas is not None:
-        replicas.revert_global_avg()  # ... and leave each replica as it was
-
-    dist.all_reduce(losses)
-    if schedule is None:
-        losses /= world
-    else:  # the mean over every sample of the round
-        dist.all_reduce(taken)
-        losses /= taken
-    timing = torch.tensor([train_seconds], dtype=torch.float64)
-    dist.all_reduce(timing)
-    per_rank = torch.zeros(world, dtype=torch.int64)
-    per_rank[rank] = own_steps
-    dist.all_reduce(per_rank)
-    if replicas is None:
-        # ring all-reduce of the gradients: every rank sends 2(n-1)/n gradient-sized messages
-        bytes_per_step = 2 * (world - 1) / world * model_bytes(model)
-    else:  # the engine's own count: the topology's period, buckets and compression included
-        bytes_per_step = replicas.engine.bytes_sent_per_step()
+        accuracy = on_average(replicas, lambda: (model(test_x).argmax(1) == test_y).float().mean().item())
     if rank != 0:
         return None
-    tail = max(1, steps // 20)
-    if schedule is not None:  # the rounds that cover the last `tail` fleet steps
-        tail = -(-tail // spec.sync_every)
     return Result(
         method=method,
-        losses=losses.tolist(),
+        losses=trained.losses.tolist(),
         distance_steps=distance_steps,
         distances=distances,
-        final_loss=losses[-tail:].mean().item(),
+        final_loss=trained.final_loss,
         accuracy=accuracy,
         final_distance=distances[-1],
-        ms_per_iteration=1000 * timing.item() / world / steps,
-        bytes_per_step=bytes_per_step,
+        ms_per_iteration=1000 * trained.seconds / steps,
+        bytes_per_step=trained.bytes_per_step,
         split=split,
         alpha=alpha if split == "dirichlet" else None,
-        steps_per_rank=per_rank.tolist(),
+        steps_per_rank=trained.steps_per_rank,
         task=task,
         seed=seed,
     )
@@ -292,11 +317,36 @@ def run(
     results = []
     for method in methods:
         if dist.get_rank() == 0:
-            spec = parse_method(method)
-            paced = f" ({steps // spec.sync_every} paced rounds)" if spec.paced else ""
-            print(f"[{method}] training {steps} steps{paced} on {world} workers", flush=True)
+            print(f"[{method}] training {steps} steps on {world} workers", flush=True)
         result = train_one_method(method, steps, batch_size, lr, log_every, adam_lr, split, alpha, task, seed)
         if result is not None:
             results.append(result)
         dist.barrier()
     return results
+
+
+def rank_main(rank: int, port: int, results: Any, job: Callable[[dict], Any], config: dict[str, Any]) -> None:
+    """A local rank: torchrun's environment, a gloo group (unless ``config["own_group"]``: the job forms
+    its own, as Accelerate does), then ``job(config)``'s value (``config["rank"]`` added) on ``results``."""
+    world = config["workers"]
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), OMP_NUM_THREADS="1")
+    os.environ.update(LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        if not config.get("own_group"):
+            dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, job({**config, "rank": rank})))
+    except BaseException:  # a lost job's rounds never complete, and tearing down would wait for them
+        traceback.print_exc()
+        os._exit(1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def on_local_ranks(job: Callable[[dict], Any], config: dict[str, Any], what: str) -> list[Any]:
+    """``job(config)`` on ``config["workers"]`` local ranks within ``config["deadline"]`` seconds; their
+    values in rank order. ``RuntimeError`` if a rank fails (``what`` names the run)."""
+    world = config["workers"]
+    args_for = lambda rank, port, results: (rank, port, results, job, config)  # noqa: E731
+    by_rank = collect_from_ranks(world, rank_main, args_for, config["deadline"], what)
+    return [by_rank[rank] for rank in range(world)]

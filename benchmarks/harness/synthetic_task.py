@@ -3,7 +3,7 @@
 The task needs no download: 10 Gaussian clusters in 32 dimensions with overlapping classes
 (generated from a fixed seed), 16384 training points split across workers and 8192 test points
 (the same balanced test set for every split), and a small MLP. It is the main job's task
-(examples/quickstart.py keeps its own copy so that it reads on its own; tests/test_benchmark_methods.py
+(examples/quickstart.py keeps its own copy so that it reads on its own; tests/test_bench_convergence.py
 checks that the two give the same data and the same initial model).
 
 Two splits of the training set: ``iid`` deals the points out in turn (worker ``r`` gets points

@@ -1,68 +1,33 @@
-"""Second-moment rules for Adam under averaging, compared in one process (no process group).
+"""Second-moment rules for Adam under averaging, simulated in one process (no process group).
 
-    uv run benchmarks/language_model/adam_rules.py --workers 4                # ~6 min on one core
-    uv run benchmarks/language_model/adam_rules.py --workers 8 --rules ddp local momentum
-    uv run benchmarks/language_model/adam_rules.py --workers 4 --gossip ring  # the library's ring, not exact
-    uv run benchmarks/language_model/adam_rules.py --workers 8 --gossip ring --blocking --rules momentum-abs
-
-Simulates ``--workers`` replicas of the language model of ``lm_task.py`` in one process, each with its
-own AdamW (written out here, not torch's) and its own data (as ``lm_convergence.py`` samples it), for
-``--steps`` steps of a cosine schedule. After every local step the replicas are averaged exactly (or,
-with ``--gossip TOPOLOGY``, mixed with the topology's matrices one step late, as the engine does).
-With ``--blocking`` the mixing follows the step at once, so the next gradient is taken at the mixed
-point (the engine's ``sync_every=1, sync_delay=0``; ``--every H``: every ``H`` steps,
-``sync_every=H``). ``--momentum mixed`` replaces each replica's
-first moment, after mixing, by the direction its mixed parameters moved over the round (divided by
-the step's learning rate, times its denominator); ``--momentum gossip`` mixes the first moment with
-the parameters' matrix (twice the bytes): two attempts to shrink the replicas' spread under overlap.
-``ddp`` is one model stepped with the average gradient. The rules differ only in what each replica's
-step divides by; the table gives the validation loss of the average and its ratio to ``ddp``'s:
-
-- ``local``: the replica's own second moment s_t (decent-dp's rule; ``second_moment="local"``);
-- ``oracle``: the second moment of the exact average gradient (an all-reduce: a diagnosis only);
-- ``oracle-per-tensor``: s_t scaled per tensor by the exact ratio of the two (clamped to [1/n, 1]);
-- ``lag1-floor``, ``momentum-floor``: s_t fed with g_t^2 / n + (1 - 1/n) g_t x, where x is g_{t-1}
-  or m_hat_{t-1}, the stored value floored at (1 - b2^t) m_hat_t^2;
-- ``lag1``, ``momentum``: c_t = b2 c + (1 - b2) g_t x kept apart from s_t, and the step divides by
-  s_t / n + (1 - 1/n) max(c_t, 0). ``momentum`` is the engine's rule (``second_moment="average"``).
+``n`` replicas of the language model of ``lm_task.py``, each with its own AdamW (written out here) and
+its own data (sampled as the ``lm`` question samples it), averaged exactly after every step or, with a
+gossip topology, mixed with its matrices one step late, as the engine does (``blocking``: at once, the
+next gradient taken at the mixed point; ``every``: every H steps). ``momentum="mixed"`` replaces each
+replica's first moment by the direction its mixed parameters moved; ``"gossip"`` mixes it too. ``ddp``
+is one model stepped with the average gradient. The rules differ only in what each replica's step
+divides by (the Adam page): ``local`` its own second moment s_t; ``oracle`` the exact average
+gradient's; ``oracle-per-tensor`` s_t scaled per tensor by the exact ratio; ``lag1-floor`` and
+``momentum-floor`` s_t fed with g_t^2 / n + (1 - 1/n) g_t x (x: g_{t-1} or m_hat_{t-1}), floored;
+``lag1``, ``momentum`` (the engine's ``second_moment="average"``) and their ``-abs`` forms keep
+c_t = b2 c + (1 - b2) g_t x apart and divide by s_t / n + (1 - 1/n) max(c_t, 0) (or |c_t|).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch.func import functional_call
 
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
+from benchmarks.harness.report import markdown_table
 from decent_optim_wrapper import TopologyFactory
 
-RULES = (
-    "ddp",
-    "local",
-    "oracle",
-    "oracle-per-tensor",
-    "lag1-floor",
-    "momentum-floor",
-    "lag1",
-    "momentum",
-    "lag1-abs",
-    "momentum-abs",
-)
 BETAS, EPS = (0.9, 0.999), 1e-8
-
-
-@dataclass
-class RuleResult:
-    rule: str
-    workers: int
-    mixing: str
-    validation_loss: float
-    seconds: float
 
 
 class _Replica:
@@ -225,82 +190,29 @@ def simulate(
     return validation_loss(model, validation)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rules", nargs="+", choices=RULES, default=list(RULES))
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--adam-lr", type=float, default=3e-3)
-    parser.add_argument("--split", choices=("iid", "files"), default="iid")
-    parser.add_argument("--gossip", default=None, help="mix with this topology instead of exact averaging")
-    parser.add_argument("--width", type=int, default=64, help="model width (default 64)")
-    parser.add_argument("--depth", type=int, default=2, help="transformer blocks (default 2)")
-    parser.add_argument("--seed", type=int, default=0, help="model initialization and batch order")
-    parser.add_argument(
-        "--own-step",
-        type=float,
-        default=1.0,
-        help="with --gossip: take the next gradient at the mixed point plus this share of the own step",
-    )
-    parser.add_argument(
-        "--momentum",
-        choices=("local", "mixed", "gossip"),
-        default="local",
-        help="with --gossip: 'mixed' replaces each replica's first moment by its mixed parameters' direction",
-    )
-    parser.add_argument(
-        "--blocking", action="store_true", help="with --gossip: mix right after the step (no overlap)"
-    )
-    parser.add_argument(
-        "--every", type=int, default=1, help="with --blocking: mix every EVERY steps (sync_every)"
-    )
-    parser.add_argument(
-        "--ddp-loss", type=float, default=None, help="ddp's loss from an earlier run of the same flags"
-    )
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+def answer(args: argparse.Namespace) -> tuple[Any, str]:
+    """Every rule of ``args.rules`` in turn (``ddp`` first unless ``--ddp-loss`` gives its loss)."""
     rules = args.rules if "ddp" in args.rules or args.ddp_loss else ["ddp", *args.rules]
     mixing = f"gossip ({args.gossip})" if args.gossip else "exact average"
+    torch.set_num_threads(1)
     results = []
     for rule in rules:
         began = time.perf_counter()
         loss = simulate(
-            rule,
-            args.workers,
-            args.steps,
-            args.batch_size,
-            args.adam_lr,
-            args.split,
-            args.gossip,
-            args.width,
-            args.depth,
-            args.seed,
-            args.own_step,
-            args.momentum,
-            args.blocking,
-            args.every,
+            rule, args.workers, args.steps, args.batch_size, args.adam_lr, args.split, args.gossip,
+            args.width, args.depth, args.seed, args.own_step, args.momentum, args.blocking, args.every,
+        )  # fmt: skip
+        seconds = time.perf_counter() - began
+        results.append(
+            dict(rule=rule, workers=args.workers, mixing=mixing, validation_loss=loss, seconds=seconds)
         )
-        results.append(RuleResult(rule, args.workers, mixing, loss, time.perf_counter() - began))
-        print(f"{rule:>18}: validation loss {loss:.4f} ({results[-1].seconds:.0f} s)", flush=True)
-    ddp = [r.validation_loss for r in results if r.rule == "ddp"]
-    reference = ddp[0] if ddp else args.ddp_loss
-    print(
-        f"\n{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
-        f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth "
-        f"{args.depth}, seed {args.seed}, own step {args.own_step}, "
-        f"momentum {args.momentum}, blocking {args.blocking}, every {args.every}"
+        print(f"{rule:>18}: validation loss {loss:.4f} ({seconds:.0f} s)", flush=True)
+    reference = next((r["validation_loss"] for r in results if r["rule"] == "ddp"), args.ddp_loss)
+    rows = [[r["rule"], f"{r['validation_loss']:.4f}", r["validation_loss"] / reference] for r in results]
+    title = (
+        f"{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
+        f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth {args.depth}, "
+        f"seed {args.seed}, own step {args.own_step}, momentum {args.momentum}, blocking {args.blocking}, "
+        f"every {args.every}"
     )
-    print(f"{'rule':>18} | {'val loss':>8} | {'/ ddp':>6}")
-    for r in results:
-        print(f"{r.rule:>18} | {r.validation_loss:>8.4f} | {r.validation_loss / reference:>6.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    return results, f"{title}\n\n{markdown_table(['rule', 'val loss', '/ ddp'], rows)}"
