@@ -1,6 +1,6 @@
 """What every rank of the emulated cluster shares: the collective timeout, its result file, CPU counters.
 
-The ranks (``benchmarks/cluster/rank.py``, ``harness/lm_worker.py``) write their results with
+The ranks (``benchmarks/cluster/rank.py``) write their results with
 :func:`write_atomically`, so that a driver that kills them at its deadline never reads half a file.
 """
 

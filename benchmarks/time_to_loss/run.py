@@ -595,15 +595,16 @@ def uneven_report(nodes: int, megabits: float, scenario: str, row: dict[str, Any
     ])  # fmt: skip
 
 
-# -- lm: steps to DDP's loss (lm_convergence --eval-every results) times the planner's step time
+# -- lm: steps to DDP's loss (convergence/run.py lm --eval-every results) times the planner's step time
 
 
 def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
     """The ``iid`` results of ``paths``, one list per run: files whose DDP result is the same (the same
-    workers and loss, as ``lm_convergence --reuse`` copies it) are merged, first file first."""
+    workers and loss, as ``convergence/run.py lm --reuse`` copies it) are merged, first file first."""
     runs: dict[tuple[int, float], dict[str, dict[str, Any]]] = {}
     for path in paths:
-        results = [r for r in json.loads(Path(path).read_text()) if r["split"] == "iid"]
+        data = json.loads(Path(path).read_text())  # report.save's JSON (its "results"), or a bare list
+        results = [r for r in (data["results"] if isinstance(data, dict) else data) if r["split"] == "iid"]
         reference = next((r for r in results if r["method"] == "ddp+adamw"), None)
         if reference is None:
             raise SystemExit(f"{path} has no ddp+adamw result to compare with")
