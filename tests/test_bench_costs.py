@@ -38,7 +38,7 @@ STAND_IN = {
 #: Each question at a toy size, by the name of its JSON file.
 TOY = {
     "overhead": "overhead --width 64 --depth 2 --reps 1 --iters 2 --batch 8 --worlds 1 2 --formats bf16",
-    "second_moment": "second_moment --width 256 --depth 2 --iters 2 --warmup 1 --memory-steps 2 --seed-path SEED",
+    "second_moment": "second_moment --width 256 --depth 2 --iters 2 --warmup 1 --memory-steps 2 --seed-path",
     "compression": "compression --width 32 --depth 1 --batch 2 --reps 1 --formats none bf16 topk:0.03:int2",
     "codec": "compression --mode codec --width 32 --depth 1 --batch 2 --reps 1 --formats none topk:0.03:int2",
     "metrics": "metrics --width 32 --iters 4 --warmup 1",
@@ -63,9 +63,9 @@ def stand_in_seed(folder: Path) -> Path:
 @pytest.mark.timeout(600)
 def test_every_question_runs_end_to_end_and_reports_what_it_measures(tmp_path):
     seed = stand_in_seed(tmp_path / "seed")
+    outputs = {name: f" --json {tmp_path / name}.json --table {tmp_path / name}.md" for name in TOY}
     argvs = {
-        name: argv.replace("SEED", str(seed)) + f" --json {tmp_path / name}.json --table {tmp_path / name}.md"
-        for name, argv in TOY.items()
+        name: argv.replace("--seed-path", f"--seed-path {seed}") + outputs[name] for name, argv in TOY.items()
     }
     run = subprocess.run(
         [sys.executable, "-c", RUN_ALL, json.dumps(argvs)],
