@@ -523,12 +523,15 @@ def status_records(args: Any) -> dict[str, Any]:
         rounds.append({"on": run[True], "off": run[False], "ratio": ratio_on_off, "first": first})
     ratios = [r["ratio"] for r in rounds]
     rows = [
-        [k, r["first"], r["on"]["median_ms"], r["off"]["median_ms"], r["ratio"]] for k, r in enumerate(rounds)
+        [str(k), r["first"], r["on"]["median_ms"], r["off"]["median_ms"], r["ratio"]]
+        for k, r in enumerate(rounds)
     ]
     rows.append(
         ["median", f"spread {min(ratios):.4f} to {max(ratios):.4f}", None, None, statistics.median(ratios)]
     )
-    cells = [[r["members"], r["median_us"], r["bytes"], 100 * r["share_of_a_core"]] for r in records]
+    cells = [
+        [str(r["members"]), r["median_us"], str(r["bytes"]), 100 * r["share_of_a_core"]] for r in records
+    ]
     title = f"(a) one record, sealed, into a TCPStore, one every {RECORD_S:g} s"
     tables = [table(title, "members|us a record|bytes|% of a core", cells, ".4g")]
     tables.append(
