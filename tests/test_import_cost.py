@@ -1,5 +1,5 @@
 """What ``import decent_optim_wrapper`` loads: nothing that only sharded training or an integration needs
-(``benchmarks/costs/import_time.py`` times it; this checks the cause, untimed)."""
+(``benchmarks/costs/run.py import_time`` times it; this checks the cause, untimed)."""
 
 from __future__ import annotations
 

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.costs.second_moment_cost import rule_against_torch
+from benchmarks.costs.questions import rule_against_torch
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, TinyGPT
 from decent_optim_wrapper import DecentOptimWrapper

@@ -36,8 +36,8 @@ Cost: one state tensor (``exp_avg_signal``), no bytes. On a CPU (one thread per 
 packed together), every operation of the step on one chunk before the next, so the intermediate
 passes stay in cache and the temporaries are chunk-sized: the step is faster than torch's
 single-tensor or foreach step where the state does not fit in the cache, and costs the signal's
-one pass where it does (``benchmarks/costs/second_moment_cost.py``). On an accelerator the parameters of
-a group are processed as foreach lists, one kernel per operation, with the temporaries of torch's
+one pass where it does (``benchmarks/costs/run.py second_moment``). On an accelerator the parameters
+of a group are processed as foreach lists, one kernel per operation, with the temporaries of torch's
 foreach step. The step reads the step counters on the host, once per param group and device (the
 rule's bias corrections are host scalars): no CUDA-graph capture.
 """

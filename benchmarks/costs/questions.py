@@ -1,0 +1,612 @@
+"""The cost questions: each a measurement (``measure(args)``: its results, with their report's tables
+under ``tables``) and the options it takes, with their defaults. docs/benchmarks.md says what each found.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.costs.timing import (
+    SECRET,
+    gossip_over,
+    interleave,
+    on_ranks,
+    ratio,
+    round_parts,
+    step_ratios,
+    step_table,
+    table,
+    timed,
+    train_step,
+)
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_model
+from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
+from decent_optim_wrapper.engine import RECORD_S, RECORDS_ENV, Seal
+from decent_optim_wrapper.engine.counters import WaitClock
+from decent_optim_wrapper.engine.fleet.status import MAX_EVENTS, StatusBoard, status_key
+from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
+from decent_optim_wrapper.engine.wire.compression import codec, resolve_compression, round_seed
+
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class Question:
+    """``measure(args)`` (its docstring's first paragraph is the question's help) and the options it takes."""
+
+    measure: Callable[[Any], dict[str, Any]]
+    defaults: dict[str, Any]
+
+    @property
+    def help(self) -> str:
+        return " ".join((self.measure.__doc__ or "").split("\n\n")[0].split())
+
+
+def mlp_adamw(args: Any, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = build_mlp(args.width, args.width, args.depth, 10)
+    return model, torch.optim.AdamW(model.parameters(), lr=lr)
+
+
+def mlp_batch(args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,))
+
+
+# -- overhead ------------------------------------------------------------------------------------------
+#: Part (c): each row's wrapper options (``accum``: AccumAdamW, ``accum_iter=4``, which takes the rule in
+#: its own step) and the row it is compared with. ``ring-again``, identical to the reference, is the
+#: control: its distance from 1 is the measurement's own spread.
+RING_ROWS: dict[str, tuple[dict[str, Any], str]] = {
+    "ring": ({"second_moment": "local"}, "ring"),
+    "ring-again": ({"second_moment": "local"}, "ring"),
+    "ring-average": ({}, "ring"),
+    "ring-unguarded": ({"nonfinite_guard": False, "second_moment": "local"}, "ring"),
+    "ring-gt": ({"gradient_tracking": True, "second_moment": "local"}, "ring"),
+    "ring@bf16": ({"compression": "bf16", "second_moment": "local"}, "ring"),
+    "ring-accum": ({"accum": True, "second_moment": "local"}, "ring"),
+    "ring-accum-average": ({"accum": True}, "ring-accum"),
+}
+
+
+def copy_equivalents(rank: int, world: int, args: Any, wire: str | None) -> dict[str, Any]:
+    """Part (a) on this rank: a round's staging and mix through the engine (guard on and off) and through
+    the same torch ops (``torch.div(x, k, out=buf)``, ``x.copy_(buf)``), over one copy of all parameters."""
+    torch.manual_seed(0)
+    model = build_mlp(args.width, args.width, args.depth, args.width)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    wrapper = DecentOptimWrapper(sgd, topology="ring", compression=wire)
+    tensors = [b.data for b in wrapper.buckets]
+    src = torch.randn(sum(t.numel() for t in tensors))
+    dst = torch.empty_like(src)
+    ops = [(x, torch.empty_like(x), x.clone()) for x in tensors]  # x.copy_(a clone) leaves x as it was
+    variants = {
+        "copy": lambda _: dst.copy_(src),
+        "engine": round_parts(gossip_over(wrapper, rank, world, wire, guard=True)),
+        "unguarded": round_parts(gossip_over(wrapper, rank, world, wire, guard=False)),
+        "ops": lambda _: {
+            "div": sum(timed(lambda x=x, s=s: torch.div(x, 2, out=s)) for x, s, _ in ops),
+            "copy": sum(timed(lambda x=x, r=r: x.copy_(r)) for x, _, r in ops),
+        },
+    }
+    with torch.no_grad():
+        times = interleave(variants, args.reps, 3)  # the first rounds allocate and fault pages in
+    out: dict[str, Any] = {"params": src.numel(), "buckets": len(tensors)}
+    for name in ("engine", "unguarded", "ops"):  # the median over repetitions of (two passes) / copy
+        first, second = (times[k] for k in times if k.startswith(name + "."))
+        out[name] = statistics.median(
+            (a + b) / c for a, b, c in zip(first, second, times["copy"], strict=True)
+        )
+    return out | {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}}
+
+
+def training_steps(world: int, args: Any) -> dict[str, Any]:
+    """Parts (b) and (c): a step of one MLP (512-1024-1024-10, AdamW) each way, interleaved."""
+    torch.manual_seed(0)
+    reference = build_mlp(512, 1024, 3, 10)
+
+    def twin() -> nn.Module:
+        model = build_mlp(512, 1024, 3, 10)
+        model.load_state_dict(reference.state_dict())
+        return model
+
+    adamw = partial(torch.optim.AdamW, lr=1e-3)
+    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = {}
+    if world == 1:
+        wrapped = twin()
+        module = DecentralizedDataParallel(twin(), lambda ps: adamw([p for _, p in ps]), topology="ring")
+        runs["bare"] = (reference, adamw(reference.parameters()))
+        runs["wrapped"] = (wrapped, DecentOptimWrapper(adamw(wrapped.parameters()), topology="ring"))
+        runs["module"] = (module, None)  # one AdamW per bucket, stepped inside backward
+    for name, (options, _) in RING_ROWS.items() if world > 1 else ():
+        model, opts = twin(), dict(options)
+        accum = opts.pop("accum", False)
+        inner = AccumAdamW(model.parameters(), lr=1e-3, accum_iter=4) if accum else adamw(model.parameters())
+        runs[name] = (model, DecentOptimWrapper(inner, topology="ring", **opts))
+    pairs = " ".join(f"{name}/{against}" for name, (_, against) in RING_ROWS.items() if name != against)
+    x, y = torch.randn(args.batch, 512), torch.randint(0, 10, (args.batch,))
+    steps = {name: partial(train_step, model, opt, x, y) for name, (model, opt) in runs.items()}
+    params = sum(p.numel() for p in reference.parameters())
+    return {"params": params, **step_ratios(steps, "wrapped/bare module/bare " + pairs, args.iters, 20)}
+
+
+def overhead_rank(rank: int, world: int, args: Any) -> dict[str, Any]:
+    wires = [None, *(args.formats if world > 1 else [])]
+    out = {"gossip": {wire or "none": copy_equivalents(rank, world, args, wire) for wire in wires}}
+    return out | ({"train_step": training_steps(world, args)} if world <= 2 else {})
+
+
+def overhead(args: Any) -> dict[str, Any]:
+    """(a) The engine's own work per round in copy-equivalents, uncompressed, with the guard off and with
+    each of --formats; (b) a training step at world size 1 with each front-end; (c) one on a 2-rank ring
+    with each feature (``RING_ROWS``).
+
+    Copy-equivalents: (staging + mix) / one ``dst.copy_(src)`` of all parameters, timed in the same loop
+    (target <= 3; the floor is 2.0 for uniform groups, 2.5 for weighted ones). Targets of (b): 1.02 for
+    ``DecentOptimWrapper`` (wrapped), 1.03 for ``DecentralizedDataParallel`` (module).
+    """
+    by_world = {str(w): on_ranks(w, overhead_rank, args) for w in sorted({1, *args.worlds})}
+    rows = []
+    for world, ranks in by_world.items():
+        plain = ranks[0]["gossip"]["none"]["engine"]
+        for wire, g in ranks[0]["gossip"].items():
+            m, own = g["median_ms"], [g["engine"], g["engine"] - plain, g["unguarded"], g["ops"]]
+            others = ", ".join(f"{ranks[r]['gossip'][wire]['engine']:.2f}" for r in sorted(ranks) if r)
+            rows.append([world, wire, g["params"] / 1e6, *(m[k] for k in m), *own, others or None])
+    ms = "|".join(f"{k} ms" for k in g["median_ms"])
+    head = f"world|wire|M params|{ms}|c-eq|c-eq over none|guard off c-eq|ops c-eq|other ranks' c-eq"
+    tables = [table("(a) a round's own work (rank 0)", head, rows, ".2f")]
+    for world, what in (("1", "(b) world size 1"), ("2", "(c) world size 2, a ring on loopback")):
+        if world in by_world:
+            t = by_world[world][0]["train_step"]
+            tables.append(step_table(f"{what}: MLP {t['params'] / 1e6:.2f}M params (rank 0)", t))
+    return {"by_world": by_world, "tables": tables}
+
+
+# -- second_moment -------------------------------------------------------------------------------------
+#: The methods: wrapper options (None: the bare AdamW); ``seed``, given ``--seed-path``: the seed release.
+SECOND_MOMENT: dict[str, dict[str, Any] | None] = {
+    "bare": None,
+    "local": {"second_moment": "local"},
+    "average": {},
+    "guard_off": {"nonfinite_guard": False},
+}
+ADAMW_KINDS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+SEED_INSTALL = "uv pip install --no-deps --python-version 3.12 --target DIR decent-optim-wrapper==0.1.1"
+
+
+def load_seed_wrapper(path: str | Path) -> Any:
+    """The seed release's ``DecentOptimWrapper`` from the folder ``path`` (``SEED_INSTALL`` puts it there:
+    it has this package's name). Its modules are imported with this library's set aside, then put back:
+    the release's classes keep their own modules, so both work in one process."""
+    package = "decent_optim_wrapper"
+    if not (Path(path) / package / "wrapper.py").is_file():
+        raise FileNotFoundError(f"--seed-path {str(path)!r} holds no {package}/wrapper.py: {SEED_INSTALL}")
+
+    def ours() -> list[str]:
+        return [name for name in sys.modules if name == package or name.startswith(package + ".")]
+
+    kept = {name: sys.modules.pop(name) for name in ours()}
+    sys.path.insert(0, str(path))
+    try:
+        return importlib.import_module(f"{package}.wrapper").DecentOptimWrapper
+    finally:
+        sys.path.remove(str(path))
+        for name in ours():
+            del sys.modules[name]
+        sys.modules.update(kept)
+
+
+def second_moment_method(args: Any, method: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model, adamw = mlp_adamw(args, 1e-4)
+    if method == "seed":  # one process per node, as the release's README starts it on CPUs
+        rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        return model, load_seed_wrapper(args.seed_path)(adamw, rank, world, 1, "ring")
+    options = SECOND_MOMENT[method]
+    return model, adamw if options is None else DecentOptimWrapper(adamw, topology="ring", **options)
+
+
+def second_moment_steps(rank: int, world: int, args: Any) -> dict[str, Any]:
+    methods = [*SECOND_MOMENT, *(["seed"] if args.seed_path else [])]
+    runs = {method: second_moment_method(args, method) for method in methods}
+    x, y = mlp_batch(args)
+    steps = {name: partial(train_step, model, opt, x, y) for name, (model, opt) in runs.items()}
+    pairs = "local/bare average/local average/seed local/seed guard_off/average"
+    params = sum(p.numel() for p in runs["bare"][0].parameters())
+    return {"params": params, **step_ratios(steps, pairs, args.iters, args.warmup)}
+
+
+def rule_against_torch(
+    params: list[torch.Tensor], flags: dict[str, bool], warmup: int, iters: int, timer=timed
+):  # type: ignore[no-untyped-def]
+    """Seconds of torch's AdamW step (``"torch"``) and of the rule's step for n = 2 (``"rule"``) on the
+    same parameters and gradients, interleaved, after ``warmup`` untimed ones."""
+    torch_opt, rule_opt = (torch.optim.AdamW(params, lr=1e-4, **flags) for _ in range(2))
+    rule = SecondMomentRule("average")
+    steps = {"torch": lambda _: torch_opt.step(), "rule": lambda _: rule.step(rule_opt, 2)}
+    return interleave(steps, iters, warmup, timer)
+
+
+def map_large_allocations() -> None:
+    """glibc maps every allocation of 64 KiB or more on its own (``mallopt(M_MMAP_THRESHOLD)``: a forked
+    rank keeps the fork server's allocator), so the high-water mark follows the tensors alive at once."""
+    if ctypes.CDLL(None).mallopt(-3, 64 * 1024) != 1:  # M_MMAP_THRESHOLD, <malloc.h>
+        raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: glibc is required for the memory part")
+
+
+def high_water_mib() -> float:
+    """This process's resident-set high-water mark (``VmHWM``)."""
+    line = next(s for s in Path("/proc/self/status").read_text().splitlines() if s.startswith("VmHWM:"))
+    return int(line.split()[1]) / 1024
+
+
+def second_moment_memory(rank: int, world: int, args: Any, method: str) -> dict[str, float]:
+    model, optimizer = second_moment_method(args, method)
+    x, y = mlp_batch(args)
+    before = high_water_mib()  # after the model and data are built: what the steps add
+    for _ in range(args.memory_steps):
+        train_step(model, optimizer, x, y)
+    state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"peak_growth_mib": high_water_mib() - before, "state_mib": sum(v.nbytes for v in state) / MIB}
+
+
+def second_moment(args: Any) -> dict[str, Any]:
+    """What Adam's second-moment rule costs: (a) a training step with each rule (``SECOND_MOMENT``; with
+    --seed-path the seed release 0.1.1 too) on a 2-rank ring, interleaved; (b) the optimizer step alone,
+    the rule's against torch's single-tensor, foreach and fused AdamW; (c) the growth of the memory
+    high-water mark over the model and data in fresh ranks, and the optimizer state.
+
+    Targets: the default (average) at most 1.0x the seed's step and 1.08x local's (median paired);
+    average at most one model copy of memory over local.
+    """
+    if args.seed_path:
+        load_seed_wrapper(args.seed_path)  # a wrong folder fails here, before any rank starts
+    t, steps = on_ranks(2, second_moment_steps, args)[0], {}
+    torch.set_num_threads(1)
+    for kind, flags in ADAMW_KINDS.items():
+        torch.manual_seed(0)
+        model = build_mlp(args.width, args.width, args.depth, 10)
+        params = [p.detach().requires_grad_() for p in model.parameters()]
+        for p in params:
+            p.grad = torch.randn_like(p)
+        times = rule_against_torch(params, flags, args.warmup, args.iters)
+        steps[kind] = {"torch_ms": 1e3 * statistics.median(times["torch"]), **ratio(times, "rule", "torch")}
+    start = {"before": map_large_allocations}
+    mem = {m: on_ranks(2, second_moment_memory, args, m, **start)[0] for m in ("bare", "local", "average")}
+    growth, model_mib = {k: m["peak_growth_mib"] for k, m in mem.items()}, t["params"] * 4 / MIB
+    columns = ("torch_ms", "ms", "ratio_of_medians", "median_paired_ratio")
+    rows = [[kind, *(r[c] for c in columns)] for kind, r in steps.items()]
+    memory = [
+        [k, g, mem[k]["state_mib"], g - growth["bare"], (g - growth["local"]) / model_mib]
+        for k, g in growth.items()
+    ]
+    tables = [step_table(f"(a) 2 ranks, ring, AdamW, MLP {t['params'] / 1e6:.2f}M params (rank 0)", t)]
+    tables.append(
+        table(
+            "(b) the optimizer step alone",
+            "AdamW|torch ms|rule ms (n=2)|ratio of medians|median paired ratio",
+            rows,
+        )
+    )
+    head = "method|high-water growth|optimizer state|over bare|over local, model copies"
+    tables.append(table("(c) memory in fresh ranks (rank 0; MiB)", head, memory, ".2f"))
+    return {"time": t, "step": steps, "memory": mem, "tables": tables}
+
+
+# -- compression ---------------------------------------------------------------------------------------
+SPARSE = ["topk:0.01:int2", "topk:0.03:int2", "topk:0.03:int4", "randk:0.03:int2"]
+FORMATS = ["none", "bf16", "int8", "int4", *SPARSE]
+
+
+def lm_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, batch: int, device: Any) -> None:
+    tokens = torch.randint(0, VOCAB, (batch, CONTEXT + 1), generator=torch.Generator().manual_seed(step))
+    x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+    optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+    optimizer.step()
+
+
+def timed_on(device: torch.device, fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` took, the device synchronised before and after."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
+    sync(device)
+    took = timed(fn)
+    sync(device)
+    return took
+
+
+def engine_round(rank: int, world: int, args: Any, fmt: str) -> dict[str, Any]:
+    """A training step (AdamW) and one round through the engine's ``Gossip``, interleaved, on this rank."""
+    model, wire = make_lm_model(args.width, args.depth), None if fmt == "none" else fmt
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    wrapper = DecentOptimWrapper(inner, topology="ring", compression=wire)  # its own gossip stays idle
+    lm_step(model, inner, 0, args.batch, "cpu")  # AdamW's state exists before the rounds
+    step = torch.enable_grad()(partial(lm_step, model, inner, batch=args.batch, device="cpu"))
+    variants = {"step": step, "round": round_parts(gossip_over(wrapper, rank, world, wire, guard=True))}
+    with torch.no_grad():  # the first round is a group's exact one; the second faults pages in
+        times = interleave(variants, args.reps, 2)
+    ms = {k.removeprefix("round."): 1e3 * statistics.median(v) for k, v in times.items()}
+    params, wire_bytes = sum(b.data.numel() for b in wrapper.buckets), wrapper.engine.bytes_sent_per_step()
+    ms["round"] = ms["stage"] + ms["mix"]
+    return {"format": fmt, "params": params, "median_ms": ms, "wire_bytes": wire_bytes}
+
+
+def codec_round(args: Any, fmt: str) -> dict[str, Any]:
+    """One process: the codec's work of one round of a pair on a flat tensor of the model's size (``x -
+    r``, ``encode``, ``decode_into`` its own payload, ``add_into`` the peer's) against a training step."""
+    device = torch.device(args.device)
+    torch.manual_seed(0)
+    model = make_lm_model(args.width, args.depth).to(device)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    numel = sum(p.numel() for p in model.parameters())
+    x = torch.randn(numel, device=device)
+    reference = x + 1e-3 * torch.randn(numel, device=device)
+    total, scratch, diff = torch.empty_like(x), torch.empty_like(x), torch.empty_like(x)
+    coder = None if fmt == "none" else codec(resolve_compression(fmt).name)  # type: ignore[union-attr]
+    size = coder.payload_bytes(numel, x.dtype) if coder else 0
+    payloads, peaks = torch.empty(2, size, dtype=torch.uint8, device=device), []
+
+    def one_round(step: int) -> None:
+        if coder is None:  # uncompressed: stage (x / 2) and mix (copy the sum)
+            torch.div(x, 2, out=total)
+            x.copy_(total)
+            return
+        seed = round_seed(step, 0)
+        torch.sub(x, reference, out=diff)
+        coder.encode(diff, payloads[0], seed)
+        payloads[1].copy_(payloads[0])  # the peer's payload: what the network would bring
+        coder.decode_into(payloads[0], total, seed)
+        coder.add_into(payloads[1], total, scratch, seed)
+        coder.decode_into(payloads[0], scratch, seed)
+        x.add_(torch.add(total, scratch, alpha=-2, out=scratch), alpha=0.5)
+        reference.add_(total.div_(2))
+
+    def measured_round(step: int) -> float:  # on CUDA, the peak allocated above what was held before
+        cuda = device.type == "cuda"
+        held = (
+            torch.cuda.reset_peak_memory_stats(device) or torch.cuda.memory_allocated(device) if cuda else 0
+        )
+        seconds = timed_on(device, lambda: one_round(step))
+        peaks.extend([torch.cuda.max_memory_allocated(device) - held] if cuda else [])
+        return seconds
+
+    lm_step(model, inner, 0, args.batch, device)
+    step = partial(lm_step, model, inner, batch=args.batch, device=device)
+    times = interleave({"step": step, "round": measured_round}, args.reps, 2, partial(timed_on, device))
+    # the round's buffers beyond the replica: the sum (compressed: also reference, decoding buffer, payloads)
+    buffers = 4 * numel + (0 if coder is None else 8 * numel + payloads.numel())
+    ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
+    extra = (max(peaks) + buffers) / MIB if peaks else None
+    return {"format": fmt, "params": numel, "median_ms": ms, "extra_mb": extra}
+
+
+def compression(args: Any) -> dict[str, Any]:
+    """A gossip round per wire format (--formats) against a training step of a 12.8M-parameter language
+    model: on 2 CPU ranks through the engine (--mode engine), or the codec's calls on one device with the
+    round's peak memory on CUDA (--mode codec --device cuda).
+
+    round: stage + mix, the network excluded. round/(8 steps): the share of a step that low-communication
+    gossip with sync_every=8 spends on its rounds (target for the sparse formats: under 0.10 on CPU).
+    """
+    if args.mode == "engine" and args.device != "cpu":
+        raise SystemExit("--mode engine runs on CPU (gloo on loopback); use --mode codec for --device cuda")
+    for fmt in set(args.formats) - {"none"}:
+        resolve_compression(fmt)  # a wrong format fails here, before any rank starts
+    torch.set_num_threads(args.threads)
+    on_cpu_ranks = partial(on_ranks, 2, engine_round, args)
+    rows = [codec_round(args, f) if args.mode == "codec" else on_cpu_ranks(f)[0] for f in args.formats]
+    cells = []
+    for row in rows:
+        step, round_ms, extra = row["median_ms"]["step"], row["median_ms"]["round"], row.get("extra_mb")
+        copies = None if extra is None else extra / (row["params"] * 4 / MIB)
+        cells.append(
+            [row["format"], row["params"] / 1e6, step, round_ms, round_ms / step, round_ms / step / 8]
+        )
+        cells[-1] += [extra, copies]
+    head = "format|M params|step ms|round ms|round/step|round/(8 steps)|extra MB|copies"
+    return {"rows": rows, "tables": [table(f"{args.mode} mode on {args.device}", head, cells, ".4g")]}
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
+    """Microseconds per call of ``fn``: the best of 5 runs of ``calls`` calls."""
+    return min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6
+
+
+def metrics_rank(rank: int, world: int, args: Any) -> dict[str, Any]:
+    runs, timed_waits = {}, WaitClock.timed
+    for name in ("uncounted", "counted", "counted_control", "read_every_step"):
+        model, adamw = mlp_adamw(args, 1e-4)
+        if name == "uncounted":  # the rounds' waits not timed: the wait clock left out of the wrapper
+            WaitClock.timed = lambda self, waiter: waiter  # type: ignore[method-assign]
+        try:
+            runs[name] = (model, DecentOptimWrapper(adamw, topology="ring"))
+        finally:
+            WaitClock.timed = timed_waits  # type: ignore[method-assign]
+    x, y = mlp_batch(args)
+
+    def step(name: str) -> None:
+        train_step(*runs[name], x, y)
+        if name == "read_every_step":
+            runs[name][1].metrics()
+
+    pairs = "counted/uncounted counted_control/uncounted read_every_step/counted"
+    out = step_ratios({name: partial(step, name) for name in runs}, pairs, args.iters, args.warmup)
+    waiter, no_wait, cpu = WaitClock().timed(lambda *_: None), lambda *_: None, torch.device("cpu")
+    out |= {"read_us": per_call_us(runs["counted"][1].metrics), "buckets": len(runs["counted"][1].buckets)}
+    out |= {"timed_wait_us": per_call_us(lambda: waiter([], cpu, None, RuntimeError))}
+    return out | {"bare_wait_us": per_call_us(lambda: no_wait([], cpu, None, RuntimeError))}
+
+
+def metrics(args: Any) -> dict[str, Any]:
+    """The counters of metrics() in a training step on a 2-rank ring: (a) the waits not timed (uncounted),
+    counted (the default, never read; again as the control) and read every step; (b) one call alone."""
+    t = on_ranks(2, metrics_rank, args)[0]
+    calls = [["metrics()", t["read_us"]], ["a wait that returns at once", t["bare_wait_us"]]]
+    calls.append(["the same wait, timed by the counters", t["timed_wait_us"]])
+    tables = [step_table(f"(a) MLP width {args.width}, {t['buckets']} bucket(s) (rank 0)", t)]
+    return {
+        "time": t,
+        "tables": [*tables, table("(b) one call alone (best of 5 runs)", "call|us", calls, ".2f")],
+    }
+
+
+# -- status_records ------------------------------------------------------------------------------------
+def one_record(members: int, repeats: int) -> dict[str, float]:
+    """A full record (its last changes of members) of a job of ``members``, sealed, into a TCPStore."""
+    store, step = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False), [0]
+
+    def fields() -> dict[str, Any]:  # a member's engine fields, as ``GossipEngine.status_fields`` gives them
+        step[0] += 100
+        return {
+            "rank": 1, "world_size": members, "step": step[0], "round": step[0], "topology": "ring",
+            "bytes_per_step": 6.3e6, "compression": None, "wait_s": 12.5, "losses": 1, "joins": 2,
+            "guard": {"withheld": 0, "refused": 0, "healed": 0}, "pace_round_s": None, "pace_step_s": None,
+            "consensus": 0.0123, "consensus_step": step[0],
+        }  # fmt: skip
+
+    class Engine:  # the board holds its source weakly, by a bound method, as it holds the engine's
+        def status_fields(self) -> dict[str, Any]:
+            return fields()
+
+    engine, board = Engine(), StatusBoard("cost")
+    board.attach(engine.status_fields)
+    board.placed("decent-optim-wrapper/cost", 1, 3, list(range(members)), Seal(SECRET.encode()))
+    for k in range(MAX_EVENTS):
+        board.event("lost", step=k, generation=k, members=[k % members], world_size=members - 1)
+    median = statistics.median(timed(lambda: board.publish(store)) for _ in range(repeats))
+    size = len(store.get(status_key("decent-optim-wrapper/cost", 1)))
+    return {
+        "members": members,
+        "median_us": median * 1e6,
+        "bytes": size,
+        "share_of_a_core": median / RECORD_S,
+    }
+
+
+def set_records(on: bool) -> None:
+    os.environ[RECORDS_ENV] = "1" if on else "0"
+
+
+def records_rank(rank: int, world: int, args: Any) -> dict[str, float]:
+    """A member of a 2-rank elastic job (``on_peer_failure="continue"``, a ring, AdamW): its step times."""
+    model, adamw = mlp_adamw(args, 1e-3)
+    opt = DecentOptimWrapper(adamw, topology="ring", on_peer_failure="continue")
+    x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
+    step = {"step": lambda _: [opt.zero_grad(), model(x).square().mean().backward(), opt.step()]}
+    times = interleave(step, args.iters, args.warmup)["step"]
+    return {"median_ms": 1e3 * statistics.median(times), "mean_ms": 1e3 * statistics.fmean(times)}
+
+
+def status_records(args: Any) -> dict[str, Any]:
+    """The status records the monitor reads: (a) one record's time and size (jobs of 4, 64, 512 members);
+    (b) a 2-rank elastic job's step with the records on and off (DECENT_STATUS_RECORDS=0), the two jobs
+    alternating over --rounds, the order swapped every round."""
+    records, rounds = [one_record(members, args.reps) for members in (4, 64, 512)], []
+    for k in range(args.rounds):
+        run = {}
+        for on in (True, False) if k % 2 == 0 else (False, True):
+            job, before = f"cost-{k}-{'on' if on else 'off'}", partial(set_records, on)
+            run[on] = on_ranks(2, records_rank, args, job=job, before=before)[0]
+        ratio_on_off, first = run[True]["median_ms"] / run[False]["median_ms"], "on" if k % 2 == 0 else "off"
+        rounds.append({"on": run[True], "off": run[False], "ratio": ratio_on_off, "first": first})
+    ratios = [r["ratio"] for r in rounds]
+    rows = [
+        [str(k), r["first"], r["on"]["median_ms"], r["off"]["median_ms"], r["ratio"]]
+        for k, r in enumerate(rounds)
+    ]
+    rows.append(
+        ["median", f"spread {min(ratios):.4f} to {max(ratios):.4f}", None, None, statistics.median(ratios)]
+    )
+    cells = [
+        [str(r["members"]), r["median_us"], str(r["bytes"]), 100 * r["share_of_a_core"]] for r in records
+    ]
+    title = f"(a) one record, sealed, into a TCPStore, one every {RECORD_S:g} s"
+    tables = [table(title, "members|us a record|bytes|% of a core", cells, ".4g")]
+    tables.append(
+        table(
+            "(b) median step of a job (rank 0), records on and off",
+            "round|first|on ms|off ms|on/off",
+            rows,
+            ".4f",
+        )
+    )
+    return {"one_record": records, "rounds": rounds, "tables": tables}
+
+
+# -- import_time ---------------------------------------------------------------------------------------
+#: The statements timed in fresh interpreters; ``library`` also prints the wall and CPU seconds of the
+#: library's import after torch's, in the same interpreter: the cost (a difference of two whole start-ups
+#: would carry the noise of both on a busy machine).
+STATEMENTS = {
+    "torch": "import torch",
+    "torch.distributed": "import torch; import torch.distributed",
+    "decent_optim_wrapper": "import torch; import decent_optim_wrapper",
+    "library": "import time, torch; wall, cpu = time.perf_counter(), time.process_time(); "
+    "import decent_optim_wrapper; print(time.perf_counter() - wall, time.process_time() - cpu)",
+}
+
+
+def fresh_interpreter(statement: str) -> tuple[float, str]:
+    """Seconds a fresh interpreter takes to run ``statement`` and exit, and what it printed."""
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", statement], check=True, capture_output=True, text=True)
+    return time.perf_counter() - start, done.stdout
+
+
+def import_time(args: Any) -> dict[str, Any]:
+    """What `import decent_optim_wrapper` adds to `import torch` (a joiner's and every worker's start-up),
+    best of --reps fresh interpreters, interleaved; the run exits 1 when it is over --budget seconds."""
+    fresh_interpreter("import torch")  # warm the file cache: the first interpreter reads torch from disk
+    times: dict[str, list[float]] = {name: [] for name in [*STATEMENTS, "library, CPU"]}
+    for _ in range(args.reps):
+        for name, statement in STATEMENTS.items():
+            took, printed = fresh_interpreter(statement)
+            times[name].append(took)
+        times["library"][-1], cpu = (float(s) for s in printed.split())
+        times["library, CPU"].append(cpu)
+    cost = min(times["library"])
+    rows = [[k, min(t), ", ".join(f"{s:.2f}" for s in t)] for k, t in times.items()]
+    rows.append(
+        ["decent_optim_wrapper - torch", min(times["decent_optim_wrapper"]) - min(times["torch"]), None]
+    )
+    title = f"the library's import after torch's: {cost:.2f} s, {'over' if cost > args.budget else 'within'}"
+    out = {"times_s": times, "cost_s": cost, "budget_s": args.budget, "over_budget": cost > args.budget}
+    return out | {
+        "tables": [table(f"{title} the budget of {args.budget} s", "seconds|best|runs", rows, ".2f")]
+    }
+
+
+STEP = {"width": 2048, "depth": 3, "batch": 64, "threads": 1, "max_seconds": 600.0}
+QUESTIONS = {
+    "overhead": Question(
+        overhead, STEP | dict(depth=6, reps=40, iters=200, worlds=[1, 2], formats=["bf16", "int8"])
+    ),
+    "second_moment": Question(second_moment, STEP | dict(iters=40, warmup=5, memory_steps=5, seed_path=None)),
+    "compression": Question(
+        compression,
+        STEP
+        | dict(width=512, depth=4, batch=16, reps=8, formats=FORMATS)
+        | dict(mode="engine", device="cpu"),
+    ),
+    "metrics": Question(metrics, STEP | dict(width=1024, iters=200, warmup=5)),
+    "status_records": Question(
+        status_records, STEP | dict(width=256, batch=32, iters=1000, warmup=50, reps=200, rounds=4)
+    ),
+    "import_time": Question(import_time, dict(reps=3, budget=0.5)),
+}
