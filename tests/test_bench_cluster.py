@@ -8,6 +8,7 @@ this process may build one, and the analysis runs on hand-made inputs with known
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import time
@@ -157,12 +158,18 @@ def test_hsdp_rows_count_each_node_link_once_per_rank_and_the_planner_takes_the_
 )
 def test_report_replays_every_committed_scaling_run_within_15_percent(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run.main(["report", "--results", str(scaling_report.RESULTS), "--figure", "f.png", "--json", "r.json"])
-    rows = json.loads((tmp_path / "r.json").read_text())["results"]["validation"]
+    # predictions at 32 nodes only: the simulator's cost grows with the nodes (~70 s for 1024 here)
+    argv = ["--results", str(scaling_report.RESULTS), "--figure", "f.png", "--predict-nodes", "32"]
+    run.main(["report", *argv, "--json", "r.json"])
+    results = json.loads((tmp_path / "r.json").read_text())["results"]
+    rows = results["validation"]
     for local in (1, 2):
         worst = max((r for r in rows if r["workers_per_node"] == local), key=lambda r: abs(r["error"]))
         assert abs(worst["error"]) <= 0.15, worst
     assert (tmp_path / "f.png").stat().st_size > 0
+    predicted = results["predictions"]  # each model on each link, DDP above per-step gossip
+    assert len(predicted) == len(scaling_report.MODELS) * len(scaling_report.LINKS)
+    assert all(p["nodes"] == 32 and p["ms"]["ddp"] > p["ms"]["ring"] > 0 for p in predicted), predicted
 
 
 # -- examples: the ranks and the questions end to end at a toy size ------------------------------------
@@ -173,7 +180,9 @@ def test_report_replays_every_committed_scaling_run_within_15_percent(tmp_path, 
 def test_rank_times_every_kind_of_method_on_loopback(tmp_path):
     """speed's, low_comm's and scaling's ranks: baselines, periodic averaging, torchft, gossip of both
     front-ends, low-communication and compressed, under two scenarios of sleeping compute."""
-    methods = ["nocomm", "ddp", "ddp-bf16", "avg~h2", "ring-module", "ring~h2n@bf16", "torchft~h2"]
+    methods = ["nocomm", "ddp", "ddp-bf16", "avg~h2", "ring-module", "ring~h2n@bf16"]
+    torchft = importlib.util.find_spec("torchft") is not None  # the `bench` group: `uv run --group bench`
+    methods += ["torchft~h2"] if torchft else []
     argv = ["--compute", "emulated", "--compute-ms", "5", "--scenarios", "none", "lognormal", "--rounds", "1"]
     argv += ["--iters", "4", "--warmup", "2", "--inputs", "16", "--width", "16", "--methods", *methods]
     paths = run_ranks(RANK, 2, rank_flags("low_comm", *argv), tmp_path, loopback(), deadline_s=200)
@@ -185,7 +194,8 @@ def test_rank_times_every_kind_of_method_on_loopback(tmp_path):
     sent, model_bytes = result["bytes_sent_per_step"], 4 * result["params"]
     assert sent["none/nocomm"] == 0 and sent["none/ddp"] == pytest.approx(model_bytes)  # a ring at 2 ranks
     assert sent["none/ddp-bf16"] == pytest.approx(model_bytes / 2)
-    assert sent["none/avg~h2"] == pytest.approx(model_bytes / 2) == sent["none/torchft~h2"]
+    assert sent["none/avg~h2"] == pytest.approx(model_bytes / 2)
+    assert not torchft or sent["none/torchft~h2"] == sent["none/avg~h2"]  # DiLoCo's outer round, as ours
     assert 0 < sent["none/ring~h2n@bf16"] <= model_bytes / 4 * 1.01  # bf16, a round every 2 steps
 
 

@@ -87,7 +87,8 @@ QUESTIONS = {
     "report": Question(
         "the scaling runs' tables, the simulator replayed on each, docs/figures/scaling.png, predictions",
         "report",
-        {"results": "benchmarks/results/scaling", "figure": "docs/figures/scaling.png", "sigma": 0.2},
+        {"results": "benchmarks/results/scaling", "figure": "docs/figures/scaling.png", "sigma": 0.2}
+        | {"predict_nodes": [32, 64, 256, 1024]},
         root=False,
     ),
     "link_sharing": Question(

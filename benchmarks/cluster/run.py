@@ -375,7 +375,7 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def report(args: argparse.Namespace) -> tuple[Any, str]:
-    return scaling_report.report(Path(args.results), Path(args.figure), args.sigma)
+    return scaling_report.report(Path(args.results), Path(args.figure), args.sigma, args.predict_nodes)
 
 
 # -- link_sharing: two all-reduces on one link ---------------------------------------------------------

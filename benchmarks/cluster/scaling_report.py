@@ -6,8 +6,8 @@ number of nodes, beside the simulator's error; the simulator (``decent_optim_wra
 every measured run (the same compute-time draws, the link rate and round trip measured before the
 run, the bytes from the engine's rule, per-step CPU work taken from the same run's no-communication
 time, the link sharing ``link_sharing`` measured); the figure (measured as markers, simulated as lines)
-to ``--figure``; predictions for 32 to 1024 nodes of a 125M- and a 1B-parameter model on a datacentre
-and an internet link; the ranks' CPU; real against emulated compute.
+to ``--figure``; predictions for ``--predict-nodes`` nodes (32 to 1024 by default) of a 125M- and a
+1B-parameter model on a datacentre and an internet link; the ranks' CPU; real against emulated compute.
 """
 
 from __future__ import annotations
@@ -48,7 +48,6 @@ RACE_DRAWS = 64
 #: Prediction grid: fp32 models, compute per step on one accelerator, and two kinds of link.
 MODELS = {"125M": (125e6 * 4, 0.10), "1B": (1e9 * 4, 0.80)}
 LINKS = {"datacentre": Link(25e9, 10e-6), "internet": Link(1e9, 50e-3)}
-NODES = (32, 64, 256, 1024)
 TITLES = {
     "none": "constant compute",
     "lognormal": "transient jitter (log-normal)",
@@ -201,12 +200,13 @@ def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path
     fig.savefig(path, dpi=120)
 
 
-def predictions(sigma: float) -> list[dict[str, Any]]:
-    """DDP and per-step gossip at scale, from the simulator alone (log-normal jitter ``sigma``)."""
+def predictions(sigma: float, node_counts: list[int]) -> list[dict[str, Any]]:
+    """DDP and per-step gossip at ``node_counts`` nodes, from the simulator alone (log-normal jitter
+    ``sigma``); the simulator's cost grows with the nodes (about 17 s at 1024 for each model and link)."""
     out = []
     for model, (model_bytes, compute_s) in MODELS.items():
         for link_name, link in LINKS.items():
-            for nodes in NODES:
+            for nodes in node_counts:
                 compute = ComputeTimes(compute_s, "lognormal", sigma)
                 found = predict(
                     model_bytes,
@@ -318,12 +318,14 @@ def calibration(folder: Path) -> str:
     return "\n".join(out) + "\n"
 
 
-def report(folder: Path, figure_path: Path, sigma: float) -> tuple[dict[str, Any], str]:
+def report(
+    folder: Path, figure_path: Path, sigma: float, node_counts: list[int]
+) -> tuple[dict[str, Any], str]:
     """Everything above: the results (validation rows, predictions) and the tables' text."""
     records = load(folder, "emulated")
     rows = validate(records)
     figure(records, rows, figure_path)
-    predicted = predictions(sigma)
+    predicted = predictions(sigma, node_counts)
     text = markdown(records, rows, predicted) + cpu_table(records) + calibration(folder)
     lines = []
     for local in sorted({r["workers_per_node"] for r in rows}):
