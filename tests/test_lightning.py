@@ -350,13 +350,18 @@ def test_lbfgs_is_refused_on_every_rank(pool: Any) -> None:
 
 
 class ShardedNet(Net):
-    """Shards its layers with FSDP2 in configure_model, as a user of ModelParallelStrategy would."""
+    """Shards its layers with FSDP2 in configure_model, as a user of ModelParallelStrategy would: on the
+    strategy's ``"shard"`` mesh where it built one (``shard_size``), else over the whole world."""
 
     def configure_model(self) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(self.net, mesh=init_device_mesh("cpu", (torch.distributed.get_world_size(),)))
+        mesh = self.device_mesh
+        fully_shard(self.net, mesh=mesh["shard"] if mesh is not None else init_device_mesh("cpu", (4,)))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.loss(batch), sync_dist=True)  # no flat(self): it would gather shards
 
 
 def run_sharded() -> str:
@@ -369,10 +374,124 @@ def run_sharded() -> str:
 
 
 def test_sharded_parameters_are_refused_by_name_on_every_rank(pool: Any) -> None:
-    messages = pool(2).run(run_sharded, timeout=60)
+    """Without ``shard_size`` (or a mesh) a sharded parameter is refused: gossip would mix shards."""
+    messages = pool(4).run(run_sharded, timeout=90)
     for message in messages:
-        assert "DecentralizedStrategy gossips whole replicas" in message, message
-        assert "ModelParallelStrategy" in message and 'device_mesh=mesh["replicate"]' in message
+        assert "net.0.weight is a sharded parameter" in message, message
+        assert "shard_size=S" in message and 'device_mesh=mesh["replicate"]' in message
+
+
+def local_flat(module: torch.nn.Module) -> torch.Tensor:
+    """This rank's elements of every parameter (a DTensor's local shard), flat: no collective."""
+    return torch.cat(
+        [getattr(p, "to_local", lambda p=p: p)().detach().reshape(-1).clone() for p in module.parameters()]
+    )
+
+
+class LocalReplica(pl.Callback):
+    """:class:`Replica` for a sharded model: this rank's shards before each validation and at the end."""
+
+    def __init__(self) -> None:
+        self.before_validation: list[torch.Tensor] = []
+        self.at_end: torch.Tensor | None = None
+
+    def on_validation_start(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self.before_validation.append(local_flat(module))
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        self.at_end = local_flat(module)
+
+
+def fit_sharded_and_replay() -> dict[str, Any]:
+    """4 ranks as 2 replicas of 2 shards: the fit against a plain loop of the same FSDP2 model and a
+    DecentOptimWrapper gossiping along ``mesh["replicate"]``, on the batches Lightning fed this rank."""
+    from torch.distributed.fsdp import fully_shard
+
+    from decent_optim_wrapper import DecentOptimWrapper
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    with launched_by_torchrun():
+        model = ShardedNet("plain-sgd", scheduler="none")
+        replica = LocalReplica()
+        strategy = DecentralizedStrategy(shard_size=2)
+        trainer(strategy, max_steps=4, callbacks=[replica], limit_val_batches=0).fit(model, loaders()[0])
+        mesh = strategy.device_mesh
+        assert mesh is not None and mesh.mesh_dim_names == ("replicate", "shard")
+        plain = Net("plain-sgd", scheduler="none")
+        fully_shard(plain.net, mesh=mesh["shard"])
+        sgd = torch.optim.SGD(plain.parameters(), lr=0.5)
+        # 4 processes on one node hold 2 replicas of the gossip world: the strategy's local_world_size
+        optimizer = DecentOptimWrapper(sgd, device_mesh=mesh["replicate"], local_world_size=2)
+        for batch in model.batches:
+            optimizer.zero_grad()
+            plain.loss(batch).backward()
+            optimizer.step()
+        own = local_flat(plain)
+        optimizer.global_avg(may_revert=False)
+        assert replica.at_end is not None
+        return {
+            "sharded": all(hasattr(p, "to_local") for p in model.parameters()),
+            "end": torch.equal(replica.at_end, own),
+            "settled": torch.equal(local_flat(model), local_flat(plain)),
+        }
+
+
+def test_a_sharded_model_gossips_its_shards_inside_lightning_as_in_a_plain_loop(pool: Any) -> None:
+    """``shard_size=2`` over 4 ranks: FSDP2 in configure_model on the strategy's mesh, gossip between
+    the replicas' matching shards, bit for bit the plain loop's (decentralized HSDP)."""
+    for rank, result in enumerate(pool(4).run(fit_sharded_and_replay, timeout=120)):
+        assert result == {"sharded": True, "end": True, "settled": True}, f"rank {rank}: {result}"
+
+
+def run_sharded_checkpointed(directory: str, resume_from: str | None) -> dict[str, Any]:
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    with launched_by_torchrun():
+        model = ShardedNet("sgd", scheduler="none")
+        replica = LocalReplica()
+        saver = pl.callbacks.ModelCheckpoint(dirpath=directory, save_top_k=-1, filename="{epoch}")
+        t = trainer(
+            DecentralizedStrategy(shard_size=2),
+            max_epochs=2,
+            callbacks=[replica, saver],
+            enable_checkpointing=True,
+            limit_val_batches=None,
+        )
+        train, val = loaders()
+        t.fit(model, train, val, ckpt_path=resume_from)
+        result = {"before": replica.before_validation, "end": replica.at_end}
+        if resume_from is None:  # outside fit, the whole average is placed on a fresh sharded module
+            fresh = ShardedNet("sgd", scheduler="none")
+            trainer(DecentralizedStrategy(shard_size=2)).validate(
+                fresh, val, ckpt_path=f"{directory}/epoch=0.ckpt"
+            )
+            result["validated"] = local_flat(fresh)
+        return result
+
+
+def test_a_sharded_fit_resumes_bitwise_and_exports_the_whole_average(
+    pool: Any, resume_pool: Any, tmp_path: Path
+) -> None:
+    whole = pool(4).run(run_sharded_checkpointed, str(tmp_path / "whole"), None, timeout=120)
+    first = tmp_path / "whole" / "epoch=0.ckpt"
+    resumed = resume_pool(4).run(run_sharded_checkpointed, str(tmp_path / "resumed"), str(first), timeout=120)
+    for rank in range(4):
+        assert torch.equal(resumed[rank]["end"], whole[rank]["end"]), f"rank {rank} resumed differently"
+    # the export is the whole model (it loads into an unsharded Net), the average of the replicas:
+    # shard s of it (FSDP2 splits dim 0 as torch.chunk does) is the mean of ranks s and s + 2's shards
+    saved = torch.load(first, weights_only=False)["state_dict"]
+    Net().load_state_dict(saved)
+    for shard in range(2):
+        exported = torch.cat([torch.chunk(value, 2)[shard].reshape(-1) for value in saved.values()])
+        average = (whole[shard]["before"][0] + whole[shard + 2]["before"][0]) / 2
+        assert torch.equal(exported, average), f"shard {shard} of the export is not the average"
+    for rank in range(4):  # validate(ckpt_path=) puts shard rank % 2 of the export on each rank
+        exported = torch.cat([torch.chunk(value, 2)[rank % 2].reshape(-1) for value in saved.values()])
+        assert torch.equal(whole[rank]["validated"], exported), f"rank {rank} validated another model"
+    for rank in range(4):  # each rank's part holds its own shards of its replica
+        part = torch.load(f"{first}.rank{rank}", weights_only=True)["state_dict"]
+        assert torch.equal(torch.cat([v.reshape(-1) for v in part.values()]), whole[rank]["before"][0])
 
 
 @pytest.mark.pure

@@ -357,3 +357,77 @@ def test_log_gossip_metrics_must_be_a_bool(tmp_path: Path) -> None:
 
     with pytest.raises(TypeError, match="log_gossip_metrics must be True or False, got 1"):
         DecentralizedTrainer(model=tiny_gpt2(), log_gossip_metrics=1)
+
+
+# -- a sharded model (decentralized HSDP) inside the Trainer ----------------------------------------------
+def local(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each DTensor's local shard (plain tensors as they are): what one rank holds, no collective."""
+    return [t.to_local() if hasattr(t, "to_local") else t for t in tensors]
+
+
+def fit_sharded(directory: str, resume: str | None = None) -> dict[str, Any]:
+    """4 ranks as 2 replicas of 2 shards: the tiny GPT-2 sharded by FSDP2 over ``"shard"`` before the
+    Trainer sees it, gossip along ``"replicate"`` (``device_mesh=``). Without ``resume``, the Trainer's
+    own gradients are replayed through a plain DecentOptimWrapper of the same sharded model."""
+    from accelerate.state import AcceleratorState
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from decent_optim_wrapper import DecentOptimWrapper
+    from decent_optim_wrapper.integrations.transformers import DecentralizedTrainer
+
+    AcceleratorState._reset_state(True)
+    with launched_by_torchrun():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = tiny_gpt2()
+        fully_shard(model, mesh=mesh["shard"])
+        args = transformers.TrainingArguments(
+            directory, per_device_train_batch_size=4, max_steps=4, use_cpu=True, report_to=[],
+            disable_tqdm=True, save_strategy="steps", save_steps=2, seed=0, max_grad_norm=0.0,
+            lr_scheduler_type="constant",
+        )  # fmt: skip
+        recorder = Recorder()
+        trainer = DecentralizedTrainer(
+            model=model,
+            args=args,
+            train_dataset=sequences(),
+            callbacks=[recorder],
+            optimizers=(torch.optim.SGD(model.parameters(), lr=0.5), None),
+            device_mesh=mesh["replicate"],
+        )
+        trainer.train(resume_from_checkpoint=resume)
+        trainer.save_model(f"{directory}/export")  # every rank: the shards are gathered
+        result: dict[str, Any] = {"at_end": local(recorder.at_end), "final": local(params(trainer.model))}
+        if resume is not None:
+            return result
+        plain = tiny_gpt2()
+        fully_shard(plain, mesh=mesh["shard"])
+        sgd = torch.optim.SGD(plain.parameters(), lr=0.5)
+        wrapper = DecentOptimWrapper(sgd, device_mesh=mesh["replicate"], local_world_size=2)
+        steps = []
+        for grads, after in zip(recorder.grads, recorder.after, strict=True):
+            for param, grad in zip(plain.parameters(), grads, strict=True):
+                param.grad = grad.clone()
+            wrapper.step()
+            steps.append(equal(local(params(plain)), local(after)))
+        return result | {"steps": steps, "sharded": all(hasattr(p, "to_local") for p in model.parameters())}
+
+
+def test_a_sharded_model_trains_resumes_and_exports_the_whole_average(
+    pool: Any, resume_pool: Any, tmp_path: Path
+) -> None:
+    """``device_mesh=mesh["replicate"]`` with a model FSDP2 shards over ``mesh["shard"]``: each step
+    equals the plain loop's bit for bit; resuming from step 2 ends where the whole run ends; the
+    exported model is whole (``from_pretrained``) and its shard s is what ranks s and s + 2 settled on."""
+    whole = pool(4).run(fit_sharded, str(tmp_path / "whole"), timeout=180)
+    for rank, result in enumerate(whole):
+        assert result["sharded"] and result["steps"] == [True] * 4, f"rank {rank}: {result['steps']}"
+    resumed = resume_pool(4).run(
+        fit_sharded, str(tmp_path / "resumed"), str(tmp_path / "whole" / "checkpoint-2"), timeout=180
+    )
+    exported = params(transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "whole" / "export"))
+    for rank in range(4):
+        assert equal(resumed[rank]["at_end"], whole[rank]["at_end"]), f"rank {rank} resumed differently"
+        shards = [torch.chunk(p, 2)[rank % 2] for p in exported]
+        assert equal(shards, whole[rank]["final"]), f"rank {rank}: the export is not the settled average"
+    assert not equal(whole[0]["at_end"], whole[2]["at_end"])  # the replicas differed before settling

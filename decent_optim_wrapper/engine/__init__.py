@@ -58,6 +58,8 @@ from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, NonFiniteReplicaError, drop_state
 from decent_optim_wrapper.engine.exchange.shards import (
     is_sharded,
+    load_local_module_state,
+    local_module_state,
     local_optimizer_state,
     placed_optimizer_state,
 )
@@ -129,6 +131,8 @@ __all__ = [
     "document_options",
     "given",
     "is_sharded",
+    "load_local_module_state",
+    "local_module_state",
     "local_optimizer_state",
     "placed_optimizer_state",
     "tensors_consensus_distance",

@@ -16,10 +16,17 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from decent_optim_wrapper.engine import GossipConfig
+from decent_optim_wrapper.engine import GossipConfig, is_sharded
 from decent_optim_wrapper.front_ends import DecentOptimWrapper
 
-__all__ = ["Replicas", "ensure_process_group", "framework_config", "require_version", "wrap_optimizer"]
+__all__ = [
+    "Replicas",
+    "ensure_process_group",
+    "framework_config",
+    "replicas_per_node",
+    "require_version",
+    "wrap_optimizer",
+]
 
 
 def require_version(package: str, version: str, minimum: tuple[int, int], below: tuple[int, int]) -> None:
@@ -70,6 +77,12 @@ def framework_config(
     if merged.placement.local_world_size is None and local_world_size is not None:
         merged = merged.with_options(local_world_size=local_world_size)
     return merged
+
+
+def replicas_per_node(processes: int, shards: int) -> int:
+    """The gossip world's processes per node (``local_world_size``) where each replica is sharded over
+    ``shards`` consecutive ranks: one per replica held on the node, or 1 where a replica spans nodes."""
+    return processes // shards if processes % shards == 0 else 1
 
 
 def ensure_process_group(world_size: int, fix: str) -> None:
@@ -137,10 +150,17 @@ class Replicas:
             wrapper.global_avg(may_revert=False, buffers=module if i == 0 else None)
 
     def averaged_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
-        """``module.state_dict()`` of the global average (copied); the replica is left as it was."""
+        """``module.state_dict()`` of the global average (copied); the replica is left as it was.
+
+        A sharded parameter (DTensor) is gathered whole (``full_tensor()``, a collective over its
+        mesh, entry by entry in the same order on every rank), so the export loads in an unsharded
+        model as any other state dict.
+        """
         if not self.wrappers or self._averaged:
             return {
-                key: value.clone() if isinstance(value, torch.Tensor) else value
+                key: (value.full_tensor() if is_sharded(value) else value.clone())
+                if isinstance(value, torch.Tensor)
+                else value
                 for key, value in module.state_dict().items()
             }
         self.average(module)

@@ -9,8 +9,8 @@ Lightning's ``StrategyRegistry``). The user's ``LightningModule`` is unchanged. 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from typing import Any, Literal, Unpack
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Unpack
 
 import torch
 from torch.optim import LBFGS, Optimizer
@@ -31,6 +31,7 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'decent-optim-wrapper[lightning]'"
     ) from err
 
+from decent_optim_wrapper.checks import is_int
 from decent_optim_wrapper.engine import (
     GossipConfig,
     KeywordOptions,
@@ -38,14 +39,20 @@ from decent_optim_wrapper.engine import (
     document_options,
     given,
     is_sharded,
+    load_local_module_state,
+    local_module_state,
 )
 from decent_optim_wrapper.front_ends import DecentOptimWrapper
 from decent_optim_wrapper.integrations.common import (
     Replicas,
     framework_config,
+    replicas_per_node,
     require_version,
     wrap_optimizer,
 )
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["DecentralizedStrategy", "rank_part_path"]
 
@@ -141,6 +148,15 @@ class DecentralizedStrategy(DDPStrategy):
             ``local_world_size`` defaults to ``devices``. Paced rounds and ``on_peer_failure="continue"``
             are refused with the fix: Lightning counts the same steps on every rank, and its launchers
             stop the job when a process dies.
+        shard_size: shard each replica over this many processes (decentralized HSDP): the strategy
+            builds a ``("replicate", "shard")`` device mesh of ``world_size // shard_size`` replicas,
+            each of ``shard_size`` consecutive ranks, and hands it to the module as
+            ``self.device_mesh``; ``configure_model`` shards with
+            ``fully_shard(layer, mesh=self.device_mesh["shard"])`` and gossip runs along
+            ``"replicate"``, each rank exchanging its local shards with the same shard of its
+            neighbours' replicas. Checkpoints export the whole averaged model (gathered); each rank's
+            part holds its local shards. Default ``None``: whole replicas (a sharded parameter is then
+            refused with this fix).
         log_gossip_metrics: every ``log_every_n_steps`` optimizer steps, pass the wrapped optimizer's
             :meth:`~decent_optim_wrapper.DecentOptimWrapper.metrics` (bytes sent, seconds waiting for
             gossip, guard events, world size, ...: the metrics page of the docs) to every logger of
@@ -169,10 +185,16 @@ class DecentralizedStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        shard_size: int | None = None,
         log_gossip_metrics: bool = False,
         **options: Unpack[KeywordOptions],
     ) -> None:
         require_version("lightning", lightning.__version__, *SUPPORTED)
+        if shard_size is not None and not (is_int(shard_size) and shard_size >= 1):
+            raise ValueError(
+                f"shard_size must be a positive int (the processes each replica is sharded over) or None, "
+                f"got {shard_size!r}; pass e.g. shard_size=2, or None for whole replicas."
+            )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -184,6 +206,17 @@ class DecentralizedStrategy(DDPStrategy):
         )
         # Merged now, so that a bad option fails at construction; the processes per node come at setup.
         self._config = framework_config("Lightning", config, {**given(topology=topology), **options})
+        placement = self._config.placement
+        if shard_size is not None and (
+            placement.device_mesh is not None or placement.process_group is not None
+        ):
+            raise ValueError(
+                f"shard_size={shard_size} builds the gossip mesh, but a device_mesh or process_group was "
+                "passed as well; pass one of them (shard_size, or device_mesh= a mesh built after the "
+                "process group started)."
+            )
+        self._shard_size = shard_size
+        self._device_mesh: DeviceMesh | None = None
         self._replicas = Replicas()
         if not isinstance(log_gossip_metrics, bool):
             raise TypeError(
@@ -194,6 +227,31 @@ class DecentralizedStrategy(DDPStrategy):
         self._steps_since_log = 0
 
     # -- setup: no DDP, wrapped optimizers -----------------------------------------------------------
+    def setup_environment(self) -> None:
+        """DDP's (the process group), then with ``shard_size`` the mesh ``configure_model`` shards on."""
+        super().setup_environment()
+        if self._shard_size is None:
+            return
+        world_size, shards = self.world_size, self._shard_size
+        if world_size % shards:
+            raise ValueError(
+                f"shard_size={shards} does not divide the world size {world_size} (devices x num_nodes); "
+                f"pass a shard_size that divides it (e.g. devices={self.num_processes}), so that every "
+                "replica has the same shards."
+            )
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(
+            self.root_device.type, (world_size // shards, shards), mesh_dim_names=("replicate", "shard")
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # what LightningModule.device_mesh returns
+
+    @property
+    def device_mesh(self) -> DeviceMesh | None:
+        """The ``("replicate", "shard")`` mesh built for ``shard_size`` (``None`` for whole replicas)."""
+        return self._device_mesh
+
     def setup(self, trainer: pl.Trainer) -> None:
         plugin = self.precision_plugin
         if type(plugin) is MixedPrecision:
@@ -201,7 +259,18 @@ class DecentralizedStrategy(DDPStrategy):
                 "16-mixed" if plugin.precision == "16-mixed" else "bf16-mixed"
             )
             self.precision_plugin = _UnscalingMixedPrecision(precision, plugin.device, plugin.scaler)
-        super().setup(trainer)
+        module = self.lightning_module
+        sharded = module is not None and any(is_sharded(p) for p in module.parameters())
+        if trainer.state.fn == TrainerFn.FITTING or not sharded:
+            super().setup(trainer)
+            return
+        # Outside fit, DDP's setup broadcasts rank 0's module to every rank; the ranks of a sharded
+        # module hold different shards (each loads its own from a checkpoint), so that step is skipped.
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.setup_precision_plugin()
 
     def configure_ddp(self) -> None:
         """Nothing to do: the model is not wrapped in ``DistributedDataParallel`` (gossip replaces it)."""
@@ -213,15 +282,17 @@ class DecentralizedStrategy(DDPStrategy):
         """
         super().setup_optimizers(trainer)
         assert self.lightning_module is not None
+        placement = self._config.placement
+        gossip_group = placement.device_mesh is not None or placement.process_group is not None
         for name, param in self.lightning_module.named_parameters():
-            if is_sharded(param):
+            if is_sharded(param) and self._device_mesh is None and not gossip_group:
                 raise ValueError(
-                    f"DecentralizedStrategy gossips whole replicas, but {name} is a sharded parameter "
-                    "(DTensor, e.g. from fully_shard or parallelize_module in configure_model). Lightning's "
-                    "ModelParallelStrategy and FSDPStrategy shard with all-reduce across replicas; for "
-                    "gossip between sharded replicas use "
-                    'DecentOptimWrapper(..., device_mesh=mesh["replicate"]) in a plain loop (the big '
-                    "models page of the docs)."
+                    f"{name} is a sharded parameter (DTensor, e.g. from fully_shard or parallelize_module "
+                    "in configure_model), but DecentralizedStrategy was given no mesh to gossip along, so "
+                    "it would gossip shards with ranks that hold other shards. Pass shard_size=S "
+                    '(the strategy builds a ("replicate", "shard") mesh; shard with '
+                    'fully_shard(layer, mesh=self.device_mesh["shard"]) in configure_model), or '
+                    'device_mesh=mesh["replicate"] of a mesh you built (the big models page of the docs).'
                 )
         for optimizer in self.optimizers:
             if isinstance(optimizer, LBFGS):
@@ -230,7 +301,9 @@ class DecentralizedStrategy(DDPStrategy):
                     "several times per step, and the strategy runs the closure once before the step. "
                     "Use a first-order optimizer (SGD, Adam, AdamW, ...)."
                 )
-        config = framework_config("Lightning", self._config, {}, local_world_size=self.num_processes)
+        config = framework_config("Lightning", self._config, {}, local_world_size=self._replicas_per_node())
+        if self._device_mesh is not None:
+            config = config.with_options(device_mesh=self._device_mesh["replicate"])
         wrapped = [wrap_optimizer(optimizer, config, _ClosureFirstWrapper) for optimizer in self.optimizers]
         self._replicas.clear()
         self._replicas.wrappers = wrapped
@@ -238,6 +311,11 @@ class DecentralizedStrategy(DDPStrategy):
         self._steps_since_log = 0
         for wrapper in wrapped:
             wrapper.metrics()  # the first log counts from the fit's first step
+
+    def _replicas_per_node(self) -> int:
+        """The gossip world's processes per node: every process, or with ``shard_size`` one per replica
+        held on the node (a replica of consecutive ranks spans nodes where it is larger than one)."""
+        return replicas_per_node(self.num_processes, self._shard_size or 1)
 
     # -- the gossip counters for the Trainer's loggers -------------------------------------------------
     def optimizer_step(
@@ -346,7 +424,7 @@ class DecentralizedStrategy(DDPStrategy):
             part = {
                 "decent_rank": self.global_rank,
                 "decent_world_size": self.world_size,
-                "state_dict": {key: value.clone() for key, value in module.state_dict().items()},
+                "state_dict": local_module_state(module),  # a sharded replica: this rank's shards
                 "optimizer_states": [optimizer.state_dict() for optimizer in self._replicas.wrappers],
             }
         finally:
@@ -383,6 +461,21 @@ class DecentralizedStrategy(DDPStrategy):
             if not key.startswith("decent_"):
                 checkpoint[key] = value
         return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Lightning's, but a sharded model takes this rank's shards (resuming ``fit``) or the whole
+        averaged model placed on its mesh (outside ``fit``: ``set_model_state_dict``, a collective)."""
+        module = self.lightning_module
+        assert module is not None
+        if not any(is_sharded(p) for p in module.parameters()):
+            super().load_model_state_dict(checkpoint, strict=strict)
+        elif self._fitting():
+            load_local_module_state(module, checkpoint["state_dict"])
+        else:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(module, checkpoint["state_dict"], options=options)
 
     def _fitting(self) -> bool:
         module = self.lightning_module

@@ -26,12 +26,19 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'decent-optim-wrapper[transformers]'"
     ) from err
 
-from decent_optim_wrapper.engine import GossipConfig, document_options
+from decent_optim_wrapper.engine import (
+    GossipConfig,
+    document_options,
+    is_sharded,
+    load_local_module_state,
+    local_module_state,
+)
 from decent_optim_wrapper.front_ends import DecentOptimWrapper
 from decent_optim_wrapper.integrations.common import (
     Replicas,
     ensure_process_group,
     framework_config,
+    replicas_per_node,
     require_version,
     wrap_optimizer,
 )
@@ -72,7 +79,10 @@ class DecentralizedTrainerMixin:
     * ``save_model()`` and the model files of every checkpoint hold the global average; each rank
       also writes its part (its replica, its optimizer and gossip state) to
       ``checkpoint-N/decent_rank{r}-of-{n}.pt``, and ``train(resume_from_checkpoint=...)`` resumes
-      every rank from its own part.
+      every rank from its own part;
+    * a model sharded by FSDP2 over ``mesh["shard"]`` before it is handed over trains with
+      ``device_mesh=mesh["replicate"]`` (decentralized HSDP): each rank's part holds its shards, the
+      model files the average gathered whole.
 
     .. warning:: ``save_model()`` and ``evaluate()`` are collectives during training: call them on
         every rank, as for any distributed Trainer.
@@ -187,8 +197,11 @@ class DecentralizedTrainerMixin:
                 self._replicas.wrappers = [existing]
                 return
         ensure_process_group(self.args.world_size, "launch with torchrun or accelerate launch")
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        config = framework_config("The Trainer", self._gossip_config, {}, int(local) if local else 1)
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE") or 1)
+        mesh = self._gossip_config.placement.device_mesh
+        shards = dist.get_world_size() // mesh.size() if mesh is not None else 1  # ranks per replica
+        local = replicas_per_node(processes, shards)
+        config = framework_config("The Trainer", self._gossip_config, {}, local)
         self.optimizer = wrap_optimizer(optimizer, config)
         self._replicas.clear()
         self._replicas.wrappers = [self.optimizer]
@@ -233,7 +246,17 @@ class DecentralizedTrainerMixin:
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Save the global average (what ``from_pretrained`` loads); a collective during training."""
+        """Save the global average (what ``from_pretrained`` loads); a collective during training.
+
+        A sharded model's average is gathered whole on every rank (a collective, also outside
+        training), then written by the main process as the Trainer writes any state dict.
+        """
+        if any(is_sharded(p) for p in self.model.parameters()):
+            state = self._replicas.averaged_state_dict(self.model)
+            self._save(output_dir if output_dir is not None else self.args.output_dir, state_dict=state)  # type: ignore[attr-defined]
+            if self.args.push_to_hub and not _internal_call:  # as the Trainer's save_model
+                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)  # type: ignore[attr-defined]
+            return
         self._replicas.average(self.model)
         try:
             super().save_model(output_dir, _internal_call)  # type: ignore[misc]
@@ -250,10 +273,17 @@ class DecentralizedTrainerMixin:
         part = {
             "rank": rank,
             "world_size": world_size,
-            "model": {key: value.clone() for key, value in self.model.state_dict().items()},
+            "model": local_module_state(self.model),  # a sharded replica: this rank's shards
             "optimizer": self._replicas.wrappers[0].state_dict(),
         }
         torch.save(part, os.path.join(output_dir, rank_part_name(rank, world_size)))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """The Trainer's, except for a sharded model: the checkpoint's model files hold the whole
+        average, and this rank's part (:meth:`_load_optimizer_and_scheduler`) restores its shards."""
+        target = model if model is not None else self.model
+        if not any(is_sharded(p) for p in target.parameters()):
+            super()._load_from_checkpoint(resume_from_checkpoint, model)  # type: ignore[misc]
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         """Restore this rank's part (its replica, optimizer and gossip state) and the scheduler."""
@@ -272,7 +302,7 @@ class DecentralizedTrainerMixin:
         device = self.args.device
         # torch cannot restore storages to an indexed CPU device ("cpu:0")
         part = torch.load(path, map_location="cpu" if device.type == "cpu" else device, weights_only=True)
-        self.model.load_state_dict(part["model"])
+        load_local_module_state(self.model, part["model"])
         self._replicas.wrappers[0].load_state_dict(part["optimizer"])
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):

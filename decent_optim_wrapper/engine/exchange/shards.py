@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 __all__ = [
+    "load_local_module_state",
+    "local_module_state",
     "ShardLayout",
     "is_sharded",
     "local_optimizer_state",
@@ -161,6 +163,39 @@ def _check_apart(mesh: DeviceMesh, name: str, world: GossipWorld) -> None:
         'replicate parameters on the other mesh dimensions (fully_shard(..., mesh=mesh["shard"])) and '
         'gossip along the remaining one (device_mesh=mesh["replicate"]).'
     )
+
+
+def local_module_state(module: torch.nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` copied, with every DTensor replaced by (a copy of) its local shard.
+
+    A rank's part of a checkpoint of a sharded replica: plain tensors, which load without the device
+    mesh (:func:`load_local_module_state` puts them back).
+    """
+    return {
+        key: local_tensor(value).clone() if isinstance(value, torch.Tensor) else value
+        for key, value in module.state_dict().items()
+    }
+
+
+@torch.no_grad()
+def load_local_module_state(module: torch.nn.Module, state: dict[str, Any]) -> None:
+    """Undo :func:`local_module_state`: copy each saved tensor into the matching entry of ``module``
+    (into a DTensor's local shard), bit for bit; a missing, extra or misshapen entry is a ``ValueError``."""
+    targets = module.state_dict(keep_vars=True)
+    missing, unexpected = sorted(set(targets) - set(state)), sorted(set(state) - set(targets))
+    if missing or unexpected:
+        raise ValueError(
+            f"the saved replica does not match the model: missing {missing}, unexpected {unexpected}; "
+            "resume with the model (and the sharding) that saved it."
+        )
+    for key, target in targets.items():
+        local, saved = local_tensor(target), state[key]
+        if local.shape != saved.shape:
+            raise ValueError(
+                f"the saved {key} has shape {tuple(saved.shape)} but this rank's part of it has shape "
+                f"{tuple(local.shape)}; resume with the sharding (shard size) that saved it."
+            )
+        local.copy_(saved)
 
 
 def local_optimizer_state(state_dict: dict[str, Any]) -> dict[str, Any]:
