@@ -381,6 +381,38 @@ def test_sharded_parameters_are_refused_by_name_on_every_rank(pool: Any) -> None
         assert "shard_size=S" in message and 'device_mesh=mesh["replicate"]' in message
 
 
+def run_uneven_shards() -> str:
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    with launched_by_torchrun():
+        try:
+            trainer(DecentralizedStrategy(shard_size=3), limit_val_batches=0).fit(ShardedNet(), loaders()[0])
+        except ValueError as err:
+            return str(err)
+        return "no error"
+
+
+def test_a_shard_size_that_does_not_divide_the_world_is_refused_on_every_rank(pool: Any) -> None:
+    for message in pool(4).run(run_uneven_shards, timeout=90):
+        assert "shard_size=3 does not divide the world size 4" in message, message
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"shard_size": 0}, "shard_size must be a positive int"),
+        ({"shard_size": True}, "got True"),
+        ({"shard_size": 2, "process_group": object()}, "shard_size=2 builds the gossip mesh"),
+    ],
+)
+def test_bad_shard_sizes_are_refused_at_construction(options: dict[str, Any], fragment: str) -> None:
+    from decent_optim_wrapper.integrations.lightning import DecentralizedStrategy
+
+    with pytest.raises(ValueError, match=fragment):
+        DecentralizedStrategy(**options)
+
+
 def local_flat(module: torch.nn.Module) -> torch.Tensor:
     """This rank's elements of every parameter (a DTensor's local shard), flat: no collective."""
     return torch.cat(

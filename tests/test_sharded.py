@@ -879,3 +879,26 @@ def test_two_jobs_in_one_world_each_equal_a_job_of_their_own(pool, front_end):
         expected = references[rank // 2][rank % 2]
         for got, want in zip(result["params"], expected["params"], strict=True):
             assert torch.equal(got, want), f"rank {rank}: differs from a job of its own"
+
+
+@pytest.mark.pure
+def test_a_local_module_state_loads_back_bitwise_and_refuses_another_model():
+    """A rank's part of a (here unsharded) replica: copied out, put back bit for bit; a state of
+    another model is refused naming what differs, before anything is written."""
+    from decent_optim_wrapper.engine import load_local_module_state, local_module_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    saved = local_module_state(model)
+    before = {key: value.clone() for key, value in saved.items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    load_local_module_state(model, saved)
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in before.items())
+    with pytest.raises(ValueError, match=r"missing \['1.bias'\], unexpected \['2.bias'\]"):
+        load_local_module_state(
+            model, {**{k: v for k, v in saved.items() if k != "1.bias"}, "2.bias": saved["1.bias"]}
+        )
+    with pytest.raises(ValueError, match=r"the saved 0.weight has shape \(4, 4\) but this rank's part"):
+        load_local_module_state(model, {**saved, "0.weight": torch.zeros(4, 4)})
