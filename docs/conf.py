@@ -69,7 +69,8 @@ nitpick_ignore_regex = [
     (r"py:.*", r"(int|float|bool|str|bytes|object|tuple|list|dict|set|frozenset|type|None|callable)"),
     # a builtin generic that autodoc splits at its comma in a dataclass signature (``dict[int, float]``)
     (r"py:class", r"(dict|list|tuple|set)\[.*"),
-    (r"py:.*", r"(Tensor|DTensor|DeviceMesh|Optimizer|LRScheduler|Module|ProcessGroup|Work|GradScaler|timedelta|Path)"),
+    (r"py:.*", r"(Tensor|DTensor|DeviceMesh|Optimizer|LRScheduler|Module|ProcessGroup|Work|GradScaler)"),
+    (r"py:.*", r"(timedelta|Path)"),
     (r"py:.*", r"(Any|Callable|Iterable|Iterator|Mapping|Sequence|Protocol|TypeVar|Generator|ClassVar)"),
     (r"py:.*", r"(RuntimeError|ValueError|TypeError|KeyError|Exception|BaseException)"),
     (r"py:.*", r"(NoneType|Ellipsis|EllipsisType|ModuleType)"),
