@@ -26,6 +26,7 @@ from decent_optim_wrapper.engine.checkpointing import EngineCheckpoint
 from decent_optim_wrapper.engine.config import GossipConfig, GossipOptions, Placement
 from decent_optim_wrapper.engine.counters import CounterTotals, GossipMetrics, WaitClock
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
+from decent_optim_wrapper.engine.exchange.gossip import RoundRules
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.comm import agree, run_token
@@ -178,8 +179,7 @@ class GossipEngine:
             timeout=timeout,
             compression=self._compression,
             staging=HostStaging(timeout) if built.layout.host_staging else None,
-            guard=self._guard,
-            clipped=built.layout.clipped_gossip,
+            rules=RoundRules(self._guard, built.layout.clipped_gossip),
             tracking=config.rounds.gradient_tracking,
             on_healed=self._bucket_healed,
             wait_clock=self._wait_clock,

@@ -20,9 +20,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.counters import WaitClock
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, current
-from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
-from decent_optim_wrapper.engine.exchange.gossip import Gossip
-from decent_optim_wrapper.engine.exchange.guard import GuardLog
+from decent_optim_wrapper.engine.exchange.gossip import Gossip, GossipWiring, RoundRules
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
 from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout, wait_all
 from decent_optim_wrapper.engine.fleet.membership import Decision, Membership
@@ -50,7 +48,7 @@ class Wiring:
         timeout: the rounds' wait; the process groups' own is 3x longer with survival.
         compression: the gossip compression, or None (exact rounds).
         staging: host staging of the rounds, or None (direct).
-        guard: guarded mixing's log; ``clipped``: clipped mixing, or None.
+        rules: how every round is mixed in (the guard's log, clipped gossip).
         tracking: whether gradient tracking was asked for (trackers exist at world size > 1).
         on_healed: told which bucket healed from its peers.
         wait_clock: times the waits of the rounds (gossip, trackers, anchors), not those of a global
@@ -69,8 +67,7 @@ class Wiring:
         timeout: timedelta,
         compression: GossipCompression | None,
         staging: HostStaging | None,
-        guard: GuardLog,
-        clipped: ClippedGossip | None,
+        rules: RoundRules,
         tracking: bool,
         on_healed: Callable[[int], None],
         wait_clock: WaitClock,
@@ -79,7 +76,7 @@ class Wiring:
         self.timeout, self.staging = timeout, staging
         self._layouts, self._spec = layouts, spec
         self._buckets, self._local = buckets, local
-        self._compression, self._guard, self._clipped = compression, guard, clipped
+        self._compression, self._rules = compression, rules
         self._tracking, self._on_healed = tracking, on_healed
         self._wait_clock = wait_clock
         self._membership: Membership | None = None
@@ -115,26 +112,25 @@ class Wiring:
         compression = self._compression
         plan = None if compression is None else CompressionPlan(self.topology, compression, numbers)
         tensors = [b.data for b in self._buckets]
-        wiring = (self.topology, self.rank, self.process_groups, self.timeout, plan)
-        self._guard.rank = self.rank
-        self.gossip = Gossip(tensors, *wiring, timed, self.staging, self._guard, clipped=self._clipped)
+        self._rules.guard.rank = self.rank
+        wired = GossipWiring(
+            self.topology,
+            self.rank,
+            self.process_groups,
+            self.timeout,
+            plan,
+            timed,
+            self.staging,
+            self._rules,
+        )
+        self.gossip = wired.gossip(tensors)
         if broadcast:
             self.gossip.start_from_common_point()  # compressed groups meet first without an exact round
         if self._local is not None:
-            self._local.connect(
-                *wiring,
-                timed,
-                reset=broadcast,
-                staging=self.staging,
-                guard=self._guard,
-                on_healed=self._on_healed,
-                clipped=self._clipped,
-            )
+            self._local.connect(wired, reset=broadcast, on_healed=self._on_healed)
         self.tracker = None
         if self._tracking and self.world_size > 1:
-            self.tracker = GradientTracker(
-                self._buckets, *wiring, timed, self.staging, self._guard, clipped=self._clipped
-            )
+            self.tracker = GradientTracker(self._buckets, wired)
 
     @property
     def group_timeout(self) -> timedelta:

@@ -25,6 +25,7 @@ A :class:`Gossip` is made of parts chosen once, when the groups are wired:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -46,12 +47,55 @@ from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan, codec, is_codec_name
 from decent_optim_wrapper.topo import Group, Topology
 
-__all__ = ["Gossip", "Waiter"]
+__all__ = ["Gossip", "GossipWiring", "RoundRules", "Waiter"]
 
 #: How a round is waited for (``comm.wait_all``, or a membership's failure-aware wait).
 Waiter = Callable[
     [Sequence[dist.Work], torch.device, timedelta | None, Callable[[BaseException | None], Exception]], None
 ]
+
+
+@dataclass(frozen=True)
+class RoundRules:
+    """How every round of a job is mixed in beyond plain gossip, the same for every :class:`Gossip` of
+    it (parameters, trackers, anchors): guarded mixing's log (:mod:`~.guard`) and clipped gossip's
+    options (:mod:`~.clipping`; None: plain differences). A rule of this kind is a field here."""
+
+    guard: GuardLog
+    clipped: ClippedGossip | None = None
+
+
+@dataclass(frozen=True)
+class GossipWiring:
+    """What every :class:`Gossip` over one wiring of the job is built from: the schedule, this rank,
+    the process groups, the waits, the compression plan, the transport and the round rules. The
+    engine's :class:`~.wiring.Wiring` makes one each time it wires the current members and hands it
+    to the parameters', the trackers' and the anchors' gossip alike."""
+
+    topology: Topology
+    rank: int
+    process_groups: ProcessGroups
+    timeout: timedelta | None
+    plan: CompressionPlan | None
+    waiter: Waiter | None
+    staging: HostStaging | None
+    rules: RoundRules
+
+    def gossip(self, tensors: Sequence[torch.Tensor], label: str = "parameters") -> Gossip:
+        """A :class:`Gossip` of ``tensors`` over this wiring (``label`` names them in guard events)."""
+        return Gossip(
+            tensors,
+            self.topology,
+            self.rank,
+            self.process_groups,
+            self.timeout,
+            self.plan,
+            self.waiter,
+            self.staging,
+            self.rules.guard,
+            label,
+            self.rules.clipped,
+        )
 
 
 class Gossip:

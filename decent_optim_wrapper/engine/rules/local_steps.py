@@ -49,22 +49,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from decent_optim_wrapper.checks import is_int
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
-from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
-from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
-from decent_optim_wrapper.engine.exchange.guard import GuardLog, drop_state
-from decent_optim_wrapper.engine.exchange.staging import HostStaging
-from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
+from decent_optim_wrapper.engine.exchange.gossip import Gossip, GossipWiring
+from decent_optim_wrapper.engine.exchange.guard import drop_state
 from decent_optim_wrapper.engine.fleet.membership import ChannelReport, PeerLost
 from decent_optim_wrapper.engine.rules.pacing import FixedClock, PacedClock, PaceReport, Pacing
-from decent_optim_wrapper.engine.wire.compression import CompressionPlan
-from decent_optim_wrapper.topo import Topology
 
 __all__ = ["LocalSteps", "LocalStepsSpec", "OuterFactory", "resolve_local_steps"]
 
@@ -211,45 +205,22 @@ class LocalSteps:
         return [v for per_bucket in views for v in per_bucket]
 
     def connect(
-        self,
-        topology: Topology,
-        rank: int,
-        process_groups: ProcessGroups,
-        timeout: timedelta | None,
-        plan: CompressionPlan | None,
-        waiter: Waiter | None = None,
-        reset: bool = True,
-        staging: HostStaging | None = None,
-        guard: GuardLog | None = None,
-        on_healed: Callable[[int], None] | None = None,
-        clipped: ClippedGossip | None = None,
+        self, wired: GossipWiring, reset: bool = True, on_healed: Callable[[int], None] | None = None
     ) -> None:
-        """Start the anchors' gossip (after the process groups exist) and, with ``reset``, copy the
-        broadcast parameters (without: the survivors of a lost peer keep their anchors). ``on_healed``
-        is told which bucket's anchor healed (:mod:`~.guard`), so the inner optimizer's state of it
-        is dropped too."""
+        """Start the anchors' gossip over ``wired`` (the parameters' wiring, after the process groups
+        exist) and, with ``reset``, copy the broadcast parameters (without: the survivors of a lost peer
+        keep their anchors). ``on_healed`` is told which bucket's anchor healed (:mod:`~.guard`), so the
+        inner optimizer's state of it is dropped too."""
         self._on_healed = on_healed
-        self._gossip = Gossip(
-            self._anchors,
-            topology,
-            rank,
-            process_groups,
-            timeout,
-            plan,
-            waiter,
-            staging,
-            guard,
-            label="anchors",
-            clipped=clipped,
-        )
+        self._gossip = wired.gossip(self._anchors, "anchors")
         self._clock.connect(
-            process_groups.world,
-            rank,
-            topology.world_size,
+            wired.process_groups.world,
+            wired.rank,
+            wired.topology.world_size,
             # Staged (gloo groups): the pace messages stay on the host, read there without a device sync.
-            device=self._anchors[0].device if self._anchors and staging is None else None,
-            waiter=waiter,
-            timeout=timeout,
+            device=self._anchors[0].device if self._anchors and wired.staging is None else None,
+            waiter=wired.waiter,
+            timeout=wired.timeout,
             replica_max=self._replica_max,
         )
         if reset:

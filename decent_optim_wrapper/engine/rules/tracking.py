@@ -10,20 +10,13 @@ replicas apart. Costs, guarantees and when to use it: the gradient tracking page
 from __future__ import annotations
 
 from collections.abc import Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, check_saved_tensors
-from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
-from decent_optim_wrapper.engine.exchange.gossip import Gossip, Waiter
-from decent_optim_wrapper.engine.exchange.guard import GuardLog
+from decent_optim_wrapper.engine.exchange.gossip import GossipWiring
 from decent_optim_wrapper.engine.exchange.shards import local_tensor
-from decent_optim_wrapper.engine.exchange.staging import HostStaging
-from decent_optim_wrapper.engine.fleet.comm import ProcessGroups
-from decent_optim_wrapper.engine.wire.compression import CompressionPlan
-from decent_optim_wrapper.topo import Topology
 
 __all__ = ["GradientTracker"]
 
@@ -33,30 +26,19 @@ class GradientTracker:
 
     Args:
         buckets: the parameter buckets; tracker ``b`` has bucket ``b``'s layout.
-        topology, rank, process_groups, timeout, plan, waiter, staging: as for :class:`~.gossip.Gossip`
-            (the trackers follow the parameters' schedule).
+        wired: the wiring of the parameters' gossip (the trackers follow the parameters' schedule).
     """
 
     def __init__(
         self,
         buckets: Sequence[Bucket],
-        topology: Topology,
-        rank: int,
-        process_groups: ProcessGroups,
-        timeout: timedelta | None,
-        plan: CompressionPlan | None,
-        waiter: Waiter | None = None,
-        staging: HostStaging | None = None,
-        guard: GuardLog | None = None,
-        clipped: ClippedGossip | None = None,
+        wired: GossipWiring,
     ) -> None:
         self._buckets: list[Bucket] = []
         self._trackers: list[torch.Tensor] = []  # y_i, one flat tensor per bucket
         self._previous: list[torch.Tensor] = []  # g_i^{t-1}
         self._restart: set[int] = set()  # healed trackers: their previous gradient was not finite
-        self._gossip = Gossip(
-            [], topology, rank, process_groups, timeout, plan, waiter, staging, guard, "trackers", clipped
-        )
+        self._gossip = wired.gossip([], "trackers")
         self.add_buckets(buckets)
 
     # -- the trackers' gossip, with the parameters' schedule ------------------------------------------
