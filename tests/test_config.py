@@ -9,11 +9,13 @@ import pytest
 import torch
 
 from decent_optim_wrapper import (
+    ClippedGossip,
     DecentOptimWrapper,
     DecentralizedDataParallel,
     GossipConfig,
     GossipEngine,
     Pacing,
+    Robustness,
     Rounds,
     Transport,
 )
@@ -51,6 +53,24 @@ def test_keywords_build_the_config_part_by_part() -> None:
         topology="complete", transport=Transport(bucket_cap_mb=2)
     )
     assert GossipConfig.from_options(**config.options()) == config
+
+
+def test_what_ranks_agree_on_is_read_from_the_fields_each_as_what_its_spellings_stand_for() -> None:
+    # The fields marked agreed, in documentation order; clipped_gossip=True stands for ClippedGossip().
+    config = GossipConfig.from_options(clipped_gossip=True, gradient_tracking=True, second_moment="local")
+    assert config.agreed() == (
+        ("gradient_tracking", True),
+        ("clipped_gossip", ClippedGossip()),
+        ("second_moment", "local"),
+    )
+    assert GossipConfig().agreed() == (
+        ("gradient_tracking", False),
+        ("clipped_gossip", None),
+        ("second_moment", "average"),
+    )
+    # the rule the engine hands every round: clipped gossip's options, or None (plain differences)
+    assert Robustness(clipped_gossip=True).mix_rule() == ClippedGossip()
+    assert Robustness().mix_rule() is None and Robustness(clipped_gossip=False).mix_rule() is None
 
 
 def test_a_keyword_that_agrees_with_the_config_is_accepted_one_that_contradicts_it_is_named() -> None:

@@ -53,6 +53,23 @@ def test_layouts_are_compared_within_each_gossip_world_only():
         check_layouts_agree(reports, (1, 3))
 
 
+def test_agreed_options_are_compared_one_by_one_and_named():
+    def layout(clipped: object) -> LocalLayout:
+        return LocalLayout(
+            local_world_size=1,
+            topology=("ring", ()),
+            buckets=("b",),
+            groups=((0, 1, 2), ()),
+            options=(("gradient_tracking", False), ("clipped_gossip", clipped)),
+        )
+
+    check_layouts_agree([layout(None), layout(None), layout(None)], (0, 1, 2))
+    with pytest.raises(
+        ValueError, match=r"^clipped_gossip differs between rank 0 and rank\(s\) \[2\]\. Pass "
+    ):
+        check_layouts_agree([layout(None), layout(None), layout("x")], (0, 1, 2))
+
+
 def test_worlds_that_do_not_split_the_job_are_refused():
     reports = [_layout((0, 1)), _layout((0, 1)), _layout((0, 1, 2, 3)), _layout((0, 1, 2, 3))]
     with pytest.raises(

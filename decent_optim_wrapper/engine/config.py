@@ -32,7 +32,7 @@ beside ``topology`` and ``second_moment``. Example::
 from __future__ import annotations
 
 import difflib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from datetime import timedelta
 from typing import Any, TypedDict
@@ -42,6 +42,7 @@ from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
 
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossipSpec, resolve_clipped_gossip
+from decent_optim_wrapper.engine.exchange.gathered import MixRule
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
     TopologySpec,
@@ -68,6 +69,14 @@ __all__ = [
 ]
 
 
+def _option(*, canonical: Callable[[Any], object] | None = None, agreed: bool = False) -> dict[str, Any]:
+    """The metadata of an option's field. ``canonical``: what its spellings stand for (``True`` and
+    ``ClippedGossip()`` ask for the same), to compare a keyword with a config; ``agreed``: every rank of the
+    job passes the same value (compared as ``canonical`` gives it, before the first collective) and a
+    joiner shares it, under the option's name (:meth:`GossipConfig.agreed`)."""
+    return {"canonical": canonical, "agreed": agreed}
+
+
 def _check_flag(name: str, value: object, fix: str = "") -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}{fix}.")
@@ -92,7 +101,7 @@ class Transport:
 
     bucket_cap_mb: float = 25
     timeout: timedelta = DEFAULT_TIMEOUT
-    compression: CompressionSpec = None
+    compression: CompressionSpec = field(default=None, metadata=_option(canonical=resolve_compression))
     host_staging: bool | None = None
 
     def __post_init__(self) -> None:
@@ -111,11 +120,11 @@ class Rounds:
     """When ranks exchange, and what: every step (the default), with a gradient tracker, or in rounds of
     local steps (low-communication gossip, optionally paced)."""
 
-    gradient_tracking: bool = False
+    gradient_tracking: bool = field(default=False, metadata=_option(agreed=True))
     sync_every: int = 1
     outer_optimizer: OuterFactory | None = None
     sync_delay: int | None = None
-    pacing: PacingSpec = None
+    pacing: PacingSpec = field(default=None, metadata=_option(canonical=resolve_pacing))
 
     def __post_init__(self) -> None:
         _check_flag("gradient_tracking", self.gradient_tracking)
@@ -154,16 +163,27 @@ class Rounds:
 @dataclass(frozen=True, kw_only=True)
 class Robustness:
     """What a round lets into a replica: nothing that is not finite (the guard), and with clipped
-    gossip no neighbour's difference beyond a radius."""
+    gossip no neighbour's difference beyond a radius.
+
+    A rule of how rounds are mixed is a field here and the rule :meth:`mix_rule` gives: the engine hands
+    it to every round it wires (parameters, trackers, anchors), and ranks agree on it by its field's
+    metadata, so that nothing else names it."""
 
     nonfinite_guard: bool = True
-    clipped_gossip: ClippedGossipSpec = None
+    clipped_gossip: ClippedGossipSpec = field(
+        default=None, metadata=_option(canonical=resolve_clipped_gossip, agreed=True)
+    )
 
     def __post_init__(self) -> None:
         _check_flag(
             "nonfinite_guard", self.nonfinite_guard, "; True (the default) keeps inf/NaN out of the replicas"
         )
         resolve_clipped_gossip(self.clipped_gossip)
+
+    def mix_rule(self) -> MixRule | None:
+        """The rule gathered rounds are mixed by (:class:`~.gathered.MixRule`): clipped gossip's options;
+        None: plain differences."""
+        return resolve_clipped_gossip(self.clipped_gossip)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,7 +216,7 @@ class GossipConfig:
     rounds: Rounds = field(default_factory=Rounds)
     robustness: Robustness = field(default_factory=Robustness)
     elasticity: Elasticity = field(default_factory=Elasticity)
-    second_moment: str = "average"
+    second_moment: str = field(default="average", metadata=_option(agreed=True))
 
     def __post_init__(self) -> None:
         for part in _PART_TYPES:
@@ -256,6 +276,12 @@ class GossipConfig:
                 )
         return config
 
+    def agreed(self) -> tuple[tuple[str, object], ...]:
+        """The options every rank of the job passes alike and a joiner shares, by name, each as the value
+        its spellings stand for: the fields marked so (the engine's layout compares them before the
+        first collective, so a new one needs no list of its own)."""
+        return tuple((name, _canonical(name, self._get(name))) for name in _AGREED)
+
     def _get(self, name: str) -> object:
         part = _KEYWORD_PART[name]
         return getattr(self if part is None else getattr(self, part), name)
@@ -288,12 +314,26 @@ def _check_known(options: Mapping[str, Any]) -> None:
             )
 
 
-#: The options whose values have several spellings, with what each spelling stands for.
-_CANONICAL = {
-    "compression": resolve_compression,
-    "pacing": resolve_pacing,
-    "clipped_gossip": resolve_clipped_gossip,
+#: Each keyword's field metadata (:func:`_option`; empty for a plain option).
+_METADATA: dict[str, Mapping[str, Any]] = {
+    f.name: f.metadata
+    for part in (GossipConfig, *_PART_TYPES.values())
+    for f in fields(part)
+    if f.name in _KEYWORD_PART
 }
+
+#: The options whose values have several spellings, with what each spelling stands for.
+_CANONICAL: dict[str, Callable[[Any], object]] = {
+    name: meta["canonical"] for name, meta in _METADATA.items() if meta.get("canonical") is not None
+}
+
+#: The options every rank passes alike (:meth:`GossipConfig.agreed`), in documentation order.
+_AGREED = tuple(name for name in _KEYWORD_PART if _METADATA[name].get("agreed"))
+
+
+def _canonical(name: str, value: object) -> object:
+    canonical = _CANONICAL.get(name)
+    return value if canonical is None else canonical(value)
 
 
 def _same(name: str, a: object, b: object) -> bool:

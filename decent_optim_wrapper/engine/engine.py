@@ -179,7 +179,7 @@ class GossipEngine:
             timeout=timeout,
             compression=self._compression,
             staging=HostStaging(timeout) if built.layout.host_staging else None,
-            rules=RoundRules(self._guard, built.layout.clipped_gossip),
+            rules=RoundRules(self._guard, config.robustness.mix_rule()),
             tracking=config.rounds.gradient_tracking,
             on_healed=self._bucket_healed,
             wait_clock=self._wait_clock,

@@ -16,7 +16,6 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.config import GossipConfig
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params
-from decent_optim_wrapper.engine.exchange.clipping import resolve_clipped_gossip
 from decent_optim_wrapper.engine.exchange.shards import ShardLayout
 from decent_optim_wrapper.engine.fleet.comm import group_layout
 from decent_optim_wrapper.engine.fleet.signatures import SignatureEntry
@@ -80,7 +79,6 @@ def build_parts(
     check_on_peer_failure(
         elasticity.on_peer_failure, config.topology, world.subgroup, world.replicas is not None
     )
-    clipped = resolve_clipped_gossip(config.robustness.clipped_gossip)
     rule = SecondMomentRule(config.second_moment)
     wire = resolve_compression(transport.compression)
     topo = resolve_topology(config.topology, world.world_size, world.local_world_size)
@@ -105,13 +103,11 @@ def build_parts(
         parameters=parameter_entries(params, names),
         buckets=signatures(buckets),
         compression=wire,
-        gradient_tracking=rounds.gradient_tracking,
         local_steps=None if local is None else local.agreement(),
         on_peer_failure=elasticity.on_peer_failure,
-        second_moment=config.second_moment,
         groups=group_layout(topo, world),
         host_staging=staged,
-        clipped_gossip=clipped,
+        options=config.agreed(),
     )
     return EngineParts(topo, buckets, shards, local, wire, rule, layout)
 

@@ -15,7 +15,6 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper.checks import is_real
-from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
 from decent_optim_wrapper.engine.fleet.comm import GroupLayout, check_identical
 from decent_optim_wrapper.engine.fleet.signatures import SignatureEntry
 from decent_optim_wrapper.engine.wire.compression import GossipCompression
@@ -87,12 +86,6 @@ class LocalLayout:
             "compression", "Pass the same compression argument on every rank.", join="compression"
         ),
     )
-    gradient_tracking: bool = field(
-        default=False,
-        metadata=_agreed(
-            "gradient_tracking", "Pass the same gradient_tracking on every rank.", join="gradient_tracking"
-        ),
-    )
     # sync_every, sync_delay, the outer optimizer's class, ...
     local_steps: tuple[object, ...] | None = field(
         default=None,
@@ -106,10 +99,6 @@ class LocalLayout:
     on_peer_failure: str = field(
         default="raise", metadata=_agreed("on_peer_failure", "Pass the same on_peer_failure on every rank.")
     )
-    second_moment: str = field(
-        default="average",
-        metadata=_agreed("second_moment", "Pass the same second_moment on every rank.", join="second_moment"),
-    )
     # The gossip world's members and its topology's groups, in global ranks (compared by membership).
     groups: GroupLayout = ((), ())
     # Whether gossip goes through host buffers (its groups are formed apart): the whole job agrees on it.
@@ -121,12 +110,9 @@ class LocalLayout:
             join="host_staging",
         ),
     )
-    clipped_gossip: ClippedGossip | None = field(  # clipped mixing's options (what travels differs)
-        default=None,
-        metadata=_agreed(
-            "clipped_gossip", "Pass the same clipped_gossip on every rank.", join="clipped_gossip"
-        ),
-    )
+    # The options the config marks as agreed (GossipConfig.agreed: gradient_tracking, second_moment,
+    # clipped_gossip, ...), by name: each compared on its own, and shared by a joiner under its name.
+    options: tuple[tuple[str, object], ...] = ()
 
 
 #: (field, what differs, the fix) for each field of LocalLayout the ranks compare, in the order they are
@@ -137,11 +123,12 @@ AGREEMENT = tuple((f.name, *f.metadata["agree"]) for f in fields(LocalLayout) if
 def join_signature(layout: LocalLayout) -> tuple[tuple[str, object], ...]:
     """What a worker joining a running job must share with its members, field by field (not the
     topology's schedule or groups: those follow the world size)."""
-    return tuple(
+    own = tuple(
         (f.metadata["join"], _joined_value(f.name, getattr(layout, f.name)))
         for f in fields(LocalLayout)
         if f.metadata.get("join") is not None
     )
+    return (*own, *layout.options)
 
 
 def _joined_value(name: str, value: object) -> object:
@@ -175,6 +162,9 @@ def check_layouts_agree(reports: list[LocalLayout], members: tuple[int, ...]) ->
             )
     for name, what, fix in AGREEMENT:
         check_identical(what, [getattr(reports[r], name) for r in members], fix)
+    for position, (option, _) in enumerate(reports[members[0]].options):
+        values = [reports[r].options[position][1] for r in members]
+        check_identical(option, values, f"Pass the same {option} on every rank.")
     # Every gossip world's groups are created by the whole job, more of them when staging: the job agrees.
     _, what, fix = _agreement("host_staging")
     check_identical(what, [report.host_staging for report in reports], fix)

@@ -7,7 +7,8 @@
 * :mod:`~decent_optim_wrapper.engine.exchange.guard` -- guarded mixing: values that are not finite are
   withheld, left out, and healed from the peers; its events.
 * :mod:`~decent_optim_wrapper.engine.exchange.clipping` -- clipped gossip: each neighbour's difference
-  clipped to a radius from the recent ones (against a Byzantine neighbour, opt-in).
+  clipped to a radius from the recent ones (against a Byzantine neighbour, opt-in); its options, which
+  are the rule of a gathered round's mix, and that mix.
 * :mod:`~decent_optim_wrapper.engine.exchange.rounds` -- a bucket's channel (buffers, references) and
   its round in flight.
 * :mod:`~decent_optim_wrapper.engine.exchange.transport` -- how a round's collective runs: on the
@@ -15,7 +16,6 @@
 * :mod:`~decent_optim_wrapper.engine.exchange.plain` -- a plain round: an all-reduce of the weighted values.
 * :mod:`~decent_optim_wrapper.engine.exchange.gathered` -- a gathered round: every member's payload,
   compressed differences from the group's reference, or exact values.
-* :mod:`~decent_optim_wrapper.engine.exchange.clipped_mix` -- clipped gossip's mix of a gathered round.
 * :mod:`~decent_optim_wrapper.engine.exchange.gossip` -- :class:`~decent_optim_wrapper.engine.Gossip`:
   stage, launch, wait and mix per bucket, one round in flight each, over the parts above; the
   checkpoint format.

@@ -59,9 +59,24 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ClippedGossip", "ClippedGossipSpec", "RadiusWindow", "clip_scale", "resolve_clipped_gossip"]
+import torch
+
+from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
+from decent_optim_wrapper.engine.exchange.rounds import Channel, Round
+from decent_optim_wrapper.engine.wire.compression import codec, round_seed
+
+__all__ = [
+    "ClippedGossip",
+    "ClippedGossipSpec",
+    "ClippedMix",
+    "RadiusWindow",
+    "clip_scale",
+    "resolve_clipped_gossip",
+]
 
 
 @dataclass(frozen=True)
@@ -113,6 +128,11 @@ class ClippedGossip:
                 f"ClippedGossip(drop_beyond=...) must be None or a number >= 1 (radii), got {drop!r}; "
                 "e.g. 10.0 leaves out differences longer than ten radii."
             )
+
+    def mixer(self, guard: GuardLog, label: str) -> ClippedMix:
+        """The mix of one :class:`~.gossip.Gossip`'s rounds under these options (a
+        :class:`~.gathered.MixRule`): its buckets' radii, their probation and their buffers."""
+        return ClippedMix(self, guard, label)
 
 
 ClippedGossipSpec = bool | ClippedGossip | None
@@ -205,3 +225,98 @@ def clip_scale(norm: float, radius: float, drop_beyond: float | None = None) -> 
     if drop_beyond is not None and norm > drop_beyond * radius:
         return 0.0
     return radius / norm
+
+
+class ClippedMix:
+    r"""Clipped gossip's mix of a gathered round (:mod:`~.gathered`):
+    ``x_i <- x_i + a sum_j c clip(x^_j - x^_i, tau_i)`` over the members that sent finite values
+    (compressed: ``x^_j - x^_i = q_j - q_i``), then the bucket's radius learns the norms. Neighbours left
+    out beyond ``drop_beyond`` radii are a ``"dropped"`` guard event. Every round is gathered, compressed
+    or not (the differences need each member's values), and an uncompressed one keeps no reference.
+
+    Args:
+        options: clipped gossip's options.
+        guard: where the ``"dropped"`` events go.
+        label: what the buckets are, for the events.
+    """
+
+    def __init__(self, options: ClippedGossip, guard: GuardLog, label: str) -> None:
+        self._options = options
+        self._guard = guard
+        self._label = label
+        self._radii: dict[int, RadiusWindow] = {}  # bucket -> its recent norms (made at first use)
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> a difference, the update
+
+    #: every round gathers the members' values, so that each neighbour's difference can be clipped
+    gathers_every_round = True
+
+    def _window(self, bucket: int) -> RadiusWindow:
+        window = self._radii.get(bucket)
+        if window is None:
+            window = self._radii[bucket] = RadiusWindow(self._options)
+        return window
+
+    def __call__(
+        self,
+        channel: Channel,
+        bucket: int,
+        round_: Round,
+        slot: int,
+        factor: float,
+        total: torch.Tensor,
+        scratch: torch.Tensor,
+        bad: Sequence[int],
+    ) -> None:
+        assert round_.codec is not None
+        group, window = round_.group, self._window(bucket)
+        coder = codec(round_.codec)
+        slots, seed = channel.payloads(group.size), round_seed(round_.step, channel.index)
+        if bucket not in self._buffers:
+            self._buffers[bucket] = (torch.empty_like(scratch), torch.empty_like(scratch))
+        other, update = self._buffers[bucket]
+        own = scratch
+        coder.decode_into(slots[slot], own, seed)
+        update.zero_()
+        radius, norms = window.radius(), []
+        own_norm = float(torch.linalg.vector_norm(channel.tensor))  # the warm-up's cut-off (clipping)
+        sent_with = 1.0 / group.size if group.self_weight is None else group.peer_weight
+        dropped = []
+        for j in range(group.size):
+            if j == slot or j in bad:
+                continue
+            coder.decode_into(slots[j], other, seed)
+            other.sub_(own)
+            norm = float(torch.linalg.vector_norm(other))
+            norms.append(norm)
+            scale = window.judge(group.ranks[j], norm, radius, own_norm)
+            if scale > 0.0:
+                update.add_(other, alpha=factor * sent_with * scale)
+            elif radius > 0.0:  # a radius of 0 (nothing learnt yet) mixes nobody: not a verdict on j
+                dropped.append(group.ranks[j])
+        channel.tensor.add_(update)
+        window.add(norms)
+        if dropped:
+            self._guard.record(
+                GuardEvent("dropped", round_.step, bucket, self._label, group.ranks, tuple(dropped))
+            )
+
+    # -- checkpoints: each bucket's norms and the neighbours on probation ------------------------------
+    def state(self, buckets: int) -> dict[str, list[Any]]:
+        """``clip_norms`` and ``clip_probation``, one entry per bucket."""
+        windows = [self._radii.get(bucket) for bucket in range(buckets)]
+        return {
+            "clip_norms": [[] if w is None else w.state() for w in windows],
+            "clip_probation": [{} if w is None else w.on_probation() for w in windows],
+        }
+
+    def load_state(self, buckets: int, state: Mapping[str, Any]) -> None:
+        """Restore the windows of :meth:`state` (of at most ``buckets`` buckets) from a gossip checkpoint;
+        one without them (taken without clipped gossip) leaves the windows as they are."""
+        norms = state.get("clip_norms")
+        if norms is None:
+            return
+        held_by_bucket = state.get("clip_probation") or [{} for _ in norms]
+        for bucket, saved, held in zip(range(buckets), norms, held_by_bucket, strict=False):
+            self._radii[bucket] = RadiusWindow(
+                self._options, [float(n) for n in saved], {int(r): int(n) for r, n in held.items()}
+            )

@@ -10,7 +10,7 @@ slots; at the mix each decodes ``s = sum_j q_j`` in rank order (identical on eve
 
 (see the compressed gossip page of the docs). A group's first round without a common starting point
 sends the values themselves, exactly, and its mean becomes the reference. Clipped gossip
-(:mod:`~.clipped_mix`) gathers every round, compressed or not, and mixes each neighbour's difference
+(:mod:`~.clipping`) gathers every round, compressed or not, and mixes each neighbour's difference
 clipped instead. Guarded mixing (:mod:`~.guard`): a member whose difference is not finite sends zero
 (it counts as holding the reference) and heals to ``r + c s``; a payload that decodes to values that
 are not finite is read as zero by every member alike.
@@ -18,8 +18,8 @@ are not finite is read as zero by every member alike.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -31,12 +31,26 @@ from decent_optim_wrapper.engine.fleet.comm import reduction_dtype
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan, codec, round_seed
 from decent_optim_wrapper.topo import Group, Topology
 
-__all__ = ["DifferenceMix", "GatheredMix", "GatheredRounds", "gathered_sum"]
+__all__ = ["DifferenceMix", "GatheredMix", "GatheredRounds", "MixRule", "gathered_sum"]
 
 
 class GatheredMix(Protocol):
     """How a member that sent finite values (in slot ``slot``) mixes a gathered round in, given the
-    sum ``total`` of the good payloads, a bucket-sized ``scratch`` and the slots ``bad`` left out."""
+    sum ``total`` of the good payloads, a bucket-sized ``scratch`` and the slots ``bad`` left out; with
+    whether it needs every round gathered (not only compressed ones), and what of it a checkpoint keeps.
+    One is made per :class:`~.gossip.Gossip` by a :class:`MixRule`."""
+
+    #: True: every round is gathered, and an uncompressed one keeps no reference; False: only the
+    #: rounds the compression plan compresses are (the others are all-reduced).
+    gathers_every_round: bool
+
+    def state(self, buckets: int) -> dict[str, Any]:
+        """What a gossip checkpoint keeps of this mix for ``buckets`` buckets (entries of its own)."""
+        ...
+
+    def load_state(self, buckets: int, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state` from a gossip checkpoint (one that lacks its entries: keep as is)."""
+        ...
 
     def __call__(
         self,
@@ -51,8 +65,27 @@ class GatheredMix(Protocol):
     ) -> None: ...
 
 
+class MixRule(Protocol):
+    """A rule for mixing gathered rounds in, as the job's options give it (e.g. clipped gossip's
+    :class:`~.clipping.ClippedGossip`): it makes each :class:`~.gossip.Gossip` its own mix. A new rule is a
+    new kind of this, handed to the engine by its config part (:class:`~decent_optim_wrapper.Robustness`)."""
+
+    def mixer(self, guard: GuardLog, label: str) -> GatheredMix:
+        """The mix of one :class:`~.gossip.Gossip`'s rounds; its events go to ``guard``, named ``label``."""
+        ...
+
+
 class DifferenceMix:
-    """``x_i <- x_i + a c (s - k q_i)``: the weighted mean of the members' decoded values."""
+    """``x_i <- x_i + a c (s - k q_i)``: the weighted mean of the members' decoded values (plain gossip's
+    mix of a compressed round; it keeps nothing between rounds)."""
+
+    gathers_every_round = False
+
+    def state(self, buckets: int) -> dict[str, Any]:
+        return {}
+
+    def load_state(self, buckets: int, state: Mapping[str, Any]) -> None:
+        return None
 
     def __call__(
         self,
@@ -87,7 +120,7 @@ class GatheredRounds:
         guard: where guarded mixing's events go.
         label: what the buckets are, for the events.
         mix: how a member that sent mixes the round in (:class:`DifferenceMix`, or clipped gossip's
-            :class:`~.clipped_mix.ClippedMix`).
+            :class:`~.clipping.ClippedMix`).
     """
 
     def __init__(

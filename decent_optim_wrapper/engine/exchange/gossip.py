@@ -13,8 +13,9 @@ A :class:`Gossip` is made of parts chosen once, when the groups are wired:
   :class:`~.gathered.GatheredRounds` (every member's payload gathered: the groups a
   :class:`~.compression.CompressionPlan` compresses, and every group under clipped gossip); a group's
   kind follows from the plan and the options, a restored round's from its codec;
-* how a gathered round is mixed: :class:`~.gathered.DifferenceMix`, or clipped gossip's
-  :class:`~.clipped_mix.ClippedMix`;
+* how a gathered round is mixed: :class:`~.gathered.DifferenceMix`, or the mix of the job's
+  :class:`~.gathered.MixRule` (clipped gossip's :class:`~.clipping.ClippedMix`), which also says whether
+  every round is gathered and keeps its own part of the checkpoint;
 * the transport (:mod:`~.transport`): collectives on the buckets' buffers, or through pinned host
   copies (:mod:`~.staging`);
 * guarded mixing's log (:mod:`~.guard`), which every kind reports to.
@@ -34,9 +35,7 @@ import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import GossipError
 from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors, misfit
-from decent_optim_wrapper.engine.exchange.clipped_mix import ClippedMix
-from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip
-from decent_optim_wrapper.engine.exchange.gathered import DifferenceMix, GatheredRounds
+from decent_optim_wrapper.engine.exchange.gathered import DifferenceMix, GatheredMix, GatheredRounds, MixRule
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.plain import PlainRounds
 from decent_optim_wrapper.engine.exchange.rounds import Channel, Round
@@ -58,11 +57,13 @@ Waiter = Callable[
 @dataclass(frozen=True)
 class RoundRules:
     """How every round of a job is mixed in beyond plain gossip, the same for every :class:`Gossip` of
-    it (parameters, trackers, anchors): guarded mixing's log (:mod:`~.guard`) and clipped gossip's
-    options (:mod:`~.clipping`; None: plain differences). A rule of this kind is a field here."""
+    it (parameters, trackers, anchors): guarded mixing's log (:mod:`~.guard`) and the rule that mixes
+    gathered rounds (:class:`~.gathered.MixRule`, e.g. clipped gossip's :mod:`~.clipping`; None: plain
+    differences). The engine takes the rule from its config's robustness part
+    (:meth:`~decent_optim_wrapper.Robustness.mix_rule`), so a new one reaches every round unforwarded."""
 
     guard: GuardLog
-    clipped: ClippedGossip | None = None
+    mix: MixRule | None = None
 
 
 @dataclass(frozen=True)
@@ -94,7 +95,7 @@ class GossipWiring:
             self.staging,
             self.rules.guard,
             label,
-            self.rules.clipped,
+            self.rules.mix,
         )
 
 
@@ -119,8 +120,9 @@ class Gossip:
             the buckets' own buffers.
         guard: where guarded mixing's events go (:mod:`~.guard`); None: a log of this rank's own.
         label: what these tensors are, for the guard's events (``"parameters"``, ``"anchors"``, ...).
-        clipped: clipped gossip's options (:mod:`~.clipping`): every round gathers the members' values
-            (or compressed differences) and mixes each neighbour's difference clipped; None: plain.
+        mix: the rule that mixes gathered rounds in (:class:`~.gathered.MixRule`; e.g. clipped gossip's
+            options, under which every round gathers the members' values, or compressed differences,
+            and mixes each neighbour's difference clipped); None: plain differences.
     """
 
     def __init__(
@@ -135,11 +137,11 @@ class Gossip:
         staging: HostStaging | None = None,
         guard: GuardLog | None = None,
         label: str = "parameters",
-        clipped: ClippedGossip | None = None,
+        mix: MixRule | None = None,
     ) -> None:
         guard = GuardLog(rank) if guard is None else guard
         self._transport = transport_for(staging)
-        self._clipped = None if clipped is None else ClippedMix(clipped, guard, label)
+        self._mix: GatheredMix = DifferenceMix() if mix is None else mix.mixer(guard, label)
         self._plain = PlainRounds(rank, self._transport, guard, label)
         self._gathered = GatheredRounds(
             rank,
@@ -148,7 +150,7 @@ class Gossip:
             self._transport,
             guard,
             label,
-            DifferenceMix() if self._clipped is None else self._clipped,
+            self._mix,
         )
         self._guard = guard
         self._label = label
@@ -177,9 +179,9 @@ class Gossip:
             self._channels.append(Channel(tensor, number, flag_slots=self._flag_slots))
 
     def _gathers(self, group: Group, dtype: torch.dtype) -> bool:
-        """Whether ``group``'s rounds of ``dtype`` buckets are gathered (compressed, or clipped gossip's)
-        rather than all-reduced."""
-        return self._clipped is not None or self._gathered.compresses(group, dtype)
+        """Whether ``group``'s rounds of ``dtype`` buckets are gathered (compressed, or every round of a
+        mix that needs them all, such as clipped gossip's) rather than all-reduced."""
+        return self._mix.gathers_every_round or self._gathered.compresses(group, dtype)
 
     def bytes_sent_per_step(self) -> float:
         """Bytes this rank sends per step for these buckets, averaged over one period of the schedule.
@@ -409,8 +411,8 @@ class Gossip:
         saved_references = self._references_state() if references else []
         starts = [_cloned(c.start) for c in self._channels] if references else []
         saved_start = starts if any(t is not None for t in starts) else []
-        clipping = references and self._clipped is not None  # a checkpoint keeps the radii's norms
-        if not steps and not saved_references and not saved_start and not clipping:
+        mixing = self._mix.state(self.num_buckets) if references else {}  # e.g. clipped gossip's radii
+        if not steps and not saved_references and not saved_start and not mixing:
             return None
         self.wait_all()
         buffers: list[torch.Tensor | None] = []
@@ -430,8 +432,7 @@ class Gossip:
         state: dict[str, Any] = {"step": steps.pop() if steps else None, "buffers": buffers}
         if any(f is not None and bool(f.any()) for f in flags):  # only where a member withheld
             state["flags"] = flags
-        if clipping and self._clipped is not None:
-            state.update(self._clipped.state(self.num_buckets))
+        state.update(mixing)
         if any(c is not None for c in codecs) or saved_references:
             state.update(gathered=gathered, codecs=codecs, references=saved_references)
         if saved_start:
@@ -519,9 +520,8 @@ class Gossip:
             for channel, saved in zip(self._channels, state.get("start", []), strict=False):
                 if saved is not None:
                     channel.start = saved.to(channel.tensor.device).clone()
-        norms = state.get("clip_norms")
-        if references and norms is not None and self._clipped is not None:
-            self._clipped.load_state(self.num_buckets, norms, state.get("clip_probation"))
+        if references:
+            self._mix.load_state(self.num_buckets, state)
         if step is None:
             return
         group = self._topology.group(self._rank, int(step))
@@ -548,8 +548,8 @@ class Gossip:
                 None,
                 name,
                 reference_applied=not references,
-                # clipped gossip's uncompressed rounds keep no reference
-                tracks_reference=self._clipped is None
+                # an uncompressed round of a mix that gathers every round keeps no reference
+                tracks_reference=not self._mix.gathers_every_round
                 or self._gathered.compresses(group, channel.tensor.dtype),
             )
 
