@@ -31,7 +31,6 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -39,8 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.costs.questions import rule_against_torch
 from benchmarks.harness.common import collect_from_ranks
+from benchmarks.harness.interleaved import interleave, median_seconds, ratio, rule_against_torch, timed_on
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, TinyGPT
 from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine.wire.compression import codec, parse_compression, round_seed
@@ -66,38 +65,6 @@ METHODS = {
 
 def device_of(args: argparse.Namespace) -> torch.device:
     return torch.device("cpu") if args.smoke else torch.device("cuda", 0)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
-def _timed_on(device: torch.device, fn: Callable[[], object]) -> float:
-    return timed(fn, device)
-
-
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The median of ``repeats`` timings after one untimed call (first calls allocate)."""
-    return statistics.median([timed(fn, device) for _ in range(repeats + 1)][1:])
-
-
-def ratio_summary(times: dict[str, list[float]], name: str, against: str) -> dict[str, float]:
-    paired = [a / b for a, b in zip(times[name], times[against], strict=True)]
-    return {
-        "ms": statistics.median(times[name]) * 1e3,
-        "vs": against,
-        "ratio_of_medians": statistics.median(times[name]) / statistics.median(times[against]),
-        "median_paired_ratio": statistics.median(paired),
-    }
 
 
 # -- (a) host staging per step -----------------------------------------------------------------------
@@ -145,13 +112,8 @@ def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, dev
         nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
         optimizer.step()
 
-    names = list(runs)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(args.warmup + args.iters):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            seconds = timed(lambda name=name: step(*runs[name]), device)
-            if i >= args.warmup:
-                times[name].append(seconds)
+    steps = {name: lambda _, run=run: step(*run) for name, run in runs.items()}
+    times = interleave(steps, args.iters, args.warmup, partial(timed_on, device))
     params = sum(p.numel() for p in runs["nocomm"][0].parameters())
     ring = runs["ring"][1]
     assert isinstance(ring, DecentOptimWrapper)
@@ -159,11 +121,11 @@ def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, dev
         "params": params,
         "staged_bytes_per_step": 2 * params * 4,  # the fp32 sum buffer out and back per step
         "sent_bytes_per_step": ring.engine.bytes_sent_per_step(),
-        "nocomm": ratio_summary(times, "nocomm", "nocomm"),
-        "ring": ratio_summary(times, "ring", "nocomm"),
-        "ring-local": ratio_summary(times, "ring-local", "nocomm"),
-        "average_vs_local": ratio_summary(times, "ring", "ring-local"),
-        "ring~h8": ratio_summary(times, "ring~h8", "nocomm"),
+        "nocomm": ratio(times, "nocomm", "nocomm"),
+        "ring": ratio(times, "ring", "nocomm"),
+        "ring-local": ratio(times, "ring-local", "nocomm"),
+        "average_vs_local": ratio(times, "ring", "ring-local"),
+        "ring~h8": ratio(times, "ring~h8", "nocomm"),
     }
 
 
@@ -197,10 +159,10 @@ def adam_steps(args: argparse.Namespace) -> dict[str, Any]:
             params = [torch.randn(n, device=device).requires_grad_() for n in sizes]
             for p in params:
                 p.grad = torch.randn_like(p)
-            times = rule_against_torch(params, flags, args.warmup, args.iters, partial(_timed_on, device))
+            times = rule_against_torch(params, flags, args.warmup, args.iters, partial(timed_on, device))
             per_impl[impl] = {
                 "torch_ms": statistics.median(times["torch"]) * 1e3,
-                **ratio_summary(times, "rule", "torch"),
+                **ratio(times, "rule", "torch"),
             }
             del params
         out[str(total)] = per_impl
