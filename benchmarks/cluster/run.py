@@ -46,7 +46,8 @@ from benchmarks.harness.emulated_cluster import (
     round_trip_ms,
     run_workers,
 )
-from benchmarks.harness.report import add_output_arguments, markdown_table, save
+from benchmarks.harness.question_args import question_parser
+from benchmarks.harness.report import markdown_table, save
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, SharingModel, predict, transfer_seconds
 from decent_optim_wrapper.topo.group import Group
 
@@ -573,20 +574,8 @@ MEASURES = {f.__name__: f for f in (speed, low_comm, uneven, scaling, report, li
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``QUESTION`` and its options, one ``--name`` per default in ``questions.py``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    questions = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")
-    for name, question in QUESTIONS.items():
-        sub = questions.add_parser(name, help=question.help, description=question.help)
-        for key, default in question.defaults.items():
-            flag = "--" + key.replace("_", "-")
-            if isinstance(default, bool):
-                sub.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif isinstance(default, list):
-                kind = type(default[0]) if default else str
-                sub.add_argument(flag, nargs="*" if not default else "+", type=kind, default=list(default))
-            else:
-                sub.add_argument(flag, type=type(default), default=default, help=f"default {default}")
-        add_output_arguments(sub)
+    asked = {name: (q.help, q.defaults) for name, q in QUESTIONS.items()}
+    parser = question_parser(__doc__.split("\n")[0], asked)
     args = parser.parse_args(argv)
     methods = getattr(args, "methods", [])
     baseline = {"speed": "nocomm", "scaling": "nocomm", "uneven": "nocomm"}.get(
