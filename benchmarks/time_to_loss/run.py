@@ -622,11 +622,8 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
     out, text = [], []
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
-        workers, model_bytes, compute_s = (
-            reference["workers"],
-            4.0 * reference["parameters"],
-            q.compute_ms / 1e3,
-        )
+        workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
+        compute_s = q.compute_ms / 1e3
         target = reference["validation_loss"] * q.tolerance
         bandwidth = q.bandwidth or 8 * model_bytes / compute_s  # one model per step's compute
         times = {}
