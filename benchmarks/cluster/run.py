@@ -46,7 +46,8 @@ from benchmarks.harness.emulated_cluster import (
     round_trip_ms,
     run_workers,
 )
-from benchmarks.harness.report import add_output_arguments, markdown_table, save
+from benchmarks.harness.question_args import question_parser
+from benchmarks.harness.report import markdown_table, save
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, SharingModel, predict, transfer_seconds
 from decent_optim_wrapper.topo.group import Group
 
@@ -116,10 +117,9 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
     header = ["link", "one model over one link (ms)", "method", "median ms", "/ nocomm"]
     header += [f"{ref} / it" for ref in references] + ["MB sent per step and rank"]
     text = (
-        f"{args.nodes} nodes x {args.workers_per_node} ranks on {os.cpu_count()} cores (one torch "
-        "thread each), "
-        f"MLP of {params / 1e6:.2f}M params = {model_bytes / 1e6:.1f} MB, batch {args.batch}; medians over "
-        f"{args.rounds} rounds x {args.iters} steps. / nocomm: median step over no communication's; "
+        f"{args.nodes} nodes x {args.workers_per_node} ranks on {os.cpu_count()} cores (one torch thread "
+        f"each), MLP of {params / 1e6:.2f}M params = {model_bytes / 1e6:.1f} MB, batch {args.batch}; medians "
+        f"over {args.rounds} rounds x {args.iters} steps. / nocomm: median step over no communication's; "
         "REF / it: how many times faster than REF; MB sent: the busiest rank's (DDP: a ring all-reduce's "
         "2(n-1)/n gradients; gossip: the engine's bytes_sent_per_step())\n\n"
         + markdown_table(header, rows, ".3f")
@@ -333,11 +333,8 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
     for prefix in (f"{s}/" if s else "" for s in scenarios):
         if prefix + "nocomm" not in runs:
             continue
-        mean = {
-            m: 1e3 * statistics.fmean(runs[prefix + m]["rank_means_s"])
-            for m in args.methods
-            if prefix + m in runs
-        }
+        timed = [m for m in args.methods if prefix + m in runs]
+        mean = {m: 1e3 * statistics.fmean(runs[prefix + m]["rank_means_s"]) for m in timed}
         for method, ms in mean.items():
             run = runs[prefix + method]
             window = len(run["round_medians_s"]) * args.iters * ms / 1e3  # seconds of timed steps per rank
@@ -362,13 +359,10 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
     header += ["compute ms", "forward ms"]
     text = (
         f"{args.nodes} nodes x {args.workers_per_node} at {args.bandwidth}: one TCP stream "
-        f"{link or math.nan:.1f} "
-        f"Mbit/s, round trip {rtt:.3f} ms; {wall:.0f} s, the machine's CPU "
-        f"{100 * busy / wall / cores:.0f}% busy. "
-        "mean ms: mean over the ranks of their mean timed step; rank CPU: the ranks' own CPU / "
-        f"({cores} cores x "
-        "wall); machine: all busy CPU of the machine in the same windows\n\n"
-        + markdown_table(header, rows, ".3f")
+        f"{link or math.nan:.1f} Mbit/s, round trip {rtt:.3f} ms; {wall:.0f} s, the machine's CPU "
+        f"{100 * busy / wall / cores:.0f}% busy. mean ms: mean over the ranks of their mean timed step; "
+        f"rank CPU: the ranks' own CPU / ({cores} cores x wall); machine: all busy CPU of the machine in "
+        "the same windows\n\n" + markdown_table(header, rows, ".3f")
     )
     record = {"cores": cores, "link_mbit_s": link, "round_trip_ms": rtt, "wall_s": wall}
     return record | {"machine_busy_s": busy, "summary": summary, "runs": runs}, text
@@ -445,12 +439,8 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
         for rms, d, h, p in fits
     ]
     rms, doubling, head, _ = fits[-1]
-    header = [
-        "doubling ms",
-        "head start ms",
-        *(f"A/B at delta {1e3 * d:.0f} ms" for d in measured),
-        "rms error",
-    ]
+    header = ["doubling ms", "head start ms", *(f"A/B at delta {1e3 * d:.0f} ms" for d in measured)]
+    header += ["rms error"]
     text = (
         f"one transfer alone: {1e3 * alone:.0f} ms ({rate / 1e6:.1f} Mbit/s)\n\n"
         + markdown_table(header, rows)
@@ -513,11 +503,9 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         params = next((r[0]["params"] for r in results.values()), 0)
         text.append(
             f"memory per rank, MB (largest rank; model {params / 1e6:.2f}M params = "
-            f"{4 * params / 1e6:.1f} MB fp32, "
-            f"{args.mem_steps} AdamW steps of batch {args.mem_batch}, gloo on loopback; RSS after / "
-            "peak: resident "
-            f"size after the last step / ru_maxrss over that after a warm-up run of a tiny model)\n\n"
-            + markdown_table(header, table, ".3f")
+            f"{4 * params / 1e6:.1f} MB fp32, {args.mem_steps} AdamW steps of batch {args.mem_batch}, gloo "
+            "on loopback; RSS after / peak: resident size after the last step / ru_maxrss over that after a "
+            "warm-up run of a tiny model)\n\n" + markdown_table(header, table, ".3f")
         )
         record["memory"] = {"rows": rows, "ranks": results}
     if args.part in ("all", "cluster") and ready_to_emulate():
@@ -547,16 +535,12 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         topologies = sorted({m.partition("@")[0] for m in runs if m not in hsdp_parts.PLANNER_NAMES})
         text.append(
             f"step time, {args.nodes} nodes x {args.shards} ranks at {args.bandwidth} (one TCP stream "
-            f"{link or math.nan:.1f} Mbit/s); shard {shard / 1e6:.2f} MB. MB counted: per rank and step "
-            "over the "
-            "slow link (gossip: the engine's; torch-hsdp: 2(R-1)/R x the rank's fp32 gradient shard); "
-            "MB on link: "
-            f"the node veths' tx_bytes per step / {args.shards} ranks, warm-up included; plan ms: the "
-            "planner on "
-            "the shard at the rank's share of the link; plan+fsdp ms: with fsdp's excess "
-            f"({excess or 0:.1f} ms) "
-            f"as overhead. Planner: python -m decent_optim_wrapper.plan --model-bytes {int(shard)} "
-            "--compute-ms "
+            f"{link or math.nan:.1f} Mbit/s); shard {shard / 1e6:.2f} MB. MB counted: per rank and step over "
+            "the slow link (gossip: the engine's; torch-hsdp: 2(R-1)/R x the rank's fp32 gradient shard); MB "
+            f"on link: the node veths' tx_bytes per step / {args.shards} ranks, warm-up included; plan ms: "
+            "the planner on the shard at the rank's share of the link; plan+fsdp ms: with fsdp's excess "
+            f"({excess or 0:.1f} ms) as overhead. Planner: python -m decent_optim_wrapper.plan --model-bytes "
+            f"{int(shard)} --compute-ms "
             f"{args.compute_ms:g} --bandwidth {per_rank:g}mbit --nodes {args.nodes} --forward-fraction "
             f"{args.forward_fraction:g} --topologies {' '.join(topologies)}\n\n"
             + markdown_table(header, table, ".3f")
@@ -573,20 +557,8 @@ MEASURES = {f.__name__: f for f in (speed, low_comm, uneven, scaling, report, li
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``QUESTION`` and its options, one ``--name`` per default in ``questions.py``."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    questions = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")
-    for name, question in QUESTIONS.items():
-        sub = questions.add_parser(name, help=question.help, description=question.help)
-        for key, default in question.defaults.items():
-            flag = "--" + key.replace("_", "-")
-            if isinstance(default, bool):
-                sub.add_argument(flag, action=argparse.BooleanOptionalAction, default=default)
-            elif isinstance(default, list):
-                kind = type(default[0]) if default else str
-                sub.add_argument(flag, nargs="*" if not default else "+", type=kind, default=list(default))
-            else:
-                sub.add_argument(flag, type=type(default), default=default, help=f"default {default}")
-        add_output_arguments(sub)
+    asked = {name: (q.help, q.defaults) for name, q in QUESTIONS.items()}
+    parser = question_parser(__doc__.split("\n")[0], asked)
     args = parser.parse_args(argv)
     methods = getattr(args, "methods", [])
     baseline = {"speed": "nocomm", "scaling": "nocomm", "uneven": "nocomm"}.get(

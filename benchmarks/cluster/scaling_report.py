@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.report import markdown_table
+from benchmarks.harness.report import markdown_table, titled_table
 from decent_optim_wrapper import GossipCompression
 from decent_optim_wrapper.plan import (
     ComputeTimes,
@@ -233,89 +233,65 @@ def markdown(
     errors = {(r["nodes"], r["workers_per_node"], r["scenario"], r["method"]): r["error"] for r in rows}
     for local in sorted({r["args"]["workers_per_node"] for r in records}):
         group = [r for r in records if r["args"]["workers_per_node"] == local]
-        cols = [r["args"]["nodes"] for r in group]
         for scenario in dict.fromkeys(s for r in group for s in r["args"]["scenarios"]):
-            out.append(
-                f"\n**{scenario}**, {local} rank(s) per node: ms per iteration (x no-communication) "
-                "[simulator error]\n"
-            )
-            out.append("| method | " + " | ".join(f"{n} nodes" for n in cols) + " |")
-            out.append("|---" * (len(cols) + 1) + "|")
+            table = []
             for method in dict.fromkeys(m for r in group for m in r["args"]["methods"]):
-                cells = []
+                table.append([method])
                 for record in group:
                     ms = measured_ms(record, f"{scenario}/{method}")
                     base = measured_ms(record, f"{scenario}/nocomm")
                     err = errors.get((record["args"]["nodes"], local, scenario, method))
                     ok = ms and base and err is not None
-                    cells.append(f"{ms:.0f} ({ms / base:.2f}x) [{100 * err:+.0f}%]" if ok else "-")  # type: ignore[operator]
-                out.append(f"| {method} | " + " | ".join(cells) + " |")
+                    table[-1].append(f"{ms:.0f} ({ms / base:.2f}x) [{100 * err:+.0f}%]" if ok else "-")  # type: ignore[operator]
+            title = f"**{scenario}**, {local} rank(s) per node: ms per iteration (x no-communication) "
+            header = ["method", *(f"{r['args']['nodes']} nodes" for r in group)]
+            out.append(titled_table(title + "[simulator error]", header, table))
     columns = ["model", "link", "nodes", "no comm", "DDP (ring)", "DDP (tree latency)", "ddp-bf16", "ring"]
     columns += ["one-peer-exp", "ring@bf16", "DDP / one-peer-exp"]
-    out.append("\n| " + " | ".join(columns) + " |")
-    out.append("|---" * 11 + "|")
+    methods = ("nocomm", "ddp", "ddp-tree", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16")
+    table = []
     for row in predicted:
-        ms = row["ms"]
-        cells = [
-            ms[k] for k in ("nocomm", "ddp", "ddp-tree", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16")
-        ]
-        out.append(
-            f"| {row['model']} | {row['link']} | {row['nodes']} | "
-            + " | ".join(f"{c:,.0f}" for c in cells)
-            + f" | {ms['ddp'] / ms['one-peer-exp']:.2f} |"
-        )
-    return "\n".join(out) + "\n"
+        ms, size = row["ms"], [row["model"], row["link"], str(row["nodes"])]
+        table.append([*size, *(f"{ms[k]:,.0f}" for k in methods), ms["ddp"] / ms["one-peer-exp"]])
+    return "\n\n".join([*out, markdown_table(columns, table, ".2f")]) + "\n"
 
 
 def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
     """Per run: each rank's own CPU per step (ms) and the machine's busy share, per method."""
-    out = [
-        "\n| nodes x ranks | method | CPU per rank and step (ms) | ranks' CPU / cores | machine busy |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     for record in records:
         args = record["args"]
         for method in args["methods"]:
-            run = record["runs"].get(f"{scenario}/{method}")
-            if run:
+            if run := record["runs"].get(f"{scenario}/{method}"):
                 steps = len(run["round_medians_s"]) * args["iters"]
                 cpu = sum(sum(per_rank) for per_rank in run["measured"]["cpu_s"])
                 summary = record["summary"][f"{scenario}/{method}"]
-                out.append(
-                    f"| {args['nodes']} x {args['workers_per_node']} | {method} | "
-                    f"{1e3 * cpu / len(run['rank_means_s']) / steps:.1f} | "
-                    f"{100 * summary['ranks_cpu_fraction']:.0f}% | "
-                    f"{100 * summary['machine_cpu_fraction']:.0f}% |"
-                )
-    return "\n".join(out) + "\n"
+                shares = [f"{100 * summary[k]:.0f}%" for k in ("ranks_cpu_fraction", "machine_cpu_fraction")]
+                size = f"{args['nodes']} x {args['workers_per_node']}"
+                rows.append([size, method, 1e3 * cpu / len(run["rank_means_s"]) / steps, *shares])
+    header = ["nodes x ranks", "method", "CPU per rank and step (ms)", "ranks' CPU / cores", "machine busy"]
+    return "\n" + markdown_table(header, rows, ".1f") + "\n"
 
 
 def calibration(folder: Path) -> str:
     """Real compute vs emulated compute (constant) at the same cluster size, per method: the emulated
     run is ``calibration-emulated-NxL.json`` where there is one (waits as long as the real run's
     forward and backward, measured right after it), else the scaling run."""
-    out = [
-        "\n| nodes | method | real compute (ms) | emulated compute (ms) | emulated / real - 1 |",
-        "|---|---|---|---|---|",
-    ]
+    rows = []
     for real in load(folder, "real"):
         args = real["args"]
         size = f"{args['nodes']}x{args['workers_per_node']}"
-        found = [
-            folder / n
-            for n in (f"calibration-emulated-{size}.json", f"emulated-{size}.json")
-            if (folder / n).exists()
-        ]
+        names = (f"calibration-emulated-{size}.json", f"emulated-{size}.json")
+        found = [folder / n for n in names if (folder / n).exists()]
         if found:
             emulated = json.loads(found[0].read_text())
             emulated = {**emulated.pop("results", {}), **emulated}
             for method in args["methods"]:
                 a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
                 if a and b:
-                    out.append(
-                        f"| {args['nodes']} | {method} | {a:.1f} | {b:.1f} | {100 * (b / a - 1):+.1f}% |"
-                    )
-    return "\n".join(out) + "\n"
+                    rows.append([str(args["nodes"]), method, a, b, f"{100 * (b / a - 1):+.1f}%"])
+    header = ["nodes", "method", "real compute (ms)", "emulated compute (ms)", "emulated / real - 1"]
+    return "\n" + markdown_table(header, rows, ".1f") + "\n"
 
 
 def report(

@@ -24,23 +24,20 @@ from torch import nn
 from benchmarks.costs.timing import (
     SECRET,
     gossip_over,
-    interleave,
     on_ranks,
-    ratio,
     round_parts,
     step_ratios,
     step_table,
     table,
-    timed,
     train_step,
 )
 from benchmarks.harness.common import build_mlp
+from benchmarks.harness.interleaved import interleave, ratio, rule_against_torch, timed, timed_on
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_model
 from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
 from decent_optim_wrapper.engine import RECORD_S, RECORDS_ENV, Seal
 from decent_optim_wrapper.engine.counters import WaitClock
 from decent_optim_wrapper.engine.fleet.status import MAX_EVENTS, StatusBoard, status_key
-from decent_optim_wrapper.engine.rules.second_moment import SecondMomentRule
 from decent_optim_wrapper.engine.wire.compression import codec, resolve_compression, round_seed
 
 MIB = 2**20
@@ -231,17 +228,6 @@ def second_moment_steps(rank: int, world: int, args: Any) -> dict[str, Any]:
     return {"params": params, **step_ratios(steps, pairs, args.iters, args.warmup)}
 
 
-def rule_against_torch(
-    params: list[torch.Tensor], flags: dict[str, bool], warmup: int, iters: int, timer=timed
-):  # type: ignore[no-untyped-def]
-    """Seconds of torch's AdamW step (``"torch"``) and of the rule's step for n = 2 (``"rule"``) on the
-    same parameters and gradients, interleaved, after ``warmup`` untimed ones."""
-    torch_opt, rule_opt = (torch.optim.AdamW(params, lr=1e-4, **flags) for _ in range(2))
-    rule = SecondMomentRule("average")
-    steps = {"torch": lambda _: torch_opt.step(), "rule": lambda _: rule.step(rule_opt, 2)}
-    return interleave(steps, iters, warmup, timer)
-
-
 def map_large_allocations() -> None:
     """glibc maps every allocation of 64 KiB or more on its own (``mallopt(M_MMAP_THRESHOLD)``: a forked
     rank keeps the fork server's allocator), so the high-water mark follows the tensors alive at once."""
@@ -319,15 +305,6 @@ def lm_step(model: nn.Module, optimizer: torch.optim.Optimizer, step: int, batch
     optimizer.zero_grad()
     nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
     optimizer.step()
-
-
-def timed_on(device: torch.device, fn: Callable[[], object]) -> float:
-    """Seconds ``fn()`` took, the device synchronised before and after."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else lambda _: None
-    sync(device)
-    took = timed(fn)
-    sync(device)
-    return took
 
 
 def engine_round(rank: int, world: int, args: Any, fmt: str) -> dict[str, Any]:

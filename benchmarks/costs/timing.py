@@ -1,9 +1,8 @@
 """What every cost question shares: variants timed interleaved, ratios of medians, ranks, tables.
 
-A question builds *variants* (one training step each way, or the phases of one gossip round);
-:func:`interleave` runs each once per repetition, the order rotating every repetition so that a drift
-of the machine affects them all alike, and :func:`ratio` compares two as the ratio of their medians
-and the median of the per-repetition ratios. :func:`on_ranks` runs a measurement on local gloo ranks
+A question builds *variants* (one training step each way, or the phases of one gossip round), timed
+by ``harness/interleaved.py``; :func:`step_ratios` times training steps and compares pairs of them.
+:func:`on_ranks` runs a measurement on local gloo ranks
 (or the members of an elastic job) and gathers what each returns; :func:`table` is a report's table.
 """
 
@@ -13,7 +12,6 @@ import os
 import platform
 import statistics
 import subprocess
-import time
 from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -22,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.harness.common import collect_from_ranks
-from benchmarks.harness.report import markdown_table
+from benchmarks.harness.interleaved import Variant, interleave, ratio, timed
+from benchmarks.harness.report import titled_table
 from decent_optim_wrapper import DecentOptimWrapper, init_elastic
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
 from decent_optim_wrapper.engine.exchange.guard import GuardLog
@@ -31,42 +30,6 @@ from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan, resolve_compression
 
 SECRET = "the-secret-of-the-cost-benchmark-0123"
-Variant = Callable[[int], object]
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn()`` took."""
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def interleave(
-    variants: Mapping[str, Variant], iters: int, warmup: int, timer: Any = timed
-) -> dict[str, list[float]]:
-    """Seconds of each variant (``variant(repetition)``) in each of ``iters`` repetitions after ``warmup``
-    untimed ones, the order rotating by one every repetition. A variant that times itself (to leave
-    the network out) returns its seconds: a float, or a dict of parts (recorded as ``name.part``)."""
-    names, times = list(variants), {}
-    for i in range(warmup + iters):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            out: list[object] = []
-            took = timer(lambda fn=variants[name], i=i, out=out: out.append(fn(i)))
-            own = out[0] if isinstance(out[0], dict | float) else took
-            for part, seconds in (own if isinstance(own, dict) else {"": own}).items():
-                times.setdefault(f"{name}.{part}".rstrip("."), []).extend([seconds] if i >= warmup else [])
-    return times
-
-
-def ratio(times: Mapping[str, list[float]], name: str, against: str) -> dict[str, float]:
-    """``name`` against ``against``: its median ms, the ratio of medians, the median paired ratio."""
-    paired = statistics.median(a / b for a, b in zip(times[name], times[against], strict=True))
-    of_medians = statistics.median(times[name]) / statistics.median(times[against])
-    return {
-        "ms": 1e3 * statistics.median(times[name]),
-        "ratio_of_medians": of_medians,
-        "median_paired_ratio": paired,
-    }
 
 
 def step_ratios(
@@ -85,7 +48,7 @@ def table(title: str, header: str, rows: list[list[Any]], spec: str = ".3f") -> 
 
 
 def render(tables: list[dict[str, Any]]) -> str:
-    return "\n\n".join(f"{t['title']}\n\n{markdown_table(t['header'], t['rows'], t['spec'])}" for t in tables)
+    return "\n\n".join(titled_table(t["title"], t["header"], t["rows"], t["spec"]) for t in tables)
 
 
 def step_table(title: str, result: Mapping[str, Any]) -> dict[str, Any]:

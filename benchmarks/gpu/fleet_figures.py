@@ -31,7 +31,6 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -39,9 +38,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.costs.questions import rule_against_torch
 from benchmarks.harness.common import collect_from_ranks
+from benchmarks.harness.interleaved import interleave, median_seconds, ratio, rule_against_torch, timed_on
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, TinyGPT
+from benchmarks.harness.report import titled_table
 from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine.wire.compression import codec, parse_compression, round_seed
 from decent_optim_wrapper.plan import (
@@ -66,38 +66,6 @@ METHODS = {
 
 def device_of(args: argparse.Namespace) -> torch.device:
     return torch.device("cpu") if args.smoke else torch.device("cuda", 0)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device) -> float:
-    sync(device)
-    start = time.perf_counter()
-    fn()
-    sync(device)
-    return time.perf_counter() - start
-
-
-def _timed_on(device: torch.device, fn: Callable[[], object]) -> float:
-    return timed(fn, device)
-
-
-def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """The median of ``repeats`` timings after one untimed call (first calls allocate)."""
-    return statistics.median([timed(fn, device) for _ in range(repeats + 1)][1:])
-
-
-def ratio_summary(times: dict[str, list[float]], name: str, against: str) -> dict[str, float]:
-    paired = [a / b for a, b in zip(times[name], times[against], strict=True)]
-    return {
-        "ms": statistics.median(times[name]) * 1e3,
-        "vs": against,
-        "ratio_of_medians": statistics.median(times[name]) / statistics.median(times[against]),
-        "median_paired_ratio": statistics.median(paired),
-    }
 
 
 # -- (a) host staging per step -----------------------------------------------------------------------
@@ -145,13 +113,8 @@ def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, dev
         nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
         optimizer.step()
 
-    names = list(runs)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(args.warmup + args.iters):
-        for name in names[i % len(names) :] + names[: i % len(names)]:
-            seconds = timed(lambda name=name: step(*runs[name]), device)
-            if i >= args.warmup:
-                times[name].append(seconds)
+    steps = {name: lambda _, run=run: step(*run) for name, run in runs.items()}
+    times = interleave(steps, args.iters, args.warmup, partial(timed_on, device))
     params = sum(p.numel() for p in runs["nocomm"][0].parameters())
     ring = runs["ring"][1]
     assert isinstance(ring, DecentOptimWrapper)
@@ -159,11 +122,11 @@ def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, dev
         "params": params,
         "staged_bytes_per_step": 2 * params * 4,  # the fp32 sum buffer out and back per step
         "sent_bytes_per_step": ring.engine.bytes_sent_per_step(),
-        "nocomm": ratio_summary(times, "nocomm", "nocomm"),
-        "ring": ratio_summary(times, "ring", "nocomm"),
-        "ring-local": ratio_summary(times, "ring-local", "nocomm"),
-        "average_vs_local": ratio_summary(times, "ring", "ring-local"),
-        "ring~h8": ratio_summary(times, "ring~h8", "nocomm"),
+        "nocomm": ratio(times, "nocomm", "nocomm"),
+        "ring": ratio(times, "ring", "nocomm"),
+        "ring-local": ratio(times, "ring-local", "nocomm"),
+        "average_vs_local": ratio(times, "ring", "ring-local"),
+        "ring~h8": ratio(times, "ring~h8", "nocomm"),
     }
 
 
@@ -197,10 +160,10 @@ def adam_steps(args: argparse.Namespace) -> dict[str, Any]:
             params = [torch.randn(n, device=device).requires_grad_() for n in sizes]
             for p in params:
                 p.grad = torch.randn_like(p)
-            times = rule_against_torch(params, flags, args.warmup, args.iters, partial(_timed_on, device))
+            times = rule_against_torch(params, flags, args.warmup, args.iters, partial(timed_on, device))
             per_impl[impl] = {
                 "torch_ms": statistics.median(times["torch"]) * 1e3,
-                **ratio_summary(times, "rule", "torch"),
+                **ratio(times, "rule", "torch"),
             }
             del params
         out[str(total)] = per_impl
@@ -276,55 +239,42 @@ def planned(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
 
 # -- the run -------------------------------------------------------------------------------------------
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
-    print(f"torch {torch.__version__}, {results['device']}, {args.world} processes sharing it")
-    rate = results["copy_rate"]
-    print(
-        f"pinned copies: to host {rate['to_host_bytes_s'] / 1e9:.1f} GB/s, to the device "
-        f"{rate['to_device_bytes_s'] / 1e9:.1f} GB/s; gloo all-reduce between the processes "
-        f"{results['loopback_allreduce_s'] * 1e3:.1f} ms for the first model"
-    )
-    print("(a) step time against no communication (rank 0, median paired ratios)")
+    """The four parts' tables (rank 0's staging runs), each figure beside its target."""
+    rate, paper = results["copy_rate"], results["planned"]["slow_link_1b_16_nodes_100mbit"]
+    staging, adam = [], []
     for key, run in results["staging"][0].items():
         staged_s = run["staged_bytes_per_step"] / min(rate.values())
-        print(
-            f"  model {key}: {run['params'] / 1e6:.1f}M parameters, "
-            f"no communication {run['nocomm']['ms']:.1f} ms"
-        )
-        for name in ("ring", "ring-local", "ring~h8"):
-            r = run[name]
-            print(f"    {name:<12}{r['ms']:9.1f} ms  x{r['median_paired_ratio']:.3f}")
-        r = run["average_vs_local"]
-        print(f"    second_moment average vs local: x{r['median_paired_ratio']:.3f} (target 1.03)")
-        print(
-            f"    staged copies {run['staged_bytes_per_step'] / 1e6:.0f} MB/step: {1e3 * staged_s:.1f} ms "
-            f"at the pinned rate, {staged_s / (run['ring']['ms'] / 1e3):.1%} of a staged step"
-        )
-    print("(b) the Adam rule's step against torch's AdamW (one process)")
+        for name in ("nocomm", "ring", "ring-local", "ring~h8", "average_vs_local"):
+            staging.append([key, f"{run['params'] / 1e6:.1f}M", name, run[name]["ms"], run[name]["vs"]])
+            staging[-1].append(run[name]["median_paired_ratio"])
+        note = f"staged copies {run['staged_bytes_per_step'] / 1e6:.0f} MB/step: {1e3 * staged_s:.1f} ms"
+        staging.append([key, "", note, None, "ring", f"{staged_s / (run['ring']['ms'] / 1e3):.1%}"])
     for total, per_impl in results["adam"].items():
-        for impl, r in per_impl.items():
-            print(
-                f"  {int(total) / 1e6:7.0f}M {impl:<8} torch {r['torch_ms']:8.2f} ms  rule "
-                f"{r['ms']:8.2f} ms  x{r['median_paired_ratio']:.3f} (target 1.3 against fused)"
-            )
-    print(f"(c) codecs at {args.codec_params / 1e6:.0f}M values")
-    for name, r in results["codecs"].items():
-        print(
-            f"  {name:<16} encode {r['encode_s'] * 1e3:8.1f} ms ({r['encode_values_per_s'] / 1e9:.2f} G/s)  "
-            f"decode {r['decode_s'] * 1e3:8.1f} ms ({r['decode_values_per_s'] / 1e9:.2f} G/s)"
-        )
-    print("(d) the planner")
-    for key, predictions in results["planned"]["runs"].items():
-        for name, p in predictions.items():
-            print(
-                f"  {key} {name:<9} predicted {p['predicted_ms']:8.1f} ms  measured "
-                f"{p['measured_ms']:8.1f} ms  error {p['error']:+.1%} (target within 15%)"
-            )
-    print("  on paper: 1B parameters, 16 nodes, 100 Mbit/s, 1 s of compute per step")
-    for label, p in results["planned"]["slow_link_1b_16_nodes_100mbit"].items():
-        print(
-            f"    {label:<22} throughput {p['throughput_vs_nocomm']:.3f} of no communication, "
-            f"{p['bytes_per_node_step'] / 1e6:.1f} MB per node and step"
-        )
+        adam += [[f"{int(total) / 1e6:.0f}M", impl, r["torch_ms"], r["ms"], r["median_paired_ratio"]]
+                 for impl, r in per_impl.items()]  # fmt: skip
+    codecs = [[name, 1e3 * r["encode_s"], r["encode_values_per_s"], 1e3 * r["decode_s"]]
+              for name, r in results["codecs"].items()]  # fmt: skip
+    codecs = [[*row, results["codecs"][row[0]]["decode_values_per_s"]] for row in codecs]
+    planned = [[key, name, p["predicted_ms"], p["measured_ms"], f"{p['error']:+.1%}"]
+               for key, runs in results["planned"]["runs"].items() for name, p in runs.items()]  # fmt: skip
+    on_paper = [[run, p["throughput_vs_nocomm"], p["bytes_per_node_step"] / 1e6] for run, p in paper.items()]
+    to_host, to_device = (rate[f"to_{way}_bytes_s"] / 1e9 for way in ("host", "device"))
+    print("\n\n".join([
+        f"torch {torch.__version__}, {results['device']}, {args.world} processes sharing it; pinned "
+        f"copies: to host {to_host:.1f} GB/s, to the device {to_device:.1f} GB/s; gloo all-reduce between "
+        f"the processes {1e3 * results['loopback_allreduce_s']:.1f} ms for the first model",
+        titled_table("(a) step time against no communication (rank 0, median paired ratios; target: "
+                     "average_vs_local at most 1.03; the staged copies at the pinned rate, their share of a "
+                     "staged step)", ["model", "parameters", "run", "ms", "against", "ratio"], staging),
+        titled_table("(b) the Adam rule's step against torch's AdamW (one process; target 1.3 against fused)",
+                     ["parameters", "torch", "torch ms", "rule ms", "ratio"], adam),
+        titled_table(f"(c) codecs at {args.codec_params / 1e6:.0f}M values", ["codec", "encode ms",
+                     "encode values/s", "decode ms", "decode values/s"], codecs, ".3g"),
+        titled_table("(d) the planner (target: within 15%)",
+                     ["model", "run", "predicted ms", "measured ms", "error"], planned, ".1f"),
+        titled_table("on paper: 1B parameters, 16 nodes, 100 Mbit/s, 1 s of compute per step",
+                     ["run", "throughput vs no communication", "MB per node and step"], on_paper),
+    ]), flush=True)  # fmt: skip
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

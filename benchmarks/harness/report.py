@@ -49,6 +49,13 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]], spec
     return "\n".join(lines)
 
 
+def titled_table(
+    title: str, header: Sequence[str], rows: Iterable[Sequence[object]], spec: str = ".3f"
+) -> str:
+    """One section of a report: ``title``, a blank line, then the rows' :func:`markdown_table`."""
+    return f"{title}\n\n{markdown_table(header, rows, spec)}"
+
+
 def save(args: argparse.Namespace, results: Any, text: str) -> None:
     """Print ``text``; write it to ``args.table`` and ``results`` to ``args.json`` where given.
 

@@ -11,21 +11,14 @@ from typing import Any
 SPARSE = "ring~h8d1@topk:0.03:int4"
 LM: dict[str, Any] = {"width": 64, "depth": 2, "adam_lr": 3e-3, "warmup": 0, "timeout_s": 120.0}
 ADAM = "benchmarks/results/adam/lm-iid-"
+POWER_SGD = ["ddp-psgd1", "ddp-psgd2", "ddp-psgd4"]
 TORCHFT = ["torchft~h8", "torchft~h8d7", "torchft~h8d7a0.5"]
 OURS = ["ring~h8d1", "ring~h8d1@int8", SPARSE, "ring~h4d1@topk:0.03:int4"]
 
 #: slow-link's defaults, and the flags of both questions on shaped links.
 LINKS: dict[str, Any] = {
     "nodes": [2, 4],
-    "methods": [
-        "nocomm",
-        "ddp",
-        "ddp-psgd1",
-        "ddp-psgd2",
-        "ddp-psgd4",
-        *TORCHFT,
-        *OURS,
-    ],  # on the shaped links
+    "methods": ["nocomm", "ddp", *POWER_SGD, *TORCHFT, *OURS],  # on the shaped links
     "ours": "",  # one more of ours to train there and judge ('planner': the planner's recommendation)
     "topology": "one-peer-exp",  # the planner's topology for --ours planner
     "baselines": [],  # trained on fast links for their loss, then timed on the shaped links

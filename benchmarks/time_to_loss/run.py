@@ -33,7 +33,8 @@ from torch import nn
 from benchmarks.harness import emulated_cluster as emu
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.methods import optimizer_factory, parse_method
-from benchmarks.harness.report import add_output_arguments, cell, markdown_table, save
+from benchmarks.harness.question_args import question_parser
+from benchmarks.harness.report import cell, markdown_table, save
 from benchmarks.time_to_loss.questions import QUESTIONS
 from benchmarks.time_to_loss.rank import POWER_SGD, TORCHFT, power_sgd_numel
 from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
@@ -621,11 +622,8 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
     out, text = [], []
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
-        workers, model_bytes, compute_s = (
-            reference["workers"],
-            4.0 * reference["parameters"],
-            q.compute_ms / 1e3,
-        )
+        workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
+        compute_s = q.compute_ms / 1e3
         target = reference["validation_loss"] * q.tolerance
         bandwidth = q.bandwidth or 8 * model_bytes / compute_s  # one model per step's compute
         times = {}
@@ -670,20 +668,9 @@ RUN = {"slow-link": on_links, "scale-model": on_links, "uneven": uneven, "lm": l
 
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
-    raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=raw)
-    questions = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")
-    for name, defaults in QUESTIONS.items():
-        sub = questions.add_parser(name, help=defaults["help"], description=defaults["help"])
-        for key, default in defaults.items():
-            flag = "--" + key.replace("_", "-")
-            if key == "reuse":
-                sub.add_argument(flag, nargs=2, action="append", default=[], metavar=("JSON", "METHOD"))
-            elif isinstance(default, list):
-                sub.add_argument(flag, nargs="*", type=type(default[0]) if default else str, default=default)
-            elif key != "help":
-                sub.add_argument(flag, type=type(default), default=default)
-        add_output_arguments(sub)
+    asked = {name: (d["help"], {k: v for k, v in d.items() if k != "help"}) for name, d in QUESTIONS.items()}
+    reuse = {"nargs": 2, "action": "append", "default": [], "metavar": ("JSON", "METHOD")}
+    parser = question_parser(__doc__, asked, special={"reuse": reuse}, empty_lists=True)
     q = parser.parse_args(argv)
     for key in ("methods", "baselines"):
         torchft = [m for m in vars(q).get(key, []) if m.startswith("torchft")]
