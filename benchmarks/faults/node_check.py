@@ -1,7 +1,7 @@
 """What a job of nodes pays to survive a lost node: the node check, per step.
 
-    uv run benchmarks/hsdp/node_check.py                 # 2 nodes x 2 shards on loopback, about 2 min
-    uv run benchmarks/hsdp/node_check.py --buckets 8 --json /tmp/node-check.json
+    uv run benchmarks/faults/run.py node-check                 # 2 nodes x 2 shards on loopback, about 2 min
+    uv run benchmarks/faults/run.py node-check --buckets 8 --json /tmp/node-check.json
 
 In a job of nodes (``init_elastic(..., shards=k)``) with ``on_peer_failure="continue"`` the ranks of a
 node exchange a flag and a count over the node (an all-gather of 16 bytes per rank on the default
@@ -21,12 +21,10 @@ on local CPU processes (gloo), one thread each:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.common import build_mlp, collect_from_ranks
@@ -100,24 +98,8 @@ def run_job(args: argparse.Namespace, mode: str) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--nodes", type=int, default=2)
-    parser.add_argument("--shards", type=int, default=2, help="ranks per node")
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--depth", type=int, default=4)
-    parser.add_argument("--buckets", type=int, default=4, help="buckets of gossip per rank")
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--warmup", type=int, default=10, help="steps left out of the median")
-    parser.add_argument("--step-time", type=float, default=0.02, help="seconds of emulated compute per step")
-    parser.add_argument("--checks", type=int, default=200, help="node checks timed on their own")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the two jobs")
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    args = parser.parse_args()
-    if args.warmup >= args.steps:
-        parser.error(f"--warmup must be below --steps, got {args.warmup} with --steps {args.steps}")
+def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Both jobs, interleaved ``--rounds`` times: the step times, one check, and the checks' share."""
     runs: dict[str, list[dict[str, float]]] = {"raise": [], "continue": []}
     for _ in range(args.rounds):
         for mode in runs:
@@ -135,16 +117,10 @@ def main() -> None:
         "check_s": check_s,
         "checks_over_step": buckets * check_s / step["continue"],
     }
-    print(
+    text = (
         f"{args.nodes} nodes x {args.shards} shards, {buckets} buckets: step "
         f"{step['raise'] * 1e3:.1f} ms with 'raise', {step['continue'] * 1e3:.1f} ms with 'continue' "
         f"({figures['continue_over_raise']:.3f}x); one node check {check_s * 1e6:.0f} us, {buckets} per "
-        f"step = {figures['checks_over_step']:.2%} of a step",
-        flush=True,
+        f"step = {figures['checks_over_step']:.2%} of a step"
     )
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
-
-
-if __name__ == "__main__":
-    main()
+    return figures, text

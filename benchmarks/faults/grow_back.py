@@ -1,11 +1,12 @@
 """Losing workers and getting them back: live join against a run without failures and a restart.
 
-    sudo uv run benchmarks/joining/grow_back.py                      # 8 nodes of the emulated cluster, ~5 min
-    uv run benchmarks/joining/grow_back.py --local --workers 4 --steps 80 --lose-at 30   # loopback, no root
+    sudo uv run benchmarks/faults/run.py grow-back              # 8 nodes of the emulated cluster, ~5 min
+    uv run benchmarks/faults/run.py grow-back --local --workers 4 --steps 80 --lose-at 30  # loopback
 
 The same training runs three ways (AdamW on an MLP of ``--params`` fp32 parameters, ring,
 ``--step-time`` of emulated compute per step, each rank its own seeded batches; worker ``i`` on
-node ``i`` of ``cluster.py``'s emulated cluster, links shaped to ``--link``, the store on node 0):
+node ``i`` of ``harness/emulated_cluster.py``'s cluster, links shaped to ``--link``, the store on
+node 0):
 
 - *steady*: ``--workers`` workers, no failure, ``--steps`` steps.
 - *grow back*: the same, open to joiners (``init_elastic``, ``on_peer_failure="continue"``); after
@@ -26,6 +27,7 @@ two joiners' copies of their donors change in the mean (docs/joining.md, "The me
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -37,10 +39,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.joining.joining import Placement
+from benchmarks.faults.joins import Placement, start_worker
 
-HERE = Path(__file__).resolve()
-SCENARIOS = ("steady", "grow-back", "restart")
 LOST = 2  # ranks lost at --lose-at
 
 
@@ -115,9 +115,8 @@ def worker(args: argparse.Namespace) -> None:
 def run(scenario: str, args: argparse.Namespace, placement: Placement) -> dict[str, Any]:
     """One run of ``scenario``, as a launcher runs it; its time to the last step and final loss."""
     out = Path(tempfile.mkdtemp(prefix=f"dow-grow-back-{scenario}-"))
-    command = [sys.executable, str(HERE), "--worker", "--scenario", scenario, "--out", str(out)]
-    for name in ("params", "steps", "lose_at", "checkpoint_every", "step_time", "timeout", "lr"):
-        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    names = ("params", "steps", "lose_at", "checkpoint_every", "step_time", "timeout", "lr")
+    options = {"scenario": scenario, "out": str(out), **{name: getattr(args, name) for name in names}}
     procs: dict[int, subprocess.Popen] = {}  # node -> its current process
     restarts, recomputed, starts = 0, 0, 0
     with placement.store() as (host, port):
@@ -125,13 +124,11 @@ def run(scenario: str, args: argparse.Namespace, placement: Placement) -> dict[s
         def start(node: int, attempt: int = 0, resume_step: int = 0) -> None:
             nonlocal starts
             starts += 1
-            env = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(node))
+            env = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(node)}
             env |= {"WORLD_SIZE": str(args.workers), "OMP_NUM_THREADS": "1", **placement.env(node)}
-            log = open(out / f"log-{node}-{attempt}-{starts}.txt", "w")  # noqa: SIM115 -- the child's
-            extra = ["--attempt", str(attempt), "--resume-step", str(resume_step)]
-            procs[node] = subprocess.Popen(
-                [*placement.launcher(node), *command, *extra], env=env, stdout=log, stderr=subprocess.STDOUT
-            )
+            log = out / f"log-{node}-{attempt}-{starts}.txt"
+            restart = {"attempt": attempt, "resume_step": resume_step}
+            procs[node] = start_worker(__name__, {**options, **restart}, log, env, placement.launcher(node))
 
         began = time.time()
         for node in range(args.workers):
@@ -147,9 +144,8 @@ def run(scenario: str, args: argparse.Namespace, placement: Placement) -> dict[s
                         restarts += 1
                         start(node)
                 elif failed and scenario == "restart" and attempt == 0:
-                    for (
-                        proc
-                    ) in procs.values():  # as torchrun's agent: stop everyone, restart from a checkpoint
+                    # as torchrun's agent does: stop everyone, restart all from a checkpoint
+                    for proc in procs.values():
                         if proc.poll() is None:
                             proc.kill()
                         proc.wait()
@@ -195,75 +191,37 @@ def complete(out: Path, step: int, args: argparse.Namespace) -> bool:
     return all((out / f"ckpt-{rank}-{step}.pt").exists() for rank in range(args.workers))
 
 
-# -- main ----------------------------------------------------------------------------------------------
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--scenario", choices=SCENARIOS, default="steady", help=argparse.SUPPRESS)
-    parser.add_argument("--attempt", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--resume-step", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--workers", type=int, default=8)
-    parser.add_argument("--params", type=int, default=250_000, help="parameters of the model (fp32)")
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lose-at", type=int, default=140, help="the step after which two ranks die")
-    parser.add_argument(
-        "--checkpoint-every", type=int, default=50, help="steps between checkpoints (restart)"
-    )
-    parser.add_argument("--step-time", type=float, default=0.05, help="seconds of emulated compute per step")
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--timeout", type=float, default=10.0, help="the engine's timeout, seconds")
-    parser.add_argument("--link", default="1gbit", help="tc rate of every link of the emulated cluster")
-    parser.add_argument("--local", action="store_true", help="run on loopback instead (no root)")
-    parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--deadline-s", type=float, default=600.0, help="deadline of one run")
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    args = parser.parse_args()
-    if not args.worker and not 0 <= args.lose_at < args.steps - 1:
-        parser.error(
-            f"--lose-at must be a step before the last, got {args.lose_at} with --steps {args.steps}"
-        )
-    return args
-
-
-def main() -> None:
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return
-    rows = []
-    if args.local:
-        for scenario in args.scenarios:
-            rows.append(run(scenario, args, Placement()))
-            print_row(rows[-1], rows[0])
-    else:
-        from benchmarks.harness.emulated_cluster import Cluster, ready_to_emulate
-
-        if not ready_to_emulate():
-            return
-        with Cluster(args.workers) as cluster:
-            cluster.shape(args.link)
-            for scenario in args.scenarios:
-                rows.append(run(scenario, args, Placement(cluster)))
-                print_row(rows[-1], rows[0])
-    if args.json:
-        setup = {k: getattr(args, k) for k in ("workers", "params", "steps", "lose_at", "checkpoint_every")}
-        figures = {**setup, "link": None if args.local else args.link, "cpus": os.cpu_count(), "runs": rows}
-        args.json.write_text(json.dumps(figures, indent=2))
-
-
-def print_row(row: dict[str, Any], first: dict[str, Any]) -> None:
+# -- the answer ----------------------------------------------------------------------------------------
+def row_text(row: dict[str, Any], first: dict[str, Any]) -> str:
     time_ratio, loss_ratio = row["seconds"] / first["seconds"], row["final_loss"] / first["final_loss"]
-    print(
+    return (
         f"{row['scenario']:>9}: {row['seconds']:6.1f} s to the last step ({time_ratio:.2f}x of "
         f"{first['scenario']}), final loss {row['final_loss']:.6f} ({loss_ratio:.4f}x), "
         f"processes restarted {row['processes_restarted']}, steps computed again {row['steps_recomputed']}, "
-        f"joiners {row['joiners']}, waited for them {row['waited_for_joiners_s']:.2f} s",
-        flush=True,
+        f"joiners {row['joiners']}, waited for them {row['waited_for_joiners_s']:.2f} s"
     )
 
 
-if __name__ == "__main__":
-    main()
+def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The runs asked for (``--runs``), on the emulated cluster or, with ``--local``, on loopback."""
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        placement = Placement()
+        if not args.local:
+            from benchmarks.harness.emulated_cluster import Cluster, ready_to_emulate
+
+            if not ready_to_emulate():
+                return {"runs": []}, "grow-back: the emulated cluster needs root (or use --local)"
+            cluster = stack.enter_context(Cluster(args.workers))
+            cluster.shape(args.link)
+            placement = Placement(cluster)
+        for scenario in args.runs:
+            rows.append(run(scenario, args, placement))
+            print(row_text(rows[-1], rows[0]), flush=True)
+    setup = {k: getattr(args, k) for k in ("workers", "params", "steps", "lose_at", "checkpoint_every")}
+    figures = {**setup, "link": None if args.local else args.link, "cpus": os.cpu_count(), "runs": rows}
+    return figures, "\n".join(row_text(row, rows[0]) for row in rows)
+
+
+if __name__ == "__main__":  # a worker, started by start_worker
+    worker(argparse.Namespace(**json.loads(sys.argv[1])))

@@ -1,15 +1,16 @@
 """What a live join costs: the members' pause per admission, a joiner's time to its first step, the
 transfer against the link, and the per-step cost of a job open to joiners.
 
-    uv run benchmarks/joining/joining.py                           # local CPU workers, about 4 min
-    uv run benchmarks/joining/joining.py --ranks 4 8 --params 1e6 --json /tmp/joining.json
-    sudo uv run benchmarks/joining/joining.py --links 100mbit 1gbit --sizes-mb 1 10 100   # emulated cluster
-    sudo uv run benchmarks/joining/joining.py --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause there
+    uv run benchmarks/faults/run.py joining                        # local CPU workers, about 4 min
+    uv run benchmarks/faults/run.py joining --ranks 4 8 --params 1e6 --json /tmp/joining.json
+    sudo uv run benchmarks/faults/run.py joining --links 100mbit 1gbit --sizes-mb 1 10 100  # emulated cluster
+    sudo uv run benchmarks/faults/run.py joining --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause
 
-Every job is a set of worker processes (this script with ``--worker``) around a store this script
-hosts. A worker trains an MLP of ``--params`` fp32 parameters with AdamW (``DecentOptimWrapper``,
-ring, ``on_peer_failure="continue"``), entering through ``init_elastic``; it writes the wall time at
-the end of every step. Parts:
+Every job is a set of worker processes (this module run with ``python -m``, its options as JSON)
+around a store the driver hosts; :class:`Placement` and :func:`start_worker` start them, for
+``grow_back.py`` too. A worker trains an MLP of ``--params`` fp32 parameters with AdamW
+(``DecentOptimWrapper``, ring, ``on_peer_failure="continue"``), entering through ``init_elastic``;
+it writes the wall time at the end of every step. Parts:
 
 - *pause* (``--ranks``; on the emulated cluster with ``--cluster RATE``, a worker per node): ``n - 1``
   members start the job; once rank 0 reaches ``--join-after``
@@ -37,7 +38,6 @@ import argparse
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,7 +49,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve()
+from benchmarks.harness.common import free_port
 
 
 # -- the worker ----------------------------------------------------------------------------------------
@@ -125,10 +125,14 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # -- running jobs --------------------------------------------------------------------------------------
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def start_worker(
+    module: str, options: dict[str, Any], log: Path, env: dict[str, str], launcher: list[str]
+) -> subprocess.Popen:
+    """A worker process: ``module``'s ``worker`` with ``options`` (its output to ``log``), started
+    through ``launcher`` (a namespace of the emulated cluster, a wrapper) with ``env`` added."""
+    command = [*launcher, sys.executable, "-m", module, json.dumps(options)]
+    with open(log, "w") as out:  # the child holds its own copy of the file
+        return subprocess.Popen(command, env=dict(os.environ, **env), stdout=out, stderr=subprocess.STDOUT)
 
 
 class Placement:
@@ -190,28 +194,18 @@ def run_job(
     """
     placement = placement or Placement()
     out = Path(tempfile.mkdtemp(prefix="dow-joining-"))
-    command = [sys.executable, str(HERE), "--worker", "--mode", mode, "--out", str(out)]
-    command += [
-        "--params",
-        str(args.params),
-        "--steps",
-        str(args.steps),
-        "--join-after",
-        str(args.join_after),
-    ]
-    command += ["--timeout", str(args.timeout), "--step-time", str(args.step_time)]
-    command += ["--expect-join"] if join else []
+    options = {k: getattr(args, k) for k in ("params", "steps", "join_after", "timeout", "step_time")}
+    options |= {"mode": mode, "out": str(out), "expect_join": join}
     procs = []
     with placement.store() as (host, port):
 
         def start(rank: int, extra: dict[str, str]) -> None:
             node = len(procs)
-            env = dict(os.environ, MASTER_ADDR=host, MASTER_PORT=str(port), RANK=str(rank))
+            env = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank)}
             env |= {"WORLD_SIZE": str(members), "OMP_NUM_THREADS": "1", **placement.env(node), **extra}
             env |= {} if secret is None else {"DECENT_JOB_SECRET": secret}
-            log = open(out / f"log-{node}.txt", "w")  # noqa: SIM115 -- the child keeps it
             launch = [*placement.launcher(node), *(launcher or [])]
-            procs.append(subprocess.Popen([*launch, *command], env=env, stdout=log, stderr=subprocess.STDOUT))
+            procs.append(start_worker(__name__, options, out / f"log-{node}.txt", env, launch))
 
         stop_forging = threading.Event()
         if forged_per_s:
@@ -352,61 +346,22 @@ def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
                 figures = admission_figures(results)["joiner"]
                 ideal = figures["bytes"] * 8 / rate_bits(link)
                 rows.append({"link": link, "megabytes": figures["bytes"] / 1e6, **figures, "ideal_s": ideal})
-                print_link_row(rows[-1])
+                print(link_row(rows[-1]), flush=True)
     return rows
 
 
-def print_link_row(row: dict[str, Any]) -> None:
-    ratio = row["transfer_s"] / row["ideal_s"]
-    print(
+def link_row(row: dict[str, Any]) -> str:
+    return (
         f"{row['link']:>9} {row['megabytes']:8.1f} MB  donor packing {row['donor_s']:5.2f} s  "
-        f"transfer {row['transfer_s']:7.2f} s  "
-        f"bytes/link {row['ideal_s']:7.2f} s  ratio {ratio:5.2f}",
-        flush=True,
+        f"transfer {row['transfer_s']:7.2f} s  bytes/link {row['ideal_s']:7.2f} s  "
+        f"ratio {row['transfer_s'] / row['ideal_s']:5.2f}"
     )
 
 
-# -- main ----------------------------------------------------------------------------------------------
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--mode", default="elastic", choices=["raise", "continue", "elastic"], help=argparse.SUPPRESS
-    )
-    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
-    parser.add_argument("--ranks", type=int, nargs="*", default=[4, 8, 16], help="world sizes after the join")
-    parser.add_argument("--params", type=float, default=1e6, help="parameters of the model (fp32)")
-    parser.add_argument("--steps", type=int, default=60, help="steps of each job")
-    parser.add_argument("--join-after", type=int, default=15, help="rank 0's step at which the joiner starts")
-    parser.add_argument("--timeout", type=float, default=30.0, help="the engine's timeout, seconds")
-    parser.add_argument("--step-time", type=float, default=0.05, help="seconds of emulated compute per step")
-    parser.add_argument("--expect-join", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument(
-        "--overhead-ranks", type=int, default=4, help="world size of the overhead part (0: skip)"
-    )
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the overhead part")
-    parser.add_argument(
-        "--forged-per-s", type=float, default=10.0, help="forged applications a second (overhead part)"
-    )
-    parser.add_argument("--links", nargs="*", default=[], help="tc rates for the link part (needs root)")
-    parser.add_argument(
-        "--sizes-mb", type=float, nargs="*", default=[1, 10, 100], help="replica sizes, link part"
-    )
-    parser.add_argument(
-        "--cluster",
-        default=None,
-        help="run the pause part on the emulated cluster, links of this tc rate (root)",
-    )
-    parser.add_argument("--deadline-s", type=float, default=300.0, help="deadline of one job")
-    parser.add_argument("--json", type=Path, help="write the figures here")
-    return parser.parse_args()
-
-
-def print_pause_row(world: int, entry: dict[str, Any]) -> None:
+# -- the answer ----------------------------------------------------------------------------------------
+def pause_row(world: int, entry: dict[str, Any]) -> str:
     joiner = entry["joiner"]
-    print(
+    return (
         f"{world:>3} ranks: members' pause {entry['pause_s']:.2f} s "
         f"(median {entry['pause_median_s']:.2f}), step lost {entry['step_lost_s']:.2f} s "
         f"(step {entry['member_step_s'] * 1e3:.0f} ms); joiner {joiner['total_s']:.1f} s to its first "
@@ -414,20 +369,18 @@ def print_pause_row(world: int, entry: dict[str, Any]) -> None:
         f"{joiner['group_s']:.2f}, donor packing {joiner['donor_s']:.2f}, "
         f"transfer {joiner['transfer_s']:.2f} ({joiner['bytes'] / 1e6:.1f} MB), "
         f"verify {joiner['verify_s']:.2f}, the rest of the front-end {joiner['construct_s']:.2f}, "
-        f"first step {joiner['first_step_s']:.2f}",
-        flush=True,
+        f"first step {joiner['first_step_s']:.2f}"
     )
 
 
-def main() -> None:
-    args = parse_args()
-    if args.worker:
-        worker(args)
-        return
+def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The parts asked for (link, pause, overhead), in that order: their figures and their lines."""
     args.params = int(args.params)
     figures: dict[str, Any] = {"params": args.params, "cpus": os.cpu_count()}
+    lines = []
     if args.links:
         figures["link"] = link_sweep(args)
+        lines += [link_row(row) for row in figures["link"]]
     figures["pause"] = []
     with contextlib.ExitStack() as stack:
         placement = Placement()
@@ -440,23 +393,17 @@ def main() -> None:
             figures["cluster_link"] = args.cluster
         for world in args.ranks:
             figures["pause"].append(admission_figures(run_job(world - 1, args, "elastic", True, placement)))
-            print_pause_row(world, figures["pause"][-1])
+            lines.append(pause_row(world, figures["pause"][-1]))
+            print(lines[-1], flush=True)
     if args.overhead_ranks:
-        figures["overhead"] = overhead(args)
-        print(
-            "step time over on_peer_failure='raise', "
-            + ", ".join(
-                f"{mode}: {ratio:.3f}x"
-                for mode, ratio in figures["overhead"].items()
-                if mode in OVERHEAD_JOBS
-            )
-            + f"; forged/sealed {figures['overhead']['forged/sealed']:.3f}x, forged applications refused "
-            f"by rank 0 per job {figures['overhead']['forged_refused']}",
-            flush=True,
+        cost = figures["overhead"] = overhead(args)
+        ratios = ", ".join(f"{mode}: {cost[mode]:.3f}x" for mode in OVERHEAD_JOBS)
+        lines.append(
+            f"step time over on_peer_failure='raise', {ratios}; forged/sealed {cost['forged/sealed']:.3f}x, "
+            f"forged applications refused by rank 0 per job {cost['forged_refused']}"
         )
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=2))
+    return figures, "\n".join(lines)
 
 
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # a worker, started by start_worker
+    worker(argparse.Namespace(**json.loads(sys.argv[1])))

@@ -1,16 +1,16 @@
 """Convergence after a lost worker: 8 workers, one killed at mid-training, against 7 from the start.
 
-    uv run benchmarks/survival/survival.py                       # 3 seeds, about 4 min on 2 cores
-    uv run benchmarks/survival/survival.py --seeds 0 --steps 100 # a quick look
+    uv run benchmarks/faults/run.py lost-worker                       # 3 seeds, about 4 min on 2 cores
+    uv run benchmarks/faults/run.py lost-worker --seeds 0 --steps 100 # a quick look
 
 The main job's task (``synthetic_task.py``, the same as examples/quickstart.py's: the MLP, SGD with
 lr 0.05 and momentum 0.9 under a cosine schedule, batch 32 per worker, 600 steps, the iid split)
 with ring gossip, trained twice per seed:
 
 - ``8 -> 7``: 8 workers with ``on_peer_failure="continue"``; one of them (drawn from the seed) is
-  killed with SIGKILL at the start of step ``--kill-at`` (300, mid-training). The 7 survivors go on
-  from their own replicas, with their own shards: the lost worker's eighth of the training set is
-  not seen again (nothing re-shards it);
+  killed with SIGKILL at the start of step ``--kill-at`` (300, mid-training; the defaults:
+  ``questions.py``). The 7 survivors go on from their own replicas, with their own shards: the lost
+  worker's eighth of the training set is not seen again (nothing re-shards it);
 - ``7``: 7 workers from the start, the training set split 7 ways.
 
 Each worker draws its batches from a generator seeded by the seed and its launch rank, so a seed's two
@@ -26,13 +26,11 @@ that survives its workers would host it.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
 import statistics
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -123,84 +121,55 @@ def run_arm(workers: int, victim: int | None, seed: int, args: argparse.Namespac
     }
 
 
-def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    print(
-        f"\nSurvival: ring gossip, {args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, "
-        f"kill at step {args.kill_at}; {args.machine}"
-    )
+def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The verdict, and the table: per seed both runs and the difference, then the means."""
     header = (
         f"{'seed':>4} | {'run':>7} | {'victim':>6} | {'final loss':>10} | {'avg-model acc':>13} | "
         f"{'diff (points)':>13}"
     )
-    print(header)
-    print("-" * len(header))
+    lines = [
+        f"Survival: ring gossip, {args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, "
+        f"kill at step {args.kill_at}; {args.machine}",
+        header,
+        "-" * len(header),
+    ]
     diffs = []
     for seed in args.seeds:
         lost, whole = (
             next(r for r in rows if r["seed"] == seed and r["arm"] == arm) for arm in ("8 -> 7", "7")
         )
-        diff = 100 * (lost["accuracy"] - whole["accuracy"])
-        diffs.append(diff)
-        for row, column in ((whole, "-"), (lost, f"{diff:+.2f}")):
+        diffs.append(100 * (lost["accuracy"] - whole["accuracy"]))
+        for row, column in ((whole, "-"), (lost, f"{diffs[-1]:+.2f}")):
             victim = "-" if row["victim"] is None else str(row["victim"])
-            print(
+            lines.append(
                 f"{seed:>4} | {row['arm']:>7} | {victim:>6} | {row['final_loss']:>10.4f} | "
                 f"{row['accuracy']:>13.4f} | {column:>13}"
             )
     mean = statistics.fmean(diffs)
     verdict = "met" if abs(mean) <= TARGET_POINTS else "MISSED"
-    means = {
-        arm: (
-            statistics.fmean(r["final_loss"] for r in rows if r["arm"] == arm),
-            statistics.fmean(r["accuracy"] for r in rows if r["arm"] == arm),
-        )
-        for arm in ("7", "8 -> 7")
-    }
-    for arm, (loss, acc) in means.items():
-        print(f"{'mean':>4} | {arm:>7} | {'':>6} | {loss:>10.4f} | {acc:>13.4f} |")
-    print(
+    for arm in ("7", "8 -> 7"):
+        loss = statistics.fmean(r["final_loss"] for r in rows if r["arm"] == arm)
+        accuracy = statistics.fmean(r["accuracy"] for r in rows if r["arm"] == arm)
+        lines.append(f"{'mean':>4} | {arm:>7} | {'':>6} | {loss:>10.4f} | {accuracy:>13.4f} |")
+    lines.append(
         f"8 -> 7 vs 7 workers: {mean:+.2f} points on average over {len(diffs)} seeds; "
         f"target within {TARGET_POINTS}: {verdict}"
     )
-    return {"mean_difference_points": mean, "target_points": TARGET_POINTS, "verdict": verdict}
+    summary = {"mean_difference_points": mean, "target_points": TARGET_POINTS, "verdict": verdict}
+    return summary, "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=600)
-    parser.add_argument("--kill-at", type=int, default=300)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--timeout-s", type=float, default=10.0)
-    parser.add_argument("--deadline-s", type=float, default=300.0, help="per run, both arms")
-    parser.add_argument("--machine", default="2-core Intel Xeon VM, CPU, gloo")
-    parser.add_argument("--json", default=None)
-    args = parser.parse_args(argv)
-    if not 0 < args.kill_at < args.steps:
-        parser.error(f"--kill-at must be inside the run (0 < k < {args.steps}), got {args.kill_at}")
-    return args
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
+def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Both runs of every seed (the victim drawn from the seed); the verdict and every run."""
     rows = []
     for seed in args.seeds:
         victim = random.Random(seed).randrange(8)
         for workers, lost in ((8, victim), (7, None)):
-            row = run_arm(workers, lost, seed, args)
+            rows.append(run_arm(workers, lost, seed, args))
             print(
-                f"seed {seed}: {row['arm']} workers: accuracy {row['accuracy']:.4f} ({row['seconds']} s)",
+                f"seed {seed}: {rows[-1]['arm']} workers: accuracy {rows[-1]['accuracy']:.4f} "
+                f"({rows[-1]['seconds']} s)",
                 flush=True,
             )
-            rows.append(row)
-    verdict = report(rows, args)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"summary": verdict, "runs": rows}, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    summary, text = report(rows, args)
+    return {"summary": summary, "runs": rows}, text

@@ -1,11 +1,11 @@
 """Fault-injection soak: workers die or hang while training with ``on_peer_failure="continue"``.
 
-    uv run benchmarks/survival/soak.py                    # 8 workers down to 4, seeded runs, ~10 min
-    uv run benchmarks/survival/soak.py --workers 5 --floor 3 --runs 1 --json /tmp/soak.json  # one short run
-    uv run benchmarks/survival/soak.py --scenario rejoins # 8 workers, 48 kill/restart cycles, ~10 min
+    uv run benchmarks/faults/run.py kills                 # 8 workers down to 4, seeded runs, ~10 min
+    uv run benchmarks/faults/run.py kills --workers 5 --floor 3 --runs 1 --json /tmp/soak.json  # short
+    uv run benchmarks/faults/run.py rejoins               # 8 workers, 48 kill/restart cycles, ~10 min
     # one worker 15x slower, a global average every 3 steps: joiners must not starve
-    uv run benchmarks/survival/soak.py --scenario rejoins --workers 4 --floor 3 --cycles 10 \
-        --average-every 3 --slow-factor 15
+    uv run benchmarks/faults/run.py rejoins --workers 4 --floor 3 --cycles 10 --average-every 3 \
+        --slow-factor 15
 
 Workers forked around a store this process hosts (``harness/fault_runs.py``) train a small MLP with
 ``DecentOptimWrapper`` (ring, SGD with momentum and a cosine schedule, ``timeout`` of ``--timeout-s``),
@@ -18,10 +18,10 @@ just before ``step()`` or ``global_avg()`` (within ``--kill-window-ms``; where i
 SIGKILL right after ``step()`` (its round in flight), SIGSTOP, or a main thread that sleeps while the
 heartbeat goes on.
 
-- ``--scenario kills``: runs with seeds SEED, SEED + 1, ... while ``--budget-s`` lasts; one worker
+- ``kills``: runs with seeds SEED, SEED + 1, ... while ``--budget-s`` lasts; one worker
   fails every ``--spacing`` steps (half to all of it) until ``--floor`` remain. Counted: failures
   survived, steps lost, recovery time, corruption (docs/survival-benchmarks.md).
-- ``--scenario rejoins``: one run on an elastic job (``init_elastic``), ``--cycles`` failures, each
+- ``rejoins``: one run on an elastic job (``init_elastic``), ``--cycles`` failures, each
   victim (drawn by its rank in the current world) restarted ``--restart-window-s`` at most later (plus
   ``timeout`` for a stopped or hung one) as a fresh process that joins; a share ``--overlap`` of the
   failures fires while the world is short (above ``--floor``), the others wait for a whole world.
@@ -35,14 +35,13 @@ heartbeat goes on.
 bitwise identical, or farther from the float64 mean of the replicas than ``k u max|x|`` (``k``
 replicas, u = 2^-24); a world size on which survivors disagree or that is not the expected one. A
 run past ``--deadline-s`` stops the soak with every running worker's stacks. Results are printed
-and, with ``--json``, written (the summary, and every run or the plan).
+and, with ``--json``, written (the summary, and every run or the plan; the defaults: ``questions.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import signal
@@ -51,7 +50,6 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -72,10 +70,6 @@ WITNESS_ULPS = 4  # rounding allowed per round, in units of 2^-23 (an ulp at 2):
 END_MARGIN = 30  # rejoins: steps between the proposal of the end and the end (workers a step or two apart)
 END_KEY = "rejoin-soak/end"  # rejoins: the agreed end, in the store
 QUIET_STEPS = 1000  # rejoins: after the last failure fired, steps without a loss that make it a miss
-SCENARIOS = {  # the defaults that differ between the scenarios
-    "kills": {"floor": 4, "spacing": 40, "timeout_s": 3.0, "deadline_s": 150.0},
-    "rejoins": {"floor": 6, "spacing": 30, "timeout_s": 5.0, "deadline_s": 2400.0},
-}
 WHEN = {  # (call, mode) -> the fault fires at once before the call, from a timer started before it, or after
     ("step", "stop"): "before",
     ("step", "hang"): "before",
@@ -83,7 +77,6 @@ WHEN = {  # (call, mode) -> the fault fires at once before the call, from a time
     ("step", "kill-in-flight"): "after",
     ("global_avg", "kill-in-global-avg"): "timer",
 }
-MACHINES = {"kills": "2-core Intel Xeon VM, CPU, gloo", "rejoins": "2-core VM, CPU, gloo"}
 
 
 # -- the workers -------------------------------------------------------------------------------------
@@ -591,125 +584,93 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
     }
 
 
-# -- the reports -------------------------------------------------------------------------------------
+# -- the reports and the answers ---------------------------------------------------------------------
 
 
-def report_injected(s: dict[str, Any]) -> None:
-    """The lines both scenarios print: failures injected by mode, and where the timed kills landed."""
+def injected_lines(s: dict[str, Any]) -> list[str]:
+    """The lines both soaks print: failures injected by mode, and where the timed kills landed."""
     modes = ", ".join(f"{m} {n}" for m, n in s["injected_by_mode"].items())
-    print(f"  failures injected  {s['injected']:5d}   {modes}")
+    lines = [f"  failures injected  {s['injected']:5d}   {modes}"]
     for mode, where in s["timed_kills_landed_in"].items():
-        print(f"    {mode} landed in: " + ", ".join(f"{k} {n}" for k, n in sorted(where.items())))
+        lines.append(f"    {mode} landed in: " + ", ".join(f"{k} {n}" for k, n in sorted(where.items())))
+    return lines
 
 
-def report_kills(s: dict[str, Any]) -> None:
-    print(
-        f"\nSoak: {s['runs']} runs of {s['workers']} gloo workers down to {s['floor']} "
-        f"(timeout {s['timeout_s']} s), {s['seconds']:.0f} s, {s['machine']}"
-    )
-    report_injected(s)
-    modes = ", ".join(f"{m} {n}" for m, n in s["survived_by_mode"].items())
-    print(f"  failures survived  {s['survived']:5d}   {modes}")
-    print(f"  planned, not reached {s['not_injected']}; live ranks dropped {s['dropped_alive']}")
-    print(f"  survivors finished {s['survivors_finished']:5d} of {s['survivors']}")
-    behind = f"(LR schedules behind their step count: {s['scheduler_behind']})"
-    print(f"  steps lost         {s['steps_lost']:5d}   {behind}")
-    r = s["recovery_s"]
+def corruption_line(s: dict[str, Any]) -> str:
+    return "  corruption         " + ", ".join(f"{k} {n}" for k, n in s["corruption"].items())
+
+
+def report_kills(s: dict[str, Any]) -> str:
+    r, survived = s["recovery_s"], ", ".join(f"{m} {n}" for m, n in s["survived_by_mode"].items())
+    lines = [
+        f"Soak: {s['runs']} runs of {s['workers']} gloo workers down to {s['floor']} "
+        f"(timeout {s['timeout_s']} s), {s['seconds']:.0f} s, {s['machine']}",
+        *injected_lines(s),
+        f"  failures survived  {s['survived']:5d}   {survived}",
+        f"  planned, not reached {s['not_injected']}; live ranks dropped {s['dropped_alive']}",
+        f"  survivors finished {s['survivors_finished']:5d} of {s['survivors']}",
+        f"  steps lost         {s['steps_lost']:5d}   (LR schedules behind their step count: "
+        f"{s['scheduler_behind']})",
+    ]
     if r["mean"] is not None:
-        print(
+        lines.append(
             f"  recovery (s)       mean {r['mean']:.2f}  p95 {r['p95']:.2f}  max {r['max']:.2f}  "
             f"over {s['recoveries']} recoveries"
         )
-    print("  corruption         " + ", ".join(f"{k} {n}" for k, n in s["corruption"].items()))
-    print(
+    lines.append(corruption_line(s))
+    lines.append(
         f"  largest witness excursion outside [1, 2]: {s['witness_excursion_max']:.3g}; largest deviation "
         f"of a final average from the float64 mean: {s['average_deviation_max']:.3g}"
     )
+    return "\n".join(lines)
 
 
-def report_rejoins(s: dict[str, Any], args: argparse.Namespace) -> None:
-    print(
-        f"\nKill/restart soak: {args.workers} gloo workers, {s['failures_fired']} of {args.cycles} planned "
-        f"failures fired over {s['steps']} steps, "
-        f"floor {args.floor}, timeout {args.timeout_s} s, {s['seconds']:.0f} s, {args.machine}"
-    )
-    report_injected(s)
-    print(
+def report_rejoins(s: dict[str, Any], args: argparse.Namespace) -> str:
+    lines = [
+        f"Kill/restart soak: {args.workers} gloo workers, {s['failures_fired']} of {args.cycles} planned "
+        f"failures fired over {s['steps']} steps, floor {args.floor}, timeout {args.timeout_s} s, "
+        f"{s['seconds']:.0f} s, {args.machine}",
+        *injected_lines(s),
         f"  restarts {s['restarts']}, joins admitted {s['joins']} (recorded by joiners "
         f"{s['joiners_recorded']}), losses recorded {s['losses']}; world whole again "
         f"{s['world_whole_again']} times after {s['bursts']} failures that waited for it, "
-        f"smallest {s['smallest_world']}"
-    )
-    print("  landed: " + ", ".join(f"{k} {n}" for k, n in s["landed_during"].items()))
-    print(f"  finishers {s['finishers']} of {args.workers}, errors {len(s['errors'])}")
-    print(f"  steps lost {s['steps_lost']} (LR schedules behind their step count: {s['scheduler_behind']})")
-    print("  corruption " + ", ".join(f"{k} {n}" for k, n in s["corruption"].items()))
+        f"smallest {s['smallest_world']}",
+        "  landed: " + ", ".join(f"{k} {n}" for k, n in s["landed_during"].items()),
+        f"  finishers {s['finishers']} of {args.workers}, errors {len(s['errors'])}",
+        f"  steps lost {s['steps_lost']} (LR schedules behind their step count: {s['scheduler_behind']})",
+        corruption_line(s),
+    ]
     for name in ("join_s", "admission_pause_s", "recovery_pause_s"):
         d = s[name]
         if d["n"]:
-            print(
+            lines.append(
                 f"  {name.replace('_', ' ')}: median {d['median']:.2f}  p95 {d['p95']:.2f}  "
                 f"max {d['max']:.2f}  (n {d['n']})"
             )
     parts = s["join_parts_median_s"]
     if parts["start-up"] is not None:
-        print("  join, median parts (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
-    for index, error in s["errors"].items():
-        print(f"  process {index} raised:\n{error}")
+        lines.append("  join, median parts (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+    lines += [f"  process {index} raised:\n{error}" for index, error in s["errors"].items()]
+    return "\n".join(lines)
 
 
-# -- the driver --------------------------------------------------------------------------------------
+def worker_config(args: argparse.Namespace) -> dict[str, Any]:
+    """What every worker of either soak reads (the rest of a worker's plan comes with the run)."""
+    rejoins = args.question == "rejoins"
+    return {
+        "scenario": args.question,
+        "average_every": args.average_every,
+        "timeout_s": args.timeout_s,
+        "floor": args.floor,
+        "step_time_s": args.step_time_s if rejoins else 0.0,
+        "slow_factor": args.slow_factor if rejoins else 1.0,
+    }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add = parser.add_argument
-    add(
-        "--scenario",
-        choices=tuple(SCENARIOS),
-        default="kills",
-        help="kills: workers fail down to a floor, over many runs; rejoins: every victim restarted and "
-        "joining again, one run",
-    )
-    add("--workers", type=int, default=8)
-    add("--floor", type=int, help="kills: stop failing at this many (4); rejoins: see --overlap (6)")
-    add("--seed", type=int, default=0, help="kills: run i uses seed SEED + i")
-    add("--spacing", type=int, help="steps between failures: half to all of it (kills 40, rejoins 30)")
-    add("--average-every", type=int, default=10)
-    add("--timeout-s", type=float, help="the wrapper's timeout (kills 3, rejoins 5)")
-    add("--kill-window-ms", type=float, default=4.0, help="a kill timer fires within this")
-    add("--deadline-s", "--run-deadline-s", type=float, help="per run (kills 150, rejoins 2400)")
-    add("--machine", help="the machine, for the report")
-    add("--json", help="write the summary and every run (kills) or the plan (rejoins) here")
-    kills = parser.add_argument_group("kills").add_argument
-    kills("--runs", type=int, default=1000, help="at most this many runs")
-    kills("--budget-s", type=float, default=600, help="start no run after this many seconds")
-    rejoins = parser.add_argument_group("rejoins").add_argument
-    rejoins("--cycles", type=int, default=48, help="failures (each followed by a restart)")
-    rejoins("--overlap", type=float, default=0.35, help="share of failures that fire above --floor")
-    rejoins("--step-time-s", type=float, default=0.02, help="emulated compute per step")
-    rejoins("--max-steps", type=int, default=20_000, help="stop here if the plan is not done")
-    rejoins(
-        "--slow-factor", type=float, default=1.0, help="index 0's step is this much slower; never a victim"
-    )
-    rejoins("--restart-window-s", type=float, default=4.0, help="a restart starts within this")
-    args = parser.parse_args(argv)
-    for key, value in {**SCENARIOS[args.scenario], "machine": MACHINES[args.scenario]}.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if not 1 < args.floor < args.workers:
-        parser.error(
-            f"--floor must be between 2 and --workers - 1, got {args.floor} with {args.workers} workers"
-        )
-    return args
-
-
-def run_kills(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
-    """Runs with seeds SEED, SEED + 1, ... while the budget lasts; every run and their summary."""
+def kills(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Runs with seeds SEED, SEED + 1, ... while the budget lasts: their summary and every run."""
     runs: list[dict] = []
-    start = time.monotonic()
+    start, config = time.monotonic(), worker_config(args)
     for i in range(args.runs):
         if runs and time.monotonic() - start + max(run["seconds"] for run in runs) > args.budget_s:
             break
@@ -730,42 +691,18 @@ def run_kills(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any
         for rank, error in run["errors"].items():
             print(f"  rank {rank} raised:\n{error}", flush=True)
     summary = summarize_kills(runs, args, time.monotonic() - start)
-    report_kills(summary)
-    return {"summary": summary, "runs": runs}
+    return {"summary": summary, "runs": runs}, report_kills(summary)
 
 
-def run_rejoins(args: argparse.Namespace, config: dict[str, Any]) -> dict[str, Any]:
-    """One run on an elastic job, every victim restarted; its summary, the plan and the arguments."""
+def rejoins(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """One run on an elastic job, every victim restarted: its summary and the plan."""
     plan = rejoins_plan(args)
     outcome = run_workers(
         soak_worker,
         args.workers,
-        (plan, {**config, "steps": args.max_steps}),
+        (plan, {**worker_config(args), "steps": args.max_steps}),
         deadline_s=args.deadline_s,
         restart_after=lambda record: record["restart_s"],
     )
     summary = judge_rejoins(args, outcome)
-    report_rejoins(summary, args)
-    return {"summary": summary, "plan": plan, "args": vars(args)}
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = parse_args(argv)
-    rejoins = args.scenario == "rejoins"
-    config = {
-        "scenario": args.scenario,
-        "average_every": args.average_every,
-        "timeout_s": args.timeout_s,
-        "floor": args.floor,
-        "step_time_s": args.step_time_s if rejoins else 0.0,
-        "slow_factor": args.slow_factor if rejoins else 1.0,
-    }
-    record = run_rejoins(args, config) if rejoins else run_kills(args, config)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(record, indent=1))
-    return record["summary"]
-
-
-if __name__ == "__main__":
-    main()
+    return {"summary": summary, "plan": plan}, report_rejoins(summary, args)

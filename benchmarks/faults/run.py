@@ -1,0 +1,83 @@
+"""Faults: workers that die, hang, restart or join while a job trains, and what surviving costs.
+
+    uv run benchmarks/faults/run.py QUESTION [options] [--json PATH] [--table PATH]
+
+The questions and their defaults are in ``questions.py`` (``run.py QUESTION --help`` lists the options);
+each is answered by its module: ``kills`` and ``rejoins`` (``soak.py``: the fault-injection soak, down
+to a floor or with every victim restarted), ``lost-worker`` (``lost_worker.py``: convergence after a
+lost worker), ``joining`` (``joins.py``: what a live join costs), ``grow-back`` (``grow_back.py``: a
+live join against a restart from a checkpoint) and ``node-check`` (``node_check.py``: the node check
+of a job of nodes). Forked workers start around a store this process hosts (``harness/fault_runs.py``),
+spawned ones through ``joins.py``'s launcher; the report is printed and written with
+``harness/report.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from benchmarks.faults import grow_back, joins, lost_worker, node_check, soak
+from benchmarks.faults.questions import QUESTIONS
+from benchmarks.harness.report import add_output_arguments, save
+
+ANSWERS = {
+    "kills": soak.kills,
+    "rejoins": soak.rejoins,
+    "lost-worker": lost_worker.answer,
+    "joining": joins.answer,
+    "grow-back": grow_back.answer,
+    "node-check": node_check.answer,
+}
+
+
+def refusal(args: argparse.Namespace) -> str | None:
+    """Why these options make no run (checked before any worker starts), or None."""
+    if args.question in ("kills", "rejoins") and not 1 < args.floor < args.workers:
+        return f"--floor must be between 2 and --workers - 1, got {args.floor} with {args.workers} workers"
+    if args.question == "lost-worker" and not 0 < args.kill_at < args.steps:
+        return f"--kill-at must be inside the run (0 < k < {args.steps}), got {args.kill_at}"
+    if args.question == "grow-back" and not 0 <= args.lose_at < args.steps - 1:
+        return f"--lose-at must be a step before the last, got {args.lose_at} with --steps {args.steps}"
+    if args.question == "node-check" and args.warmup >= args.steps:
+        return f"--warmup must be below --steps, got {args.warmup} with --steps {args.steps}"
+    return None
+
+
+def parser() -> argparse.ArgumentParser:
+    """One sub-command per question, its options made from the question's defaults."""
+    top = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    questions = top.add_subparsers(dest="question", required=True, metavar="QUESTION")
+    for question in QUESTIONS.values():
+        sub = questions.add_parser(question.name, help=question.asks, description=question.asks)
+        for name, default in question.defaults.items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(default, bool):
+                sub.add_argument(flag, action="store_true")
+                continue
+            many = isinstance(default, list)
+            kind = type(default[0]) if many and default else str if many else type(default)
+            shown = " ".join(map(str, default)) if many else default
+            sub.add_argument(
+                flag, type=kind, nargs="*" if many else None, default=default,
+                choices=question.choices.get(name), help=f"default: {shown}",
+            )  # fmt: skip
+        add_output_arguments(sub)
+    return top
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    top = parser()
+    args = top.parse_args(argv)
+    if (why := refusal(args)) is not None:
+        top.error(why)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    results, text = ANSWERS[args.question](args)
+    save(args, results, text)
+
+
+if __name__ == "__main__":
+    main()
