@@ -40,8 +40,8 @@ class GatheredMix(Protocol):
     whether it needs every round gathered (not only compressed ones), and what of it a checkpoint keeps.
     One is made per :class:`~.gossip.Gossip` by a :class:`MixRule`."""
 
-    #: True: every round is gathered, and an uncompressed one keeps no reference; False: only the
-    #: rounds the compression plan compresses are (the others are all-reduced).
+    #: Whether every round is gathered (an uncompressed one then keeps no reference), or only the
+    #: rounds the compression plan compresses (the others are all-reduced).
     gathers_every_round: bool
 
     def state(self, buckets: int) -> dict[str, Any]:
