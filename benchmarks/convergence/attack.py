@@ -26,7 +26,7 @@ from benchmarks.harness.lm_task import make_lm_data, make_lm_model, validation_l
 from benchmarks.harness.report import markdown_table
 from benchmarks.harness.runner import on_local_ranks
 from benchmarks.harness.synthetic_task import make_data, make_model, split_data
-from decent_optim_wrapper import ClippedGossip, DecentOptimWrapper
+from decent_optim_wrapper import ClippedGossip, DecentOptimWrapper, QuarantinedError
 
 ATTACKER = 3
 TARGET = 1.05  # ring-clipped under every attack and seed: within 5% of its own loss without one
@@ -110,24 +110,34 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
         if attacker is not None:  # after the local step, before the round is sent
             inner.register_step_post_hook(lambda opt, args, kwargs: attacker.corrupt(params, True))
         clipped = config["clipping"] if method == "ring-clipped" else None
-        optimizer = DecentOptimWrapper(inner, topology="ring", clipped_gossip=clipped)
+        # clipped gossip's audit quarantines the attacker; survival re-forms the ring without it
+        survival = "continue" if clipped is not None and clipped.audit_every is not None else "raise"
+        optimizer = DecentOptimWrapper(
+            inner, topology="ring", clipped_gossip=clipped, on_peer_failure=survival
+        )
     start = time.perf_counter()
-    for _ in range(config["steps"]):
-        if attacker is not None:
-            attacker.restore(params)
-        x, y = next_batch()
-        optimizer.zero_grad()
-        logits = model(x)
-        nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y).backward()
-        if method == "ddp":
-            grads = [p.grad for p in params if p.grad is not None]
+    try:
+        for _ in range(config["steps"]):
             if attacker is not None:
-                attacker.corrupt(grads, False)
-            for g in grads:
-                dist.all_reduce(g)
-                g.div_(world)
-        optimizer.step()
+                attacker.restore(params)
+            x, y = next_batch()
+            optimizer.zero_grad()
+            logits = model(x)
+            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y).backward()
+            if method == "ddp":
+                grads = [p.grad for p in params if p.grad is not None]
+                if attacker is not None:
+                    attacker.corrupt(grads, False)
+                for g in grads:
+                    dist.all_reduce(g)
+                    g.div_(world)
+            optimizer.step()
+    except QuarantinedError:  # the attacker, found out: it has left the job
+        nan = math.nan
+        return {"loss": nan, "accuracy": nan, "attacker": True, "seconds": nan, "average_loss": nan}
     seconds = time.perf_counter() - start
+    if dist.get_world_size() < world:  # the attacker was quarantined: every rank left is honest
+        world, attack = dist.get_world_size(), None
     if attacker is not None:
         attacker.restore(params)
     loss, accuracy = evaluate()
@@ -163,7 +173,10 @@ def one_run(method: str, name: str | None, seed: int, config: dict[str, Any]) ->
 
 def answer(args: argparse.Namespace) -> tuple[Any, str]:
     drop = None if args.clip_drop.lower() == "none" else float(args.clip_drop)
-    clipping = ClippedGossip(factor=args.clip_factor, quantile=args.clip_quantile, drop_beyond=drop)
+    audit = None if args.clip_audit.lower() == "none" else int(args.clip_audit)
+    clipping = ClippedGossip(
+        factor=args.clip_factor, quantile=args.clip_quantile, drop_beyond=drop, audit_every=audit
+    )
     attacks = [None if a == "none" else a for a in args.attacks]
     rows = []
     for seed in args.seeds:

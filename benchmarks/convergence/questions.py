@@ -73,7 +73,8 @@ QUESTIONS = {q.name: q for q in (
         "attack", "one Byzantine worker among 8: the honest workers' loss with DDP, plain and clipped gossip",
         dict(workers=8, steps=300, seeds=[0], methods=list(ATTACK_METHODS), attacks=list(ATTACKS),
              task="classification", clip_factor=ClippedGossip.factor, clip_quantile=ClippedGossip.quantile,
-             clip_drop=str(ClippedGossip.drop_beyond), deadline=1800.0),
+             clip_drop=str(ClippedGossip.drop_beyond), clip_audit=str(ClippedGossip.audit_every),
+             deadline=1800.0),
         {"methods": ATTACK_METHODS, "attacks": ATTACKS, "task": ("classification", "digits", "lm")},
     ),
     Question(

@@ -51,7 +51,13 @@ from decent_optim_wrapper.engine.config import (
 )
 from decent_optim_wrapper.engine.counters import METRIC_NAMES
 from decent_optim_wrapper.engine.engine import DEFAULT_TIMEOUT, STATE_VERSION, GossipEngine, TopologySpec
-from decent_optim_wrapper.engine.errors import DecentError, GlobalAverageError, GossipError, PeerFailureError
+from decent_optim_wrapper.engine.errors import (
+    DecentError,
+    GlobalAverageError,
+    GossipError,
+    PeerFailureError,
+    QuarantinedError,
+)
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossip, ClippedGossipSpec
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
@@ -116,6 +122,7 @@ __all__ = [
     "PacingSpec",
     "PeerFailure",
     "PeerFailureError",
+    "QuarantinedError",
     "PeerJoin",
     # for the front doors' hooks
     "JoinHook",

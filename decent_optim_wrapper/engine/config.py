@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.distributed.device_mesh import DeviceMesh
 
+from decent_optim_wrapper.engine.exchange.audit import Audit
 from decent_optim_wrapper.engine.exchange.clipping import ClippedGossipSpec, resolve_clipped_gossip
 from decent_optim_wrapper.engine.exchange.gathered import MixRule
 from decent_optim_wrapper.engine.options import (
@@ -179,6 +180,11 @@ class Robustness:
             "nonfinite_guard", self.nonfinite_guard, "; True (the default) keeps inf/NaN out of the replicas"
         )
         resolve_clipped_gossip(self.clipped_gossip)
+
+    def audit(self) -> Audit | None:
+        """Clipped gossip's audit (:mod:`~.exchange.audit`), or None (no clipped gossip, or no audit)."""
+        clipped = resolve_clipped_gossip(self.clipped_gossip)
+        return None if clipped is None or clipped.audit_every is None else Audit(clipped.audit_every)
 
     def mix_rule(self) -> MixRule | None:
         """The rule gathered rounds are mixed by (:class:`~.gathered.MixRule`): clipped gossip's options;

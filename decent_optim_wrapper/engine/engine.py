@@ -54,6 +54,7 @@ from decent_optim_wrapper.engine.options import (
     check_mixing_factor,
 )
 from decent_optim_wrapper.engine.progress import StepProgress
+from decent_optim_wrapper.engine.quarantine import Quarantine
 from decent_optim_wrapper.engine.rules.pacing import PaceReport, Pacing
 from decent_optim_wrapper.engine.state.averaging import GlobalAverage, floating_buffers
 from decent_optim_wrapper.engine.state.checkpoint import STATE_VERSION
@@ -168,6 +169,10 @@ class GossipEngine:
         # guarded mixing's switch and events, kept across changes of the world
         self._guard = GuardLog(world.rank, enabled=config.robustness.nonfinite_guard)
         self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
+        # Clipped gossip's audit compares the ranks at one step: not with paced rounds (ranks stand at
+        # different steps) nor over shards (a node's ranks would judge their shards apart).
+        paced = self._local is not None and self._local.spec.pacing is not None
+        audit = None if paced or self._shards.sharded else config.robustness.audit()
         self._wait_clock = WaitClock()  # host seconds in the rounds' waits, for metrics()
         self._wiring = Wiring(
             world,
@@ -179,7 +184,7 @@ class GossipEngine:
             timeout=timeout,
             compression=self._compression,
             staging=HostStaging(timeout) if built.layout.host_staging else None,
-            rules=RoundRules(self._guard, config.robustness.mix_rule()),
+            rules=RoundRules(self._guard, config.robustness.mix_rule(), audit),
             tracking=config.rounds.gradient_tracking,
             on_healed=self._bucket_healed,
             wait_clock=self._wait_clock,
@@ -221,6 +226,13 @@ class GossipEngine:
             averaging=self._averaging,
             compression=self._compression,
             wait_all=self.wait_all,
+        )
+        self._quarantine = (
+            None
+            if audit is None
+            else Quarantine(
+                audit, self._wiring, self._members, self._averaging, self._guard, lambda: len(self._buckets)
+            )
         )
         self._wiring.connect(self._members.membership, broadcast=True)
         self._metrics = GossipMetrics(self._counter_totals)
@@ -515,6 +527,10 @@ class GossipEngine:
         """Start bucket ``bucket``'s gossip for the current step, non-blocking. With low-communication
         gossip: fold in a round that is due; at a round's end, the outer step and the anchors' round."""
         local, progress, survive = self._local, self._progress, self._members.survive
+        if self._quarantine is not None:  # what this rank sends (the audit's sample of the step)
+            with current([self._buckets[bucket]], write=False):
+                data = self._buckets[bucket]
+                self._quarantine.record(progress.step, bucket, data.spec.number, data.data)
         if local is not None:
             # One block for the fold, the outer step and the anchors' launch: one copy in and out.
             with current([self._buckets[bucket]], write=True):
@@ -555,6 +571,8 @@ class GossipEngine:
         progress = self._progress
         progress.step += 1
         progress.in_step = progress.updated = False
+        if self._quarantine is not None:
+            self._quarantine.at_boundary(progress.step)
 
     def check_buckets(self) -> None:
         """Raise if a parameter no longer lives in its bucket (e.g. ``model.to()`` after wrapping)."""

@@ -16,7 +16,7 @@ is a plain ``RuntimeError``; neither is a :class:`DecentError`.
 
 from __future__ import annotations
 
-__all__ = ["DecentError", "GlobalAverageError", "GossipError", "PeerFailureError"]
+__all__ = ["DecentError", "GlobalAverageError", "GossipError", "PeerFailureError", "QuarantinedError"]
 
 
 class DecentError(RuntimeError):
@@ -33,3 +33,8 @@ class GlobalAverageError(DecentError):
 
 class PeerFailureError(DecentError):
     """This rank cannot go on with the survivors: they left it out, or their store is gone."""
+
+
+class QuarantinedError(PeerFailureError):
+    """Clipped gossip's audit quarantined this rank (its values stood far from every other rank's) and,
+    with ``on_peer_failure="continue"``, it has left the job: the others go on without it."""

@@ -140,6 +140,12 @@ class MemberChanges:
                 if not retry:
                     return None
 
+    def leave(self) -> None:
+        """Leave the job for good (a rank clipped gossip's audit quarantined): the others recover without
+        it at once (:meth:`~.fleet.membership.Membership.leave`)."""
+        if self._survival is not None:
+            self._survival.membership.leave()
+
     def admit_due_joiners(self) -> None:
         """At a step boundary: admit the workers applying to join, if this boundary looks for them (the
         others follow from their waits)."""

@@ -148,10 +148,14 @@ class Wiring:
         # gets its membership now, and its groups (built without one) wait as long as a member's.
         self._membership = membership
         self.process_groups.retire(self.group_timeout + self.timeout)
+        if self._rules.audit is not None:
+            self._rules.audit.forget()  # its samples and verdicts name the old world's ranks
         name, per_node = self.topology.name, self.world.local_world_size
         self.topology, self.world = survivors_topology(self._spec, name, decision, before, per_node)
         self._layouts = [group_layout(self.topology, self.world)]
+        learnt = self.gossip.mix_state_across_change()
         self.connect(membership)
+        self.gossip.load_mix_state(learnt)
 
     def bind_and_broadcast(self, buckets: list[Bucket]) -> None:
         """Bind ``buckets``' parameters as views and give them the world's rank 0's values."""

@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+from decent_optim_wrapper.engine.exchange.audit import Audit
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.rounds import Channel, Round
 from decent_optim_wrapper.engine.wire.compression import codec, round_seed
@@ -96,6 +97,10 @@ class ClippedGossip:
         probation: after a neighbour's difference was left out, the receiver leaves that neighbour
             out of its next ``probation`` rounds with it whatever it sends (>= 0; default 16), so that
             an attacker cannot alternate attacks with rounds that pass the radius.
+        audit_every: every this many steps the ranks compare the values each of them sent, and a rank
+            whose values stood far from everyone's is quarantined (:mod:`~.audit`: with
+            ``on_peer_failure="continue"`` it leaves and the topology is re-formed without it; else it
+            is left out of every mix); >= 1, e.g. 32; None (the default): no audit.
     """
 
     factor: float = 0.5
@@ -103,6 +108,7 @@ class ClippedGossip:
     window: int = 32
     drop_beyond: float | None = 10.0
     probation: int = 16
+    audit_every: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.factor, bool) or not isinstance(self.factor, int | float) or not self.factor > 0:
@@ -120,6 +126,12 @@ class ClippedGossip:
             raise ValueError(
                 f"ClippedGossip(probation=...) must be an int >= 0 (rounds), got {probation!r}; e.g. 16."
             )
+        every = self.audit_every
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise ValueError(
+                f"ClippedGossip(audit_every=...) must be None or an int >= 1 (steps), got {every!r}; "
+                "e.g. 32 compares the ranks' values every 32 steps."
+            )
         drop = self.drop_beyond
         if drop is not None and (
             isinstance(drop, bool) or not isinstance(drop, int | float) or not 1.0 <= drop < math.inf
@@ -129,10 +141,11 @@ class ClippedGossip:
                 "e.g. 10.0 leaves out differences longer than ten radii."
             )
 
-    def mixer(self, guard: GuardLog, label: str) -> ClippedMix:
+    def mixer(self, guard: GuardLog, label: str, audit: Audit | None = None) -> ClippedMix:
         """The mix of one :class:`~.gossip.Gossip`'s rounds under these options (a
-        :class:`~.gathered.MixRule`): its buckets' radii, their probation and their buffers."""
-        return ClippedMix(self, guard, label)
+        :class:`~.gathered.MixRule`): its buckets' radii, their probation and their buffers; it leaves
+        out the ranks ``audit`` quarantined."""
+        return ClippedMix(self, guard, label, audit)
 
 
 ClippedGossipSpec = bool | ClippedGossip | None
@@ -238,12 +251,16 @@ class ClippedMix:
         options: clipped gossip's options.
         guard: where the ``"dropped"`` events go.
         label: what the buckets are, for the events.
+        audit: whose quarantined ranks are left out of every round (:mod:`~.audit`), or None.
     """
 
-    def __init__(self, options: ClippedGossip, guard: GuardLog, label: str) -> None:
+    def __init__(
+        self, options: ClippedGossip, guard: GuardLog, label: str, audit: Audit | None = None
+    ) -> None:
         self._options = options
         self._guard = guard
         self._label = label
+        self._audit = audit
         self._radii: dict[int, RadiusWindow] = {}  # bucket -> its recent norms (made at first use)
         self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # bucket -> a difference, the update
 
@@ -281,8 +298,9 @@ class ClippedMix:
         own_norm = float(torch.linalg.vector_norm(channel.tensor))  # the warm-up's cut-off (clipping)
         sent_with = 1.0 / group.size if group.self_weight is None else group.peer_weight
         dropped = []
+        quarantined = () if self._audit is None else self._audit.quarantined
         for j in range(group.size):
-            if j == slot or j in bad:
+            if j == slot or j in bad or group.ranks[j] in quarantined:
                 continue
             coder.decode_into(slots[j], other, seed)
             other.sub_(own)
@@ -308,6 +326,13 @@ class ClippedMix:
             "clip_norms": [[] if w is None else w.state() for w in windows],
             "clip_probation": [{} if w is None else w.on_probation() for w in windows],
         }
+
+    def across_change(self, buckets: int) -> dict[str, list[Any]]:
+        """The recent norms (the replicas' spread stays what it was when members change); not who is on
+        probation, whose ranks are renumbered. Measured on digits: a ring re-formed with empty windows
+        mixes next to nothing for a window of rounds (a radius of the first few, smallest norms) and
+        ended 1.09x its clean loss after one worker left, against 1.02x under plain gossip."""
+        return {"clip_norms": self.state(buckets)["clip_norms"]}
 
     def load_state(self, buckets: int, state: Mapping[str, Any]) -> None:
         """Restore the windows of :meth:`state` (of at most ``buckets`` buckets) from a gossip checkpoint;

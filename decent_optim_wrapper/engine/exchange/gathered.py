@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from decent_optim_wrapper.engine.exchange.audit import Audit
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog, all_finite, heal_from_peers
 from decent_optim_wrapper.engine.exchange.rounds import Channel, Round
 from decent_optim_wrapper.engine.exchange.transport import Transport
@@ -52,6 +53,11 @@ class GatheredMix(Protocol):
         """Restore :meth:`state` from a gossip checkpoint (one that lacks its entries: keep as is)."""
         ...
 
+    def across_change(self, buckets: int) -> dict[str, Any]:
+        """The part of :meth:`state` that stays true over new members (ranks renumbered), for the mix of
+        the gossip re-formed over them (:meth:`load_state`)."""
+        ...
+
     def __call__(
         self,
         channel: Channel,
@@ -70,8 +76,9 @@ class MixRule(Protocol):
     :class:`~.clipping.ClippedGossip`): it makes each :class:`~.gossip.Gossip` its own mix. A new rule is a
     new kind of this, handed to the engine by its config part (:class:`~decent_optim_wrapper.Robustness`)."""
 
-    def mixer(self, guard: GuardLog, label: str) -> GatheredMix:
-        """The mix of one :class:`~.gossip.Gossip`'s rounds; its events go to ``guard``, named ``label``."""
+    def mixer(self, guard: GuardLog, label: str, audit: Audit | None = None) -> GatheredMix:
+        """The mix of one :class:`~.gossip.Gossip`'s rounds; its events go to ``guard``, named ``label``;
+        it leaves out the ranks ``audit`` quarantined (:mod:`~.audit`), if given."""
         ...
 
 
@@ -86,6 +93,9 @@ class DifferenceMix:
 
     def load_state(self, buckets: int, state: Mapping[str, Any]) -> None:
         return None
+
+    def across_change(self, buckets: int) -> dict[str, Any]:
+        return {}
 
     def __call__(
         self,

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from decent_optim_wrapper.engine.errors import GossipError
+from decent_optim_wrapper.engine.exchange.audit import Audit
 from decent_optim_wrapper.engine.exchange.buckets import check_saved_tensors, misfit
 from decent_optim_wrapper.engine.exchange.gathered import DifferenceMix, GatheredMix, GatheredRounds, MixRule
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
@@ -64,6 +65,7 @@ class RoundRules:
 
     guard: GuardLog
     mix: MixRule | None = None
+    audit: Audit | None = None  # clipped gossip's audit: the parameters' rounds leave out whom it quarantined
 
 
 @dataclass(frozen=True)
@@ -96,6 +98,7 @@ class GossipWiring:
             self.rules.guard,
             label,
             self.rules.mix,
+            self.rules.audit if label == "parameters" else None,
         )
 
 
@@ -123,6 +126,7 @@ class Gossip:
         mix: the rule that mixes gathered rounds in (:class:`~.gathered.MixRule`; e.g. clipped gossip's
             options, under which every round gathers the members' values, or compressed differences,
             and mixes each neighbour's difference clipped); None: plain differences.
+        audit: clipped gossip's audit (:mod:`~.audit`), whose quarantined ranks ``mix`` leaves out.
     """
 
     def __init__(
@@ -138,10 +142,11 @@ class Gossip:
         guard: GuardLog | None = None,
         label: str = "parameters",
         mix: MixRule | None = None,
+        audit: Audit | None = None,
     ) -> None:
         guard = GuardLog(rank) if guard is None else guard
         self._transport = transport_for(staging)
-        self._mix: GatheredMix = DifferenceMix() if mix is None else mix.mixer(guard, label)
+        self._mix: GatheredMix = DifferenceMix() if mix is None else mix.mixer(guard, label, audit)
         self._plain = PlainRounds(rank, self._transport, guard, label)
         self._gathered = GatheredRounds(
             rank,
@@ -383,6 +388,15 @@ class Gossip:
         )
 
     # -- checkpoints ---------------------------------------------------------------------------------
+    def mix_state_across_change(self) -> dict[str, Any]:
+        """What the mix learnt that stays true over new members (e.g. clipped gossip's recent norms: the
+        spread of the replicas), for :meth:`load_mix_state` on the gossip that replaces this one."""
+        return self._mix.across_change(self.num_buckets)
+
+    def load_mix_state(self, state: dict[str, Any]) -> None:
+        """Take over :meth:`mix_state_across_change` of the gossip this one replaces."""
+        self._mix.load_state(self.num_buckets, state)
+
     def state_dict(self, references: bool = True) -> dict[str, Any] | None:
         """The rounds still to be mixed (waiting for them first) and the references; None if neither.
 

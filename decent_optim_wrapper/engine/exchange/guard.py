@@ -82,9 +82,11 @@ class GuardEvent:
             rank took its peers' values in place of its own), ``"peer_withheld"`` (peers sent nothing:
             their weight stayed with this rank), ``"not_finite"`` (entries of a received sum or payload
             were not finite and were left out), ``"dropped"`` (clipped gossip: the differences of
-            ``senders`` were beyond ``drop_beyond`` radii and left out, their weight kept here).
+            ``senders`` were beyond ``drop_beyond`` radii and left out, their weight kept here),
+            ``"quarantined"`` (clipped gossip's audit found the values ``senders`` sent far from every
+            other rank's: see :mod:`~.audit`).
         step: the step (or, for low-communication gossip, the inner step) the round was launched at.
-        bucket: the bucket's position.
+        bucket: the bucket's position (-1: every bucket).
         tensors: what was gossiped: ``"parameters"``, ``"anchors"`` or ``"trackers"``.
         group: the round's members.
         senders: the ranks whose payload was left out (empty when nobody can tell: a plain round's sum).
@@ -125,12 +127,12 @@ class GuardLog:
         if key not in self._logged:  # once: a rank that stays bad would otherwise flood the log
             self._logged.add(key)
             logger.warning(
-                "rank {}: {} ({}, bucket {}, round of step {} in group {}{}); further such events are "
+                "rank {}: {} ({}, {}, round of step {} in group {}{}); further such events are "
                 "counted, not logged",
                 self.rank,
                 _describe(event),
                 event.tensors,
-                event.bucket,
+                "every bucket" if event.bucket < 0 else f"bucket {event.bucket}",
                 event.step,
                 list(event.group),
                 f", from ranks {list(event.senders)}" if event.senders else "",
@@ -145,6 +147,7 @@ def _describe(event: GuardEvent) -> str:
         "healed": "healed from the peers' values of the round",
         "peer_withheld": "a peer withheld its values, its weight kept",
         "dropped": "a neighbour's difference beyond the clipping cut-off, left out, its weight kept",
+        "quarantined": "clipped gossip's audit found a rank's values far from every other's: quarantined",
         "not_finite": (
             f"{event.entries} received entries not finite, left out"
             if event.entries
