@@ -178,18 +178,50 @@ def test_even_ring_assign_groups_is_unchanged():
         assert TopologyFactory.get("ring")(n).assign_groups() == expected
 
 
-def test_odd_ring_uses_one_triple_per_phase():
-    for n in range(3, MAX_WORLD + 1, 2):
+def test_odd_ring_turns_its_matching_one_rank_a_phase_so_no_pair_is_grouped_at_every_step():
+    assert _pairs(_topology("ring", 3).schedule[0]) == [(0, 1, 2)] and _topology("ring", 3).period == 1
+    ring_edges = lambda n: {tuple(sorted((i, (i + 1) % n))) for i in range(n)}  # noqa: E731
+    for n in range(5, MAX_WORLD + 1, 2):
         topo = _topology("ring", n)
-        half = (n - 3) // 2
-        assert topo.period == 2
-        assert _pairs(topo.schedule[0]) == [(2 * i, 2 * i + 1) for i in range(half)] + [(n - 3, n - 2, n - 1)]
-        assert _pairs(topo.schedule[1]) == sorted(
-            [(2 * i + 1, 2 * i + 2) for i in range(half)] + [(0, n - 2, n - 1)]
-        )
-        ring_edges = {tuple(sorted((i, (i + 1) % n))) for i in range(n)}
+        assert topo.period == n
+        for start, phase in enumerate(topo.schedule):
+            # pairs of ring neighbours from `start` on, then the three ranks just before `start`
+            pairs = [
+                tuple(sorted(((start + 2 * i) % n, (start + 2 * i + 1) % n))) for i in range((n - 3) // 2)
+            ]
+            triple = tuple(sorted((start - k) % n for k in (3, 2, 1)))
+            assert _pairs(phase) == sorted([*pairs, triple])
         used = {(a, b) for phase in topo.schedule for g in phase for a in g.ranks for b in g.ranks if a < b}
-        assert ring_edges <= used
+        assert ring_edges(n) <= used
+        together = [
+            {(a, b) for g in phase for a in g.ranks for b in g.ranks if a < b} for phase in topo.schedule
+        ]
+        assert not set.intersection(*together)  # no two ranks average together at every step
+        for rank in range(n):  # each rank spends as many phases with its left neighbour as with its right one
+            with_left = sum(((rank - 1) % n) in topo.group(rank, s).ranks for s in range(n))
+            with_right = sum(((rank + 1) % n) in topo.group(rank, s).ranks for s in range(n))
+            assert with_left == with_right
+
+
+class _TripleInOnePlace(Topology):
+    """The odd ring with its triple at the end of both phases (ranks n-2 and n-1 always together)."""
+
+    def assign_groups(self):
+        n = self.world_size
+        phases = [
+            [[2 * i, 2 * i + 1] for i in range((n - 3) // 2)] + [[n - 3, n - 2, n - 1]],
+            [[2 * i + 1, 2 * i + 2] for i in range((n - 3) // 2)] + [[0, n - 2, n - 1]],
+        ]
+        return [[next(sorted(g) for g in phase if r in g) for phase in phases] for r in range(n)]
+
+
+@pytest.mark.parametrize("n", [5, 7, 9, 15, 31])
+def test_odd_ring_mixes_faster_per_step_than_with_its_triple_in_one_place(n):
+    # the distance to the mean shrinks by 1 - rate a step: the steps to shrink it by a given factor go as
+    # 1 / -log(1 - rate), and the turning matching needs at most 2/3 of them (1/2 from 7 ranks on)
+    turning = -math.log(1 - _topology("ring", n).consensus_rate(per_step=True))
+    in_one_place = -math.log(1 - _TripleInOnePlace(n).consensus_rate(per_step=True))
+    assert turning > (1.5 if n == 5 else 2.0) * in_one_place
 
 
 # -- one-peer-exp -----------------------------------------------------------------------------------------

@@ -31,12 +31,17 @@ class RingTopology(Topology):
     Even ``n`` (decent-dp's schedule): phase 0 pairs ``(0, 1), (2, 3), ..., (n-2, n-1)``; phase 1 pairs
     ``(1, 2), (3, 4), ..., (n-1, 0)``, each with weight 1/2. Each rank sends one model per step.
 
-    Odd ``n >= 3``: an odd cycle has no perfect matching, so in each phase the last pair becomes a group
-    of three (uniform weight 1/3) and every rank still averages at every step: phase 0 is
-    ``(0, 1), (2, 3), ..., (n-5, n-4), (n-3, n-2, n-1)`` and phase 1 is
-    ``(1, 2), (3, 4), ..., (n-4, n-3), (n-2, n-1, 0)``. Together they cover every ring edge, plus the
-    two chords ``(n-3, n-1)`` and ``(n-2, 0)``; the three ranks of a triple send 4/3 models each
-    (ring all-reduce). For ``n = 3`` both phases are the complete graph.
+    Odd ``n >= 5``: an odd cycle has no perfect matching, so in each phase one group of three (uniform
+    weight 1/3) takes the place of a pair and every rank still averages at every step; the matching
+    turns one rank round the ring each phase, over ``n`` phases: phase ``s`` groups
+    ``(s, s+1), (s+2, s+3), ..., (s+n-5, s+n-4), (s+n-3, s+n-2, s+n-1)`` (mod ``n``). Consecutive phases
+    are the two matchings of the ring's edges, as for even ``n``, and the triple moves on by one, so no
+    two ranks are grouped in every phase. (With the triple kept in one place, ranks ``n-2`` and ``n-1``
+    would average together at every step, mixing more slowly with the rest, and each one's always-near
+    partner would set its clipping radius (:mod:`~decent_optim_wrapper.engine.exchange.clipping`) low
+    enough to halve its other neighbours' differences every round.) The three ranks of a triple send
+    4/3 models each (ring all-reduce).
+    ``n = 3`` is the complete graph, one phase.
 
     Exact consensus only for ``n <= 4`` (``n = 4`` is the 2-dimensional hypercube); beyond that it is
     asymptotic, at the rate :meth:`consensus_rate` reports, which decays like ``1/n^2``.
@@ -53,10 +58,12 @@ class RingTopology(Topology):
                 left = (rank - 1) % n if rank % 2 == 0 else (rank + 1) % n
                 schedule[rank] = [sorted({rank, right}), sorted({rank, left})]
             return schedule
-        phases = [
-            [[2 * i, 2 * i + 1] for i in range((n - 3) // 2)] + [[n - 3, n - 2, n - 1]],
-            [[2 * i + 1, 2 * i + 2] for i in range((n - 3) // 2)] + [[0, n - 2, n - 1]],
-        ]
+        if n == 3:
+            return [[[0, 1, 2]] for _ in range(n)]
+        phases = []
+        for start in range(n):  # the matching turned by one rank a phase: its triple goes round the ring
+            at = [(start + offset) % n for offset in range(n)]
+            phases.append([[at[2 * i], at[2 * i + 1]] for i in range((n - 3) // 2)] + [at[n - 3 :]])
         schedule = [[] for _ in range(n)]
         for phase in phases:
             for group in phase:
