@@ -14,43 +14,31 @@ data flow.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import fields
 from typing import Any, TypeVar, Unpack
 
 import torch
-import torch.distributed as dist
 from loguru import logger
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.checkpointing import EngineCheckpoint
-from decent_optim_wrapper.engine.config import GossipConfig, GossipOptions, Placement
+from decent_optim_wrapper.engine.config import GossipConfig, GossipOptions
 from decent_optim_wrapper.engine.counters import CounterTotals, GossipMetrics, WaitClock
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params, current
 from decent_optim_wrapper.engine.exchange.gossip import RoundRules
 from decent_optim_wrapper.engine.exchange.guard import GuardEvent, GuardLog
 from decent_optim_wrapper.engine.exchange.staging import HostStaging
-from decent_optim_wrapper.engine.fleet.comm import agree, run_token
+from decent_optim_wrapper.engine.fleet.comm import agree
 from decent_optim_wrapper.engine.fleet.growth import Growth
 from decent_optim_wrapper.engine.fleet.jobs import current_job
-from decent_optim_wrapper.engine.fleet.membership import Membership, connect_store
 from decent_optim_wrapper.engine.fleet.refusals import REFUSALS
 from decent_optim_wrapper.engine.fleet.status import StatusBoard, default_job
-from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
-from decent_optim_wrapper.engine.layout import (
-    EngineParts,
-    NamedParams,
-    build_parts,
-    join_signature,
-    signatures,
-)
+from decent_optim_wrapper.engine.layout import NamedParams, agree_on_parts, join_signature, signatures
 from decent_optim_wrapper.engine.member_changes import MemberChanges
 from decent_optim_wrapper.engine.option_docs import document_options
 from decent_optim_wrapper.engine.options import (
     DEFAULT_TIMEOUT,
-    LocalLayout,
     TopologySpec,
     check_buckets_agree,
-    check_layouts_agree,
     check_mixing_factor,
 )
 from decent_optim_wrapper.engine.progress import StepProgress
@@ -58,6 +46,7 @@ from decent_optim_wrapper.engine.quarantine import Quarantine
 from decent_optim_wrapper.engine.rules.pacing import PaceReport, Pacing
 from decent_optim_wrapper.engine.state.averaging import GlobalAverage, floating_buffers
 from decent_optim_wrapper.engine.state.checkpoint import STATE_VERSION
+from decent_optim_wrapper.engine.stepping import BucketHealing, StepProtocol
 from decent_optim_wrapper.engine.survival import PeerFailureHook, Survival
 from decent_optim_wrapper.engine.wire.compression import GossipCompression
 from decent_optim_wrapper.engine.wiring import Wiring
@@ -116,59 +105,27 @@ class GossipEngine:
         reverse_buckets: bool = False,
         **options: Unpack[GossipOptions],
     ) -> None:
-        given = config
-        try:
-            config = GossipConfig.merge(given, options)
-            refused: BaseException | None = None
-        except (TypeError, ValueError) as error:
-            if not dist.is_initialized():
-                raise
-            # Refused on this rank only, perhaps: the agreement below raises it here and names it on the
-            # others, rather than leaving them waiting. The world is the one the options name, if any.
-            config, refused = None, error
-        placement = _placement(config if config is not None else given, options)
-        world = resolve_gossip_world(
-            placement.rank,
-            placement.world_size,
-            placement.local_world_size,
-            placement.device_mesh,
-            placement.process_group,
+        agreed = agree_on_parts(
+            named_params,
+            config,
+            options,
+            context=context,
+            params_as_views=params_as_views,
+            reverse_buckets=reverse_buckets,
         )
-        parts: list[EngineParts] = []
-
-        def local_layout() -> LocalLayout:
-            if refused is not None:
-                raise refused
-            assert config is not None
-            parts.append(
-                build_parts(
-                    named_params,
-                    world,
-                    config,
-                    params_as_views=params_as_views,
-                    reverse_buckets=reverse_buckets,
-                )
-            )
-            return parts[0].layout
-
-        # Every rank of the job reaches this gather even if its own input is bad (an error everywhere
-        # rather than a hang); layouts are compared, per gossip world, before anything is broadcast.
-        reports = agree(f"Building {context}", local_layout)
-        check_layouts_agree(reports, world.ranks)
-        assert config is not None
+        config, world, reports, built = agreed.config, agreed.world, agreed.reports, agreed.parts
         self._config = config
         transport, elasticity = config.transport, config.elasticity
         timeout = transport.timeout
         self._as_views = params_as_views
         self._bucket_cap_bytes = transport.bucket_cap_bytes
-        built = parts[0]
         self._buckets, self._shards, self._local = built.buckets, built.shards, built.local
         self._compression, self._second_moment = built.compression, built.second_moment
         self._averaging = GlobalAverage(self._buckets, self._shards)
         self._progress = StepProgress()
         # guarded mixing's switch and events, kept across changes of the world
         self._guard = GuardLog(world.rank, enabled=config.robustness.nonfinite_guard)
-        self._heal_hooks: list[Callable[[list[torch.Tensor]], None]] = []
+        self._healing = BucketHealing(self._buckets)
         # Clipped gossip's audit compares the ranks at one step: not with paced rounds (ranks stand at
         # different steps) nor over shards (a node's ranks would judge their shards apart).
         paced = self._local is not None and self._local.spec.pacing is not None
@@ -186,10 +143,9 @@ class GossipEngine:
             staging=HostStaging(timeout) if built.layout.host_staging else None,
             rules=RoundRules(self._guard, config.robustness.mix_rule(), audit),
             tracking=config.rounds.gradient_tracking,
-            on_healed=self._bucket_healed,
+            on_healed=self._healing,
             wait_clock=self._wait_clock,
         )
-        survival = None
         job = current_job()
         # This rank's status record (:mod:`~.fleet.status`), published by its heartbeat once it is a
         # member of the job (a joiner's, once admitted); named as torchrun names the job when
@@ -198,13 +154,8 @@ class GossipEngine:
         self._status.attach(self.status_fields)
         #: (step, distance) of the latest consensus_distance() (a collective: the records only report it)
         self._consensus: tuple[int, float] | None = None
-        if elasticity.survives:
-            # A token every rank shares names this run's keys in the store (reruns never collide).
-            run = run_token()
-            store = elasticity.store if elasticity.store is not None or job is None else job.store
-            status = None if job is not None and job.joining else self._status
-            membership = Membership.of_world(connect_store(store, timeout), run, world, timeout, status)
-            survival = Survival(membership, timeout)
+        survives = elasticity.survives
+        survival = Survival.of_job(elasticity.store, world, timeout, self._status) if survives else None
         self._members = MemberChanges(
             self._wiring,
             self._progress,
@@ -233,6 +184,16 @@ class GossipEngine:
             else Quarantine(
                 audit, self._wiring, self._members, self._averaging, self._guard, lambda: len(self._buckets)
             )
+        )
+        self._steps = StepProtocol(
+            self._buckets,
+            self._wiring,
+            self._progress,
+            self._members,
+            self._averaging,
+            local=self._local,
+            quarantine=self._quarantine,
+            healing=self._healing,
         )
         self._wiring.connect(self._members.membership, broadcast=True)
         self._metrics = GossipMetrics(self._counter_totals)
@@ -366,12 +327,7 @@ class GossipEngine:
         pacing."""
         return None if self._local is None else self._local.pace_report()
 
-    # -- one step --------------------------------------------------------------------------------
-    # The protocol of a step, in one place for both front-ends: per bucket, mix the round launched at
-    # the previous step, track the gradient (when on), run the caller's local update, launch this
-    # step's round. A rank whose gradients hold inf/NaN skips its local update and leaves its
-    # trackers alone, but still mixes and launches, so no peer waits for it. A round that fails
-    # raises from mix (GossipError) and is dropped: it is never mixed or saved.
+    # -- one step (:mod:`~.stepping`) -------------------------------------------------------------
     def step(self, local_update: Callable[[], _T], *, found_inf: torch.Tensor | None = None) -> _T:
         """One step of the whole model: :meth:`begin_step`, every bucket's update, :meth:`end_step`.
 
@@ -381,22 +337,8 @@ class GossipEngine:
         ``found_inf`` is read on the host only with gradient tracking. Returns what
         ``local_update`` returns.
         """
-        self.begin_step()
-        buckets = range(len(self._buckets))
-        for bucket in buckets:
-            self._mix(bucket)
-        tracker = self._wiring.tracker
-        if tracker is not None and (found_inf is None or not bool(found_inf.item())):
-            for bucket in buckets:
-                tracker.track(bucket)
-        self._progress.updated = True
-        result = local_update()
-        for bucket in buckets:
-            self._launch(bucket)
-        self.end_step()
-        return result
+        return self._steps.step(local_update, found_inf)
 
-    @torch.no_grad()
     def step_bucket(
         self, bucket: int, local_update: Callable[[], object], *, skip_local_update: bool = False
     ) -> None:
@@ -406,40 +348,24 @@ class GossipEngine:
         module front-end calls this per bucket between :meth:`begin_step` and :meth:`end_step`, in
         the same bucket order on every rank.
         """
-        self._mix(bucket)
-        self._progress.updated = True  # the front-end's per-bucket state moves on even when skipping
-        if not skip_local_update:
-            tracker = self._wiring.tracker
-            if tracker is not None:
-                tracker.track(bucket)
-            local_update()
-        self._launch(bucket)
+        self._steps.step_bucket(bucket, local_update, skip_local_update)
 
     def begin_step(self) -> None:
         """Start a step: check the buckets, drop a global average's snapshot, admit waiting joiners;
         with low-communication gossip the first step sets the anchors to the parameters."""
-        self.check_buckets()
-        self._averaging.snapshot = None
-        self._members.admit_due_joiners()
-        self._progress.in_step = True
-        if self._local is not None and self._progress.step == 0:
-            with current(self._buckets, write=False):
-                self._local.reset_anchors()
+        self._steps.begin_step()
 
-    @torch.no_grad()
-    def _mix(self, bucket: int) -> None:
-        """Finish bucket ``bucket``'s round launched at the previous step and mix it in."""
-        self._members.survive(lambda: self._mix_rounds(bucket))
+    def end_step(self) -> None:
+        """Finish a step: the next one gossips in the next phase."""
+        self._steps.end_step()
 
-    def _mix_rounds(self, bucket: int) -> None:
-        tracker, gossip, factor = self._wiring.tracker, self._wiring.gossip, self._progress.mixing_factor
-        if tracker is not None:  # its rounds outlive a global average: mixed on their own
-            tracker.mix(bucket, factor)
-        if gossip.pending(bucket) is not None:
-            with current([self._buckets[bucket]], write=True):
-                healed = gossip.mix(bucket, factor)
-            if healed:
-                self._bucket_healed(bucket)
+    def wait_all(self) -> None:
+        """Wait for every round in flight without mixing it (GossipError if a peer does not answer)."""
+        self._steps.wait_all()
+
+    def check_buckets(self) -> None:
+        """Raise if a parameter no longer lives in its bucket (e.g. ``model.to()`` after wrapping)."""
+        self._steps.check_buckets()
 
     # -- guarded mixing ----------------------------------------------------------------------------
     def register_guard_hook(self, hook: Callable[[GuardEvent], None]) -> RemovableHandle:
@@ -510,74 +436,7 @@ class GossipEngine:
     def on_bucket_healed(self, reset: Callable[[list[torch.Tensor]], None]) -> None:
         """For front-ends: ``reset(params)`` is called with a bucket's parameters when the bucket healed
         from its peers, to drop the optimizer state that stepped them (:func:`~.guard.drop_state`)."""
-        self._heal_hooks.append(reset)
-
-    def _bucket_healed(self, bucket: int) -> None:
-        """A bucket took its peers' values (its own were not finite): this step's gradients of it were
-        computed at those values, so they are dropped (the local update leaves the bucket alone), and
-        the front-end drops the optimizer state that stepped it."""
-        params = list(self._buckets[bucket].params)
-        for param in params:
-            param.grad = None
-        for reset in self._heal_hooks:
-            reset(params)
-
-    @torch.no_grad()
-    def _launch(self, bucket: int) -> None:
-        """Start bucket ``bucket``'s gossip for the current step, non-blocking. With low-communication
-        gossip: fold in a round that is due; at a round's end, the outer step and the anchors' round."""
-        local, progress, survive = self._local, self._progress, self._members.survive
-        if self._quarantine is not None:  # what this rank sends (the audit's sample of the step)
-            with current([self._buckets[bucket]], write=False):
-                data = self._buckets[bucket]
-                self._quarantine.record(progress.step, bucket, data.spec.number, data.data)
-        if local is not None:
-            # One block for the fold, the outer step and the anchors' launch: one copy in and out.
-            with current([self._buckets[bucket]], write=True):
-                survive(lambda: local.fold_due(bucket, progress.step, progress.mixing_factor))
-                # A failure inside end_round comes from its last part (the fold without delay), so it
-                # is not run again: recovery settles that round.
-                survive(
-                    lambda: local.end_round(
-                        bucket, progress.step, progress.mixing_factor, progress.launch_from
-                    ),
-                    retry=False,
-                )
-            return
-        if progress.step < progress.launch_from:  # after a lost peer, rounds restart in step
-            return
-        with current([self._buckets[bucket]], write=False):
-            self._wiring.gossip.launch(bucket, progress.step)
-        tracker = self._wiring.tracker
-        if tracker is not None:
-            tracker.launch(bucket, progress.step)
-
-    def wait_all(self) -> None:
-        """Wait for every round in flight without mixing it (GossipError if a peer does not answer)."""
-
-        def wait() -> None:
-            gossip, tracker = self._wiring.gossip, self._wiring.tracker  # new ones after a change
-            for bucket in range(len(self._buckets)):
-                gossip.wait(bucket)
-                if tracker is not None:
-                    tracker.wait(bucket)
-            if self._local is not None:
-                self._local.wait_all()
-
-        self._members.survive(wait)
-
-    def end_step(self) -> None:
-        """Finish a step: the next one gossips in the next phase."""
-        progress = self._progress
-        progress.step += 1
-        progress.in_step = progress.updated = False
-        if self._quarantine is not None:
-            self._quarantine.at_boundary(progress.step)
-
-    def check_buckets(self) -> None:
-        """Raise if a parameter no longer lives in its bucket (e.g. ``model.to()`` after wrapping)."""
-        for bucket in self._buckets:
-            bucket.check_views()
+        self._healing.register(reset)
 
     # -- growing -----------------------------------------------------------------------------------
     @torch.no_grad()
@@ -738,11 +597,3 @@ class GossipEngine:
             f"GossipEngine(topology={self.topology.name!r}, rank={self.rank}, "
             f"world_size={self.world_size}, buckets={len(self._buckets)}, step={self.step_count})"
         )
-
-
-def _placement(config: GossipConfig | None, options: GossipOptions) -> Placement:
-    """Where this rank gossips: the config's, or (when the options were refused) what they name of it."""
-    if config is not None:
-        return config.placement
-    names = {f.name for f in fields(Placement)}
-    return Placement(**{name: value for name, value in options.items() if name in names})  # type: ignore[arg-type]

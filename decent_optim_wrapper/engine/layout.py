@@ -3,25 +3,26 @@
 The topology, the flat buckets (with the sharded parameters' layout), low-communication gossip's
 state, the compression and the second-moment rule, and the :class:`~.options.LocalLayout` every rank
 must agree on. The engine builds these inside its cross-rank agreement, so that bad input on one
-rank is an error on every rank instead of a hang.
+rank is an error on every rank instead of a hang (:func:`agree_on_parts`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
-from decent_optim_wrapper.engine.config import GossipConfig
+from decent_optim_wrapper.engine.config import GossipConfig, GossipOptions, Placement
 from decent_optim_wrapper.engine.exchange.buckets import Bucket, build_buckets, check_named_params
 from decent_optim_wrapper.engine.exchange.shards import ShardLayout
-from decent_optim_wrapper.engine.fleet.comm import group_layout
+from decent_optim_wrapper.engine.fleet.comm import agree, group_layout
 from decent_optim_wrapper.engine.fleet.signatures import SignatureEntry
-from decent_optim_wrapper.engine.fleet.world import GossipWorld
+from decent_optim_wrapper.engine.fleet.world import GossipWorld, resolve_gossip_world
 from decent_optim_wrapper.engine.options import (
     LocalLayout,
+    check_layouts_agree,
     check_on_peer_failure,
     join_signature,
     resolve_host_staging,
@@ -34,8 +35,10 @@ from decent_optim_wrapper.engine.wire.compression import GossipCompression, reso
 from decent_optim_wrapper.topo import Topology
 
 __all__ = [
+    "AgreedParts",
     "EngineParts",
     "NamedParams",
+    "agree_on_parts",
     "build_parts",
     "check_pacing_composes",
     "join_signature",
@@ -110,6 +113,75 @@ def build_parts(
         options=config.agreed(),
     )
     return EngineParts(topo, buckets, shards, local, wire, rule, layout)
+
+
+@dataclass
+class AgreedParts:
+    """What every rank of a gossip world agreed on: the options, the world, each rank's layout, and
+    this rank's parts."""
+
+    config: GossipConfig
+    world: GossipWorld
+    reports: list[LocalLayout]
+    parts: EngineParts
+
+
+def agree_on_parts(
+    named_params: NamedParams,
+    given: GossipConfig | None,
+    options: GossipOptions,
+    *,
+    context: str,
+    params_as_views: bool,
+    reverse_buckets: bool,
+) -> AgreedParts:
+    """Merge ``options`` into ``given``, build this rank's parts and agree on their layouts.
+
+    Every rank of the job reaches the agreement's gather even if its own input is bad, so a refusal is
+    an error everywhere rather than a hang; layouts are compared, per gossip world, before anything is
+    broadcast.
+    """
+    try:
+        config: GossipConfig | None = GossipConfig.merge(given, options)
+        refused: BaseException | None = None
+    except (TypeError, ValueError) as error:
+        if not dist.is_initialized():
+            raise
+        # Refused on this rank only, perhaps: the agreement raises it here and names it on the others,
+        # rather than leaving them waiting. The world is the one the options name, if any.
+        config, refused = None, error
+    placement = _placement(config if config is not None else given, options)
+    world = resolve_gossip_world(
+        placement.rank,
+        placement.world_size,
+        placement.local_world_size,
+        placement.device_mesh,
+        placement.process_group,
+    )
+    parts: list[EngineParts] = []
+
+    def local_layout() -> LocalLayout:
+        if refused is not None:
+            raise refused
+        assert config is not None
+        built = build_parts(
+            named_params, world, config, params_as_views=params_as_views, reverse_buckets=reverse_buckets
+        )
+        parts.append(built)
+        return built.layout
+
+    reports = agree(f"Building {context}", local_layout)
+    check_layouts_agree(reports, world.ranks)
+    assert config is not None
+    return AgreedParts(config, world, reports, parts[0])
+
+
+def _placement(config: GossipConfig | None, options: GossipOptions) -> Placement:
+    """Where this rank gossips: the config's, or (when the options were refused) what they name of it."""
+    if config is not None:
+        return config.placement
+    names = {f.name for f in fields(Placement)}
+    return Placement(**{name: value for name, value in options.items() if name in names})  # type: ignore[arg-type]
 
 
 def check_pacing_composes(pacing: object, on_peer_failure: str, sharded: bool) -> None:

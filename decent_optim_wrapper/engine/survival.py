@@ -18,11 +18,13 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 from loguru import logger
+from torch.distributed import Store  # type: ignore[attr-defined]
 from torch.utils.hooks import RemovableHandle
 
 from decent_optim_wrapper.engine.errors import PeerFailureError
 from decent_optim_wrapper.engine.exchange.buckets import Bucket
 from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.fleet.comm import run_token
 from decent_optim_wrapper.engine.fleet.jobs import current_job
 from decent_optim_wrapper.engine.fleet.membership import (
     ChannelReport,
@@ -33,8 +35,10 @@ from decent_optim_wrapper.engine.fleet.membership import (
     PeerLost,
     Phase,
     Report,
+    connect_store,
     nodes_of,
 )
+from decent_optim_wrapper.engine.fleet.status import StatusBoard
 from decent_optim_wrapper.engine.fleet.world import GossipWorld
 from decent_optim_wrapper.engine.options import TopologySpec, resolve_topology
 from decent_optim_wrapper.engine.rules.local_steps import LocalSteps
@@ -129,6 +133,21 @@ class Survival:
         #: Seconds this rank spent in each recovery or admission (agreement, re-form, transfers).
         self.pauses: list[float] = []
         self._hooks: OrderedDict[int, PeerFailureHook] = OrderedDict()
+
+    @classmethod
+    def of_job(
+        cls, store: Store | None, world: GossipWorld, timeout: timedelta, status: StatusBoard
+    ) -> Survival:
+        """This rank's survival in the job: its membership on ``store`` (the job's of
+        :func:`~decent_optim_wrapper.init_elastic` when None), named by a token every rank shares so
+        that reruns never collide; a joiner publishes ``status`` only once admitted."""
+        job = current_job()
+        store = store if store is not None or job is None else job.store
+        published = None if job is not None and job.joining else status
+        membership = Membership.of_world(
+            connect_store(store, timeout), run_token(), world, timeout, published
+        )
+        return cls(membership, timeout)
 
     @property
     def failures(self) -> list[PeerFailure]:
