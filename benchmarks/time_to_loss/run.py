@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness import emulated_cluster as emu
+from benchmarks.harness import uneven as fleet
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.methods import optimizer_factory, parse_method
 from benchmarks.harness.question_args import question_parser
@@ -468,13 +469,6 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
 # -- uneven: paced rounds against synchronous gossip and DDP, one worker 3x slower (or half 2x)
 
 
-def speed_factor(scenario: str, rank: int, nodes: int) -> float:
-    """How many times ``--compute-ms`` a step of ``rank`` takes."""
-    if scenario not in ("one3x", "half2x"):
-        raise ValueError(f"scenario must be one3x or half2x, got {scenario!r}")
-    return (3.0 if rank == 0 else 1.0) if scenario == "one3x" else (2.0 if rank < nodes // 2 else 1.0)
-
-
 def gossip_rounds(q: Namespace) -> int:
     """Rounds of the gossip methods: ``--budget`` times DDP's samples."""
     return int(q.budget * q.steps) // q.sync_every
@@ -489,37 +483,20 @@ def uneven_flags(method: str, q: Namespace) -> tuple[str, dict[str, object]]:
     return q.gossip, flags | {"pacing": "measured" if method == "paced" else "none"}
 
 
-def fleet_rate(records: list[dict[str, Any]], method: str, every: int) -> float:
-    """Steps of all ranks per second over the window after warm-up (3 rounds; paced: 5)."""
-    warm = 5 if method == "paced" else 3
-    if method == "ddp":
-        began = max(r["ends"][warm * every - 1] for r in records)
-    else:
-        began = max(r["round_ends"][warm - 1] for r in records)
-    ended = min(r["ends"][-1] for r in records)
-    return sum(sum(1 for t in r["ends"] if began < t <= ended) for r in records) / (ended - began)
-
-
 def uneven_rates(
     records: dict[str, list[dict[str, Any]]], scenario: str, nodes: int, megabits: float, q: Namespace
 ) -> dict[str, Any]:
-    """Measured fleet steps per second of ddp, sync and paced, the planner's (``predict(..., paced=True)``
-    with the measured link, the factors and ``o``: a step's time beyond compute alone), and its errors."""
-    factors = [speed_factor(scenario, r, nodes) for r in range(nodes)]
-    beyond = []
-    for rank, run in enumerate(records["nocomm"]):
-        steps = zip([run["start"], *run["ends"][:-1]], run["ends"], strict=True)
-        beyond.append(statistics.fmean([b - a - q.compute_ms / 1e3 * factors[rank] for a, b in steps][2:]))
-    o, every, late = statistics.median(beyond), q.sync_every, delay(parse_method(q.gossip))
-    compute = ComputeTimes(q.compute_ms / 1e3, "uneven", factors=tuple(factors))
-    options = {"steps": min(gossip_rounds(q), 30) * every, "warmup": 3 * every, "overhead_s": o}
-    options |= {"local_steps": [(every, late)], "compressions": (), "paced": True}
+    """Measured fleet steps per second of ddp, sync and paced, the planner's and its errors
+    (``harness/uneven.py``: ``o`` from ``nocomm``, the planner over at most 30 rounds)."""
+    args = Namespace(
+        compute_ms=q.compute_ms, shift_s=0.0, sync_every=q.sync_every, rounds=min(gossip_rounds(q), 30)
+    )
+    o = fleet.overhead_seconds([{f"{scenario}/nocomm": r} for r in records["nocomm"]], scenario, args)
     model_bytes = 4.0 * sum(p.numel() for p in make_lm_model(q.width, q.depth).parameters())
-    found = predict(model_bytes, compute, Network(Link(megabits * 1e6)), nodes, ["ring"], **options)
-    step_s = {p.method: p.step_s for p in found}
-    labels = {"ddp": "ddp", "sync": f"ring~h{every}d{late}", "paced": f"ring~h{every}d{late}p"}
-    planned = {m: nodes / step_s[label] for m, label in labels.items() if label in step_s}
-    measured = {m: fleet_rate(records[m], m, every) for m in ("ddp", "sync", "paced") if m in records}
+    late = delay(parse_method(q.gossip))
+    planned = fleet.planned_rates(scenario, nodes, megabits, o, args, model_bytes, late)
+    methods = [m for m in ("ddp", "sync", "paced") if m in records]
+    measured = {m: fleet.fleet_rate([{m: r} for r in records[m]], m, m, args)["steps_per_s"] for m in methods}
     errors = {m: planned[m] / rate - 1 for m, rate in measured.items() if planned.get(m)}
     return {"overhead_s": o, "measured": measured, "planned": planned, "planner_error": errors}
 
@@ -542,7 +519,7 @@ def time_to_target(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def uneven_verdicts(row: dict[str, Any]) -> dict[str, bool]:
     """The two targets of one node count and scenario: paced 1.5x sooner, the planner within 15%."""
     ratio, errors = row["sync_over_paced"], row["planner_error"]
-    planner = bool(errors) and all(abs(e) <= PREDICTION for e in errors.values())
+    planner = bool(errors) and all(abs(e) <= fleet.PLANNER_TARGET for e in errors.values())
     return {"sooner": ratio is not None and ratio >= PACED_SOONER, "planner": planner}
 
 
@@ -556,7 +533,7 @@ def uneven(q: Namespace) -> tuple[dict[str, Any], str]:
             megabits = emu.measure_link(cluster, 4, 29669)
             results["results"].append({"nodes": nodes, "megabits": megabits, "scenarios": {}})
             for scenario in q.scenarios:
-                factors = [speed_factor(scenario, r, nodes) for r in range(nodes)]
+                factors = [fleet.speed_factor(scenario, r, nodes, 0.0, 0.0) for r in range(nodes)]
                 pads = [max(0.0, q.compute_ms * factor - real_ms) for factor in factors]
                 records, runs = {}, {}
                 for method in q.methods:
@@ -693,6 +670,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
         if spec.topology is None or spec.sync_every < 2 or spec.paced:
             parser.error(f"--gossip: low-communication gossip without 'p' ('ring~h8d1'), not {q.gossip!r}")
         q.sync_every = spec.sync_every
+        if unknown := set(q.scenarios) - {"one3x", "half2x"}:
+            parser.error(f"--scenarios: one3x or half2x, not {', '.join(sorted(unknown))}")
         q.methods = [m for m in ("nocomm", "ddp", "sync", "paced") if m in {*q.methods, "nocomm", "ddp"}]
     return q
 
