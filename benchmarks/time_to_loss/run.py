@@ -400,14 +400,9 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
             continue
         plan = planned.get(planner_label(m))
         sent = r.get("bytes_sent_per_step") or wire_bytes(m, make_lm_model(q.width, q.depth), nodes)
-        row = [
-            m + " (reused)" * ("reused_from" in r),
-            cell(r.get("steps"), "d"),
-            step_ms[m],
-            plan and 1e3 * plan,
-        ]
-        row += [f"{nocomm_ms / step_ms[m]:.3f}", f"{sent:.0f}", cell(r.get("wire_bytes_per_step"), ".0f")]
-        row += [f"{finals[m]:.4f}", f"{finals[m] / ddp_final:.4f}"]
+        row = [m + " (reused)" * ("reused_from" in r), cell(r.get("steps"), "d"), step_ms[m]]
+        row += [plan and 1e3 * plan, f"{nocomm_ms / step_ms[m]:.3f}", f"{sent:.0f}"]
+        row += [cell(r.get("wire_bytes_per_step"), ".0f"), f"{finals[m]:.4f}", f"{finals[m] / ddp_final:.4f}"]
         for times in reach.values():
             (step, seconds), theirs = times[m], times[mine][1] if mine else None
             ran = f">{r['curve'][-1][1]:.0f}" if "step_ms" in r and "shaped_step_s" not in r else "-"
