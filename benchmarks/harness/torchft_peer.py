@@ -27,17 +27,10 @@ class TorchftDiLoCo:
     ``NODE_ADDR`` and ``MASTER_ADDR`` (rank 0's node) come from the environment."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        inner: torch.optim.Optimizer,
-        outer: torch.optim.Optimizer,
-        every: int,
-        delay: int,
-        rank: int,
-        world_size: int,
-        update_alpha: float = 0.0,
+        self, model: nn.Module, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer, every: int,
+        delay: int, rank: int, world_size: int, update_alpha: float = 0.0,
         timeout: timedelta = timedelta(seconds=120),
-    ) -> None:
+    ) -> None:  # fmt: skip
         from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
         from torchft.local_sgd import DiLoCo
@@ -53,31 +46,15 @@ class TorchftDiLoCo:
         self.store = TCPStore(host, port, 1, True)
         self.inner = inner
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            min_replica_size=world_size,
+            pg=ProcessGroupGloo(timeout=timeout), min_replica_size=world_size, replica_id=f"node{rank}",
             load_state_dict=lambda state: model.load_state_dict(state["model"]),
             state_dict=lambda: {"model": model.state_dict()},
-            replica_id=f"node{rank}",
-            store_addr=host,
-            store_port=port,
-            rank=0,
-            world_size=1,
-            lighthouse_addr=f"http://{lighthouse}:{TORCHFT_PORTS}",
-            port=port + 1,
-            hostname=host,
-            timeout=timeout,
-            use_async_quorum=False,
-            init_sync=False,
-        )
-        self.context = DiLoCo(
-            self.manager,
-            [model],
-            inner,
-            outer,
-            sync_every=every,
-            fragment_sync_delay=delay,
-            fragment_update_alpha=update_alpha,
-        )
+            store_addr=host, store_port=port, rank=0, world_size=1, port=port + 1, hostname=host,
+            lighthouse_addr=f"http://{lighthouse}:{TORCHFT_PORTS}", timeout=timeout,
+            use_async_quorum=False, init_sync=False,
+        )  # fmt: skip
+        every_ = {"sync_every": every, "fragment_sync_delay": delay, "fragment_update_alpha": update_alpha}
+        self.context = DiLoCo(self.manager, [model], inner, outer, **every_)
         self.context.__enter__()
 
     def close(self) -> None:

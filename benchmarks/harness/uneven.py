@@ -43,15 +43,9 @@ def overhead_seconds(ranks: list[dict[str, Any]], scenario: str, args: Any) -> f
     beyond = []
     for rank, result in enumerate(ranks):
         run = result[f"{scenario}/nocomm"]
-        began = [run["start"], *run["ends"][:-1]]
-        extra = [
-            end
-            - begin
-            - args.compute_ms
-            / 1e3
-            * speed_factor(scenario, rank, len(ranks), begin - run["start"], args.shift_s)
-            for begin, end in zip(began, run["ends"], strict=True)
-        ]
+        steps = list(zip([run["start"], *run["ends"][:-1]], run["ends"], strict=True))
+        factor = [speed_factor(scenario, rank, len(ranks), a - run["start"], args.shift_s) for a, _ in steps]
+        extra = [b - a - args.compute_ms / 1e3 * f for (a, b), f in zip(steps, factor, strict=True)]
         beyond.append(statistics.fmean(extra[2:]))
     return statistics.median(beyond)
 
@@ -87,8 +81,8 @@ def fleet_rate(ranks: list[dict[str, Any]], key: str, method: str, args: Any) ->
     entry: dict[str, Any] = {
         "steps_per_s": steps / (ended - began),
         "window_s": (began - start, ended - start),
-        "steps": [len(run["ends"]) for run in runs],
     }
+    entry["steps"] = [len(run["ends"]) for run in runs]
     paces = [run.get("pace") for run in runs]
     if all(paces):
         duration = [run["ends"][-1] - run["start"] for run in runs]
@@ -97,38 +91,23 @@ def fleet_rate(ranks: list[dict[str, Any]], key: str, method: str, args: Any) ->
 
 
 def planned_rates(
-    scenario: str,
-    nodes: int,
-    megabits: float,
-    o: float,
-    args: Any,
-    model_bytes: float | None = None,
+    scenario: str, nodes: int, megabits: float, o: float, args: Any, model_bytes: float | None = None,
     delay: int | None = None,
-) -> dict[str, float]:
+) -> dict[str, float]:  # fmt: skip
     """The planner's fleet steps per second of each method (constant speeds only: not ``shift``), of
     the MLP unless ``model_bytes`` is given, its rounds folded ``delay`` steps late (default a round)."""
     if scenario == "shift":
         return {}
     factors = tuple(speed_factor(scenario, r, nodes, 0.0, args.shift_s) for r in range(nodes))
     if model_bytes is None:
-        model_bytes = 4.0 * sum(
-            p.numel() for p in build_mlp(args.inputs, args.width, args.depth, 10).parameters()
-        )
+        mlp = build_mlp(args.inputs, args.width, args.depth, 10)
+        model_bytes = 4.0 * sum(p.numel() for p in mlp.parameters())
     every = args.sync_every
     delay = every if delay is None else delay
-    found = predict(
-        model_bytes,
-        ComputeTimes(args.compute_ms / 1e3, "uneven", factors=factors),
-        Network(Link(megabits * 1e6)),
-        nodes,
-        ["ring"],
-        compressions=(),
-        steps=args.rounds * every,
-        warmup=3 * every,
-        local_steps=[(every, delay)],
-        overhead_s=o,
-        paced=True,
-    )
+    compute = ComputeTimes(args.compute_ms / 1e3, "uneven", factors=factors)
+    options = {"steps": args.rounds * every, "warmup": 3 * every, "local_steps": [(every, delay)]}
+    options |= {"overhead_s": o, "compressions": (), "paced": True}
+    found = predict(model_bytes, compute, Network(Link(megabits * 1e6)), nodes, ["ring"], **options)
     labels = {"ddp": "ddp", "sync": f"ring~h{every}d{delay}", "paced": f"ring~h{every}d{delay}p"}
     step_s = {p.method: p.step_s for p in found}
     return {method: nodes / step_s[label] for method, label in labels.items() if label in step_s}

@@ -1,14 +1,12 @@
 """One rank of a time-to-loss run: the language model trained with one method, its parameters written.
 
-Started by ``run.py`` in a node's namespace (``MASTER_ADDR``, ``MASTER_PORT``, ``NODE_ADDR`` set) or on
-loopback. AdamW on this rank's iid windows, by steps (``--stop-at`` of a ``--steps`` cosine after
-``--warmup``) or by rounds (``--rounds``, ours only: a cosine over the rounds; ``--pacing measured``);
-every ``--eval-every`` steps (or ``--eval-rounds`` rounds, labelled ``round x H`` steps) it writes its
-parameters and training seconds (the writing left out), which ``run.py`` averages and evaluates. Each
-step sleeps ``--pad-ms`` first. ``--gate``: once built, write ``ready-{rank}`` and wait for ``go``.
-Methods: ``nocomm``, ``ddp``, ``ddp-psgdR`` (torch's ``powerSGD_hook``, rank R), ``torchft~hH[dD][aA]``
-(torchft's DiLoCo, ``fragment_sync_delay=D``, ``fragment_update_alpha=A``, outer SGD ``--outer-lr``),
-and ours in ``methods.py``'s grammar (``ring~h8d1@topk:0.03:int4``).
+Started by ``run.py`` in a node's namespace or on loopback. AdamW on this rank's iid windows, by steps
+(``--stop-at`` of a ``--steps`` cosine after ``--warmup``) or by rounds (``--rounds``, ours only); every
+``--eval-every`` steps (or ``--eval-rounds`` rounds, labelled ``round x H`` steps) it writes its
+parameters and training seconds (the writing left out). Each step sleeps ``--pad-ms`` first. ``--gate``:
+once built, write ``ready-{rank}`` and wait for ``go``. Methods: ``nocomm``, ``ddp``, ``ddp-psgdR``
+(torch's ``powerSGD_hook``, rank R), ``torchft~hH[dD][aA]`` (torchft's DiLoCo, ``fragment_sync_delay=D``,
+``fragment_update_alpha=A``) and ours in ``methods.py``'s grammar (``ring~h8d1@topk:0.03:int4``).
 """
 
 from __future__ import annotations
@@ -146,9 +144,9 @@ def train(args: argparse.Namespace) -> None:
             resumed = time.perf_counter()
     record = {"rank": rank, "points": points, "bytes_sent_per_step": sent, "train_losses": losses}
     record |= {"start": start, "ends": ends, "round_ends": round_ends}
-    if (report := None if wrapper is None else wrapper.pace_report()) is not None:
-        record["pace"] = {"round_s": report.round_seconds, "step_s": report.step_seconds}
-        record["pace"] |= {"waited_s": report.waited_seconds}
+    if (pace := None if wrapper is None else wrapper.pace_report()) is not None:
+        record["pace"] = {"round_s": pace.round_seconds, "step_s": pace.step_seconds}
+        record["pace"] |= {"waited_s": pace.waited_seconds}
     if rounds is not None:
         rounds.global_avg(may_revert=False)  # at a round's end: finishes the rounds in flight
     if diloco is not None:

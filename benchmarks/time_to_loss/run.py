@@ -5,12 +5,10 @@
     sudo uv run benchmarks/time_to_loss/run.py uneven --nodes 4 8 16 [--scenarios one3x half2x] [--json P]
     uv run benchmarks/time_to_loss/run.py lm [--results LM_CONVERGENCE_JSON ...]
 
-Every question but ``lm`` builds the emulated cluster (``harness/emulated_cluster.py``; needs root, without
-it says so and exits 0) and runs ``rank.py`` on each node, one method at a time from the same model, a
-step's compute the model's own topped up by a sleep. The ranks write their parameters at fixed steps and
-the replicas' average is evaluated afterwards (256 fixed validation windows), so a curve costs the run
-nothing. ``lm`` multiplies the steps of ``lm_convergence`` curves by the planner's step time. Defaults:
-``questions.py``; what each measures and found: docs/benchmarks.md. torchft needs the ``bench`` group.
+Every question but ``lm`` builds the emulated cluster (needs root; without it says so and exits 0) and
+runs ``rank.py`` on each node, one method at a time from the same model, a step's compute topped up by a
+sleep. The ranks write their parameters at fixed steps; the replicas' average is evaluated afterwards, so
+a curve costs the run nothing. Defaults: ``questions.py``; what each measures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ import torch
 from torch import nn
 
 from benchmarks.harness import emulated_cluster as emu
+from benchmarks.harness import uneven as fleet
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.methods import optimizer_factory, parse_method
 from benchmarks.harness.question_args import question_parser
@@ -55,8 +54,7 @@ _runs = itertools.count()  # a fresh port per run: the last run's may linger
 
 
 def padding(q: Namespace, steps: int = 30) -> tuple[float, float]:
-    """The model's own forward, backward and AdamW step here (median ms, one thread), and the sleep
-    that tops it up to ``--compute-ms``."""
+    """The model's own step here (median ms, one thread) and the sleep topping it up to ``--compute-ms``."""
     torch.set_num_threads(1)
     tokens, _ = make_lm_data(1, 0, "iid")
     model = make_lm_model(q.width, q.depth)
@@ -75,8 +73,7 @@ def padding(q: Namespace, steps: int = 30) -> tuple[float, float]:
 
 
 def engine_overhead_seconds(q: Namespace, method: str = "ring~h8d1", steps: int = 64) -> float:
-    """Seconds our optimizer step adds to AdamW's (the planner's ``overhead_s``), in a world of one rank
-    (what a round costs besides is ``plan.round_cost``'s)."""
+    """Seconds our optimizer step adds to AdamW's in a world of one rank (the planner's ``overhead_s``)."""
     import torch.distributed as dist
 
     from decent_optim_wrapper import DecentOptimWrapper
@@ -108,10 +105,9 @@ def launch(
     cluster: emu.Cluster, q: Namespace, method: str, pads: list[float], deadline_s: float,
     shape: Callable[[], None] | None = None, evaluated: bool = True, **flags: object,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
-    """Train ``method`` on every node (``pads``: each rank's sleep; ``flags``: more of ``rank.py``'s): the
-    ranks' records and the evaluated curve. With ``shape``, the ranks are built on fast links and wait at
-    the gate until ``shape`` slows them (start-up is not what a run measures; the links' counters start
-    there). Raises if a rank failed or ran out of time."""
+    """Train ``method`` on every node (``pads``: each rank's sleep): the ranks' records and the evaluated
+    curve. With ``shape``, the ranks are built on fast links and wait at the gate until ``shape`` slows
+    them (start-up is not what a run measures). Raises if a rank failed or ran out of time."""
     outdir, nodes = Path(tempfile.mkdtemp(prefix="dow-ttl-")), cluster.nodes
     flags |= {"world_size": nodes, "method": method, "steps": q.steps, "warmup": q.warmup, "batch": q.batch}
     flags |= {"adam_lr": q.adam_lr, "width": q.width, "depth": q.depth, "timeout_s": q.timeout_s}
@@ -200,8 +196,8 @@ def predictions(
     methods: list[str], model_bytes: float, compute_s: float, link: Link, nodes: int, numel: int,
     overhead_s: float, measured: bool = True,
 ) -> dict[str, float]:  # fmt: skip
-    """Planner step times (seconds) of DDP and of our methods among ``methods``; ``measured``: each wire
-    format's round timed on this machine for ``numel`` parameters (``plan.round_cost``)."""
+    """Planner step times (seconds) of DDP and of ours among ``methods``; ``measured``: each wire format's
+    round timed here for ``numel`` parameters."""
     costs: dict[str | None, RoundCost] = {}
 
     def round_cost(compression: GossipCompression | None, group_size: int) -> RoundCost:
@@ -220,8 +216,7 @@ def predictions(
 
 
 def partial(q: Namespace, results: object) -> None:
-    """Write what is measured so far to ``--json`` (``"partial": true``): a long run is not lost to a
-    later phase that fails; the finished run overwrites it."""
+    """Write what is measured so far to ``--json`` (``"partial": true``): not lost to a later failure."""
     if q.json:
         payload = {"partial": True, "args": vars(q), "results": results}
         Path(q.json).write_text(json.dumps(payload, default=str))
@@ -259,8 +254,8 @@ TIMES = ("shaped_step_s", "step_ms", "timed_s", "wall_s", "wire_bytes_per_step")
 
 
 def reused_run(path: Path, method: str, q: Namespace) -> dict[str, Any]:
-    """``method``'s run from an earlier run's JSON (a ValueError says why not): its curve only if the
-    training flags are the same, its times only if the timing flags are too."""
+    """``method``'s run from an earlier JSON (or a ValueError): its curve if the training flags are the
+    same, its times only if the timing flags are too."""
     earlier = json.loads(path.read_text())
     before = earlier["args"]
     runs = earlier["results"]["results"][-1]["runs"] if "results" in earlier else earlier["runs"]
@@ -292,8 +287,8 @@ def on_links(q: Namespace) -> tuple[dict[str, Any], str]:
 
 
 def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, Any]) -> dict[str, Any]:
-    """``nocomm``, then the baselines in full on fast links (their loss), then every link shaped from
-    the ``nocomm`` step and probed: the methods and ours trained there, the baselines timed there."""
+    """``nocomm``, the baselines on fast links (their loss), then on links shaped from the ``nocomm`` step:
+    the methods and ours trained, the baselines timed."""
     model = make_lm_model(q.width, q.depth)
     numel, result = sum(p.numel() for p in model.parameters()), results["results"][-1]
     runs = result["runs"]
@@ -369,9 +364,8 @@ def full_size(method: str, q: Namespace) -> dict[str, float]:
 
 
 def seconds_to(run: dict[str, Any], loss: float) -> tuple[int | None, float | None]:
-    """The first evaluated step at which ``run``'s average is at ``loss`` or below, and the seconds to
-    it on the shaped links: a baseline's steps at the pace timed there, else the run's own clock (None:
-    never, or a reused run without times)."""
+    """The first evaluated step at ``loss`` or below and the seconds to it on the shaped links: a
+    baseline's steps at its pace timed there, else the run's own clock (None: never, or no times)."""
     hit = reached(run["curve"], loss)
     if hit is None:
         return None, None
@@ -385,9 +379,8 @@ def is_sparse(method: str) -> bool:
 
 
 def links_report(result: dict[str, Any], q: Namespace) -> str:
-    """One row per method (its step on the shaped links against ``nocomm`` and the planner, bytes per step
-    counted and on the links, final loss against DDP's, the step and seconds to each target loss against
-    ours), then the targets, met or MISSED."""
+    """One row per method (step time, planned, bytes, final loss, the step and seconds to each target
+    against ours), then the targets, met or MISSED."""
     runs, planned, nodes = result["runs"], result["planned"], result["nodes"]
     nocomm_ms = runs["nocomm"]["step_ms"]
     ddp_final = runs["ddp"]["curve"][-1][2] if "ddp" in runs else float("nan")
@@ -407,14 +400,9 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
             continue
         plan = planned.get(planner_label(m))
         sent = r.get("bytes_sent_per_step") or wire_bytes(m, make_lm_model(q.width, q.depth), nodes)
-        row = [
-            m + " (reused)" * ("reused_from" in r),
-            cell(r.get("steps"), "d"),
-            step_ms[m],
-            plan and 1e3 * plan,
-        ]
-        row += [f"{nocomm_ms / step_ms[m]:.3f}", f"{sent:.0f}", cell(r.get("wire_bytes_per_step"), ".0f")]
-        row += [f"{finals[m]:.4f}", f"{finals[m] / ddp_final:.4f}"]
+        row = [m + " (reused)" * ("reused_from" in r), cell(r.get("steps"), "d"), step_ms[m]]
+        row += [plan and 1e3 * plan, f"{nocomm_ms / step_ms[m]:.3f}", f"{sent:.0f}"]
+        row += [cell(r.get("wire_bytes_per_step"), ".0f"), f"{finals[m]:.4f}", f"{finals[m] / ddp_final:.4f}"]
         for times in reach.values():
             (step, seconds), theirs = times[m], times[mine][1] if mine else None
             ran = f">{r['curve'][-1][1]:.0f}" if "step_ms" in r and "shaped_step_s" not in r else "-"
@@ -425,9 +413,8 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
     header += ["vs DDP"]
     header += [c for goal in goals for c in (f"step to {goal}", f"s to {goal}", f"vs {mine}")]
     title = f"{nodes} nodes x 1 worker, {result['parameters']:,} parameters, links {result['megabits']:.3f}"
-    title += (
-        f" Mbit/s ({result['message_bytes']:.0f} B a message): {nocomm_ms:.1f} ms/step without communication"
-    )
+    title += f" Mbit/s ({result['message_bytes']:.0f} B a message): {nocomm_ms:.1f} ms/step without"
+    title += " communication"
     lines = [title, markdown_table(header, rows, ".1f")]
     verdicts = result.setdefault("verdicts", [])
 
@@ -468,13 +455,6 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
 # -- uneven: paced rounds against synchronous gossip and DDP, one worker 3x slower (or half 2x)
 
 
-def speed_factor(scenario: str, rank: int, nodes: int) -> float:
-    """How many times ``--compute-ms`` a step of ``rank`` takes."""
-    if scenario not in ("one3x", "half2x"):
-        raise ValueError(f"scenario must be one3x or half2x, got {scenario!r}")
-    return (3.0 if rank == 0 else 1.0) if scenario == "one3x" else (2.0 if rank < nodes // 2 else 1.0)
-
-
 def gossip_rounds(q: Namespace) -> int:
     """Rounds of the gossip methods: ``--budget`` times DDP's samples."""
     return int(q.budget * q.steps) // q.sync_every
@@ -489,45 +469,27 @@ def uneven_flags(method: str, q: Namespace) -> tuple[str, dict[str, object]]:
     return q.gossip, flags | {"pacing": "measured" if method == "paced" else "none"}
 
 
-def fleet_rate(records: list[dict[str, Any]], method: str, every: int) -> float:
-    """Steps of all ranks per second over the window after warm-up (3 rounds; paced: 5)."""
-    warm = 5 if method == "paced" else 3
-    if method == "ddp":
-        began = max(r["ends"][warm * every - 1] for r in records)
-    else:
-        began = max(r["round_ends"][warm - 1] for r in records)
-    ended = min(r["ends"][-1] for r in records)
-    return sum(sum(1 for t in r["ends"] if began < t <= ended) for r in records) / (ended - began)
-
-
 def uneven_rates(
     records: dict[str, list[dict[str, Any]]], scenario: str, nodes: int, megabits: float, q: Namespace
 ) -> dict[str, Any]:
-    """Measured fleet steps per second of ddp, sync and paced, the planner's (``predict(..., paced=True)``
-    with the measured link, the factors and ``o``: a step's time beyond compute alone), and its errors."""
-    factors = [speed_factor(scenario, r, nodes) for r in range(nodes)]
-    beyond = []
-    for rank, run in enumerate(records["nocomm"]):
-        steps = zip([run["start"], *run["ends"][:-1]], run["ends"], strict=True)
-        beyond.append(statistics.fmean([b - a - q.compute_ms / 1e3 * factors[rank] for a, b in steps][2:]))
-    o, every, late = statistics.median(beyond), q.sync_every, delay(parse_method(q.gossip))
-    compute = ComputeTimes(q.compute_ms / 1e3, "uneven", factors=tuple(factors))
-    options = {"steps": min(gossip_rounds(q), 30) * every, "warmup": 3 * every, "overhead_s": o}
-    options |= {"local_steps": [(every, late)], "compressions": (), "paced": True}
+    """Measured fleet steps per second of ddp, sync and paced, the planner's and its errors
+    (``harness/uneven.py``: ``o`` from ``nocomm``, the planner over at most 30 rounds)."""
+    args = Namespace(
+        compute_ms=q.compute_ms, shift_s=0.0, sync_every=q.sync_every, rounds=min(gossip_rounds(q), 30)
+    )
+    o = fleet.overhead_seconds([{f"{scenario}/nocomm": r} for r in records["nocomm"]], scenario, args)
     model_bytes = 4.0 * sum(p.numel() for p in make_lm_model(q.width, q.depth).parameters())
-    found = predict(model_bytes, compute, Network(Link(megabits * 1e6)), nodes, ["ring"], **options)
-    step_s = {p.method: p.step_s for p in found}
-    labels = {"ddp": "ddp", "sync": f"ring~h{every}d{late}", "paced": f"ring~h{every}d{late}p"}
-    planned = {m: nodes / step_s[label] for m, label in labels.items() if label in step_s}
-    measured = {m: fleet_rate(records[m], m, every) for m in ("ddp", "sync", "paced") if m in records}
+    late = delay(parse_method(q.gossip))
+    planned = fleet.planned_rates(scenario, nodes, megabits, o, args, model_bytes, late)
+    methods = [m for m in ("ddp", "sync", "paced") if m in records]
+    measured = {m: fleet.fleet_rate([{m: r} for r in records[m]], m, m, args)["steps_per_s"] for m in methods}
     errors = {m: planned[m] / rate - 1 for m, rate in measured.items() if planned.get(m)}
     return {"overhead_s": o, "measured": measured, "planned": planned, "planner_error": errors}
 
 
 def time_to_target(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """DDP's final loss (the target) and each method's (evaluated step, seconds) to it, or None; the
-    ratio synchronous / paced (a lower bound, ``sync_reached`` False, when synchronous gossip never
-    reached it: its last evaluation's seconds instead)."""
+    """DDP's final loss and each method's (step, seconds) to it, or None; the ratio synchronous / paced
+    (a lower bound, ``sync_reached`` False, when sync never reached it: its last evaluation's seconds)."""
     target = runs["ddp"]["curve"][-1][2]
     hits = {m: reached(r["curve"], target) for m, r in runs.items() if m != "nocomm"}
     hits["ddp"] = (runs["ddp"]["curve"][-1][0], runs["ddp"]["curve"][-1][1])
@@ -542,7 +504,7 @@ def time_to_target(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def uneven_verdicts(row: dict[str, Any]) -> dict[str, bool]:
     """The two targets of one node count and scenario: paced 1.5x sooner, the planner within 15%."""
     ratio, errors = row["sync_over_paced"], row["planner_error"]
-    planner = bool(errors) and all(abs(e) <= PREDICTION for e in errors.values())
+    planner = bool(errors) and all(abs(e) <= fleet.PLANNER_TARGET for e in errors.values())
     return {"sooner": ratio is not None and ratio >= PACED_SOONER, "planner": planner}
 
 
@@ -556,7 +518,7 @@ def uneven(q: Namespace) -> tuple[dict[str, Any], str]:
             megabits = emu.measure_link(cluster, 4, 29669)
             results["results"].append({"nodes": nodes, "megabits": megabits, "scenarios": {}})
             for scenario in q.scenarios:
-                factors = [speed_factor(scenario, r, nodes) for r in range(nodes)]
+                factors = [fleet.speed_factor(scenario, r, nodes, 0.0, 0.0) for r in range(nodes)]
                 pads = [max(0.0, q.compute_ms * factor - real_ms) for factor in factors]
                 records, runs = {}, {}
                 for method in q.methods:
@@ -564,10 +526,8 @@ def uneven(q: Namespace) -> tuple[dict[str, Any], str]:
                     records[method], runs[method] = launch(cluster, q, name, pads, q.deadline_s, **flags)
                     print(f"  {nodes} nodes, {scenario}/{method}: {runs[method]['curve'][-1][2]:.4f}")
                 row = time_to_target(runs) | uneven_rates(records, scenario, nodes, megabits, q)
-                row |= {
-                    "runs": runs,
-                    "steps_per_rank": {m: [len(r["ends"]) for r in rs] for m, rs in records.items()},
-                }
+                row["runs"] = runs
+                row["steps_per_rank"] = {m: [len(r["ends"]) for r in rs] for m, rs in records.items()}
                 row["verdicts"] = uneven_verdicts(row)
                 results["results"][-1]["scenarios"][scenario] = row
                 text.append(uneven_report(nodes, megabits, scenario, row, q))
@@ -600,8 +560,8 @@ def uneven_report(nodes: int, megabits: float, scenario: str, row: dict[str, Any
 
 
 def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
-    """The ``iid`` results of ``paths``, one list per run: files whose DDP result is the same (the same
-    workers and loss, as ``convergence/run.py lm --reuse`` copies it) are merged, first file first."""
+    """The ``iid`` results of ``paths``, one list per run: files with the same DDP result (as
+    ``convergence/run.py lm --reuse`` copies it) merged, first file first."""
     runs: dict[tuple[int, float], dict[str, dict[str, Any]]] = {}
     for path in paths:
         data = json.loads(Path(path).read_text())  # report.save's JSON (its "results"), or a bare list
@@ -616,9 +576,8 @@ def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
 
 
 def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
-    """Per run, each per-step method's first evaluation within ``--tolerance`` of DDP's final loss, times
-    the planner's step time on as many nodes (no jitter; log-normal, sigma 0.3). Blocking gossip
-    (``~h1d0``) is simulated with each round added to the step."""
+    """Per run, each per-step method's first evaluation within ``--tolerance`` of DDP's final loss times
+    the planner's step time (no jitter; log-normal, sigma 0.3); blocking gossip adds its round."""
     out, text = [], []
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
@@ -693,6 +652,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
         if spec.topology is None or spec.sync_every < 2 or spec.paced:
             parser.error(f"--gossip: low-communication gossip without 'p' ('ring~h8d1'), not {q.gossip!r}")
         q.sync_every = spec.sync_every
+        if unknown := set(q.scenarios) - {"one3x", "half2x"}:
+            parser.error(f"--scenarios: one3x or half2x, not {', '.join(sorted(unknown))}")
         q.methods = [m for m in ("nocomm", "ddp", "sync", "paced") if m in {*q.methods, "nocomm", "ddp"}]
     return q
 
