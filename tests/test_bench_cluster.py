@@ -282,3 +282,17 @@ def test_speed_question_end_to_end_on_the_emulated_cluster(tmp_path, monkeypatch
     assert {t["target"] for t in results["targets"]} >= {"ring / nocomm", "DDP / ring"}
     assert (tmp_path / "s.md").read_text().startswith("$ uv run")
     assert not [n for n in os.popen("ip netns list").read().split() if n.startswith("dow-")]
+
+
+@pytest.mark.pure
+def test_link_sharing_fits_the_committed_run(tmp_path, capsys):
+    """``link_sharing --fit``: the sharing model fitted again to the committed run (no root, no cluster)
+    picks the fit its printed result names (the planner's grid and seeds are fixed: exact)."""
+    results = Path(__file__).parents[1] / "benchmarks" / "results" / "scaling"
+    run.main(
+        ["link_sharing", "--fit", str(results / "link-sharing.json"), "--json", str(tmp_path / "fit.json")]
+    )
+    best = [line for line in capsys.readouterr().out.splitlines() if line.startswith("best fit:")]
+    assert best and best[0] in (results / "link-sharing.txt").read_text()
+    refit = json.loads((tmp_path / "fit.json").read_text())["results"]
+    assert refit["A"] == json.loads((results / "link-sharing.json").read_text())["A"]
