@@ -3,25 +3,14 @@
     sudo uv run benchmarks/faults/run.py grow-back              # 8 nodes of the emulated cluster, ~5 min
     uv run benchmarks/faults/run.py grow-back --local --workers 4 --steps 80 --lose-at 30  # loopback
 
-The same training runs three ways (AdamW on an MLP of ``--params`` fp32 parameters, ring,
-``--step-time`` of emulated compute per step, each rank its own seeded batches; worker ``i`` on
-node ``i`` of ``harness/emulated_cluster.py``'s cluster, links shaped to ``--link``, the store on
-node 0):
-
-- *steady*: ``--workers`` workers, no failure, ``--steps`` steps.
-- *grow back*: the same, open to joiners (``init_elastic``, ``on_peer_failure="continue"``); after
-  step ``--lose-at`` the last two ranks kill themselves (SIGKILL with their round in flight); the
-  launcher restarts each on its node at once with the same command; the members go on without
-  them, and the new processes join from a member's replica.
-- *restart*: ``on_peer_failure="raise"``; every rank writes a checkpoint
-  (``DecentOptimWrapper.state_dict()``) every ``--checkpoint-every`` steps; the same two ranks die
-  at the same step; the survivors fail, and the launcher, as torchrun's elastic agent does, stops
-  every worker and starts them all again from the last checkpoint all ranks wrote.
-
-Reported per run: the time from launch to the end of step ``--steps`` on the last rank, the steps
-computed again (restart), and the final loss (the global average's loss on a fixed probe set). The
-restart resumes bit for bit, so its loss equals the steady run's; grow back's differs by what the
-two joiners' copies of their donors change in the mean (docs/joining.md, "The mean").
+The same training (AdamW on an MLP of ``--params`` parameters, ring, ``--step-time`` of emulated
+compute, worker ``i`` on node ``i`` of the emulated cluster, links at ``--link``) three ways: *steady*
+(no failure); *grow back* (elastic; after ``--lose-at`` the last two ranks SIGKILL themselves with
+their round in flight and are restarted at once, joining from a member's replica); *restart*
+(``on_peer_failure="raise"``, a checkpoint every ``--checkpoint-every`` steps; the same two die, and
+the launcher, as torchrun's elastic agent does, restarts every worker from the last checkpoint).
+Reported: time from launch to the last rank's step ``--steps``, steps computed again, and the global
+average's loss on a fixed probe set (restart equals steady bit for bit; docs/joining.md, "The mean").
 """
 
 from __future__ import annotations

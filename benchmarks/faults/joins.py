@@ -6,30 +6,18 @@ transfer against the link, and the per-step cost of a job open to joiners.
     sudo uv run benchmarks/faults/run.py joining --links 100mbit 1gbit --sizes-mb 1 10 100  # emulated cluster
     sudo uv run benchmarks/faults/run.py joining --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause
 
-Every job is a set of worker processes (this module run with ``python -m``, its options as JSON)
-around a store the driver hosts; :class:`Placement` and :func:`start_worker` start them, for
-``grow_back.py`` too. A worker trains an MLP of ``--params`` fp32 parameters with AdamW
-(``DecentOptimWrapper``, ring, ``on_peer_failure="continue"``), entering through ``init_elastic``;
-it writes the wall time at the end of every step. Parts:
+A job is worker processes (this module run with ``python -m``; :class:`Placement` and
+:func:`start_worker` serve ``grow_back.py`` too) around a store the driver hosts, training an MLP of
+``--params`` parameters with AdamW (ring, ``on_peer_failure="continue"``, ``init_elastic``). Parts:
 
-- *pause* (``--ranks``; on the emulated cluster with ``--cluster RATE``, a worker per node): ``n - 1``
-  members start the job; once rank 0 reaches ``--join-after``
-  steps this script starts one more worker with the same command, which joins. Per admission:
-  each member's time inside the admission (agreement, re-formed groups, the donor's transfer:
-  ``engine.survival.pauses``) and its step that took longest around the join beyond its median
-  step (what the member actually lost); the joiner's time from its process start to the end of its
-  first step, split into start-up (interpreter, torch, model), waiting for admission, forming the
-  group, waiting for the donor to pack its replica, receiving it, checking it, and the first step.
-- *overhead* (``--overhead-ranks``): the same job without joins, ``on_peer_failure="raise"``,
-  ``"continue"`` without ``init_elastic``, ``"continue"`` open to joiners, the same with a job
-  secret (``sealed``), and with the secret while an outsider without it writes ``--forged-per-s``
-  forged applications a second into the store (``forged``: it reads the job's run from the store, as
-  anyone who reaches it can), interleaved ``--rounds`` times: median step time of each over that of
-  ``"raise"``; ``forged`` over ``sealed`` is what the forgeries cost.
-- *link* (``--links``, needs root): the emulated cluster (``emulated_cluster.py``: one namespace per node,
-  ``tc tbf`` on every link): 4 nodes, a joiner on a fifth, replicas of ``--sizes-mb`` megabytes;
-  the time the payload took on the wire (from the donor's header to the last byte) against bytes /
-  link rate.
+- *pause* (``--ranks``; ``--cluster RATE``: a worker per emulated node): ``n - 1`` members start, one
+  more joins at ``--join-after``: per admission the members' time inside it and their longest step
+  beyond the median, and the joiner's time to its first step, in its parts.
+- *overhead* (``--overhead-ranks``): median step time of ``"continue"``, open to joiners, sealed by a
+  job secret, and sealed while an outsider writes ``--forged-per-s`` forged applications, each over
+  ``on_peer_failure="raise"``, interleaved ``--rounds`` times.
+- *link* (``--links``, root): 4 emulated nodes and a joiner on a fifth, replicas of ``--sizes-mb``
+  MB: the payload's time on the wire against bytes / link rate.
 """
 
 from __future__ import annotations

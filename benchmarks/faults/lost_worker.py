@@ -3,24 +3,12 @@
     uv run benchmarks/faults/run.py lost-worker                       # 3 seeds, about 4 min on 2 cores
     uv run benchmarks/faults/run.py lost-worker --seeds 0 --steps 100 # a quick look
 
-The main job's task (``synthetic_task.py``, the same as examples/quickstart.py's: the MLP, SGD with
-lr 0.05 and momentum 0.9 under a cosine schedule, batch 32 per worker, 600 steps, the iid split)
-with ring gossip, trained twice per seed:
-
-- ``8 -> 7``: 8 workers with ``on_peer_failure="continue"``; one of them (drawn from the seed) is
-  killed with SIGKILL at the start of step ``--kill-at`` (300, mid-training; the defaults:
-  ``questions.py``). The 7 survivors go on from their own replicas, with their own shards: the lost
-  worker's eighth of the training set is not seen again (nothing re-shards it);
-- ``7``: 7 workers from the start, the training set split 7 ways.
-
-Each worker draws its batches from a generator seeded by the seed and its launch rank, so a seed's two
-runs differ only in the lost worker. Reported: the final training loss (mean over the last 5 % of
-the steps, averaged over the workers alive at each step) and the test accuracy of the globally
-averaged model (``global_avg()`` over the survivors); per seed and on average. Target: the ``8 -> 7``
-run within 0.5 points of the ``7`` run on average over the seeds.
-
-The workers are forked around a store hosted by this process (``fault_runs.py``), as a launcher
-that survives its workers would host it.
+The main job's task (``synthetic_task.py``: the MLP, SGD with momentum under a cosine schedule, the
+iid split) with ring gossip, twice per seed: ``8 -> 7`` (``on_peer_failure="continue"``, a worker
+drawn from the seed SIGKILLed at step ``--kill-at``; its shard is not seen again) and ``7`` (7 workers
+from the start). Batches are seeded by the seed and the launch rank, so the two runs differ only in
+the lost worker. Reported: the final training loss (last 5 % of steps) and the test accuracy of the
+global average. Target: ``8 -> 7`` within 0.5 points of ``7`` on average over the seeds.
 """
 
 from __future__ import annotations

@@ -3,19 +3,12 @@
     uv run benchmarks/faults/run.py node-check                 # 2 nodes x 2 shards on loopback, about 2 min
     uv run benchmarks/faults/run.py node-check --buckets 8 --json /tmp/node-check.json
 
-In a job of nodes (``init_elastic(..., shards=k)``) with ``on_peer_failure="continue"`` the ranks of a
-node exchange a flag and a count over the node (an all-gather of 16 bytes per rank on the default
-group, the node) after every gossip wait of the wrapper, so that they go into a recovery together
-(docs/big-models.md, "A job of nodes"): once per bucket and step. This script measures it two ways,
-on local CPU processes (gloo), one thread each:
-
-- *per step*: the same training, an MLP sharded with FSDP2 over ``node_mesh()`` (AdamW, ring over the
-  nodes, ``--buckets`` buckets of gossip, ``--step-time`` of emulated compute per step) with
-  ``on_peer_failure="raise"`` and with ``"continue"``, interleaved ``--rounds`` times: the median step
-  time of each, and ``"continue"`` over ``"raise"``. That ratio also holds what surviving costs
-  without the node check (the heartbeat thread, the store polls of the waits).
-- *one check*: on the same processes, the median time of the check's all-gather over the node
-  (``--checks`` times), and that times the checks a step makes, over the step.
+In a job of nodes with ``on_peer_failure="continue"`` a node's ranks all-gather a flag and a count
+after every gossip wait, so that they recover together (docs/big-models.md, "A job of nodes"). Two
+measures on local gloo processes: *per step*, an FSDP2-sharded MLP over ``node_mesh()`` (ring over
+nodes, ``--buckets`` buckets) with ``"raise"`` against ``"continue"``, interleaved ``--rounds`` times
+(the ratio holds all surviving costs); *one check*, the check's all-gather alone (``--checks``
+times), times the checks per step, over the step.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ import argparse
 
 from benchmarks.faults import grow_back, joins, lost_worker, node_check, soak
 from benchmarks.faults.questions import QUESTIONS
-from benchmarks.harness.report import add_output_arguments, save
+from benchmarks.harness.question_args import question_parser
+from benchmarks.harness.report import save
 
 ANSWERS = {
     "kills": soak.kills,
@@ -43,30 +44,8 @@ def refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def parser() -> argparse.ArgumentParser:
-    """One sub-command per question, its options made from the question's defaults."""
-    top = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    questions = top.add_subparsers(dest="question", required=True, metavar="QUESTION")
-    for question in QUESTIONS.values():
-        sub = questions.add_parser(question.name, help=question.asks, description=question.asks)
-        for name, default in question.defaults.items():
-            flag = "--" + name.replace("_", "-")
-            if isinstance(default, bool):
-                sub.add_argument(flag, action="store_true")
-                continue
-            many = isinstance(default, list)
-            kind = type(default[0]) if many and default else str if many else type(default)
-            shown = " ".join(map(str, default)) if many else default
-            sub.add_argument(
-                flag, type=kind, nargs="*" if many else None, default=default,
-                choices=question.choices.get(name), help=f"default: {shown}",
-            )  # fmt: skip
-        add_output_arguments(sub)
-    return top
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    top = parser()
+    top = question_parser(__doc__, QUESTIONS, empty_lists=True)
     args = top.parse_args(argv)
     if (why := refusal(args)) is not None:
         top.error(why)

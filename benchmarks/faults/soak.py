@@ -7,35 +7,19 @@
     uv run benchmarks/faults/run.py rejoins --workers 4 --floor 3 --cycles 10 --average-every 3 \
         --slow-factor 15
 
-Workers forked around a store this process hosts (``harness/fault_runs.py``) train a small MLP with
-``DecentOptimWrapper`` (ring, SGD with momentum and a cosine schedule, ``timeout`` of ``--timeout-s``),
-take ``global_avg()`` then ``revert_global_avg()`` every ``--average-every`` steps, and carry a
-*witness*: a parameter in a param group of its own with ``lr=0``, so only gossip moves it, set to
-values in [1, 2] that differ between ranks. Gossip and averaging are convex combinations, so the
-witness must stay inside [1, 2] (up to ``WITNESS_ULPS`` units of 2^-23 of rounding per round). A
-victim fails in one of ``MODES``, drawn with the moment from the seed: SIGKILL from a timer started
-just before ``step()`` or ``global_avg()`` (within ``--kill-window-ms``; where it landed is recorded),
-SIGKILL right after ``step()`` (its round in flight), SIGSTOP, or a main thread that sleeps while the
-heartbeat goes on.
+Forked workers (``harness/fault_runs.py``) train an MLP with the wrapper (ring, SGD with momentum, a
+cosine schedule), take and revert a global average every ``--average-every`` steps, and carry a
+*witness*: a parameter in a group with ``lr=0``, so only gossip (a convex combination) moves it,
+started in [1, 2] and different on every rank. A victim fails in one of ``MODES`` at a seeded moment.
+``kills``: seeded runs down to ``--floor`` (failures survived, steps lost, recovery time;
+docs/survival-benchmarks.md). ``rejoins``: one elastic run (``init_elastic``) of ``--cycles``
+failures, each victim restarted as a joiner, a share ``--overlap`` of them firing while the world is
+short (joins, losses, join time and its parts, the members' pause; docs/joining.md).
 
-- ``kills``: runs with seeds SEED, SEED + 1, ... while ``--budget-s`` lasts; one worker
-  fails every ``--spacing`` steps (half to all of it) until ``--floor`` remain. Counted: failures
-  survived, steps lost, recovery time, corruption (docs/survival-benchmarks.md).
-- ``rejoins``: one run on an elastic job (``init_elastic``), ``--cycles`` failures, each
-  victim (drawn by its rank in the current world) restarted ``--restart-window-s`` at most later (plus
-  ``timeout`` for a stopped or hung one) as a fresh process that joins; a share ``--overlap`` of the
-  failures fires while the world is short (above ``--floor``), the others wait for a whole world.
-  Every worker holds the plan's position (a joiner gets its donor's, ``register_join_state``); the
-  run ends ``END_MARGIN`` steps after a worker sees the last failure recovered and the world whole.
-  Counted: joins, losses, steps lost, corruption, join time and its parts, the members' pause per
-  admission and recovery, where kills and joins landed (docs/joining.md).
-
-*Corruption* (each must be 0): a NaN/inf parameter or loss; a witness outside [1, 2]; final averages
-(each survivor all-gathers its replica, calls ``global_avg()`` and all-gathers the result) not
-bitwise identical, or farther from the float64 mean of the replicas than ``k u max|x|`` (``k``
-replicas, u = 2^-24); a world size on which survivors disagree or that is not the expected one. A
-run past ``--deadline-s`` stops the soak with every running worker's stacks. Results are printed
-and, with ``--json``, written (the summary, and every run or the plan; the defaults: ``questions.py``).
+*Corruption* (each must be 0): a non-finite parameter or loss; a witness outside [1, 2] (beyond
+``WITNESS_ULPS`` of rounding per round); final averages not bitwise identical across survivors, or
+farther from the float64 mean of their replicas than ``k u max|x|`` (``k`` replicas, u = 2^-24); a
+world size the survivors disagree on or that is not the expected one.
 """
 
 from __future__ import annotations
@@ -205,18 +189,10 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
         if step_time_s:
             time.sleep(step_time_s)  # the rest of a step's compute: leaves a core to a starting worker
         if t == first_step and opt.joined is not None:
-            note(
-                {
-                    "kind": "joined",
-                    "step": t,
-                    "world_size": opt.world_size,
-                    "started": process_started(),
-                    "before_front_end": before_front_end,
-                    "after_front_end": after_front_end,
-                    "first_step_end": time.time(),
-                    "seconds": opt.engine.growth.join_seconds,
-                }
-            )
+            times = {"started": process_started(), "first_step_end": time.time()}
+            times |= {"before_front_end": before_front_end, "after_front_end": after_front_end}
+            seconds = opt.engine.growth.join_seconds
+            note({"kind": "joined", "step": t, "world_size": opt.world_size, **times, "seconds": seconds})
         if (t + 1) % every == 0:
             with failing.around("global_avg", fault):
                 opt.global_avg()
@@ -415,15 +391,12 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
 
 
-def spread(values: list[float]) -> dict[str, float | None]:
+def spread(values: list[float], middle: str = "median") -> dict[str, float | None]:
+    """``n``, the ``middle`` (median or mean), p95 and max of ``values`` (None where empty)."""
     if not values:
-        return {"n": 0, "median": None, "p95": None, "max": None}
-    return {
-        "n": len(values),
-        "median": statistics.median(values),
-        "p95": percentile(values, 0.95),
-        "max": max(values),
-    }
+        return {"n": 0, middle: None, "p95": None, "max": None}
+    centre = statistics.median(values) if middle == "median" else statistics.fmean(values)
+    return {"n": len(values), middle: centre, "p95": percentile(values, 0.95), "max": max(values)}
 
 
 def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> dict[str, Any]:
@@ -495,11 +468,7 @@ def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) 
         **{k: sum(run[k] for run in runs) for k in ("survivors", "survivors_finished", "steps_lost")},
         "scheduler_behind": sum(run["scheduler_behind"] for run in runs),
         "recoveries": len(recoveries),
-        "recovery_s": {
-            "mean": statistics.fmean(recoveries) if recoveries else None,
-            "p95": percentile(recoveries, 0.95) if recoveries else None,
-            "max": max(recoveries) if recoveries else None,
-        },
+        "recovery_s": {k: v for k, v in spread(recoveries, "mean").items() if k != "n"},
         "corruption": {k: sum(run["corruption"][k] for run in runs) for k in runs[0]["corruption"]}
         if runs
         else {},

@@ -1,30 +1,16 @@
 """Runs of gloo workers that may die on purpose: forked from a parent that hosts the job's store.
 
 ``run_workers(fn, world_size, args, deadline_s)`` forks ``world_size`` workers, each running
-``fn(rank, world_size, store, *args)`` after joining a gloo process group through the store (a
-client of the parent's ``TCPStore``), and returns what each one returned (JSON: the parent runs no
-torch op, so it can fork again for the next run). The store lives in the parent, as torchrun's
-agent hosts it outside the workers, so any worker may die and the others still meet there.
+``fn(rank, world_size, store, *args)`` in a gloo group joined through the parent's ``TCPStore`` (kept
+outside the workers, as torchrun's agent keeps it, so any worker may die), and returns their JSON
+results. A worker fails itself through :func:`injected`, so the parent knows whom not to wait for;
+past ``deadline_s`` the parent raises ``TimeoutError`` with every running worker's stacks, and no
+worker outlives the call. Forking starts a run in about a second: the parent has imported torch but
+run no torch op nor thread (the store's master is made after the fork).
 
-A worker fails itself through :func:`injected` (it records the time and what it does, then the
-caller kills, stops or hangs it), so the parent knows which processes it need not wait for. The
-parent waits until every other worker has exited; past ``deadline_s`` it dumps every running
-worker's Python stacks (faulthandler on SIGUSR1) into a ``TimeoutError``. No worker outlives the
-call, whatever happens: the ones still running (hung, stopped) are killed with SIGKILL.
-
-Forking is what makes a run start in about a second: the parent has imported torch but not run a
-torch op or started a Python thread, so the children start from a clean state without importing
-torch again (``spawn`` costs seconds a process on 2 cores). The store's master, whose server has a
-thread of its own, is created after the fork and destroyed before the next one.
-
-With ``restart_after``, the job is elastic (workers enter through ``init_elastic``) and every worker
-that failed itself is brought back as a launcher brings back a node: after the delay
-``restart_after(record)`` (1 s for a worker that raised) the parent kills what is left of it (a
-stopped or hung process) and starts a new process, which finds the job running and joins it.
-Replacements are *spawned* (a fresh
-interpreter that imports torch: the start-up a real restart pays, and the parent's store has a
-thread by then), numbered after the first ``world_size``; :func:`process_started` tells a worker
-when its process was started.
+With ``restart_after`` the job is elastic (``init_elastic``) and every failed worker comes back after
+``restart_after(record)`` seconds as a *spawned* process (it pays a real restart's start-up) that
+joins; :func:`process_started` tells a worker when its process started.
 """
 
 from __future__ import annotations
@@ -67,9 +53,6 @@ class Outcome:
     injected: dict[int, dict[str, Any]]
     seconds: float
     workdir: Path  # each worker's output (log-RANK.txt) is kept there
-
-    def log(self, rank: int) -> str:
-        return _log_tail(self.workdir, rank)
 
     def notes(self, rank: int) -> list[dict[str, Any]]:
         """What the worker wrote with :func:`note`, in order."""

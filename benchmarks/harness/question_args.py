@@ -39,15 +39,15 @@ def add_defaults(
 
 
 def question_parser(
-    description: str, questions: Mapping[str, tuple[str, Mapping[str, Any]]], **options: Any
+    description: str, questions: Mapping[str, tuple[Any, ...]], **options: Any
 ) -> argparse.ArgumentParser:
-    """The driver's parser: ``questions`` maps a name to its help line and its defaults; ``options``
-    go to :func:`add_defaults` (``special``, ``empty_lists``)."""
+    """The driver's parser: ``questions`` maps a name to its help line, its defaults and, optionally,
+    its own ``special`` flags; ``options`` go to :func:`add_defaults` (``special``, ``empty_lists``)."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=description, formatter_class=raw)
     subparsers = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")
-    for name, (help_line, defaults) in questions.items():
+    for name, (help_line, defaults, *own) in questions.items():
         sub = subparsers.add_parser(name, help=help_line, description=help_line)
-        add_defaults(sub, defaults, **options)
+        add_defaults(sub, defaults, **(options | ({"special": own[0]} if own else {})))
         add_output_arguments(sub)
     return parser
