@@ -40,6 +40,7 @@ LINKS: dict[str, Any] = {
     **LM,
 }
 
+# fmt: off
 QUESTIONS: dict[str, dict[str, Any]] = {
     "slow-link": {
         "help": "time to a validation loss on 2 and 4 nodes whose link makes DDP's all-reduce take "
@@ -50,21 +51,11 @@ QUESTIONS: dict[str, dict[str, Any]] = {
         "help": "16 nodes on links that move one fp32 model per --link-steps steps: the baselines' loss "
         "on fast links, timed on the slow ones, against ours (the planner's pick) trained on them",
         **LINKS,
-        "nodes": [16],
-        "methods": ["nocomm"],
-        "ours": "planner",
+        "nodes": [16], "methods": ["nocomm"], "ours": "planner", "target_loss": 0.0, "sooner": 1.0,
         "baselines": ["ddp", "ddp-psgd1", "ddp-psgd4", "torchft~h8", "torchft~h32"],
-        "link_steps": 320.0,
-        "burst_frames": 4,
+        "link_steps": 320.0, "burst_frames": 4, "message_bytes": -1.0, "budget_s": 0.0,
         "queue_s": 10.0,  # at tens of kbit/s a 100 ms queue dropped the start-up's bursts
-        "message_bytes": -1.0,
-        "target_loss": 0.0,
-        "sooner": 1.0,
-        "budget_s": 0.0,
-        "compute_ms": 400.0,
-        "eval_every": 50,
-        "batch": 8,
-        "warmup": 60,
+        "compute_ms": 400.0, "eval_every": 50, "batch": 8, "warmup": 60,
         "timeout_s": 1800.0,  # one DDP all-reduce takes minutes on these links
     },
     "uneven": {
@@ -94,3 +85,4 @@ QUESTIONS: dict[str, dict[str, Any]] = {
         "tolerance": 1.02,  # reach DDP's final loss times this
     },
 }
+# fmt: on
