@@ -28,7 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from benchmarks.faults.joins import Placement, start_worker
+from benchmarks.faults.joins import Placement, connect, start_worker
 
 LOST = 2  # ranks lost at --lose-at
 
@@ -39,17 +39,10 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
     from torch import nn
 
-    from decent_optim_wrapper import DecentOptimWrapper, init_elastic
+    from decent_optim_wrapper import DecentOptimWrapper
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    elastic = args.scenario == "grow-back"
-    if elastic:
-        init_elastic(store, rank, world, job="grow-back")
-    else:  # each start of the job forms its group under a prefix of its own
-        prefixed = dist.PrefixStore(f"start-{args.attempt}", store)
-        dist.init_process_group("gloo", store=prefixed, rank=rank, world_size=world)
+    elastic = args.scenario == "grow-back"  # else each start of the job forms its group anew
+    rank, world, store = connect("grow-back" if elastic else None, f"start-{args.attempt}")
     width = int(args.params**0.5)
     torch.manual_seed(0)
     model = nn.Sequential(

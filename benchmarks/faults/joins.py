@@ -41,21 +41,33 @@ from benchmarks.harness.common import free_port
 
 
 # -- the worker ----------------------------------------------------------------------------------------
+def connect(elastic_job: str | None, prefix: str) -> tuple[int, int, Any]:
+    """A started worker's rank, world size and store (from the launcher's environment), in the job
+    ``elastic_job`` through ``init_elastic``, or else in a gloo group formed under ``prefix``."""
+    import torch
+    import torch.distributed as dist
+
+    from decent_optim_wrapper import init_elastic
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    if elastic_job is not None:
+        init_elastic(store, rank, world, job=elastic_job)
+    else:
+        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world)
+    return rank, world, store
+
+
 def worker(args: argparse.Namespace) -> None:
     started = float(os.environ.get("JOIN_T0", time.time()))
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    from decent_optim_wrapper import DecentOptimWrapper, init_elastic
+    from decent_optim_wrapper import DecentOptimWrapper
 
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    if args.mode == "elastic":
-        init_elastic(store, rank, world, job="bench")
-    else:
-        dist.init_process_group("gloo", store=dist.PrefixStore("start", store), rank=rank, world_size=world)
+    _, _, store = connect("bench" if args.mode == "elastic" else None, "start")
     width = int((args.params / 1.0) ** 0.5)
     torch.manual_seed(0)
     model = nn.Sequential(
