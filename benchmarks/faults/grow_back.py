@@ -81,14 +81,8 @@ def worker(args: argparse.Namespace) -> None:
     probe = torch.randn(1024, 32, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         final_loss = loss_fn(model(probe), torch.tanh(probe @ teacher)).item()
-    result = {
-        "rank": opt.rank,
-        "end": end,
-        "final_loss": final_loss,
-        "joined": opt.joined is not None,
-        "world_size": opt.world_size,
-        "waited_s": waited,
-    }
+    result = {"rank": opt.rank, "end": end, "final_loss": final_loss, "joined": opt.joined is not None}
+    result |= {"world_size": opt.world_size, "waited_s": waited}
     (out / f"result-{args.attempt}-{os.getpid()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -155,17 +149,15 @@ def run(scenario: str, args: argparse.Namespace, placement: Placement) -> dict[s
     results = [json.loads(p.read_text()) for p in out.glob(f"result-{attempt}-*.json")]
     if len(results) != args.workers:
         raise RuntimeError(f"{scenario}: {len(results)} of {args.workers} workers finished: logs in {out}")
-    return {
-        "scenario": scenario,
-        "seconds": max(r["end"] for r in results) - began,
-        "final_loss": results[0]["final_loss"],
-        "losses_identical": len({r["final_loss"] for r in results}) == 1,
-        "processes_restarted": restarts,
-        "steps_recomputed": recomputed,
+    losses = {r["final_loss"] for r in results}
+    figures = {"scenario": scenario, "seconds": max(r["end"] for r in results) - began}
+    figures |= {"final_loss": results[0]["final_loss"], "losses_identical": len(losses) == 1}
+    figures |= {"processes_restarted": restarts, "steps_recomputed": recomputed}
+    figures |= {
         "joiners": sum(r["joined"] for r in results),
         "final_world_size": min(r["world_size"] for r in results),
-        "waited_for_joiners_s": max(r["waited_s"] for r in results),
     }
+    return figures | {"waited_for_joiners_s": max(r["waited_s"] for r in results)}
 
 
 def complete(out: Path, step: int, args: argparse.Namespace) -> bool:

@@ -111,15 +111,11 @@ def worker(args: argparse.Namespace) -> None:
         "world_size": opt.world_size,
         "joined": opt.joined is not None,
         "start": started,
-        "before_front_end": before_front_end,
-        "after_front_end": after_front_end,
-        "first_step": opt.step_count - len(times),
-        "times": times,
-        "join_seconds": opt.engine.growth.join_seconds,
-        "pauses": [] if survival is None else survival.pauses,
-        "admissions": len(opt.peer_joins),
-        "forged_refused": opt.guard_counts.get("forged_application", 0),
     }
+    result |= {"before_front_end": before_front_end, "after_front_end": after_front_end, "times": times}
+    result |= {"first_step": opt.step_count - len(times), "join_seconds": opt.engine.growth.join_seconds}
+    result |= {"pauses": [] if survival is None else survival.pauses, "admissions": len(opt.peer_joins)}
+    result |= {"forged_refused": opt.guard_counts.get("forged_application", 0)}
     (Path(args.out) / f"worker-{os.getpid()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -279,30 +275,25 @@ def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
             if end >= joiner["start"] and begin <= first_step_end
         ]
         lost.append(max([0.0, *(d - usual for d in around)]))
-    seconds = joiner["join_seconds"]
-    return {
+    # The join's parts as the engine times them; donor: the donor forming its side and packing its
+    # replica; transfer: the payload on the wire.
+    seconds, parts = joiner["join_seconds"], ("admission", "group", "donor", "transfer", "verify")
+    pauses = [p for m in members for p in m["pauses"]]
+    timeline = {"start_up_s": joiner["before_front_end"] - joiner["start"]}
+    timeline |= {f"{part}_s": seconds[part] for part in parts}
+    timeline["first_step_s"] = first_step_end - joiner["after_front_end"]
+    # building the front-end around the join: the engine in a world of its own, finding the job again,
+    # loading the replica
+    front_end = joiner["after_front_end"] - joiner["before_front_end"]
+    timeline["construct_s"] = front_end - sum(seconds[p] for p in parts)
+    timeline |= {"total_s": first_step_end - joiner["start"], "bytes": seconds["bytes"]}
+    figures = {
         "world_size": joiner["world_size"],
-        "pause_s": max(p for m in members for p in m["pauses"]),
-        "pause_median_s": statistics.median(p for m in members for p in m["pauses"]),
-        "step_lost_s": max(lost),
-        "member_step_s": statistics.median(usual_steps),
-        "joiner": {
-            "start_up_s": joiner["before_front_end"] - joiner["start"],
-            "admission_s": seconds["admission"],
-            "group_s": seconds["group"],
-            "donor_s": seconds["donor"],  # the donor forming its side and packing its replica
-            "transfer_s": seconds["transfer"],  # the payload on the wire
-            "verify_s": seconds["verify"],
-            "first_step_s": first_step_end - joiner["after_front_end"],
-            # building the front-end around the join: the engine in a world of its own, finding the
-            # job again, loading the replica
-            "construct_s": joiner["after_front_end"]
-            - joiner["before_front_end"]
-            - sum(seconds[p] for p in ("admission", "group", "donor", "transfer", "verify")),
-            "total_s": first_step_end - joiner["start"],
-            "bytes": seconds["bytes"],
-        },
+        "pause_s": max(pauses),
+        "pause_median_s": statistics.median(pauses),
     }
+    figures |= {"step_lost_s": max(lost), "member_step_s": statistics.median(usual_steps)}
+    return figures | {"joiner": timeline}
 
 
 #: The overhead part's jobs: (the workers' --mode, the job secret, forged applications a second).

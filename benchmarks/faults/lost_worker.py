@@ -64,24 +64,13 @@ def train(rank: int, world: int, store: dist.Store, config: dict[str, Any]) -> d
     opt.global_avg()
     with torch.no_grad():
         accuracy = (model(test_x).argmax(1) == test_y).float().mean().item()
-    return {
-        "losses": losses,
-        "accuracy": accuracy,
-        "world_size": opt.world_size,
-        "failures": [(f.step, list(f.lost)) for f in opt.peer_failures],
-    }
+    failures = [(f.step, list(f.lost)) for f in opt.peer_failures]
+    return {"losses": losses, "accuracy": accuracy, "world_size": opt.world_size, "failures": failures}
 
 
 def run_arm(workers: int, victim: int | None, seed: int, args: argparse.Namespace) -> dict[str, Any]:
-    config = {
-        "steps": args.steps,
-        "batch_size": args.batch_size,
-        "lr": args.lr,
-        "seed": seed,
-        "victim": victim,
-        "kill_at": args.kill_at,
-        "timeout_s": args.timeout_s,
-    }
+    config = {k: getattr(args, k) for k in ("steps", "batch_size", "lr", "kill_at", "timeout_s")}
+    config |= {"seed": seed, "victim": victim}
     outcome = run_workers(train, workers, (config,), deadline_s=args.deadline_s)
     expected = [r for r in range(workers) if r != victim]
     if outcome.errors or sorted(outcome.results) != expected:
@@ -96,17 +85,10 @@ def run_arm(workers: int, victim: int | None, seed: int, args: argparse.Namespac
         for step in range(args.steps)
     ]
     tail = max(1, args.steps // 20)
-    return {
-        "arm": "7" if victim is None else "8 -> 7",
-        "seed": seed,
-        "workers": workers,
-        "victim": victim,
-        "world_size_at_end": results[0]["world_size"],
-        "failures": results[0]["failures"],
-        "final_loss": statistics.fmean(per_step[-tail:]),
-        "accuracy": results[0]["accuracy"],
-        "seconds": round(outcome.seconds, 1),
-    }
+    arm = {"arm": "7" if victim is None else "8 -> 7", "seed": seed, "workers": workers, "victim": victim}
+    arm |= {"world_size_at_end": results[0]["world_size"], "failures": results[0]["failures"]}
+    arm |= {"final_loss": statistics.fmean(per_step[-tail:]), "accuracy": results[0]["accuracy"]}
+    return arm | {"seconds": round(outcome.seconds, 1)}
 
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict[str, Any], str]:

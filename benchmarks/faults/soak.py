@@ -32,6 +32,7 @@ import signal
 import statistics
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -304,18 +305,14 @@ def final_checks(opt: DecentOptimWrapper, params: list[torch.Tensor], health: He
     averages = [torch.empty_like(average) for _ in range(opt.world_size)]
     dist.all_gather(averages, average, group=judge_group if opt.world_size == size else None)
     stacked = torch.stack(replicas).double()
-    return {
-        "final_rank": opt.rank,
-        "world_size": opt.world_size,
-        "dist_world_size": size,
-        "step_count": opt.step_count,
-        "nonfinite": health.nonfinite,
-        "witness_excursion": health.excursion,
-        "witness_rounds": health.rounds,
-        "average_identical": all(torch.equal(a, averages[0]) for a in averages),
-        "average_deviation": float((average.double() - stacked.mean(0)).abs().max()),
-        "average_bound": size * 2**-24 * float(stacked.abs().max()),
-    }
+    sizes = {"final_rank": opt.rank, "world_size": opt.world_size, "dist_world_size": size}
+    health_figures = {"nonfinite": health.nonfinite, "witness_excursion": health.excursion}
+    health_figures |= {"witness_rounds": health.rounds, "step_count": opt.step_count}
+    deviation = float((average.double() - stacked.mean(0)).abs().max())
+    bound = size * 2**-24 * float(stacked.abs().max())
+    averages_figures = {"average_identical": all(torch.equal(a, averages[0]) for a in averages)}
+    averages_figures |= {"average_deviation": deviation, "average_bound": bound}
+    return sizes | health_figures | averages_figures
 
 
 # -- the plans ---------------------------------------------------------------------------------------
@@ -347,17 +344,9 @@ def rejoins_plan(args: argparse.Namespace) -> list[dict]:
         restart_s = rng.uniform(0, args.restart_window_s)
         if mode in ("stop", "hang"):  # the members drop it after the timeout; a launcher acts later
             restart_s += args.timeout_s
-        plan.append(
-            {
-                "cycle": cycle,
-                "gap": rng.randint(args.spacing // 2, args.spacing),
-                "victim": rng.randrange(args.workers),
-                "mode": mode,
-                "delay_ms": rng.uniform(0, args.kill_window_ms),
-                "overlap": rng.random() < args.overlap,
-                "restart_s": restart_s,
-            }
-        )
+        draws = dict(gap=rng.randint(args.spacing // 2, args.spacing), victim=rng.randrange(args.workers))
+        draws |= dict(delay_ms=rng.uniform(0, args.kill_window_ms), overlap=rng.random() < args.overlap)
+        plan.append({"cycle": cycle, **draws, "mode": mode, "restart_s": restart_s})
     return plan
 
 
@@ -375,6 +364,16 @@ def corruption(results: list[dict], world_disagrees: int) -> dict[str, int]:
         "average_not_mean": sum(r["average_deviation"] > r["average_bound"] for r in results),
         "world_size_disagrees": world_disagrees,
     }
+
+
+def finished_figures(results: list[dict], world_disagrees: int) -> dict[str, Any]:
+    """What both judges report of the workers that finished: schedules behind their step count,
+    corruption, the witness's and the final averages' largest errors, the mean final loss."""
+    behind = sum(r["scheduler_steps"] != r["step_count"] for r in results)
+    figures = {"scheduler_behind": behind, "corruption": corruption(results, world_disagrees)}
+    for key in ("witness_excursion", "average_deviation"):
+        figures[f"{key}_max"] = max((r[key] for r in results), default=0.0)
+    return figures | {"final_loss": statistics.fmean(r["final_loss"] for r in results) if results else None}
 
 
 def landed_in(injections: list[dict]) -> dict[str, dict[str, int]]:
@@ -433,35 +432,27 @@ def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> d
         "survivors_finished": len(results) if not outcome.errors else 0,
         "errors": {r: e[-2000:] for r, e in outcome.errors.items()},
         "steps_lost": steps_lost,
-        "scheduler_behind": sum(r["scheduler_steps"] != r["step_count"] for r in results),
         "recovery_s": recoveries,
-        "corruption": corruption(results, world_disagrees),
-        "witness_excursion_max": max((r["witness_excursion"] for r in results), default=0.0),
-        "average_deviation_max": max((r["average_deviation"] for r in results), default=0.0),
-        "final_loss": statistics.fmean(r["final_loss"] for r in results) if results else None,
+        **finished_figures(results, world_disagrees),
     }
 
 
 def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
-    injected_by_mode = {m: 0 for m in MODES}
-    survived_by_mode = {m: 0 for m in MODES}
-    for run in runs:
-        for record in run["injected"].values():
-            injected_by_mode[record["mode"]] += 1
-        for mode in run["survived_modes"]:
-            survived_by_mode[mode] += 1
+    injected = [r for run in runs for r in run["injected"].values()]
+    injected_by_mode = dict.fromkeys(MODES, 0) | Counter(r["mode"] for r in injected)
+    survived_by_mode = dict.fromkeys(MODES, 0) | Counter(m for run in runs for m in run["survived_modes"])
     recoveries = [s for run in runs for s in run["recovery_s"]]
+    corrupted = {
+        k: sum(run["corruption"][k] for run in runs) for k in (runs[0]["corruption"] if runs else ())
+    }
     return {
-        "machine": args.machine,
-        "workers": args.workers,
-        "floor": args.floor,
-        "timeout_s": args.timeout_s,
+        **{k: getattr(args, k) for k in ("machine", "workers", "floor", "timeout_s")},
         "seconds": round(seconds, 1),
         "runs": len(runs),
         "seeds": [args.seed + i for i in range(len(runs))],
         "injected": sum(injected_by_mode.values()),
         "injected_by_mode": injected_by_mode,
-        "timed_kills_landed_in": landed_in([r for run in runs for r in run["injected"].values()]),
+        "timed_kills_landed_in": landed_in(injected),
         "survived": sum(survived_by_mode.values()),
         "survived_by_mode": survived_by_mode,
         **{k: sum(len(run[k]) for run in runs) for k in ("not_injected", "dropped_alive")},
@@ -469,9 +460,7 @@ def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) 
         "scheduler_behind": sum(run["scheduler_behind"] for run in runs),
         "recoveries": len(recoveries),
         "recovery_s": {k: v for k, v in spread(recoveries, "mean").items() if k != "n"},
-        "corruption": {k: sum(run["corruption"][k] for run in runs) for k in runs[0]["corruption"]}
-        if runs
-        else {},
+        "corruption": corrupted,
         "witness_excursion_max": max((run["witness_excursion_max"] for run in runs), default=0.0),
         "average_deviation_max": max((run["average_deviation_max"] for run in runs), default=0.0),
     }
@@ -503,6 +492,13 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
         (r["world_size"], r["dist_world_size"]) != (expected, expected) for r in finishers
     ) + abs(expected - len(finishers))
     median = lambda values: statistics.median(values) if joined else None  # noqa: E731
+    parts = {"start-up": median([j["before_front_end"] - j["started"] for j in joined])}
+    parts |= {
+        p: median([j["seconds"][p] for j in joined])
+        for p in ("admission", "group", "donor", "transfer", "verify")
+    }
+    parts["first step"] = median([j["first_step_end"] - j["after_front_end"] for j in joined])
+    overlapping = lambda start, end: any(s < end and start < e and (s, e) != (start, end) for s, e in joining)  # noqa: E731
     return {
         "seconds": round(outcome.seconds, 1),
         "processes": processes,
@@ -523,9 +519,7 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
         "errors": {i: e[-3000:] for i, e in outcome.errors.items()},
         "steps_lost": sum(steps - r["step_count"] for r in finishers)
         + steps * max(0, expected - len(finishers)),
-        "scheduler_behind": sum(r["scheduler_steps"] != r["step_count"] for r in finishers),
-        "corruption": corruption(finishers, world_disagrees),
-        "witness_excursion_max": max((r["witness_excursion"] for r in finishers), default=0.0),
+        **finished_figures(finishers, world_disagrees),
         "landed_during": {
             "kills during an admission": sum(during(r["time"], admitting) for r in injections),
             "kills during a recovery": sum(during(r["time"], recovering) for r in injections),
@@ -533,23 +527,12 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
             "joins overlapping a recovery": sum(
                 any(s <= end and start <= e for s, e in recovering) for start, end in joining
             ),
-            "joins overlapping another join": sum(
-                any(s < end and start < e and (s, e) != (start, end) for s, e in joining)
-                for start, end in joining
-            ),
+            "joins overlapping another join": sum(overlapping(start, end) for start, end in joining),
         },
         "join_s": spread([j["first_step_end"] - j["started"] for j in joined]),
-        "join_parts_median_s": {
-            "start-up": median([j["before_front_end"] - j["started"] for j in joined]),
-            **{
-                p: median([j["seconds"][p] for j in joined])
-                for p in ("admission", "group", "donor", "transfer", "verify")
-            },
-            "first step": median([j["first_step_end"] - j["after_front_end"] for j in joined]),
-        },
+        "join_parts_median_s": parts,
         "admission_pause_s": spread([p["seconds"] for p in pauses["admission"]]),
         "recovery_pause_s": spread([p["seconds"] for p in pauses["recovery"]]),
-        "final_loss": statistics.fmean(r["final_loss"] for r in finishers) if finishers else None,
     }
 
 

@@ -41,6 +41,7 @@ from torch import nn
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.interleaved import interleave, median_seconds, ratio, rule_against_torch, timed_on
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, TinyGPT
+from benchmarks.harness.question_args import add_defaults
 from benchmarks.harness.report import titled_table
 from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine.wire.compression import codec, parse_compression, round_seed
@@ -78,17 +79,27 @@ def pinned_copy_rate(numel: int, device: torch.device, repeats: int = 5) -> dict
     return {"to_host_bytes_s": numel * 4 / out, "to_device_bytes_s": numel * 4 / back}
 
 
-def staging_worker(rank: int, port: int, world: int, args: argparse.Namespace, results: Any) -> None:
+def gloo_rank(rank: int, port: int, world: int, results: Any, measure: Any, *extra: Any) -> None:
+    """One of the processes sharing the GPU: ``measure(rank, world, *extra)`` in a gloo group."""
     torch.set_num_threads(1)
-    device = device_of(args)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        out = {}
-        for width, depth in zip(args.widths, args.depths, strict=True):
-            out[f"{width}x{depth}"] = staging_run(rank, width, depth, args, device)
-        results.put((rank, out))
+        results.put((rank, measure(rank, world, *extra)))
     finally:
         dist.destroy_process_group()
+
+
+def on_gloo_ranks(args: argparse.Namespace, measure: Any, *extra: Any) -> dict[int, Any]:
+    """``measure``'s result on each of ``args.world`` processes, by rank."""
+    name = measure.__name__.replace("_", " ")
+    run = lambda rank, port, out: (rank, port, args.world, out, measure, *extra)  # noqa: E731
+    return collect_from_ranks(args.world, gloo_rank, run, args.max_seconds, name)
+
+
+def staged_training(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """(a)'s runs of every model on this process."""
+    pairs = zip(args.widths, args.depths, strict=True)
+    return {f"{w}x{d}": staging_run(rank, w, d, args, device_of(args)) for w, d in pairs}
 
 
 def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, device: torch.device) -> dict:
@@ -118,33 +129,23 @@ def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, dev
     params = sum(p.numel() for p in runs["nocomm"][0].parameters())
     ring = runs["ring"][1]
     assert isinstance(ring, DecentOptimWrapper)
-    return {
-        "params": params,
-        "staged_bytes_per_step": 2 * params * 4,  # the fp32 sum buffer out and back per step
-        "sent_bytes_per_step": ring.engine.bytes_sent_per_step(),
-        "nocomm": ratio(times, "nocomm", "nocomm"),
-        "ring": ratio(times, "ring", "nocomm"),
-        "ring-local": ratio(times, "ring-local", "nocomm"),
-        "average_vs_local": ratio(times, "ring", "ring-local"),
-        "ring~h8": ratio(times, "ring~h8", "nocomm"),
-    }
+    # staged: the fp32 sum buffer out and back per step
+    sizes = {"params": params, "staged_bytes_per_step": 2 * params * 4}
+    ratios = {name: ratio(times, name, "nocomm") for name in METHODS}
+    sent = {"sent_bytes_per_step": ring.engine.bytes_sent_per_step()}
+    return sizes | sent | ratios | {"average_vs_local": ratio(times, "ring", "ring-local")}
 
 
-def loopback_allreduce_worker(rank: int, port: int, world: int, numel: int, results: Any) -> None:
-    """The rate gloo all-reduces host memory at between these processes (the planner's link)."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        buffer = torch.ones(numel)
-        seconds = []
-        for _ in range(4):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(buffer)
-            seconds.append(time.perf_counter() - start)
-        results.put((rank, statistics.median(seconds[1:])))
-    finally:
-        dist.destroy_process_group()
+def loopback_all_reduce(rank: int, world: int, numel: int) -> float:
+    """The seconds gloo takes to all-reduce ``numel`` floats of host memory between these processes
+    (the planner's link): the median of 3 after a first."""
+    buffer, seconds = torch.ones(numel), []
+    for _ in range(4):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(buffer)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
 
 
 # -- (b) the Adam rule's step --------------------------------------------------------------------------
@@ -183,13 +184,8 @@ def codec_throughput(args: argparse.Namespace) -> dict[str, Any]:
         seed = round_seed(1, 0)
         enc = median_seconds(partial(coder.encode, values, payload, seed), device, args.iters)
         dec = median_seconds(partial(coder.decode_into, payload, decoded, seed), device, args.iters)
-        out[name] = {
-            "encode_s": enc,
-            "decode_s": dec,
-            "encode_values_per_s": numel / enc,
-            "decode_values_per_s": numel / dec,
-            "payload_bytes": payload.numel(),
-        }
+        seconds = {"encode_s": enc, "decode_s": dec, "payload_bytes": payload.numel()}
+        out[name] = seconds | {"encode_values_per_s": numel / enc, "decode_values_per_s": numel / dec}
     return out
 
 
@@ -213,11 +209,8 @@ def planned(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             scheme = gossip_scheme(topology, numel, network, sync_every=every, host_copy=copy)
             predicted = simulate(scheme, compute, 40).iteration_s(10)
             measured = run[name]["ms"] / 1e3
-            predictions[name] = {
-                "predicted_ms": predicted * 1e3,
-                "measured_ms": measured * 1e3,
-                "error": predicted / measured - 1,
-            }
+            predictions[name] = {"predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3}
+            predictions[name]["error"] = predicted / measured - 1
         out["runs"][key] = predictions
     # On paper: a 1B-parameter model, 16 nodes, 100 Mbit/s, a second of compute per step.
     numel, compute = 1_000_000_000, ComputeTimes(1.0)
@@ -277,25 +270,19 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     ]), flush=True)  # fmt: skip
 
 
+#: The options (``--world``: processes sharing the GPU, 2 to 4) and, with ``--smoke``, the toy sizes.
+OPTIONS = dict(world=3, widths=[768, 1024], depths=[12, 24], batch=8, iters=12, warmup=3, smoke=False)
+OPTIONS |= dict(step_params=[124_000_000, 1_000_000_000], codec_params=1_000_000_000, max_seconds=420.0)
+OPTIONS |= dict(codecs=["int8", "topk:0.01:int4", "randk:0.01:int4"])
+SMOKE = dict(widths=[32], depths=[1], batch=2, iters=2, warmup=1, step_params=[100_000], codec_params=100_000)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=3, help="processes sharing the GPU (2 to 4)")
-    parser.add_argument("--widths", type=int, nargs="+", default=[768, 1024])
-    parser.add_argument("--depths", type=int, nargs="+", default=[12, 24])
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--iters", type=int, default=12)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--step-params", type=int, nargs="+", default=[124_000_000, 1_000_000_000])
-    parser.add_argument("--codec-params", type=int, default=1_000_000_000)
-    parser.add_argument("--codecs", nargs="+", default=["int8", "topk:0.01:int4", "randk:0.01:int4"])
-    parser.add_argument("--max-seconds", type=float, default=420.0)
-    parser.add_argument("--smoke", action="store_true", help="toy sizes on the CPU: does the script run")
+    add_defaults(parser, OPTIONS)
     parser.add_argument("--json", default=None, help="write the results to this file")
     args = parser.parse_args(argv)
-    if args.smoke:
-        args.widths, args.depths, args.batch, args.iters, args.warmup = [32], [1], 2, 2, 1
-        args.step_params, args.codec_params, args.world = [100_000], 100_000, 2
-    return args
+    return argparse.Namespace(**vars(args) | SMOKE | {"world": 2}) if args.smoke else args
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -312,20 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     numel = sum(p.numel() for p in first.parameters())
     del first
     results["copy_rate"] = pinned_copy_rate(numel, device)
-    results["loopback_allreduce_s"] = collect_from_ranks(
-        args.world,
-        loopback_allreduce_worker,
-        lambda rank, port, out: (rank, port, args.world, numel, out),
-        args.max_seconds,
-        "loopback all-reduce",
-    )[0]
-    results["staging"] = collect_from_ranks(
-        args.world,
-        staging_worker,
-        lambda rank, port, out: (rank, port, args.world, args, out),
-        args.max_seconds,
-        "staged training",
-    )
+    results["loopback_allreduce_s"] = on_gloo_ranks(args, loopback_all_reduce, numel)[0]
+    results["staging"] = on_gloo_ranks(args, staged_training, args)
     results["adam"] = adam_steps(args)
     results["codecs"] = codec_throughput(args)
     results["planned"] = planned(results, args)

@@ -16,6 +16,7 @@ joins; :func:`process_started` tells a worker when its process started.
 from __future__ import annotations
 
 import faulthandler
+import itertools
 import json
 import multiprocessing as mp
 import multiprocessing.connection
@@ -215,15 +216,10 @@ def run_workers(
         return path.read_text() if name == "error" else json.loads(path.read_text())
 
     outcome = Outcome({r: p.exitcode for r, p in enumerate(procs)}, {}, {}, {}, seconds, workdir)
-    for rank in range(len(procs)):
-        for name, table in (
-            ("result", outcome.results),
-            ("error", outcome.errors),
-            ("injected", outcome.injected),
-        ):
-            value = read(name, rank)
-            if value is not None:
-                table[rank] = value
+    tables = {"result": outcome.results, "error": outcome.errors, "injected": outcome.injected}
+    for rank, (name, table) in itertools.product(range(len(procs)), tables.items()):
+        if (value := read(name, rank)) is not None:
+            table[rank] = value
     return outcome
 
 

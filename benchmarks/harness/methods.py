@@ -17,6 +17,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -48,20 +49,14 @@ def check_compression(method: str, compression: str) -> None:
         ) from None
 
 
-def nesterov_outer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """DiLoCo's outer optimizer: SGD with lr 0.7 and Nesterov momentum 0.9."""
-    return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
-
-
 def nesterov_outer_with(
-    lr: float, momentum: float = OUTER_MOMENTUM
+    lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM
 ) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """DiLoCo's outer optimizer with another learning rate or momentum (``~h8n0.5m0.5``)."""
+    """DiLoCo's outer optimizer, SGD with Nesterov momentum, at ``lr`` and ``momentum`` (``~h8n0.5m0.5``)."""
+    return partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
-    def build(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
-    return build
+nesterov_outer = nesterov_outer_with()  # DiLoCo's own: lr 0.7, Nesterov momentum 0.9
 
 
 @dataclass(frozen=True)
@@ -154,14 +149,10 @@ class Method:
         """The ``~`` part of the name, without the ``~`` ("" for per-step gossip)."""
         if self.sync_every == 1 and not self.nesterov and self.sync_delay is None and not self.paced:
             return ""
-        return (
-            f"h{self.sync_every}"
-            + ("n" if self.nesterov else "")
-            + ("" if self.outer_lr is None else str(self.outer_lr))
-            + ("" if self.outer_momentum is None else f"m{self.outer_momentum}")
-            + ("" if self.sync_delay is None else f"d{self.sync_delay}")
-            + ("p" if self.paced else "")
-        )
+        lr, momentum, delay = self.outer_lr, self.outer_momentum, self.sync_delay
+        outer = ("n" if self.nesterov else "") + ("" if lr is None else str(lr))
+        outer += "" if momentum is None else f"m{momentum}"
+        return f"h{self.sync_every}{outer}{'' if delay is None else f'd{delay}'}{'p' if self.paced else ''}"
 
     def schedule(self, world: int | None = None) -> HalfFastSchedule | None:
         """A paced method's fixed counts on ``world`` ranks (default: the process group's), else None."""
@@ -172,19 +163,15 @@ class Method:
     def engine_options(self, world: int | None = None) -> dict[str, Any]:
         """The keywords both front-ends take for this method's gossip (``world``: the ranks a paced
         method's schedule is for; default the process group's)."""
-        options: dict[str, Any] = {
-            "topology": self.topology,
-            "compression": self.compression,
-            "gradient_tracking": self.tracking,
-            "second_moment": self.second_moment,
-        }
+        options = dict(topology=self.topology, compression=self.compression, second_moment=self.second_moment)
+        options["gradient_tracking"] = self.tracking
         if self.local:
             outer = None
             if self.nesterov:
-                plain = self.outer_lr is None and self.outer_momentum is None
                 lr = OUTER_LR if self.outer_lr is None else self.outer_lr
-                momentum = OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
-                outer = nesterov_outer if plain else nesterov_outer_with(lr, momentum)
+                outer = nesterov_outer_with(
+                    lr, OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
+                )
             options.update(sync_every=self.sync_every, outer_optimizer=outer, sync_delay=self.sync_delay)
         if self.paced:
             options.update(pacing=Pacing(schedule=self.schedule(world)))
@@ -271,20 +258,10 @@ def parse_method(method: str) -> Method:
         TopologyFactory.get(topology)
     except ValueError as error:
         raise ValueError(f"method {method!r}: {error}") from None
-    return Method(
-        topology=topology,
-        module=stem.endswith(MODULE_SUFFIX),
-        tracking=stem != base,
-        compression=compression or None,
-        optimizer=optimizer or None,
-        sync_every=every,
-        nesterov=nesterov,
-        outer_lr=outer_lr,
-        outer_momentum=outer_momentum,
-        sync_delay=delay,
-        second_moment=second_moment,
-        paced=paced,
-    )
+    front_end = dict(topology=topology, module=stem.endswith(MODULE_SUFFIX), tracking=stem != base)
+    wire = dict(compression=compression or None, optimizer=optimizer or None, second_moment=second_moment)
+    rounds = dict(sync_every=every, nesterov=nesterov, outer_lr=outer_lr, outer_momentum=outer_momentum)
+    return Method(**front_end, **wire, **rounds, sync_delay=delay, paced=paced)
 
 
 def optimizer_factory(

@@ -192,11 +192,9 @@ def train(
     else:  # the mean over every sample of the round
         dist.all_reduce(taken)
         losses /= taken
-    totals = torch.tensor([seconds], dtype=torch.float64)
+    totals = torch.zeros(1 + world, dtype=torch.float64)  # the ranks' seconds, then each one's steps
+    totals[0], totals[1 + rank] = seconds, own_steps
     dist.all_reduce(totals)
-    per_rank = torch.zeros(world, dtype=torch.int64)
-    per_rank[rank] = own_steps
-    dist.all_reduce(per_rank)
     if replicas is None:  # a ring all-reduce of the gradients: 2(n-1)/n gradient-sized messages
         sent = 2 * (world - 1) / world * model_bytes(model)
     else:  # the engine's own count: the topology's period, buckets and compression included
@@ -205,7 +203,8 @@ def train(
     if schedule is not None:  # the rounds that cover the last `tail` fleet steps
         tail = -(-tail // spec.sync_every)
     final = losses[-tail:].mean().item()
-    return Trained(losses, final, totals.item() / world, sent, per_rank.tolist()), replicas
+    per_rank = [int(n) for n in totals[1:].tolist()]
+    return Trained(losses, final, totals[0].item() / world, sent, per_rank), replicas
 
 
 def on_average(replicas: Replicas | None, measure: Callable[[], Any]) -> Any:
@@ -255,10 +254,8 @@ def train_one_method(
         distance_steps.append(taken - 1)
         distances.append(distance)
         if rank == 0:
-            print(
-                f"  {method:>13}  step {taken:4d}/{steps}  loss {loss:.4f}  consensus {distance:.2e}",
-                flush=True,
-            )
+            line = f"  {method:>13}  step {taken:4d}/{steps}  loss {loss:.4f}  consensus {distance:.2e}"
+            print(line, flush=True)
 
     make_optimizer = optimizer_factory(spec.optimizer or "sgd", lr, adam_lr)
     trained, replicas = train(spec, model, make_optimizer, batch_loss, steps, measure)
@@ -266,22 +263,13 @@ def train_one_method(
         accuracy = on_average(replicas, lambda: (model(test_x).argmax(1) == test_y).float().mean().item())
     if rank != 0:
         return None
+    consensus = dict(distance_steps=distance_steps, distances=distances, final_distance=distances[-1])
+    data = dict(split=split, alpha=alpha if split == "dirichlet" else None, task=task, seed=seed)
+    cost = dict(ms_per_iteration=1000 * trained.seconds / steps, bytes_per_step=trained.bytes_per_step)
     return Result(
-        method=method,
-        losses=trained.losses.tolist(),
-        distance_steps=distance_steps,
-        distances=distances,
-        final_loss=trained.final_loss,
-        accuracy=accuracy,
-        final_distance=distances[-1],
-        ms_per_iteration=1000 * trained.seconds / steps,
-        bytes_per_step=trained.bytes_per_step,
-        split=split,
-        alpha=alpha if split == "dirichlet" else None,
-        steps_per_rank=trained.steps_per_rank,
-        task=task,
-        seed=seed,
-    )
+        method, trained.losses.tolist(), final_loss=trained.final_loss, accuracy=accuracy,
+        steps_per_rank=trained.steps_per_rank, **consensus, **data, **cost,
+    )  # fmt: skip
 
 
 def task_data(task: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
