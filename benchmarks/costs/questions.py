@@ -13,7 +13,6 @@ import sys
 import time
 import timeit
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -41,18 +40,6 @@ from decent_optim_wrapper.engine.fleet.status import MAX_EVENTS, StatusBoard, st
 from decent_optim_wrapper.engine.wire.compression import codec, resolve_compression, round_seed
 
 MIB = 2**20
-
-
-@dataclass(frozen=True)
-class Question:
-    """``measure(args)`` (its docstring's first paragraph is the question's help) and the options it takes."""
-
-    measure: Callable[[Any], dict[str, Any]]
-    defaults: dict[str, Any]
-
-    @property
-    def help(self) -> str:
-        return " ".join((self.measure.__doc__ or "").split("\n\n")[0].split())
 
 
 def mlp_adamw(args: Any, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -569,21 +556,16 @@ def import_time(args: Any) -> dict[str, Any]:
     }
 
 
+#: Each question: its measurement (its docstring's first paragraph is the question's help) and the
+#: options it takes, with their defaults.
 STEP = {"width": 2048, "depth": 3, "batch": 64, "threads": 1, "max_seconds": 600.0}
-QUESTIONS = {
-    "overhead": Question(
-        overhead, STEP | dict(depth=6, reps=40, iters=200, worlds=[1, 2], formats=["bf16", "int8"])
-    ),
-    "second_moment": Question(second_moment, STEP | dict(iters=40, warmup=5, memory_steps=5, seed_path=None)),
-    "compression": Question(
-        compression,
-        STEP
-        | dict(width=512, depth=4, batch=16, reps=8, formats=FORMATS)
-        | dict(mode="engine", device="cpu"),
-    ),
-    "metrics": Question(metrics, STEP | dict(width=1024, iters=200, warmup=5)),
-    "status_records": Question(
-        status_records, STEP | dict(width=256, batch=32, iters=1000, warmup=50, reps=200, rounds=4)
-    ),
-    "import_time": Question(import_time, dict(reps=3, budget=0.5)),
-}
+QUESTIONS: dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]] = {
+    "overhead": (overhead, STEP | dict(depth=6, reps=40, iters=200, worlds=[1, 2], formats=["bf16", "int8"])),
+    "second_moment": (second_moment, STEP | dict(iters=40, warmup=5, memory_steps=5, seed_path=None)),
+    "compression": (compression, STEP | dict(width=512, depth=4, batch=16, reps=8, formats=FORMATS,
+                                             mode="engine", device="cpu")),
+    "metrics": (metrics, STEP | dict(width=1024, iters=200, warmup=5)),
+    "status_records": (status_records, STEP | dict(width=256, batch=32, iters=1000, warmup=50, reps=200,
+                                                   rounds=4)),
+    "import_time": (import_time, dict(reps=3, budget=0.5)),
+}  # fmt: skip
