@@ -57,21 +57,9 @@ def step_table(title: str, result: Mapping[str, Any]) -> dict[str, Any]:
         [*p.split("/"), r["ms"], r["ratio_of_medians"], r["median_paired_ratio"]]
         for p, r in result["ratios"].items()
     ]
-    rows += [
-        [name, None, ms, None, None] for name, ms in result["ms"].items() if name not in {r[0] for r in rows}
-    ]
+    compared = {row[0] for row in rows}
+    rows += [[name, None, ms, None, None] for name, ms in result["ms"].items() if name not in compared]
     return table(title, "run|against|ms per step (median)|ratio of medians|median paired ratio", rows)
-
-
-def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, x: torch.Tensor, y: Any
-) -> None:
-    """Forward, backward, step (``optimizer`` None: a module front-end, which steps inside backward)."""
-    if optimizer is not None:
-        optimizer.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    if optimizer is not None:
-        optimizer.step()
 
 
 def gossip_over(wrapper: DecentOptimWrapper, rank: int, world: int, wire: str | None, guard: bool) -> Gossip:
