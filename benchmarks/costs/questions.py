@@ -76,9 +76,8 @@ def copy_equivalents(rank: int, world: int, args: Any, wire: str | None) -> dict
     the same torch ops (``torch.div(x, k, out=buf)``, ``x.copy_(buf)``), over one copy of all parameters."""
     torch.manual_seed(0)
     model = build_mlp(args.width, args.width, args.depth, args.width)
-    wrapper = DecentOptimWrapper(
-        torch.optim.SGD(model.parameters(), lr=0.0), topology="ring", compression=wire
-    )
+    sgd = torch.optim.SGD(model.parameters(), lr=0.0)
+    wrapper = DecentOptimWrapper(sgd, topology="ring", compression=wire)
     tensors = [b.data for b in wrapper.buckets]
     src = torch.randn(sum(t.numel() for t in tensors))
     dst = torch.empty_like(src)
@@ -162,11 +161,8 @@ def overhead(args: Any) -> dict[str, Any]:
 # -- second_moment -------------------------------------------------------------------------------------
 #: The methods: wrapper options (None: the bare AdamW); ``seed``, given ``--seed-path``: the seed release.
 SECOND_MOMENT: dict[str, dict[str, Any] | None] = {
-    "bare": None,
-    "local": {"second_moment": "local"},
-    "average": {},
-    "guard_off": {"nonfinite_guard": False},
-}
+    "bare": None, "local": {"second_moment": "local"}, "average": {}, "guard_off": {"nonfinite_guard": False}
+}  # fmt: skip
 ADAMW_KINDS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 SEED_INSTALL = "uv pip install --no-deps --python-version 3.12 --target DIR decent-optim-wrapper==0.1.1"
 
