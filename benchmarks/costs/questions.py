@@ -4,6 +4,7 @@ under ``tables``) and the options it takes, with their defaults. docs/benchmarks
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import importlib
 import os
@@ -13,24 +14,16 @@ import sys
 import time
 import timeit
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
 
-from benchmarks.costs.timing import (
-    SECRET,
-    gossip_over,
-    on_ranks,
-    round_parts,
-    step_ratios,
-    step_table,
-    table,
-    train_step,
-)
+from benchmarks.costs.timing import SECRET, gossip_over, on_ranks, round_parts, step_ratios, step_table, table
 from benchmarks.harness.common import build_mlp
 from benchmarks.harness.interleaved import interleave, ratio, rule_against_torch, timed, timed_on
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_model
@@ -43,16 +36,13 @@ from decent_optim_wrapper.engine.wire.compression import codec, resolve_compress
 MIB = 2**20
 
 
-@dataclass(frozen=True)
-class Question:
-    """``measure(args)`` (its docstring's first paragraph is the question's help) and the options it takes."""
-
-    measure: Callable[[Any], dict[str, Any]]
-    defaults: dict[str, Any]
-
-    @property
-    def help(self) -> str:
-        return " ".join((self.measure.__doc__ or "").split("\n\n")[0].split())
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, x: torch.Tensor, y: Any) -> None:
+    """Forward, backward, step (``optimizer`` None: a module front-end, which steps inside backward)."""
+    if optimizer is not None:
+        optimizer.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    if optimizer is not None:
+        optimizer.step()
 
 
 def mlp_adamw(args: Any, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -106,9 +96,7 @@ def copy_equivalents(rank: int, world: int, args: Any, wire: str | None) -> dict
     out: dict[str, Any] = {"params": src.numel(), "buckets": len(tensors)}
     for name in ("engine", "unguarded", "ops"):  # the median over repetitions of (two passes) / copy
         first, second = (times[k] for k in times if k.startswith(name + "."))
-        out[name] = statistics.median(
-            (a + b) / c for a, b, c in zip(first, second, times["copy"], strict=True)
-        )
+        out[name] = statistics.median(map(lambda a, b, c: (a + b) / c, first, second, times["copy"]))
     return out | {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}}
 
 
@@ -116,12 +104,7 @@ def training_steps(world: int, args: Any) -> dict[str, Any]:
     """Parts (b) and (c): a step of one MLP (512-1024-1024-10, AdamW) each way, interleaved."""
     torch.manual_seed(0)
     reference = build_mlp(512, 1024, 3, 10)
-
-    def twin() -> nn.Module:
-        model = build_mlp(512, 1024, 3, 10)
-        model.load_state_dict(reference.state_dict())
-        return model
-
+    twin = partial(copy.deepcopy, reference)
     adamw = partial(torch.optim.AdamW, lr=1e-3)
     runs: dict[str, tuple[nn.Module, torch.optim.Optimizer | None]] = {}
     if world == 1:
@@ -178,11 +161,8 @@ def overhead(args: Any) -> dict[str, Any]:
 # -- second_moment -------------------------------------------------------------------------------------
 #: The methods: wrapper options (None: the bare AdamW); ``seed``, given ``--seed-path``: the seed release.
 SECOND_MOMENT: dict[str, dict[str, Any] | None] = {
-    "bare": None,
-    "local": {"second_moment": "local"},
-    "average": {},
-    "guard_off": {"nonfinite_guard": False},
-}
+    "bare": None, "local": {"second_moment": "local"}, "average": {}, "guard_off": {"nonfinite_guard": False}
+}  # fmt: skip
 ADAMW_KINDS = {"single": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 SEED_INSTALL = "uv pip install --no-deps --python-version 3.12 --target DIR decent-optim-wrapper==0.1.1"
 
@@ -219,8 +199,7 @@ def second_moment_method(args: Any, method: str) -> tuple[nn.Module, torch.optim
 
 
 def second_moment_steps(rank: int, world: int, args: Any) -> dict[str, Any]:
-    methods = [*SECOND_MOMENT, *(["seed"] if args.seed_path else [])]
-    runs = {method: second_moment_method(args, method) for method in methods}
+    runs = {m: second_moment_method(args, m) for m in [*SECOND_MOMENT, *(["seed"] if args.seed_path else [])]}
     x, y = mlp_batch(args)
     steps = {name: partial(train_step, model, opt, x, y) for name, (model, opt) in runs.items()}
     pairs = "local/bare average/local average/seed local/seed guard_off/average"
@@ -265,8 +244,7 @@ def second_moment(args: Any) -> dict[str, Any]:
     t, steps = on_ranks(2, second_moment_steps, args)[0], {}
     torch.set_num_threads(1)
     for kind, flags in ADAMW_KINDS.items():
-        torch.manual_seed(0)
-        model = build_mlp(args.width, args.width, args.depth, 10)
+        model, _ = mlp_adamw(args, 0.0)
         params = [p.detach().requires_grad_() for p in model.parameters()]
         for p in params:
             p.grad = torch.randn_like(p)
@@ -281,16 +259,13 @@ def second_moment(args: Any) -> dict[str, Any]:
         [k, g, mem[k]["state_mib"], g - growth["bare"], (g - growth["local"]) / model_mib]
         for k, g in growth.items()
     ]
-    tables = [step_table(f"(a) 2 ranks, ring, AdamW, MLP {t['params'] / 1e6:.2f}M params (rank 0)", t)]
-    tables.append(
-        table(
-            "(b) the optimizer step alone",
-            "AdamW|torch ms|rule ms (n=2)|ratio of medians|median paired ratio",
-            rows,
-        )
-    )
+    alone = "AdamW|torch ms|rule ms (n=2)|ratio of medians|median paired ratio"
     head = "method|high-water growth|optimizer state|over bare|over local, model copies"
-    tables.append(table("(c) memory in fresh ranks (rank 0; MiB)", head, memory, ".2f"))
+    tables = [
+        step_table(f"(a) 2 ranks, ring, AdamW, MLP {t['params'] / 1e6:.2f}M params (rank 0)", t),
+        table("(b) the optimizer step alone", alone, rows),
+        table("(c) memory in fresh ranks (rank 0; MiB)", head, memory, ".2f"),
+    ]
     return {"time": t, "step": steps, "memory": mem, "tables": tables}
 
 
@@ -327,8 +302,7 @@ def codec_round(args: Any, fmt: str) -> dict[str, Any]:
     """One process: the codec's work of one round of a pair on a flat tensor of the model's size (``x -
     r``, ``encode``, ``decode_into`` its own payload, ``add_into`` the peer's) against a training step."""
     device = torch.device(args.device)
-    torch.manual_seed(0)
-    model = make_lm_model(args.width, args.depth).to(device)
+    model = make_lm_model(args.width, args.depth).to(device)  # seeded
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
     numel = sum(p.numel() for p in model.parameters())
     x = torch.randn(numel, device=device)
@@ -390,11 +364,8 @@ def compression(args: Any) -> dict[str, Any]:
     cells = []
     for row in rows:
         step, round_ms, extra = row["median_ms"]["step"], row["median_ms"]["round"], row.get("extra_mb")
-        copies = None if extra is None else extra / (row["params"] * 4 / MIB)
-        cells.append(
-            [row["format"], row["params"] / 1e6, step, round_ms, round_ms / step, round_ms / step / 8]
-        )
-        cells[-1] += [extra, copies]
+        copies, share = None if extra is None else extra / (row["params"] * 4 / MIB), round_ms / step
+        cells.append([row["format"], row["params"] / 1e6, step, round_ms, share, share / 8, extra, copies])
     head = "format|M params|step ms|round ms|round/step|round/(8 steps)|extra MB|copies"
     return {"rows": rows, "tables": [table(f"{args.mode} mode on {args.device}", head, cells, ".4g")]}
 
@@ -406,15 +377,11 @@ def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
 
 
 def metrics_rank(rank: int, world: int, args: Any) -> dict[str, Any]:
-    runs, timed_waits = {}, WaitClock.timed
+    runs, untimed = {}, mock.patch.object(WaitClock, "timed", lambda self, waiter: waiter)
     for name in ("uncounted", "counted", "counted_control", "read_every_step"):
         model, adamw = mlp_adamw(args, 1e-4)
-        if name == "uncounted":  # the rounds' waits not timed: the wait clock left out of the wrapper
-            WaitClock.timed = lambda self, waiter: waiter  # type: ignore[method-assign]
-        try:
+        with untimed if name == "uncounted" else nullcontext():  # uncounted: the wait clock left out
             runs[name] = (model, DecentOptimWrapper(adamw, topology="ring"))
-        finally:
-            WaitClock.timed = timed_waits  # type: ignore[method-assign]
     x, y = mlp_batch(args)
 
     def step(name: str) -> None:
@@ -437,10 +404,8 @@ def metrics(args: Any) -> dict[str, Any]:
     calls = [["metrics()", t["read_us"]], ["a wait that returns at once", t["bare_wait_us"]]]
     calls.append(["the same wait, timed by the counters", t["timed_wait_us"]])
     tables = [step_table(f"(a) MLP width {args.width}, {t['buckets']} bucket(s) (rank 0)", t)]
-    return {
-        "time": t,
-        "tables": [*tables, table("(b) one call alone (best of 5 runs)", "call|us", calls, ".2f")],
-    }
+    tables.append(table("(b) one call alone (best of 5 runs)", "call|us", calls, ".2f"))
+    return {"time": t, "tables": tables}
 
 
 # -- status_records ------------------------------------------------------------------------------------
@@ -448,18 +413,15 @@ def one_record(members: int, repeats: int) -> dict[str, float]:
     """A full record (its last changes of members) of a job of ``members``, sealed, into a TCPStore."""
     store, step = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False), [0]
 
-    def fields() -> dict[str, Any]:  # a member's engine fields, as ``GossipEngine.status_fields`` gives them
-        step[0] += 100
-        return {
-            "rank": 1, "world_size": members, "step": step[0], "round": step[0], "topology": "ring",
-            "bytes_per_step": 6.3e6, "compression": None, "wait_s": 12.5, "losses": 1, "joins": 2,
-            "guard": {"withheld": 0, "refused": 0, "healed": 0}, "pace_round_s": None, "pace_step_s": None,
-            "consensus": 0.0123, "consensus_step": step[0],
-        }  # fmt: skip
-
     class Engine:  # the board holds its source weakly, by a bound method, as it holds the engine's
-        def status_fields(self) -> dict[str, Any]:
-            return fields()
+        def status_fields(self) -> dict[str, Any]:  # a member's fields, as ``GossipEngine``'s
+            step[0] += 100
+            return {
+                "rank": 1, "world_size": members, "step": step[0], "round": step[0], "topology": "ring",
+                "bytes_per_step": 6.3e6, "compression": None, "wait_s": 12.5, "losses": 1, "joins": 2,
+                "guard": {"withheld": 0, "refused": 0, "healed": 0}, "pace_round_s": None,
+                "pace_step_s": None, "consensus": 0.0123, "consensus_step": step[0],
+            }  # fmt: skip
 
     engine, board = Engine(), StatusBoard("cost")
     board.attach(engine.status_fields)
@@ -467,17 +429,12 @@ def one_record(members: int, repeats: int) -> dict[str, float]:
     for k in range(MAX_EVENTS):
         board.event("lost", step=k, generation=k, members=[k % members], world_size=members - 1)
     median = statistics.median(timed(lambda: board.publish(store)) for _ in range(repeats))
-    size = len(store.get(status_key("decent-optim-wrapper/cost", 1)))
-    return {
-        "members": members,
-        "median_us": median * 1e6,
-        "bytes": size,
-        "share_of_a_core": median / RECORD_S,
-    }
+    size, share = len(store.get(status_key("decent-optim-wrapper/cost", 1))), median / RECORD_S
+    return {"members": members, "median_us": median * 1e6, "bytes": size, "share_of_a_core": share}
 
 
-def set_records(on: bool) -> None:
-    os.environ[RECORDS_ENV] = "1" if on else "0"
+def set_records(state: str) -> None:
+    os.environ[RECORDS_ENV] = "1" if state == "on" else "0"
 
 
 def records_rank(rank: int, world: int, args: Any) -> dict[str, float]:
@@ -494,35 +451,25 @@ def status_records(args: Any) -> dict[str, Any]:
     """The status records the monitor reads: (a) one record's time and size (jobs of 4, 64, 512 members);
     (b) a 2-rank elastic job's step with the records on and off (DECENT_STATUS_RECORDS=0), the two jobs
     alternating over --rounds, the order swapped every round."""
-    records, rounds = [one_record(members, args.reps) for members in (4, 64, 512)], []
+    records, rounds, rows = [one_record(members, args.reps) for members in (4, 64, 512)], [], []
+    elastic_job = partial(on_ranks, 2, records_rank, args)
     for k in range(args.rounds):
-        run = {}
-        for on in (True, False) if k % 2 == 0 else (False, True):
-            job, before = f"cost-{k}-{'on' if on else 'off'}", partial(set_records, on)
-            run[on] = on_ranks(2, records_rank, args, job=job, before=before)[0]
-        ratio_on_off, first = run[True]["median_ms"] / run[False]["median_ms"], "on" if k % 2 == 0 else "off"
-        rounds.append({"on": run[True], "off": run[False], "ratio": ratio_on_off, "first": first})
+        order, run = ("on", "off") if k % 2 == 0 else ("off", "on"), {}
+        for state in order:
+            run[state] = elastic_job(job=f"cost-{k}-{state}", before=partial(set_records, state))[0]
+        ms = [run["on"]["median_ms"], run["off"]["median_ms"]]
+        rounds.append(run | {"ratio": ms[0] / ms[1], "first": order[0]})
+        rows.append([str(k), order[0], *ms, ms[0] / ms[1]])
     ratios = [r["ratio"] for r in rounds]
-    rows = [
-        [str(k), r["first"], r["on"]["median_ms"], r["off"]["median_ms"], r["ratio"]]
-        for k, r in enumerate(rounds)
-    ]
-    rows.append(
-        ["median", f"spread {min(ratios):.4f} to {max(ratios):.4f}", None, None, statistics.median(ratios)]
-    )
+    spread = f"spread {min(ratios):.4f} to {max(ratios):.4f}"
+    rows.append(["median", spread, None, None, statistics.median(ratios)])
     cells = [
         [str(r["members"]), r["median_us"], str(r["bytes"]), 100 * r["share_of_a_core"]] for r in records
     ]
     title = f"(a) one record, sealed, into a TCPStore, one every {RECORD_S:g} s"
     tables = [table(title, "members|us a record|bytes|% of a core", cells, ".4g")]
-    tables.append(
-        table(
-            "(b) median step of a job (rank 0), records on and off",
-            "round|first|on ms|off ms|on/off",
-            rows,
-            ".4f",
-        )
-    )
+    title = "(b) median step of a job (rank 0), records on and off"
+    tables.append(table(title, "round|first|on ms|off ms|on/off", rows, ".4f"))
     return {"one_record": records, "rounds": rounds, "tables": tables}
 
 
@@ -559,31 +506,24 @@ def import_time(args: Any) -> dict[str, Any]:
         times["library, CPU"].append(cpu)
     cost = min(times["library"])
     rows = [[k, min(t), ", ".join(f"{s:.2f}" for s in t)] for k, t in times.items()]
-    rows.append(
-        ["decent_optim_wrapper - torch", min(times["decent_optim_wrapper"]) - min(times["torch"]), None]
-    )
-    title = f"the library's import after torch's: {cost:.2f} s, {'over' if cost > args.budget else 'within'}"
-    out = {"times_s": times, "cost_s": cost, "budget_s": args.budget, "over_budget": cost > args.budget}
-    return out | {
-        "tables": [table(f"{title} the budget of {args.budget} s", "seconds|best|runs", rows, ".2f")]
-    }
+    difference = min(times["decent_optim_wrapper"]) - min(times["torch"])
+    rows.append(["decent_optim_wrapper - torch", difference, None])
+    over = cost > args.budget
+    title = f"the library's import after torch's: {cost:.2f} s, {'over' if over else 'within'}"
+    tables = [table(f"{title} the budget of {args.budget} s", "seconds|best|runs", rows, ".2f")]
+    return {"times_s": times, "cost_s": cost, "budget_s": args.budget, "over_budget": over, "tables": tables}
 
 
+#: Each question: its measurement (its docstring's first paragraph is the question's help) and the
+#: options it takes, with their defaults.
 STEP = {"width": 2048, "depth": 3, "batch": 64, "threads": 1, "max_seconds": 600.0}
-QUESTIONS = {
-    "overhead": Question(
-        overhead, STEP | dict(depth=6, reps=40, iters=200, worlds=[1, 2], formats=["bf16", "int8"])
-    ),
-    "second_moment": Question(second_moment, STEP | dict(iters=40, warmup=5, memory_steps=5, seed_path=None)),
-    "compression": Question(
-        compression,
-        STEP
-        | dict(width=512, depth=4, batch=16, reps=8, formats=FORMATS)
-        | dict(mode="engine", device="cpu"),
-    ),
-    "metrics": Question(metrics, STEP | dict(width=1024, iters=200, warmup=5)),
-    "status_records": Question(
-        status_records, STEP | dict(width=256, batch=32, iters=1000, warmup=50, reps=200, rounds=4)
-    ),
-    "import_time": Question(import_time, dict(reps=3, budget=0.5)),
-}
+QUESTIONS: dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]] = {
+    "overhead": (overhead, STEP | dict(depth=6, reps=40, iters=200, worlds=[1, 2], formats=["bf16", "int8"])),
+    "second_moment": (second_moment, STEP | dict(iters=40, warmup=5, memory_steps=5, seed_path=None)),
+    "compression": (compression, STEP | dict(width=512, depth=4, batch=16, reps=8, formats=FORMATS,
+                                             mode="engine", device="cpu")),
+    "metrics": (metrics, STEP | dict(width=1024, iters=200, warmup=5)),
+    "status_records": (status_records, STEP | dict(width=256, batch=32, iters=1000, warmup=50, reps=200,
+                                                   rounds=4)),
+    "import_time": (import_time, dict(reps=3, budget=0.5)),
+}  # fmt: skip

@@ -30,6 +30,7 @@ from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
 from decent_optim_wrapper.engine.wire.compression import CompressionPlan, resolve_compression
 
 SECRET = "the-secret-of-the-cost-benchmark-0123"
+RATIO_COLUMNS = ("ms", "ratio_of_medians", "median_paired_ratio")  # of ``ratio``'s result, in a table
 
 
 def step_ratios(
@@ -53,25 +54,10 @@ def render(tables: list[dict[str, Any]]) -> str:
 
 def step_table(title: str, result: Mapping[str, Any]) -> dict[str, Any]:
     """:func:`step_ratios`' result as a table: a row per ratio, then those of the runs compared with."""
-    rows = [
-        [*p.split("/"), r["ms"], r["ratio_of_medians"], r["median_paired_ratio"]]
-        for p, r in result["ratios"].items()
-    ]
-    rows += [
-        [name, None, ms, None, None] for name, ms in result["ms"].items() if name not in {r[0] for r in rows}
-    ]
+    rows = [[*p.split("/"), *(r[c] for c in RATIO_COLUMNS)] for p, r in result["ratios"].items()]
+    compared = {row[0] for row in rows}
+    rows += [[name, None, ms, None, None] for name, ms in result["ms"].items() if name not in compared]
     return table(title, "run|against|ms per step (median)|ratio of medians|median paired ratio", rows)
-
-
-def train_step(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, x: torch.Tensor, y: Any
-) -> None:
-    """Forward, backward, step (``optimizer`` None: a module front-end, which steps inside backward)."""
-    if optimizer is not None:
-        optimizer.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    if optimizer is not None:
-        optimizer.step()
 
 
 def gossip_over(wrapper: DecentOptimWrapper, rank: int, world: int, wire: str | None, guard: bool) -> Gossip:
