@@ -6,9 +6,9 @@ trained with DecentOptimWrapper (``ddp``: DistributedDataParallel); ``-module`` 
 ``-gt`` gradient tracking; ``~hH[n[LR][mM]][dD][p]`` low-communication gossip (``sync_every=H``, DiLoCo's
 outer Nesterov SGD, outer lr and momentum, ``sync_delay=D``, paced rounds of :class:`HalfFastSchedule`);
 ``@bf16``, ``@int8``, ``@topk:0.01:int2``, ...: compressed gossip (any name ``compression=`` accepts);
-``+adamw``, ``+accum-adamw`` (``+sgd`` or none: SGD with momentum), then ``-local`` for
-``second_moment="local"``. For example ``ring@bf16``, ``ring-module-gt+accum-adamw``, ``ddp+adamw``,
-``one-peer-exp~h32n@bf16+adamw``, ``complete~h8nd0`` (DiLoCo), ``ring~h8n0.1p+adamw``.
+``+adamw``, ``+accum-adamw``, ``+muon`` (:class:`MuonAdamW`; ``+sgd`` or none: SGD with momentum),
+then ``-local`` for ``second_moment="local"``. For example ``ring@bf16``, ``ring-module-gt+accum-adamw``,
+``ddp+adamw``, ``one-peer-exp~h32n@bf16+adamw``, ``complete~h8nd0`` (DiLoCo), ``ring~h8n0.1p+adamw``.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from decent_optim_wrapper.engine.wire.compression import resolve_compression
 MODULE_SUFFIX = "-module"  # a topology name + this suffix: the module front-end
 TRACKING_SUFFIX = "-gt"  # after -module, if any: gradient tracking
 COMPRESSIONS = ("bf16", "fp16", "int8")  # "topology@compression" (or a sparse name); none when none is named
-OPTIMIZERS = ("sgd", "adamw", "accum-adamw")  # "method+optimizer"; sgd when none is named
+OPTIMIZERS = ("sgd", "adamw", "accum-adamw", "muon")  # "method+optimizer"; sgd when none is named
 LOCAL_MOMENT_SUFFIX = "-local"  # after the optimizer: second_moment="local"
 LOCAL = re.compile(  # after "~"
     r"h(?P<every>[1-9][0-9]*)(?P<nesterov>n(?P<lr>[0-9]*\.[0-9]+)?(?:m(?P<momentum>[0-9]*\.[0-9]+))?)?"
@@ -275,8 +275,35 @@ def optimizer_factory(
         params = [p for _, p in named]
         if name == "adamw":
             return torch.optim.AdamW(params, lr=adam_lr, weight_decay=0.0)
+        if name == "muon":
+            return MuonAdamW(named, lr=adam_lr)
         if name == "accum-adamw":  # moments move once per 4 steps, from the mean gradient
             return AccumAdamW(params, lr=adam_lr, weight_decay=0.0, accum_iter=4)
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
     return build
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon (``adjust_lr_fn="match_rms_adamw"``, so AdamW's learning rate carries over) on the hidden
+    matrices, AdamW on the rest (embeddings, positions, biases, norms), stepped as one optimizer: the
+    benchmarks' loops wrap a single optimizer, where a training script wraps the two (docs/
+    low-communication.md). Its param groups are the two optimizers' own, so schedulers drive both; its
+    state stays in the two (the benchmarks take no checkpoints of it)."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], lr: float) -> None:
+        hidden = [p for name, p in named if p.ndim == 2 and not name.startswith(("embed", "position"))]
+        rest = [p for name, p in named if all(p is not h for h in hidden)]
+        self.parts: list[torch.optim.Optimizer] = []
+        if hidden:
+            self.parts.append(
+                torch.optim.Muon(hidden, lr=lr, weight_decay=0.0, adjust_lr_fn="match_rms_adamw")
+            )
+        if rest:
+            self.parts.append(torch.optim.AdamW(rest, lr=lr, weight_decay=0.0))
+        super().__init__([group for part in self.parts for group in part.param_groups], {})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+        for part in self.parts:
+            part.step()
