@@ -201,14 +201,9 @@ def memory_rank(cfg: Any) -> None:
     model, optimizer = train(cfg, cfg.mem_width, cfg.mem_steps)
     steady = rss_bytes()  # before held_tensor_bytes, whose copies would count
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {
-        "config": cfg.config,
-        "rank": dist.get_rank(),
-        "params": sum(p.numel() for p in model.parameters()),
-        "held": held_tensor_bytes(model, optimizer),
-        "rss_growth": steady - baseline,
-        "peak_rss_growth": peak - baseline,
-    }
+    params, held = sum(p.numel() for p in model.parameters()), held_tensor_bytes(model, optimizer)
+    result = {"config": cfg.config, "rank": dist.get_rank(), "params": params, "held": held}
+    result |= {"rss_growth": steady - baseline, "peak_rss_growth": peak - baseline}
     dist.barrier()
     write_atomically(cfg.out, result)
 
@@ -223,8 +218,7 @@ def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
     rows = {}
     for config, ranks in results.items():
         row: dict[str, float] = {kind: max(r["held"][kind] for r in ranks) for kind in HELD_COLUMNS}
-        row["rss_growth"] = max(r["rss_growth"] for r in ranks)
-        row["peak_rss_growth"] = max(r["peak_rss_growth"] for r in ranks)
+        row |= {growth: max(r[growth] for r in ranks) for growth in ("rss_growth", "peak_rss_growth")}
         row["ranks"] = len(ranks)
         rows[config] = row
     return rows

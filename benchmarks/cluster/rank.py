@@ -116,9 +116,8 @@ def build(method: str, net: nn.Module, cfg: Any) -> Training:
 
         every, _, delay = method.removeprefix("torchft~h").partition("d")
         outer = nesterov_outer(list(net.parameters()))
-        diloco = TorchftDiLoCo(
-            net, adamw(net.parameters()), outer, int(every), int(delay or 0), cfg.rank, cfg.world_size
-        )
+        peers = (int(every), int(delay or 0), cfg.rank, cfg.world_size)
+        diloco = TorchftDiLoCo(net, adamw(net.parameters()), outer, *peers)
         sent = ring_all_reduce_bytes(numel, 4, cfg.world_size, int(every))
         return Training(net, diloco.inner, lambda: sent, finish=diloco.close)
     spec = parse_method(method)
@@ -126,29 +125,17 @@ def build(method: str, net: nn.Module, cfg: Any) -> Training:
         raise ValueError(f"method {method!r}: not timed here (paced rounds: the uneven question)")
     # Only the keywords a method turns on, so that plain methods also run on a library from before
     # they existed (to compare commits).
-    options = {
-        k: v for k, v in spec.engine_options().items() if not (v is None or v is False or v == "average")
-    }
+    turned_on = lambda v: not (v is None or v is False or v == "average")  # noqa: E731
+    options = {k: v for k, v in spec.engine_options().items() if turned_on(v)}
+    options["timeout"] = COLLECTIVE_TIMEOUT
     if spec.module:
-        ddp_module = DecentralizedDataParallel(
-            net,
-            lambda params: adamw([p for _, p in params]),
-            _local_world_size=cfg.local_world_size,
-            timeout=COLLECTIVE_TIMEOUT,
-            **options,
-        )
-        return Training(
-            ddp_module,
-            None,
-            engine_count(ddp_module.engine),
-            finish=lambda: ddp_module.global_avg(will_revert=False),
-        )
-    wrapper = DecentOptimWrapper(
-        adamw(net.parameters()), local_world_size=cfg.local_world_size, timeout=COLLECTIVE_TIMEOUT, **options
-    )
-    return Training(
-        net, wrapper, engine_count(wrapper.engine), finish=lambda: wrapper.global_avg(may_revert=False)
-    )
+        inner = lambda params: adamw([p for _, p in params])  # noqa: E731
+        module = DecentralizedDataParallel(net, inner, _local_world_size=cfg.local_world_size, **options)
+        average = lambda: module.global_avg(will_revert=False)  # noqa: E731
+        return Training(module, None, engine_count(module.engine), finish=average)
+    wrapper = DecentOptimWrapper(adamw(net.parameters()), local_world_size=cfg.local_world_size, **options)
+    finish = lambda: wrapper.global_avg(may_revert=False)  # noqa: E731
+    return Training(net, wrapper, engine_count(wrapper.engine), finish=finish)
 
 
 def accelerate_training(method: str, net: nn.Module, cfg: Any) -> Training:
@@ -183,21 +170,14 @@ def segment(method: str, scenario: str | None, cfg: Any, round_: int = 0) -> dic
     """Warm-up steps, then the timed ones (compute times drawn with seed ``seed + round_``)."""
     torch.manual_seed(0)
     emulated = cfg.compute == "emulated"
-    if emulated:
-        net: nn.Module = EmulatedMLP(cfg.inputs, cfg.width, cfg.depth, 10, cfg.forward_fraction)
-    else:
-        net = build_mlp(cfg.inputs, cfg.width, cfg.depth, 10)
+    shape = (cfg.inputs, cfg.width, cfg.depth, 10)
+    net: nn.Module = EmulatedMLP(*shape, cfg.forward_fraction) if emulated else build_mlp(*shape)
     run = build(method, net, cfg)
     generator = torch.Generator().manual_seed(cfg.rank)
     rows = ROWS if emulated else cfg.batch
     steps = cfg.warmup + cfg.iters
-    compute = ComputeTimes(
-        cfg.compute_ms / 1e3,
-        scenario or "none",
-        cfg.sigma,
-        slow_factor=cfg.slow_factor,
-        seed=cfg.seed + round_,
-    ).draws(cfg.rank, steps)
+    slow = {"slow_factor": cfg.slow_factor, "seed": cfg.seed + round_}
+    compute = ComputeTimes(cfg.compute_ms / 1e3, scenario or "none", cfg.sigma, **slow).draws(cfg.rank, steps)
     times, forward_s, compute_s = [], [], []
     cpu = busy = 0.0
     with run.context:
@@ -303,11 +283,8 @@ def fleet_segment(scenario: str, method: str, cfg: Any) -> dict[str, Any]:
     if wrapper is not None:
         pace = wrapper.pace_report()
         if pace is not None:
-            result["pace"] = {
-                "round_s": pace.round_seconds,
-                "step_s": pace.step_seconds,
-                "waited_s": pace.waited_seconds,
-            }
+            seconds = (pace.round_seconds, pace.step_seconds, pace.waited_seconds)
+            result["pace"] = dict(zip(("round_s", "step_s", "waited_s"), seconds, strict=True))
         wrapper.global_avg(may_revert=False)  # finishes the last round; untimed
     dist.barrier()
     return result
