@@ -235,17 +235,13 @@ def cluster_rows(runs: dict[str, Any], shards: int, iters: int) -> dict[str, dic
     for method, run in runs.items():
         sent = run["bytes_sent_per_step"]  # one dict per rank, in rank order
         readings = [s["link_tx_per_step"] for s in sent]
-        nodes = None
+        windows = [seconds for rank in run["measured"].get("cpu_s", []) for seconds in rank]
+        row = rows[method] = {"median_ms": 1e3 * run["median_s"], "mean_ms": 1e3 * run["mean_s"]}
+        row["cpu_ms"] = 1e3 * sum(windows) / len(windows) / iters if windows else None
+        row["counted_bytes"] = max(s["counted"] for s in sent)
+        row["link_bytes"] = row["link_bytes_max"] = None
         if None not in readings:
             nodes = [sum(readings[i : i + shards]) / shards / shards for i in range(0, len(readings), shards)]
-        windows = [seconds for rank in run["measured"].get("cpu_s", []) for seconds in rank]
-        rows[method] = {
-            "median_ms": 1e3 * run["median_s"],
-            "mean_ms": 1e3 * run["mean_s"],
-            "cpu_ms": 1e3 * sum(windows) / len(windows) / iters if windows else None,
-            "counted_bytes": max(s["counted"] for s in sent),
-            "link_bytes": None if nodes is None else sum(nodes) / len(nodes),
-            "link_bytes_max": None if nodes is None else max(nodes),
-            "shard_bytes": max(s["shard_bytes"] for s in sent),
-        }
+            row["link_bytes"], row["link_bytes_max"] = sum(nodes) / len(nodes), max(nodes)
+        row["shard_bytes"] = max(s["shard_bytes"] for s in sent)
     return rows

@@ -249,14 +249,9 @@ def fleet_segment(scenario: str, method: str, cfg: Any) -> dict[str, Any]:
     optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     wrapper = None
     if method in ("sync", "paced"):
-        optimizer = wrapper = DecentOptimWrapper(
-            optimizer,
-            topology="ring",
-            sync_every=cfg.sync_every,
-            outer_optimizer=nesterov_outer,
-            pacing="measured" if method == "paced" else None,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
+        pacing = "measured" if method == "paced" else None
+        ring = {"topology": "ring", "sync_every": cfg.sync_every, "outer_optimizer": nesterov_outer}
+        optimizer = wrapper = DecentOptimWrapper(optimizer, pacing=pacing, timeout=COLLECTIVE_TIMEOUT, **ring)
     generator = torch.Generator().manual_seed(cfg.rank)
     x = torch.randn(ROWS, cfg.inputs, generator=generator)
     y = torch.randint(0, 10, (ROWS,), generator=generator)
@@ -334,12 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="the question's options, as JSON")
     args = parser.parse_args(argv)
     cfg = SimpleNamespace(**json.loads(args.config) | {k: v for k, v in vars(args).items() if k != "config"})
-    os.environ.update(  # as torchrun and `accelerate launch` set them
-        RANK=str(cfg.rank),
-        LOCAL_RANK=str(cfg.rank % cfg.local_world_size),
-        WORLD_SIZE=str(cfg.world_size),
-        LOCAL_WORLD_SIZE=str(cfg.local_world_size),
-    )
+    ranks = {"RANK": cfg.rank, "LOCAL_RANK": cfg.rank % cfg.local_world_size, "WORLD_SIZE": cfg.world_size}
+    ranks["LOCAL_WORLD_SIZE"] = cfg.local_world_size
+    os.environ.update({k: str(v) for k, v in ranks.items()})  # as torchrun and `accelerate launch` set them
     torch.set_num_threads(1)  # the drivers keep processes <= cores x 2; each gets one thread
     if getattr(cfg, "flush_denormal", False):
         torch.set_flush_denormal(True)  # the same for every method: no kernel slowed by denormals

@@ -259,13 +259,10 @@ def uneven(args: argparse.Namespace) -> tuple[Any, str]:
                 notes.append(f"- {scenario}: planner vs measured {got} (within 15%: {verdict})")
             summary[scenario] = {"overhead_s": o, "methods": entries, "planner_error": errors}
         header = ["scenario", "o (ms)", "method", "steps/s", "/ own", "/ n*slowest", "planned", "window s"]
-        text.append(
-            f"{nodes} nodes, links {args.bandwidth} ({megabits:.0f} Mbit/s measured), compute "
-            f"{args.compute_ms:.0f} ms x factor, H={args.sync_every}\n\n"
-            + markdown_table([*header, "steps per rank"], rows, ".3f")
-            + "\n\n"
-            + "\n".join(notes)
-        )
+        caption = f"{nodes} nodes, links {args.bandwidth} ({megabits:.0f} Mbit/s measured), compute "
+        caption += f"{args.compute_ms:.0f} ms x factor, H={args.sync_every}"
+        table = markdown_table([*header, "steps per rank"], rows, ".3f")
+        text.append("\n\n".join([caption, table, "\n".join(notes)]))
         everything.append({"nodes": nodes, "megabits": megabits, "summary": summary})
     return everything, "\n\n".join(text)
 
@@ -392,11 +389,9 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
     for doubling, head in itertools.product(DOUBLINGS, HEAD_STARTS):
         if head and not doubling:
             continue
-        predicted = {}
+        predicted, models = {}, [SharingModel(doubling, head, seed) for seed in range(SEEDS)]
         for d in measured:
-            runs = [
-                transfer_seconds(transfers, [0.0, d], SharingModel(doubling, head, s)) for s in range(SEEDS)
-            ]
+            runs = [transfer_seconds(transfers, [0.0, d], model) for model in models]
             predicted[d] = tuple(statistics.fmean(r[i] for r in runs) for i in (0, 1))
         errors = [p / m - 1 for d in measured for p, m in zip(predicted[d], measured[d], strict=True)]
         fits.append((statistics.fmean(e * e for e in errors) ** 0.5, doubling, head, predicted))
@@ -406,13 +401,9 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
     rms, doubling, head, _ = fits[-1]
     header = ["doubling ms", "head start ms", *(f"A/B at delta {1e3 * d:.0f} ms" for d in measured)]
     header += ["rms error"]
-    text = (
-        f"one transfer alone: {1e3 * alone:.0f} ms ({rate / 1e6:.1f} Mbit/s)\n\n"
-        + markdown_table(header, rows)
-        + f"\n\nbest fit: SharingModel(doubling_s={doubling}, head_start_s={head}), rms error "
-        f"{100 * rms:.1f}%"
-    )
-    return record, text
+    alone_text = f"one transfer alone: {1e3 * alone:.0f} ms ({rate / 1e6:.1f} Mbit/s)"
+    best = f"best fit: SharingModel(doubling_s={doubling}, head_start_s={head}), rms error {100 * rms:.1f}%"
+    return record, "\n\n".join([alone_text, markdown_table(header, rows), best])
 
 
 # -- hsdp: memory per rank and step time -----------------------------------------------------------------
@@ -424,16 +415,12 @@ def planner_predictions(
     """The planner's step time (ms) per method on the shard, at the rank's share of the node's link:
     torch's HSDP as its DDP on the shard bytes, fsdp as its no-communication step."""
     gossip = [m.partition("@") for m in methods if m not in hsdp_parts.PLANNER_NAMES]
-    predictions = predict(
-        shard_bytes,
-        ComputeTimes(args.compute_ms / 1e3, "none"),
-        Network(Link(emu.rate_bits(args.bandwidth) / args.shards)),
-        args.nodes,
-        topologies=sorted({t for t, _, _ in gossip}) or None,
-        compressions=sorted({c for _, _, c in gossip if c}),
-        overhead_s=overhead_ms / 1e3,
-        forward_fraction=args.forward_fraction,
-    )
+    compute = ComputeTimes(args.compute_ms / 1e3, "none")
+    network = Network(Link(emu.rate_bits(args.bandwidth) / args.shards))
+    topologies = sorted({t for t, _, _ in gossip}) or None
+    compressions = sorted({c for _, _, c in gossip if c})
+    overheads = {"overhead_s": overhead_ms / 1e3, "forward_fraction": args.forward_fraction}
+    predictions = predict(shard_bytes, compute, network, args.nodes, topologies, compressions, **overheads)
     by_name = {p.method: 1e3 * p.step_s for p in predictions}
     return {m: by_name[hsdp_parts.PLANNER_NAMES.get(m, m)] for m in methods}
 
@@ -500,9 +487,8 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
             f"on link: the node veths' tx_bytes per step / {args.shards} ranks, warm-up included; plan ms: "
             "the planner on the shard at the rank's share of the link; plan+fsdp ms: with fsdp's excess "
             f"({excess or 0:.1f} ms) as overhead. Planner: python -m decent_optim_wrapper.plan --model-bytes "
-            f"{int(shard)} --compute-ms "
-            f"{args.compute_ms:g} --bandwidth {per_rank:g}mbit --nodes {args.nodes} --forward-fraction "
-            f"{args.forward_fraction:g} --topologies {' '.join(topologies)}\n\n"
+            f"{int(shard)} --compute-ms {args.compute_ms:g} --bandwidth {per_rank:g}mbit --nodes {args.nodes}"
+            f" --forward-fraction {args.forward_fraction:g} --topologies {' '.join(topologies)}\n\n"
             + markdown_table(header, table, ".3f")
         )
         record["cluster"] = {"link_mbit_s": link, "rows": rows, "predicted_ms": predicted, "runs": runs}

@@ -201,9 +201,8 @@ print(1e3 * statistics.median(times))
 def round_trip_ms(cluster: Cluster, port: int) -> float:
     """Median round trip of a one-byte TCP message node 1 -> node 0 -> node 1 on the idle link, in ms."""
     addr = cluster.address(0)
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", ECHO_SERVER, addr, str(port)]
-    )
+    inside = ["ip", "netns", "exec", cluster.namespace(0)]
+    server = subprocess.Popen([*inside, sys.executable, "-c", ECHO_SERVER, addr, str(port)])
     try:
         client = [sys.executable, "-c", ECHO_CLIENT, addr, str(port)]
         return float(sh("ip", "netns", "exec", cluster.namespace(1), *client, timeout=30))
@@ -405,22 +404,17 @@ def summarize(method: str, ranks: list[dict[str, Any]], rounds: int, iters: int)
     mean step, and what the workers measured besides (``measured``: CPU seconds per rank and round,
     rank 0's machine-wide busy seconds per round, per-step compute times with real compute).
     """
-    pooled = [t for r in ranks for t in r["times"][method][: rounds * iters]]
+    steps = [r["times"][method][: rounds * iters] for r in ranks]
+    pooled = [t for rank_steps in steps for t in rank_steps]
     measured: dict[str, list[Any]] = {}
     for r in ranks:
         for name, values in r.get("measured", {}).get(method, {}).items():
             measured.setdefault(name, []).append(values[:rounds])
-    return {
-        "rank_means_s": [statistics.fmean(r["times"][method][: rounds * iters]) for r in ranks],
-        "measured": measured,
-        "params": ranks[0]["params"],
-        "median_s": statistics.median(pooled),
-        "mean_s": statistics.fmean(pooled),
-        "round_medians_s": [
-            statistics.median(r["round_medians"][i][method] for r in ranks) for i in range(rounds)
-        ],
-        "bytes_sent_per_step": [r["bytes_sent_per_step"][method] for r in ranks],
-    }
+    medians = [statistics.median(r["round_medians"][i][method] for r in ranks) for i in range(rounds)]
+    summary = {"rank_means_s": list(map(statistics.fmean, steps)), "measured": measured}
+    summary |= {"params": ranks[0]["params"], "median_s": statistics.median(pooled)}
+    summary |= {"mean_s": statistics.fmean(pooled), "round_medians_s": medians}
+    return summary | {"bytes_sent_per_step": [r["bytes_sent_per_step"][method] for r in ranks]}
 
 
 def ready_to_emulate() -> bool:
