@@ -97,11 +97,10 @@ def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Call
     shards = cfg.local_world_size
     replicas = cfg.world_size // shards
     mesh = hsdp_mesh(replicas, shards)
-    if method == "nocomm":
-        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    elif method in SHARDED_BASELINES:
+    if method in SHARDED_BASELINES:
         shard_model(model, mesh if method == "torch-hsdp" else mesh["shard"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if method in ("nocomm", *SHARDED_BASELINES):
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         optimizer = gossip_optimizer(shard_model(model, mesh["shard"]), method, mesh)
     start, steps = link_tx_bytes(), cfg.warmup + cfg.iters
@@ -169,13 +168,12 @@ def train(cfg: Any, width: int, steps: int) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = build_mlp(cfg.mem_inputs, width, cfg.mem_depth, 10)
     mesh = None if kind == "whole" else hsdp_mesh(cfg.world_size // cfg.shards, cfg.shards)
+    if mesh is not None:
+        shard_model(model, mesh if kind == "torch-hsdp" else mesh["shard"])
     if kind == "torch-hsdp":
-        optimizer: Any = torch.optim.AdamW(shard_model(model, mesh).parameters(), lr=1e-3)
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
-        if mesh is not None:
-            shard_model(model, mesh["shard"])
-        method = cfg.topology + (f"@{compression}" if compression else "")
-        optimizer = gossip_optimizer(model, method, mesh)
+        optimizer = gossip_optimizer(model, cfg.topology + (f"@{compression}" if compression else ""), mesh)
     generator = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(cfg.mem_batch, cfg.mem_inputs, generator=generator)
     y = torch.randint(0, 10, (cfg.mem_batch,), generator=generator)

@@ -21,17 +21,8 @@ from typing import Any
 
 from benchmarks.harness.report import markdown_table, titled_table
 from decent_optim_wrapper import GossipCompression
-from decent_optim_wrapper.plan import (
-    ComputeTimes,
-    Link,
-    Network,
-    NoComm,
-    SharingModel,
-    allreduce_scheme,
-    gossip_scheme,
-    predict,
-    simulate,
-)
+from decent_optim_wrapper.plan import ComputeTimes, Link, Network, NoComm, SharingModel, predict, simulate
+from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
 from decent_optim_wrapper.topo import TopologyFactory
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "scaling"
