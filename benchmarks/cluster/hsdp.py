@@ -97,11 +97,10 @@ def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Call
     shards = cfg.local_world_size
     replicas = cfg.world_size // shards
     mesh = hsdp_mesh(replicas, shards)
-    if method == "nocomm":
-        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    elif method in SHARDED_BASELINES:
+    if method in SHARDED_BASELINES:
         shard_model(model, mesh if method == "torch-hsdp" else mesh["shard"])
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if method in ("nocomm", *SHARDED_BASELINES):
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
         optimizer = gossip_optimizer(shard_model(model, mesh["shard"]), method, mesh)
     start, steps = link_tx_bytes(), cfg.warmup + cfg.iters
@@ -169,13 +168,12 @@ def train(cfg: Any, width: int, steps: int) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = build_mlp(cfg.mem_inputs, width, cfg.mem_depth, 10)
     mesh = None if kind == "whole" else hsdp_mesh(cfg.world_size // cfg.shards, cfg.shards)
+    if mesh is not None:
+        shard_model(model, mesh if kind == "torch-hsdp" else mesh["shard"])
     if kind == "torch-hsdp":
-        optimizer: Any = torch.optim.AdamW(shard_model(model, mesh).parameters(), lr=1e-3)
+        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     else:
-        if mesh is not None:
-            shard_model(model, mesh["shard"])
-        method = cfg.topology + (f"@{compression}" if compression else "")
-        optimizer = gossip_optimizer(model, method, mesh)
+        optimizer = gossip_optimizer(model, cfg.topology + (f"@{compression}" if compression else ""), mesh)
     generator = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(cfg.mem_batch, cfg.mem_inputs, generator=generator)
     y = torch.randint(0, 10, (cfg.mem_batch,), generator=generator)
@@ -201,14 +199,9 @@ def memory_rank(cfg: Any) -> None:
     model, optimizer = train(cfg, cfg.mem_width, cfg.mem_steps)
     steady = rss_bytes()  # before held_tensor_bytes, whose copies would count
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    result = {
-        "config": cfg.config,
-        "rank": dist.get_rank(),
-        "params": sum(p.numel() for p in model.parameters()),
-        "held": held_tensor_bytes(model, optimizer),
-        "rss_growth": steady - baseline,
-        "peak_rss_growth": peak - baseline,
-    }
+    params, held = sum(p.numel() for p in model.parameters()), held_tensor_bytes(model, optimizer)
+    result = {"config": cfg.config, "rank": dist.get_rank(), "params": params, "held": held}
+    result |= {"rss_growth": steady - baseline, "peak_rss_growth": peak - baseline}
     dist.barrier()
     write_atomically(cfg.out, result)
 
@@ -223,8 +216,7 @@ def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
     rows = {}
     for config, ranks in results.items():
         row: dict[str, float] = {kind: max(r["held"][kind] for r in ranks) for kind in HELD_COLUMNS}
-        row["rss_growth"] = max(r["rss_growth"] for r in ranks)
-        row["peak_rss_growth"] = max(r["peak_rss_growth"] for r in ranks)
+        row |= {growth: max(r[growth] for r in ranks) for growth in ("rss_growth", "peak_rss_growth")}
         row["ranks"] = len(ranks)
         rows[config] = row
     return rows
@@ -241,17 +233,13 @@ def cluster_rows(runs: dict[str, Any], shards: int, iters: int) -> dict[str, dic
     for method, run in runs.items():
         sent = run["bytes_sent_per_step"]  # one dict per rank, in rank order
         readings = [s["link_tx_per_step"] for s in sent]
-        nodes = None
+        windows = [seconds for rank in run["measured"].get("cpu_s", []) for seconds in rank]
+        row = rows[method] = {"median_ms": 1e3 * run["median_s"], "mean_ms": 1e3 * run["mean_s"]}
+        row["cpu_ms"] = 1e3 * sum(windows) / len(windows) / iters if windows else None
+        row["counted_bytes"] = max(s["counted"] for s in sent)
+        row["link_bytes"] = row["link_bytes_max"] = None
         if None not in readings:
             nodes = [sum(readings[i : i + shards]) / shards / shards for i in range(0, len(readings), shards)]
-        windows = [seconds for rank in run["measured"].get("cpu_s", []) for seconds in rank]
-        rows[method] = {
-            "median_ms": 1e3 * run["median_s"],
-            "mean_ms": 1e3 * run["mean_s"],
-            "cpu_ms": 1e3 * sum(windows) / len(windows) / iters if windows else None,
-            "counted_bytes": max(s["counted"] for s in sent),
-            "link_bytes": None if nodes is None else sum(nodes) / len(nodes),
-            "link_bytes_max": None if nodes is None else max(nodes),
-            "shard_bytes": max(s["shard_bytes"] for s in sent),
-        }
+            row["link_bytes"], row["link_bytes_max"] = sum(nodes) / len(nodes), max(nodes)
+        row["shard_bytes"] = max(s["shard_bytes"] for s in sent)
     return rows

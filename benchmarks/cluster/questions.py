@@ -13,10 +13,10 @@ from typing import Any
 
 from decent_optim_wrapper.plan import JITTERS
 
-#: What every timed run's ranks train unless a question says otherwise (``rank.py``).
+#: What every timed run's ranks train, and how, unless a question says otherwise (``rank.py``).
 MODEL = {"inputs": 512, "width": 1024, "depth": 3, "compute": "real", "compute_ms": 200.0}
-TIMED = {"rounds": 3, "warmup": 3, "iters": 20, "forward_fraction": 1 / 3, "scenarios": [], "sigma": 0.5}
-TIMED |= {"slow_factor": 1.5, "seed": 0, "fresh_batches": False, "flush_denormal": False}
+TIMED = MODEL | {"rounds": 3, "warmup": 3, "iters": 20, "forward_fraction": 1 / 3, "scenarios": []}
+TIMED |= {"sigma": 0.5, "slow_factor": 1.5, "seed": 0, "fresh_batches": False, "flush_denormal": False}
 SPEED_METHODS = ("nocomm", "ddp", "ddp-bf16", "ring", "ring@bf16", "ring@int8", "ring-module")
 SPEED_METHODS += ("ring-module@bf16", "one-peer-exp", "one-peer-exp@bf16")
 LOW_COMM_METHODS = ("nocomm", "ddp", "ddp-bf16", "avg~h8", "ring", "ring~h8n", "ring~h8n@bf16")
@@ -37,8 +37,7 @@ QUESTIONS = {
     "speed": Question(
         "2 nodes, a sweep of link rates: no communication, DDP (bf16 too), gossip (compressed or not)",
         "speed",
-        MODEL
-        | TIMED
+        TIMED
         | {"nodes": 2, "workers_per_node": 1, "bandwidths": ["unlimited", "200mbit"], "batch": 2048}
         | {"iters": 15, "link_check_mb": 20.0, "run_seconds": 420.0, "max_seconds": 900.0}
         | {"methods": [*SPEED_METHODS]},
@@ -47,8 +46,7 @@ QUESTIONS = {
         "2 nodes whose link takes --exchange-steps steps' compute per model: DDP, periodic averaging, "
         "low-communication gossip, torchft's DiLoCo",
         "low_comm",
-        MODEL
-        | TIMED
+        TIMED
         | {"nodes": 2, "workers_per_node": 1, "exchange_steps": 8.0, "rate": "", "rounds": 2, "batch": 512}
         | {"warmup": 32, "iters": 64, "run_seconds": 900.0, "fresh_batches": True, "flush_denormal": True}
         | {"methods": [*LOW_COMM_METHODS]},
@@ -56,8 +54,7 @@ QUESTIONS = {
     "accelerate": Question(
         "an Accelerate loop on 4 nodes: Accelerator (DDP), LocalSGD every K steps, gossip every K",
         "speed",
-        MODEL
-        | TIMED
+        TIMED
         | {"nodes": 4, "workers_per_node": 1, "bandwidths": ["200mbit", "50mbit"], "batch": 1024}
         | {"loop": "accelerate", "every": 8, "iters": 24, "warmup": 8, "link_check_mb": 0.0}
         | {"run_seconds": 900.0, "max_seconds": 3600.0}
@@ -74,15 +71,11 @@ QUESTIONS = {
     "scaling": Question(
         "2 to 16 nodes of sleeping compute under constant compute, jitter and a straggler (one size a run)",
         "scaling",
-        MODEL
-        | TIMED
+        TIMED
         | {"nodes": 2, "workers_per_node": 1, "bandwidth": "20mbit", "compute": "emulated"}
         | {"compute_ms": 199.0, "forward_fraction": 0.39, "scenarios": list(JITTERS), "inputs": 256}
-        | {"width": 256, "batch": 24576, "rounds": 2, "iters": 15, "link_check_mb": 2.0}
-        | {
-            "run_seconds": 540.0,
-            "methods": ["nocomm", "ddp", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16"],
-        },
+        | {"width": 256, "batch": 24576, "rounds": 2, "iters": 15, "link_check_mb": 2.0, "run_seconds": 540.0}
+        | {"methods": ["nocomm", "ddp", "ddp-bf16", "ring", "one-peer-exp", "ring@bf16"]},
     ),
     "report": Question(
         "the scaling runs' tables, the simulator replayed on each, docs/figures/scaling.png, predictions",
@@ -101,8 +94,7 @@ QUESTIONS = {
         "decentralized HSDP against whole replicas and torch's HSDP: memory per rank (no root), step time "
         "on 4 nodes x 2 ranks",
         "hsdp",
-        MODEL
-        | TIMED
+        TIMED
         | {"part": "all", "shards": 2, "replicas": 2, "memory_seconds": 120.0, "topology": "ring"}
         | {"memory_configs": ["whole", "whole@bf16", "gossip-hsdp", "gossip-hsdp@bf16", "torch-hsdp"]}
         | {"mem_inputs": 1024, "mem_width": 1024, "mem_depth": 8, "mem_batch": 32, "mem_steps": 4}

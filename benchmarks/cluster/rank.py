@@ -116,9 +116,8 @@ def build(method: str, net: nn.Module, cfg: Any) -> Training:
 
         every, _, delay = method.removeprefix("torchft~h").partition("d")
         outer = nesterov_outer(list(net.parameters()))
-        diloco = TorchftDiLoCo(
-            net, adamw(net.parameters()), outer, int(every), int(delay or 0), cfg.rank, cfg.world_size
-        )
+        peers = (int(every), int(delay or 0), cfg.rank, cfg.world_size)
+        diloco = TorchftDiLoCo(net, adamw(net.parameters()), outer, *peers)
         sent = ring_all_reduce_bytes(numel, 4, cfg.world_size, int(every))
         return Training(net, diloco.inner, lambda: sent, finish=diloco.close)
     spec = parse_method(method)
@@ -126,29 +125,17 @@ def build(method: str, net: nn.Module, cfg: Any) -> Training:
         raise ValueError(f"method {method!r}: not timed here (paced rounds: the uneven question)")
     # Only the keywords a method turns on, so that plain methods also run on a library from before
     # they existed (to compare commits).
-    options = {
-        k: v for k, v in spec.engine_options().items() if not (v is None or v is False or v == "average")
-    }
+    turned_on = lambda v: not (v is None or v is False or v == "average")  # noqa: E731
+    options = {k: v for k, v in spec.engine_options().items() if turned_on(v)}
+    options["timeout"] = COLLECTIVE_TIMEOUT
     if spec.module:
-        ddp_module = DecentralizedDataParallel(
-            net,
-            lambda params: adamw([p for _, p in params]),
-            _local_world_size=cfg.local_world_size,
-            timeout=COLLECTIVE_TIMEOUT,
-            **options,
-        )
-        return Training(
-            ddp_module,
-            None,
-            engine_count(ddp_module.engine),
-            finish=lambda: ddp_module.global_avg(will_revert=False),
-        )
-    wrapper = DecentOptimWrapper(
-        adamw(net.parameters()), local_world_size=cfg.local_world_size, timeout=COLLECTIVE_TIMEOUT, **options
-    )
-    return Training(
-        net, wrapper, engine_count(wrapper.engine), finish=lambda: wrapper.global_avg(may_revert=False)
-    )
+        inner = lambda params: adamw([p for _, p in params])  # noqa: E731
+        module = DecentralizedDataParallel(net, inner, _local_world_size=cfg.local_world_size, **options)
+        average = lambda: module.global_avg(will_revert=False)  # noqa: E731
+        return Training(module, None, engine_count(module.engine), finish=average)
+    wrapper = DecentOptimWrapper(adamw(net.parameters()), local_world_size=cfg.local_world_size, **options)
+    finish = lambda: wrapper.global_avg(may_revert=False)  # noqa: E731
+    return Training(net, wrapper, engine_count(wrapper.engine), finish=finish)
 
 
 def accelerate_training(method: str, net: nn.Module, cfg: Any) -> Training:
@@ -183,21 +170,14 @@ def segment(method: str, scenario: str | None, cfg: Any, round_: int = 0) -> dic
     """Warm-up steps, then the timed ones (compute times drawn with seed ``seed + round_``)."""
     torch.manual_seed(0)
     emulated = cfg.compute == "emulated"
-    if emulated:
-        net: nn.Module = EmulatedMLP(cfg.inputs, cfg.width, cfg.depth, 10, cfg.forward_fraction)
-    else:
-        net = build_mlp(cfg.inputs, cfg.width, cfg.depth, 10)
+    shape = (cfg.inputs, cfg.width, cfg.depth, 10)
+    net: nn.Module = EmulatedMLP(*shape, cfg.forward_fraction) if emulated else build_mlp(*shape)
     run = build(method, net, cfg)
     generator = torch.Generator().manual_seed(cfg.rank)
     rows = ROWS if emulated else cfg.batch
     steps = cfg.warmup + cfg.iters
-    compute = ComputeTimes(
-        cfg.compute_ms / 1e3,
-        scenario or "none",
-        cfg.sigma,
-        slow_factor=cfg.slow_factor,
-        seed=cfg.seed + round_,
-    ).draws(cfg.rank, steps)
+    slow = {"slow_factor": cfg.slow_factor, "seed": cfg.seed + round_}
+    compute = ComputeTimes(cfg.compute_ms / 1e3, scenario or "none", cfg.sigma, **slow).draws(cfg.rank, steps)
     times, forward_s, compute_s = [], [], []
     cpu = busy = 0.0
     with run.context:
@@ -269,14 +249,9 @@ def fleet_segment(scenario: str, method: str, cfg: Any) -> dict[str, Any]:
     optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
     wrapper = None
     if method in ("sync", "paced"):
-        optimizer = wrapper = DecentOptimWrapper(
-            optimizer,
-            topology="ring",
-            sync_every=cfg.sync_every,
-            outer_optimizer=nesterov_outer,
-            pacing="measured" if method == "paced" else None,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
+        pacing = "measured" if method == "paced" else None
+        ring = {"topology": "ring", "sync_every": cfg.sync_every, "outer_optimizer": nesterov_outer}
+        optimizer = wrapper = DecentOptimWrapper(optimizer, pacing=pacing, timeout=COLLECTIVE_TIMEOUT, **ring)
     generator = torch.Generator().manual_seed(cfg.rank)
     x = torch.randn(ROWS, cfg.inputs, generator=generator)
     y = torch.randint(0, 10, (ROWS,), generator=generator)
@@ -303,11 +278,8 @@ def fleet_segment(scenario: str, method: str, cfg: Any) -> dict[str, Any]:
     if wrapper is not None:
         pace = wrapper.pace_report()
         if pace is not None:
-            result["pace"] = {
-                "round_s": pace.round_seconds,
-                "step_s": pace.step_seconds,
-                "waited_s": pace.waited_seconds,
-            }
+            seconds = (pace.round_seconds, pace.step_seconds, pace.waited_seconds)
+            result["pace"] = dict(zip(("round_s", "step_s", "waited_s"), seconds, strict=True))
         wrapper.global_avg(may_revert=False)  # finishes the last round; untimed
     dist.barrier()
     return result
@@ -357,12 +329,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config", required=True, help="the question's options, as JSON")
     args = parser.parse_args(argv)
     cfg = SimpleNamespace(**json.loads(args.config) | {k: v for k, v in vars(args).items() if k != "config"})
-    os.environ.update(  # as torchrun and `accelerate launch` set them
-        RANK=str(cfg.rank),
-        LOCAL_RANK=str(cfg.rank % cfg.local_world_size),
-        WORLD_SIZE=str(cfg.world_size),
-        LOCAL_WORLD_SIZE=str(cfg.local_world_size),
-    )
+    ranks = {"RANK": cfg.rank, "LOCAL_RANK": cfg.rank % cfg.local_world_size, "WORLD_SIZE": cfg.world_size}
+    ranks["LOCAL_WORLD_SIZE"] = cfg.local_world_size
+    os.environ.update({k: str(v) for k, v in ranks.items()})  # as torchrun and `accelerate launch` set them
     torch.set_num_threads(1)  # the drivers keep processes <= cores x 2; each gets one thread
     if getattr(cfg, "flush_denormal", False):
         torch.set_flush_denormal(True)  # the same for every method: no kernel slowed by denormals

@@ -23,10 +23,8 @@ import itertools
 import json
 import math
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -34,18 +32,9 @@ from typing import Any
 from benchmarks.cluster import hsdp as hsdp_parts
 from benchmarks.cluster import scaling_report
 from benchmarks.cluster.questions import QUESTIONS
+from benchmarks.harness import emulated_cluster as emu
 from benchmarks.harness import uneven as fleet
 from benchmarks.harness.common import build_mlp, free_port
-from benchmarks.harness.emulated_cluster import (
-    Cluster,
-    collect,
-    launch,
-    measure_link,
-    rate_bits,
-    ready_to_emulate,
-    round_trip_ms,
-    run_workers,
-)
 from benchmarks.harness.question_args import question_parser
 from benchmarks.harness.report import markdown_table, save
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, SharingModel, predict, transfer_seconds
@@ -62,7 +51,13 @@ def config(args: argparse.Namespace, **mode: Any) -> list[str]:
 
 def exchange_ms(model_bytes: float, bandwidth: str) -> float | None:
     """Milliseconds to send one model over one link at ``bandwidth`` (None when unlimited)."""
-    return None if bandwidth == "unlimited" else 1e3 * model_bytes * 8 / rate_bits(bandwidth)
+    return None if bandwidth == "unlimited" else 1e3 * model_bytes * 8 / emu.rate_bits(bandwidth)
+
+
+def verdict_table(header: list[str], verdicts: list[dict[str, Any]]) -> str:
+    """``verdicts`` (dicts whose last key is ``met``) as a table after a blank line; "" when none."""
+    rows = [[*list(v.values())[:-1], str(v["met"])] for v in verdicts]
+    return "\n\n" + markdown_table(header, rows) if verdicts else ""
 
 
 def busiest(per_rank: list[Any]) -> float | None:
@@ -78,23 +73,20 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
     step, its ratio to nocomm, how many times faster than each reference, and bytes sent per step."""
     results: dict[str, Any] = {}
     stop_at = time.monotonic() + args.max_seconds
-    with Cluster(args.nodes) as cluster:
+    with emu.Cluster(args.nodes) as cluster:
         for index, bandwidth in enumerate(args.bandwidths):
             port, left = 29611 + 2 * index, stop_at - time.monotonic()  # a fresh port: no TIME_WAIT
             if left < 20:
                 print(f"{bandwidth}: skipped, --max-seconds reached", flush=True)
                 continue
             cluster.shape(None if bandwidth == "unlimited" else bandwidth)
-            link = measure_link(cluster, args.link_check_mb, port + 1) if args.link_check_mb else None
+            link = emu.measure_link(cluster, args.link_check_mb, port + 1) if args.link_check_mb else None
             checked = f"one TCP stream node1->node0 {link:.0f} Mbit/s" if link else "link not checked"
             print(f"{bandwidth}: {checked}", flush=True)
             load = os.getloadavg()[0]
-            runs = run_workers(cluster, port, min(left, args.run_seconds), args, config(args)) or {}
-            results[bandwidth] = {
-                "link_mbit_s": link,
-                "load_average_1min": (load, os.getloadavg()[0]),
-                "methods": runs,
-            }
+            runs = emu.run_workers(cluster, port, min(left, args.run_seconds), args, config(args)) or {}
+            loads = (load, os.getloadavg()[0])
+            results[bandwidth] = {"link_mbit_s": link, "load_average_1min": loads, "methods": runs}
     params = next((r["params"] for e in results.values() for r in e["methods"].values()), 0)
     model_bytes = 4 * params
     references = [m for m in ("ddp", "ddp-bf16", "local-sgd") if m in args.methods]
@@ -125,11 +117,7 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
         + markdown_table(header, rows, ".3f")
     )
     targets = speed_targets(summary)
-    if targets:
-        text += "\n\n" + markdown_table(
-            ["target", "link", "value", "bound", "met"],
-            [[*list(t.values())[:4], str(t["met"])] for t in targets],
-        )
+    text += verdict_table(["target", "link", "value", "bound", "met"], targets)
     return {"runs": results, "summary": summary, "targets": targets}, text
 
 
@@ -201,10 +189,10 @@ def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
     args.methods = list(dict.fromkeys(["nocomm", *args.methods]))
     step_s, model_bytes = compute_seconds(args)
     rate = args.rate or f"{int(model_bytes * 8 / (args.exchange_steps * step_s)) // 1000}kbit"
-    with Cluster(args.nodes) as cluster:
+    with emu.Cluster(args.nodes) as cluster:
         cluster.shape(rate)
-        link = measure_link(cluster, 5, 29669)
-        runs = run_workers(cluster, 29671, args.run_seconds, args, config(args))
+        link = emu.measure_link(cluster, 5, 29669)
+        runs = emu.run_workers(cluster, 29671, args.run_seconds, args, config(args))
     if runs is None:
         sys.exit(1)
     exchange_s = model_bytes * 8 / (link * 1e6)  # over the link as measured
@@ -228,10 +216,7 @@ def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
         f"calibrated; no-comm step in the run {1e3 * runs['nocomm']['mean_s']:.0f} ms)\n\n"
         + markdown_table(["method", "mean ms", "/ nocomm", "DDP / it", "MB sent/step/rank"], rows)
     )
-    if verdicts:
-        text += "\n\n" + markdown_table(
-            ["method", "target", "met"], [[v["method"], v["target"], str(v["met"])] for v in verdicts]
-        )
+    text += verdict_table(["method", "target", "met"], verdicts)
     results = {"rate": rate, "step_s": step_s, "exchange_s": exchange_s, "link_mbit_s": link, "runs": runs}
     return results | {"relative": rel, "verdicts": verdicts}, text
 
@@ -244,15 +229,11 @@ def uneven(args: argparse.Namespace) -> tuple[Any, str]:
     own rates and over today's bound, the planner's rate; paced rounds' target."""
     everything, text = [], []
     for nodes in args.nodes:
-        outdir = Path(tempfile.mkdtemp(prefix="dow-uneven-"))
-        try:
-            with Cluster(nodes) as cluster:
-                cluster.shape(args.bandwidth)
-                megabits = measure_link(cluster, 4, 29669)
-                procs = launch(cluster, 29701 + nodes, nodes, 1, outdir, config(args, mode="fleet"))
-                ranks = collect(procs, outdir, args.run_seconds)
-        finally:
-            shutil.rmtree(outdir, ignore_errors=True)
+        with emu.Cluster(nodes) as cluster:
+            cluster.shape(args.bandwidth)
+            megabits = emu.measure_link(cluster, 4, 29669)
+            fleet_config = config(args, mode="fleet")
+            ranks = emu.run_ranks(cluster, 29701 + nodes, nodes, 1, args.run_seconds, fleet_config)
         if ranks is None:
             sys.exit(1)
         summary, rows, notes = {}, [], []
@@ -278,13 +259,10 @@ def uneven(args: argparse.Namespace) -> tuple[Any, str]:
                 notes.append(f"- {scenario}: planner vs measured {got} (within 15%: {verdict})")
             summary[scenario] = {"overhead_s": o, "methods": entries, "planner_error": errors}
         header = ["scenario", "o (ms)", "method", "steps/s", "/ own", "/ n*slowest", "planned", "window s"]
-        text.append(
-            f"{nodes} nodes, links {args.bandwidth} ({megabits:.0f} Mbit/s measured), compute "
-            f"{args.compute_ms:.0f} ms x factor, H={args.sync_every}\n\n"
-            + markdown_table([*header, "steps per rank"], rows, ".3f")
-            + "\n\n"
-            + "\n".join(notes)
-        )
+        caption = f"{nodes} nodes, links {args.bandwidth} ({megabits:.0f} Mbit/s measured), compute "
+        caption += f"{args.compute_ms:.0f} ms x factor, H={args.sync_every}"
+        table = markdown_table([*header, "steps per rank"], rows, ".3f")
+        text.append("\n\n".join([caption, table, "\n".join(notes)]))
         everything.append({"nodes": nodes, "megabits": megabits, "summary": summary})
     return everything, "\n\n".join(text)
 
@@ -318,13 +296,13 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
         args.methods.append("hierarchical")
     scenarios = args.scenarios if args.compute == "emulated" else [None]
     keys = [m if s is None else f"{s}/{m}" for s in scenarios for m in args.methods]
-    with Cluster(args.nodes) as cluster:
+    with emu.Cluster(args.nodes) as cluster:
         cluster.shape(args.bandwidth)
-        link = measure_link(cluster, args.link_check_mb, 29690) if args.link_check_mb else None
-        rtt = round_trip_ms(cluster, 29691)
+        link = emu.measure_link(cluster, args.link_check_mb, 29690) if args.link_check_mb else None
+        rtt = emu.round_trip_ms(cluster, 29691)
         started, busy = time.monotonic(), busy_cpu_seconds()
         cfg = config(args, scenarios=args.scenarios if args.compute == "emulated" else [])
-        runs = run_workers(cluster, 29611, args.run_seconds, args, cfg, keys)
+        runs = emu.run_workers(cluster, 29611, args.run_seconds, args, cfg, keys)
         wall, busy = time.monotonic() - started, busy_cpu_seconds() - busy
     if runs is None:
         sys.exit("the ranks failed; see the log tail above")
@@ -339,11 +317,8 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
             run = runs[prefix + method]
             window = len(run["round_medians_s"]) * args.iters * ms / 1e3  # seconds of timed steps per rank
             cpu = sum(sum(per_rank) for per_rank in run["measured"].get("cpu_s", []))
-            entry = {
-                "mean_ms": ms,
-                "relative": ms / mean["nocomm"],
-                "ranks_cpu_fraction": cpu / window / cores,
-            }
+            entry = {"mean_ms": ms, "relative": ms / mean["nocomm"]}
+            entry["ranks_cpu_fraction"] = cpu / window / cores
             entry["ddp_over"] = mean["ddp"] / ms if "ddp" in mean else None
             entry["bytes_sent_per_step"] = max(run["bytes_sent_per_step"] or [0])
             entry["machine_cpu_fraction"] = sum(run["measured"].get("busy_s", [[]])[0]) / window / cores
@@ -388,36 +363,25 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
         record = json.loads(Path(args.fit).read_text())
         record = record.get("results", record)  # a file run.py wrote keeps the run under "results"
     else:
-        if not ready_to_emulate():
+        if not emu.ready_to_emulate():
             sys.exit(0)
-        outdir = Path(tempfile.mkdtemp(prefix="dow-sharing-"))
-        try:
-            with Cluster(2) as cluster:
-                cluster.shape(args.bandwidth)
-                procs = launch(cluster, 29655, 4, 2, outdir, config(args, mode="sharing"))
-                ranks = collect(procs, outdir, args.run_seconds)
-        finally:
-            shutil.rmtree(outdir, ignore_errors=True)
+        with emu.Cluster(2) as cluster:
+            cluster.shape(args.bandwidth)
+            ranks = emu.run_ranks(cluster, 29655, 4, 2, args.run_seconds, config(args, mode="sharing"))
         if ranks is None:
             sys.exit(1)
-        groups = {"A": (0, 3), "B": (1, 2)}  # a group's duration: the mean of its two members'
         record = {"args": vars(args), "numel": args.numel}
-        record |= {
-            name: {
-                d: [statistics.fmean(pair) for pair in zip(*(ranks[r][d] for r in members), strict=True)]
-                for d in ranks[members[0]]
-            }
-            for name, members in groups.items()
-        }
+        for name, (a, b) in {"A": (0, 3), "B": (1, 2)}.items():  # a group's duration: its members' mean
+            pairs = {d: zip(ranks[a][d], ranks[b][d], strict=True) for d in ranks[a]}
+            record[name] = {d: [statistics.fmean(pair) for pair in pairs[d]] for d in pairs}
     alone = statistics.median(record["A"]["-1.0"])
     model_bytes = 4 * record["numel"]
     rate = 8 * model_bytes / alone  # the link's rate seen by one transfer alone
     network = Network(Link(rate), Link(10e9), local_world_size=2)
     transfers = [network.transfer(Group(ranks), model_bytes) for ranks in ((0, 2), (1, 3))]
+    delays = [d for d in record["A"] if float(d) >= 0]
     measured = {
-        float(d): (statistics.fmean(record["A"][d]), statistics.fmean(record["B"][d]))
-        for d in record["A"]
-        if float(d) >= 0
+        float(d): (statistics.fmean(record["A"][d]), statistics.fmean(record["B"][d])) for d in delays
     }
     pair = lambda ab: f"{1e3 * ab[0]:.0f}/{1e3 * ab[1]:.0f}"  # noqa: E731
     rows = [["measured", "", *map(pair, measured.values()), ""]]
@@ -425,29 +389,21 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
     for doubling, head in itertools.product(DOUBLINGS, HEAD_STARTS):
         if head and not doubling:
             continue
-        predicted = {}
+        predicted, models = {}, [SharingModel(doubling, head, seed) for seed in range(SEEDS)]
         for d in measured:
-            runs = [
-                transfer_seconds(transfers, [0.0, d], SharingModel(doubling, head, s)) for s in range(SEEDS)
-            ]
+            runs = [transfer_seconds(transfers, [0.0, d], model) for model in models]
             predicted[d] = tuple(statistics.fmean(r[i] for r in runs) for i in (0, 1))
         errors = [p / m - 1 for d in measured for p, m in zip(predicted[d], measured[d], strict=True)]
         fits.append((statistics.fmean(e * e for e in errors) ** 0.5, doubling, head, predicted))
     fits.sort(key=lambda f: -f[0])
-    rows += [
-        [f"{1e3 * d:.0f}", f"{1e3 * h:.0f}", *map(pair, p.values()), f"{100 * rms:.1f}%"]
-        for rms, d, h, p in fits
-    ]
+    for rms, d, h, p in fits:
+        rows.append([f"{1e3 * d:.0f}", f"{1e3 * h:.0f}", *map(pair, p.values()), f"{100 * rms:.1f}%"])
     rms, doubling, head, _ = fits[-1]
     header = ["doubling ms", "head start ms", *(f"A/B at delta {1e3 * d:.0f} ms" for d in measured)]
     header += ["rms error"]
-    text = (
-        f"one transfer alone: {1e3 * alone:.0f} ms ({rate / 1e6:.1f} Mbit/s)\n\n"
-        + markdown_table(header, rows)
-        + f"\n\nbest fit: SharingModel(doubling_s={doubling}, head_start_s={head}), rms error "
-        f"{100 * rms:.1f}%"
-    )
-    return record, text
+    alone_text = f"one transfer alone: {1e3 * alone:.0f} ms ({rate / 1e6:.1f} Mbit/s)"
+    best = f"best fit: SharingModel(doubling_s={doubling}, head_start_s={head}), rms error {100 * rms:.1f}%"
+    return record, "\n\n".join([alone_text, markdown_table(header, rows), best])
 
 
 # -- hsdp: memory per rank and step time -----------------------------------------------------------------
@@ -459,16 +415,12 @@ def planner_predictions(
     """The planner's step time (ms) per method on the shard, at the rank's share of the node's link:
     torch's HSDP as its DDP on the shard bytes, fsdp as its no-communication step."""
     gossip = [m.partition("@") for m in methods if m not in hsdp_parts.PLANNER_NAMES]
-    predictions = predict(
-        shard_bytes,
-        ComputeTimes(args.compute_ms / 1e3, "none"),
-        Network(Link(rate_bits(args.bandwidth) / args.shards)),
-        args.nodes,
-        topologies=sorted({t for t, _, _ in gossip}) or None,
-        compressions=sorted({c for _, _, c in gossip if c}),
-        overhead_s=overhead_ms / 1e3,
-        forward_fraction=args.forward_fraction,
-    )
+    compute = ComputeTimes(args.compute_ms / 1e3, "none")
+    network = Network(Link(emu.rate_bits(args.bandwidth) / args.shards))
+    topologies = sorted({t for t, _, _ in gossip}) or None
+    compressions = sorted({c for _, _, c in gossip if c})
+    overheads = {"overhead_s": overhead_ms / 1e3, "forward_fraction": args.forward_fraction}
+    predictions = predict(shard_bytes, compute, network, args.nodes, topologies, compressions, **overheads)
     by_name = {p.method: 1e3 * p.step_s for p in predictions}
     return {m: by_name[hsdp_parts.PLANNER_NAMES.get(m, m)] for m in methods}
 
@@ -480,13 +432,9 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         results = {}
         for name in args.memory_configs:
             world = hsdp_parts.memory_world_size(name, args.replicas, args.shards)
-            outdir = Path(tempfile.mkdtemp(prefix="dow-hsdp-"))
             env = {"MALLOC_MMAP_THRESHOLD_": str(hsdp_parts.MMAP_THRESHOLD)}  # RSS follows the tensors
-            procs = launch(
-                None, free_port(), world, world, outdir, config(args, mode="memory", config=name), env=env
-            )
-            ranks = collect(procs, outdir, args.memory_seconds)
-            shutil.rmtree(outdir, ignore_errors=True)
+            extra = config(args, mode="memory", config=name)
+            ranks = emu.run_ranks(None, free_port(), world, world, args.memory_seconds, extra, env=env)
             if ranks is not None:
                 results[name] = ranks
         rows = hsdp_parts.memory_rows(results)
@@ -495,9 +443,8 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         for c, r in rows.items():
             held = [r[k] / 1e6 for k in hsdp_parts.HELD_COLUMNS]
             tensors, peak = (r[k] / base[k] if base else None for k in ("total", "peak_rss_growth"))
-            table.append(
-                [c, str(r["ranks"]), *held, tensors, r["rss_growth"] / 1e6, r["peak_rss_growth"] / 1e6, peak]
-            )
+            rss = [r[k] / 1e6 for k in ("rss_growth", "peak_rss_growth")]
+            table.append([c, str(r["ranks"]), *held, tensors, *rss, peak])
         header = ["config", "ranks", "params", "grads", "opt state", "engine copy", "gossip buf", "tensors"]
         header += ["/ whole", "RSS after", "RSS peak", "/ whole"]
         params = next((r[0]["params"] for r in results.values()), 0)
@@ -508,12 +455,12 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
             "warm-up run of a tiny model)\n\n" + markdown_table(header, table, ".3f")
         )
         record["memory"] = {"rows": rows, "ranks": results}
-    if args.part in ("all", "cluster") and ready_to_emulate():
+    if args.part in ("all", "cluster") and emu.ready_to_emulate():
         args.workers_per_node = args.shards
-        with Cluster(args.nodes) as emulated:
+        with emu.Cluster(args.nodes) as emulated:
             emulated.shape(args.bandwidth)
-            link = measure_link(emulated, args.link_check_mb, 29701) if args.link_check_mb else None
-            runs = run_workers(emulated, 29711, args.run_seconds, args, config(args))
+            link = emu.measure_link(emulated, args.link_check_mb, 29701) if args.link_check_mb else None
+            runs = emu.run_workers(emulated, 29711, args.run_seconds, args, config(args))
         if runs is None:
             sys.exit("the ranks failed; see the log tail above")
         rows = hsdp_parts.cluster_rows(runs, args.shards, args.iters)
@@ -531,7 +478,7 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
             table.append([m, *times, r["counted_bytes"] / 1e6, link_mb, predicted.get(m), with_fsdp.get(m)])  # type: ignore[operator]
         header = ["method", "median ms", "torch-hsdp / it", "CPU ms", "MB counted", "MB on link", "plan ms"]
         header += ["plan+fsdp ms"]
-        per_rank = rate_bits(args.bandwidth) / args.shards / 1e6
+        per_rank = emu.rate_bits(args.bandwidth) / args.shards / 1e6
         topologies = sorted({m.partition("@")[0] for m in runs if m not in hsdp_parts.PLANNER_NAMES})
         text.append(
             f"step time, {args.nodes} nodes x {args.shards} ranks at {args.bandwidth} (one TCP stream "
@@ -540,9 +487,8 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
             f"on link: the node veths' tx_bytes per step / {args.shards} ranks, warm-up included; plan ms: "
             "the planner on the shard at the rank's share of the link; plan+fsdp ms: with fsdp's excess "
             f"({excess or 0:.1f} ms) as overhead. Planner: python -m decent_optim_wrapper.plan --model-bytes "
-            f"{int(shard)} --compute-ms "
-            f"{args.compute_ms:g} --bandwidth {per_rank:g}mbit --nodes {args.nodes} --forward-fraction "
-            f"{args.forward_fraction:g} --topologies {' '.join(topologies)}\n\n"
+            f"{int(shard)} --compute-ms {args.compute_ms:g} --bandwidth {per_rank:g}mbit --nodes {args.nodes}"
+            f" --forward-fraction {args.forward_fraction:g} --topologies {' '.join(topologies)}\n\n"
             + markdown_table(header, table, ".3f")
         )
         record["cluster"] = {"link_mbit_s": link, "rows": rows, "predicted_ms": predicted, "runs": runs}
@@ -561,17 +507,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = question_parser(__doc__.split("\n")[0], asked)
     args = parser.parse_args(argv)
     methods = getattr(args, "methods", [])
-    baseline = {"speed": "nocomm", "scaling": "nocomm", "uneven": "nocomm"}.get(
-        QUESTIONS[args.question].measure
-    )
-    if baseline and baseline not in methods:
-        parser.error(f"--methods must include {baseline}: every ratio is to its step time")
+    if QUESTIONS[args.question].measure in ("speed", "scaling", "uneven") and "nocomm" not in methods:
+        parser.error("--methods must include nocomm: every ratio is to its step time")
     if len(set(methods)) != len(methods):
         parser.error(f"--methods names a method twice: {' '.join(methods)}")
     for rate in [*getattr(args, "bandwidths", []), getattr(args, "bandwidth", "unlimited")]:
         if rate != "unlimited":
             try:
-                rate_bits(rate)
+                emu.rate_bits(rate)
             except ValueError as err:
                 parser.error(str(err))
     if getattr(args, "loop", None) == "accelerate" and (args.iters % args.every or args.warmup % args.every):
@@ -581,7 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if QUESTIONS[args.question].root and not ready_to_emulate():
+    if QUESTIONS[args.question].root and not emu.ready_to_emulate():
         return
     results, text = MEASURES[QUESTIONS[args.question].measure](args)
     save(args, results, text)

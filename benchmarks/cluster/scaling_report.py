@@ -13,6 +13,7 @@ to ``--figure``; predictions for ``--predict-nodes`` nodes (32 to 1024 by defaul
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import statistics
 from pathlib import Path
@@ -20,17 +21,8 @@ from typing import Any
 
 from benchmarks.harness.report import markdown_table, titled_table
 from decent_optim_wrapper import GossipCompression
-from decent_optim_wrapper.plan import (
-    ComputeTimes,
-    Link,
-    Network,
-    NoComm,
-    SharingModel,
-    allreduce_scheme,
-    gossip_scheme,
-    predict,
-    simulate,
-)
+from decent_optim_wrapper.plan import ComputeTimes, Link, Network, NoComm, SharingModel, predict, simulate
+from decent_optim_wrapper.plan.schemes import allreduce_scheme, gossip_scheme
 from decent_optim_wrapper.topo import TopologyFactory
 
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "scaling"
@@ -55,12 +47,15 @@ TITLES = {
 }
 
 
+def read_run(path: Path) -> dict[str, Any]:
+    """One run's record; a file ``run.py`` wrote keeps it under ``results``."""
+    record = json.loads(path.read_text())
+    return {**record.pop("results", {}), **record}
+
+
 def load(folder: Path, kind: str) -> list[dict[str, Any]]:
-    """The runs of ``kind`` in ``folder``; a file ``run.py`` wrote keeps them under ``results``."""
-    records = []
-    for path in sorted(folder.glob(f"{kind}-*.json")):
-        record = json.loads(path.read_text())
-        records.append({**record.pop("results", {}), **record})
+    """The runs of ``kind`` in ``folder``, by ranks per node, then nodes."""
+    records = [read_run(path) for path in sorted(folder.glob(f"{kind}-*.json"))]
     return sorted(records, key=lambda r: (r["args"]["workers_per_node"], r["args"]["nodes"]))
 
 
@@ -85,13 +80,8 @@ def scheme_for(method: str, ranks: int, local: int, numel: int, network: Network
 
 
 def compute_times(args: dict[str, Any], scenario: str, round_: int) -> ComputeTimes:
-    return ComputeTimes(
-        args["compute_ms"] / 1e3,
-        scenario,
-        args["sigma"],
-        slow_factor=args["slow_factor"],
-        seed=args["seed"] + round_,
-    )
+    slow = {"slow_factor": args["slow_factor"], "seed": args["seed"] + round_}
+    return ComputeTimes(args["compute_ms"] / 1e3, scenario, args["sigma"], **slow)
 
 
 def overhead_s(record: dict[str, Any], scenario: str) -> float:
@@ -99,14 +89,9 @@ def overhead_s(record: dict[str, Any], scenario: str) -> float:
     args = record["args"]
     ranks = args["nodes"] * args["workers_per_node"]
     rounds = len(record["runs"][f"{scenario}/nocomm"]["round_medians_s"])
-    drawn = [
-        t
-        for r in range(rounds)
-        for rank in range(ranks)
-        for t in compute_times(args, scenario, r).draws(rank, args["warmup"] + args["iters"])[
-            args["warmup"] :
-        ]
-    ]
+    warmup, steps, drawn = args["warmup"], args["warmup"] + args["iters"], []
+    for r, rank in itertools.product(range(rounds), range(ranks)):
+        drawn += compute_times(args, scenario, r).draws(rank, steps)[warmup:]
     return measured_ms(record, f"{scenario}/nocomm") / 1e3 - statistics.fmean(drawn)  # type: ignore[operator]
 
 
@@ -118,7 +103,7 @@ def replay(record: dict[str, Any], scenario: str, method: str) -> float:
     link = Link(record["link_mbit_s"] * 1e6, record["round_trip_ms"] / 2e3)
     numel = record["runs"][f"{scenario}/nocomm"]["params"]
     rounds = len(record["runs"][f"{scenario}/{method}"]["round_medians_s"])
-    steps = args["warmup"] + args["iters"]
+    warmup, steps = args["warmup"], args["warmup"] + args["iters"]
     # Per-step CPU work besides the waits (the optimizer step, Python, sleeps' overshoot): what the
     # same run's no-communication steps took beyond their drawn compute, without jitter.
     overhead = overhead_s(record, "none")
@@ -127,12 +112,9 @@ def replay(record: dict[str, Any], scenario: str, method: str) -> float:
         compute = compute_times(args, scenario, r)
         for draw in range(RACE_DRAWS):
             sharing = dataclasses.replace(EMULATED_SHARING, seed=(args["seed"] + r) * RACE_DRAWS + draw)
-            scheme = scheme_for(
-                method, ranks, local, numel, Network(link, LOOPBACK, local, sharing=sharing), overhead
-            )
-            times.append(
-                simulate(scheme, compute, steps, barrier_at=args["warmup"]).iteration_s(args["warmup"])
-            )
+            network = Network(link, LOOPBACK, local, sharing=sharing)
+            scheme = scheme_for(method, ranks, local, numel, network, overhead)
+            times.append(simulate(scheme, compute, steps, barrier_at=warmup).iteration_s(warmup))
     return 1e3 * statistics.fmean(times)
 
 
@@ -146,12 +128,9 @@ def validate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 ms = measured_ms(record, f"{scenario}/{method}")
                 if ms is not None:
                     predicted = replay(record, scenario, method)
-                    where = {"nodes": args["nodes"], "workers_per_node": args["workers_per_node"]}
-                    rows.append(
-                        where
-                        | {"scenario": scenario, "method": method, "measured_ms": ms}
-                        | {"predicted_ms": predicted, "error": predicted / ms - 1}
-                    )
+                    row = {"nodes": args["nodes"], "workers_per_node": args["workers_per_node"]}
+                    row |= {"scenario": scenario, "method": method, "measured_ms": ms}
+                    rows.append(row | {"predicted_ms": predicted, "error": predicted / ms - 1})
     return rows
 
 
@@ -165,20 +144,14 @@ def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path
     single = [r for r in records if r["args"]["workers_per_node"] == 1]
     scenarios = list(dict.fromkeys(s for r in single for s in r["args"]["scenarios"]))
     methods = [m for m in dict.fromkeys(m for r in single for m in r["args"]["methods"]) if m != "nocomm"]
-    predicted = {
-        (r["nodes"], r["scenario"], r["method"]): r["predicted_ms"]
-        for r in rows
-        if r["workers_per_node"] == 1
-    }
+    single_rows = [r for r in rows if r["workers_per_node"] == 1]
+    predicted = {(r["nodes"], r["scenario"], r["method"]): r["predicted_ms"] for r in single_rows}
     fig, axes = plt.subplots(1, len(scenarios), figsize=(4.2 * len(scenarios), 3.8), sharey=True)
     for ax, scenario in zip(axes, scenarios, strict=True):
         for index, method in enumerate(methods):
             nodes, measured, simulated = [], [], []
             for record in single:
-                ms, base = (
-                    measured_ms(record, f"{scenario}/{method}"),
-                    measured_ms(record, f"{scenario}/nocomm"),
-                )
+                ms, base = (measured_ms(record, f"{scenario}/{m}") for m in (method, "nocomm"))
                 if ms and base:
                     n = record["args"]["nodes"]
                     nodes.append(n)
@@ -193,9 +166,8 @@ def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("time per iteration / no communication")
     axes[0].legend(fontsize=8)
-    fig.suptitle(
-        "Emulated cluster, 20 Mbit/s links, exchange ~ compute: measured (o) and simulated (x)", fontsize=10
-    )
+    title = "Emulated cluster, 20 Mbit/s links, exchange ~ compute: measured (o) and simulated (x)"
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -203,25 +175,16 @@ def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path
 def predictions(sigma: float, node_counts: list[int]) -> list[dict[str, Any]]:
     """DDP and per-step gossip at ``node_counts`` nodes, from the simulator alone (log-normal jitter
     ``sigma``); the simulator's cost grows with the nodes (about 17 s at 1024 for each model and link)."""
-    out = []
-    for model, (model_bytes, compute_s) in MODELS.items():
-        for link_name, link in LINKS.items():
-            for nodes in node_counts:
-                compute = ComputeTimes(compute_s, "lognormal", sigma)
-                found = predict(
-                    model_bytes,
-                    compute,
-                    Network(link),
-                    nodes,
-                    ["ring", "one-peer-exp"],
-                    compressions=("bf16",),
-                    steps=30,
-                )
-                ms = {p.method: 1e3 * p.step_s for p in found}
-                # DDP with a tree all-reduce's latency (2 log2 N messages, as NCCL does at scale)
-                tree = Network(link, tree_latency=True)
-                ms["ddp-tree"] = 1e3 * predict(model_bytes, compute, tree, nodes, [], ())[1].step_s
-                out.append({"model": model, "link": link_name, "nodes": nodes, "ms": ms})
+    out, topologies = [], ["ring", "one-peer-exp"]
+    for model, link_name, nodes in itertools.product(MODELS, LINKS, node_counts):
+        (model_bytes, compute_s), link = MODELS[model], LINKS[link_name]
+        compute = ComputeTimes(compute_s, "lognormal", sigma)
+        found = predict(model_bytes, compute, Network(link), nodes, topologies, ("bf16",), steps=30)
+        ms = {p.method: 1e3 * p.step_s for p in found}
+        # DDP with a tree all-reduce's latency (2 log2 N messages, as NCCL does at scale)
+        tree = Network(link, tree_latency=True)
+        ms["ddp-tree"] = 1e3 * predict(model_bytes, compute, tree, nodes, [], ())[1].step_s
+        out.append({"model": model, "link": link_name, "nodes": nodes, "ms": ms})
     return out
 
 
@@ -284,8 +247,7 @@ def calibration(folder: Path) -> str:
         names = (f"calibration-emulated-{size}.json", f"emulated-{size}.json")
         found = [folder / n for n in names if (folder / n).exists()]
         if found:
-            emulated = json.loads(found[0].read_text())
-            emulated = {**emulated.pop("results", {}), **emulated}
+            emulated = read_run(found[0])
             for method in args["methods"]:
                 a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
                 if a and b:
@@ -308,25 +270,15 @@ def report(
         group = [r for r in rows if r["workers_per_node"] == local]
         worst = max(group, key=lambda r: abs(r["error"]))
         mean = statistics.fmean(abs(r["error"]) for r in group)
+        where = f"{worst['method']}, {worst['scenario']}, {worst['nodes']} nodes"
         lines.append(
-            f"{local} rank(s) per node: worst simulator error {100 * worst['error']:+.1f}% "
-            f"({worst['method']}, "
-            f"{worst['scenario']}, {worst['nodes']} nodes); mean |error| {100 * mean:.1f}% over "
-            f"{len(group)} runs"
+            f"{local} rank(s) per node: worst simulator error {100 * worst['error']:+.1f}% ({where}); "
+            f"mean |error| {100 * mean:.1f}% over {len(group)} runs"
         )
-    table = markdown_table(
-        ["nodes x L", "scenario", "method", "measured ms", "predicted ms", "error"],
-        [
-            [
-                f"{r['nodes']} x {r['workers_per_node']}",
-                r["scenario"],
-                r["method"],
-                r["measured_ms"],
-                r["predicted_ms"],
-                f"{100 * r['error']:+.1f}%",
-            ]
-            for r in rows
-        ],
-        ".1f",
-    )
+    cells = []
+    for r in rows:
+        size, error = f"{r['nodes']} x {r['workers_per_node']}", f"{100 * r['error']:+.1f}%"
+        cells.append([size, r["scenario"], r["method"], r["measured_ms"], r["predicted_ms"], error])
+    header = ["nodes x L", "scenario", "method", "measured ms", "predicted ms", "error"]
+    table = markdown_table(header, cells, ".1f")
     return {"validation": rows, "predictions": predicted}, text + "\n" + table + "\n\n" + "\n".join(lines)

@@ -71,33 +71,17 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         remove_namespaces()  # leftovers of a run that was killed with SIGKILL
+        br = f"-n {BRIDGE_NS}"  # the bridge's namespace
+        commands = [f"netns add {BRIDGE_NS}", f"{br} link add dowbr type bridge", f"{br} link set dowbr up"]
+        for node in range(self.nodes):
+            ns, dev, peer = self.namespace(node), self.ifname(node), f"dow{node}br"
+            commands += [f"netns add {ns}", f"-n {ns} link set lo up"]
+            commands += [f"-n {ns} link add {dev} type veth peer name {peer} netns {BRIDGE_NS}"]
+            commands += [f"-n {ns} addr add {self.address(node)}/24 dev {dev}", f"-n {ns} link set {dev} up"]
+            commands += [f"{br} link set {peer} master dowbr", f"{br} link set {peer} up"]
         try:
-            sh("ip", "netns", "add", BRIDGE_NS)
-            sh("ip", "-n", BRIDGE_NS, "link", "add", "dowbr", "type", "bridge")
-            sh("ip", "-n", BRIDGE_NS, "link", "set", "dowbr", "up")
-            for node in range(self.nodes):
-                ns, dev, peer = self.namespace(node), self.ifname(node), f"dow{node}br"
-                sh("ip", "netns", "add", ns)
-                sh("ip", "-n", ns, "link", "set", "lo", "up")
-                sh(
-                    "ip",
-                    "-n",
-                    ns,
-                    "link",
-                    "add",
-                    dev,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    peer,
-                    "netns",
-                    BRIDGE_NS,
-                )
-                sh("ip", "-n", ns, "addr", "add", f"{self.address(node)}/24", "dev", dev)
-                sh("ip", "-n", ns, "link", "set", dev, "up")
-                sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "master", "dowbr")
-                sh("ip", "-n", BRIDGE_NS, "link", "set", peer, "up")
+            for command in commands:
+                sh("ip", *command.split())
         except BaseException:
             remove_namespaces()
             raise
@@ -130,20 +114,7 @@ class Cluster:
                 tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
                 subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True, timeout=20)
                 if rate is not None:
-                    sh(
-                        *tc,
-                        "add",
-                        "dev",
-                        dev,
-                        "root",
-                        "tbf",
-                        "rate",
-                        rate,
-                        "burst",
-                        str(burst),
-                        "latency",
-                        latency,
-                    )
+                    sh(*tc, *f"add dev {dev} root tbf rate {rate} burst {burst} latency {latency}".split())
 
 
 def rate_bits(rate: str) -> int:
@@ -192,11 +163,8 @@ def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float
     addr, window = cluster.address(0), timeout_s / 2
     budget = str(int(megabytes * 10**6))
     inside = ["ip", "netns", "exec", cluster.namespace(0)]
-    receiver = subprocess.Popen(
-        [*inside, sys.executable, "-c", LINK_RECEIVER, addr, str(port), budget, str(window)],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    receive = [*inside, sys.executable, "-c", LINK_RECEIVER, addr, str(port), budget, str(window)]
+    receiver = subprocess.Popen(receive, stdout=subprocess.PIPE, text=True)
     try:
         sender = [sys.executable, "-c", LINK_SENDER, addr, str(port), budget]
         sh("ip", "netns", "exec", cluster.namespace(1), *sender, timeout=timeout_s)
@@ -204,9 +172,7 @@ def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float
         # still on its way, so the receiver gets what is left of its window.
         out, _ = receiver.communicate(timeout=window + 30.0)
         if receiver.returncode != 0:
-            raise RuntimeError(
-                f"measuring the link node 1 -> node 0 failed (receiver exit {receiver.returncode})"
-            )
+            raise RuntimeError(f"measuring the link node 1 -> 0 failed (receiver exit {receiver.returncode})")
         return float(out)
     finally:
         if receiver.poll() is None:
@@ -235,9 +201,8 @@ print(1e3 * statistics.median(times))
 def round_trip_ms(cluster: Cluster, port: int) -> float:
     """Median round trip of a one-byte TCP message node 1 -> node 0 -> node 1 on the idle link, in ms."""
     addr = cluster.address(0)
-    server = subprocess.Popen(
-        ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", ECHO_SERVER, addr, str(port)]
-    )
+    inside = ["ip", "netns", "exec", cluster.namespace(0)]
+    server = subprocess.Popen([*inside, sys.executable, "-c", ECHO_SERVER, addr, str(port)])
     try:
         client = [sys.executable, "-c", ECHO_CLIENT, addr, str(port)]
         return float(sh("ip", "netns", "exec", cluster.namespace(1), *client, timeout=30))
@@ -285,9 +250,8 @@ def measure_message_bytes(
     try:
         for node in (0, 1):
             argv = ["-c", MESSAGE_PROBE, str(node), str(payload_bytes), str(rounds), str(gate)]
-            procs.append(
-                start_in_node(cluster, node, argv, node_env(cluster, node, port), gate / f"{node}.log")
-            )
+            env = node_env(cluster, node, port)
+            procs.append(start_in_node(cluster, node, argv, env, gate / f"{node}.log"))
         deadline = time.monotonic() + timeout_s
 
         def wait_for(*names: str) -> None:
@@ -314,21 +278,14 @@ def node_env(cluster: Cluster | None, node: int, port: int) -> dict[str, str]:
     """The environment of a process on ``node``: rank 0's address and ``port`` to meet at, this node's
     interface and address (``NODE_ADDR``), one thread; without a cluster, loopback."""
     if cluster is None:
-        return dict(
-            os.environ,
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            NODE_ADDR="127.0.0.1",
-            OMP_NUM_THREADS="1",
-        )
-    return dict(
-        os.environ,
-        MASTER_ADDR=cluster.address(0),
-        MASTER_PORT=str(port),
-        GLOO_SOCKET_IFNAME=cluster.ifname(node),
-        NODE_ADDR=cluster.address(node),
-        OMP_NUM_THREADS="1",
-    )
+        addresses: dict[str, str] = {"MASTER_ADDR": "127.0.0.1", "NODE_ADDR": "127.0.0.1"}
+    else:
+        addresses = {
+            "MASTER_ADDR": cluster.address(0),
+            "GLOO_SOCKET_IFNAME": cluster.ifname(node),
+            "NODE_ADDR": cluster.address(node),
+        }
+    return dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1", **addresses)
 
 
 def start_in_node(
@@ -400,6 +357,24 @@ def collect(procs: list, outdir: Path, seconds: float) -> list[dict[str, Any]] |
         stop(procs)
 
 
+def run_ranks(
+    cluster: Cluster | None,
+    port: int,
+    ranks: int,
+    per_node: int,
+    seconds: float,
+    extra: Sequence[str] = (),
+    worker: Path = WORKER,
+    env: dict[str, str] | None = None,
+) -> list[dict[str, Any]] | None:
+    """:func:`launch` in a temporary folder, then :func:`collect` within ``seconds``."""
+    outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
+    try:
+        return collect(launch(cluster, port, ranks, per_node, outdir, extra, worker, env), outdir, seconds)
+    finally:
+        shutil.rmtree(outdir, ignore_errors=True)
+
+
 def run_workers(
     cluster: Cluster,
     port: int,
@@ -411,22 +386,14 @@ def run_workers(
 ) -> dict | None:
     """``args.nodes * args.workers_per_node`` ranks of ``worker``; per result key (default: the
     methods) the summary over all ranks of the rounds every rank finished, or None on failure."""
-    outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
-    try:
-        procs = launch(
-            cluster, port, args.nodes * args.workers_per_node, args.workers_per_node, outdir, extra, worker
-        )
-        ranks = collect(procs, outdir, seconds)
-    finally:
-        shutil.rmtree(outdir, ignore_errors=True)
+    world = args.nodes * args.workers_per_node
+    ranks = run_ranks(cluster, port, world, args.workers_per_node, seconds, extra, worker)
     if ranks is None:
         return None
     rounds = min(len(r["round_medians"]) for r in ranks)
     if rounds < args.rounds:
-        print(
-            f"  timed out after {seconds:.0f} s: keeping the {rounds} of {args.rounds} rounds every "
-            "rank finished"
-        )
+        kept = f"{rounds} of {args.rounds}"
+        print(f"  timed out after {seconds:.0f} s: keeping the {kept} rounds every rank finished")
     return {key: summarize(key, ranks, rounds, args.iters) for key in keys or args.methods}
 
 
@@ -437,22 +404,17 @@ def summarize(method: str, ranks: list[dict[str, Any]], rounds: int, iters: int)
     mean step, and what the workers measured besides (``measured``: CPU seconds per rank and round,
     rank 0's machine-wide busy seconds per round, per-step compute times with real compute).
     """
-    pooled = [t for r in ranks for t in r["times"][method][: rounds * iters]]
+    steps = [r["times"][method][: rounds * iters] for r in ranks]
+    pooled = [t for rank_steps in steps for t in rank_steps]
     measured: dict[str, list[Any]] = {}
     for r in ranks:
         for name, values in r.get("measured", {}).get(method, {}).items():
             measured.setdefault(name, []).append(values[:rounds])
-    return {
-        "rank_means_s": [statistics.fmean(r["times"][method][: rounds * iters]) for r in ranks],
-        "measured": measured,
-        "params": ranks[0]["params"],
-        "median_s": statistics.median(pooled),
-        "mean_s": statistics.fmean(pooled),
-        "round_medians_s": [
-            statistics.median(r["round_medians"][i][method] for r in ranks) for i in range(rounds)
-        ],
-        "bytes_sent_per_step": [r["bytes_sent_per_step"][method] for r in ranks],
-    }
+    medians = [statistics.median(r["round_medians"][i][method] for r in ranks) for i in range(rounds)]
+    summary = {"rank_means_s": list(map(statistics.fmean, steps)), "measured": measured}
+    summary |= {"params": ranks[0]["params"], "median_s": statistics.median(pooled)}
+    summary |= {"mean_s": statistics.fmean(pooled), "round_medians_s": medians}
+    return summary | {"bytes_sent_per_step": [r["bytes_sent_per_step"][method] for r in ranks]}
 
 
 def ready_to_emulate() -> bool:
