@@ -63,22 +63,17 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
             starts = torch.randint(0, len(tokens) - lm_task.CONTEXT - 1, (config["batch"],), generator=g)
             return lm_task.windows(tokens, starts)
 
-    def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
     model, optimizer = accelerator.prepare(model, optimizer)
-    local_sgd: Any = (
-        LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=every)
-        if method == "local-sgd"
-        else contextlib.nullcontext()
-    )
+    local_sgd: Any = contextlib.nullcontext()
+    if method == "local-sgd":
+        local_sgd = LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=every)
     losses = []
     start = time.perf_counter()
     with local_sgd:
         for _ in range(config["steps"]):
             x, y = batch()
-            loss = loss_of(model, x, y)
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -93,15 +88,11 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
     with torch.no_grad():
         if task == "classification":
             logits = plain(x_test)
-            result = {
-                "val_loss": nn.functional.cross_entropy(logits, y_test).item(),
-                "accuracy": (logits.argmax(-1) == y_test).float().mean().item(),
-            }
+            accuracy = (logits.argmax(-1) == y_test).float().mean().item()
+            result = {"val_loss": nn.functional.cross_entropy(logits, y_test).item(), "accuracy": accuracy}
         else:
             result = {"val_loss": lm_task.validation_loss(plain, validation)}
-    result.update(
-        train_loss_last=statistics.fmean(losses[-20:]), ms_per_step=1000 * seconds / config["steps"]
-    )
+    result.update(train_loss_last=statistics.fmean(losses[-20:]), ms_per_step=1e3 * seconds / config["steps"])
     accelerator.end_training()
     return result
 
@@ -134,17 +125,8 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
             ms = f"{statistics.fmean(r['ms_per_step'] for r in mine):.1f}"
             train = statistics.fmean(r["train_loss_last"] for r in mine)
             rows.append([task, method, f"{statistics.fmean(loss):.4f} +- {spread:.4f}", accuracy, train, ms])
-    title = (
-        f"{args.workers} CPU processes (gloo), K = {args.every}, seeds {args.seeds}; classification "
-        f"{args.classification_steps} steps (batch 32/rank), language model {args.lm_steps} steps "
-        "(batch 16/rank)"
-    )
-    header = [
-        "task",
-        "method",
-        "val loss (mean +- sd)",
-        "accuracy",
-        "train loss, last 20 steps",
-        "ms per step",
-    ]
-    return records, f"{title}\n\n{markdown_table(header, rows, '.4f')}"
+    title = f"{args.workers} CPU processes (gloo), K = {args.every}, seeds {args.seeds}; classification "
+    title += f"{args.classification_steps} steps (batch 32/rank), language model {args.lm_steps} steps "
+    header = ["task", "method", "val loss (mean +- sd)", "accuracy", "train loss, last 20 steps"]
+    table = markdown_table([*header, "ms per step"], rows, ".4f")
+    return records, f"{title}(batch 16/rank)\n\n{table}"

@@ -133,8 +133,7 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
                     g.div_(world)
             optimizer.step()
     except QuarantinedError:  # the attacker, found out: it has left the job
-        nan = math.nan
-        return {"loss": nan, "accuracy": nan, "attacker": True, "seconds": nan, "average_loss": nan}
+        return dict.fromkeys(("loss", "accuracy", "seconds", "average_loss"), math.nan) | {"attacker": True}
     seconds = time.perf_counter() - start
     if dist.get_world_size() < world:  # the attacker was quarantined: every rank left is honest
         world, attack = dist.get_world_size(), None
@@ -161,22 +160,15 @@ def one_run(method: str, name: str | None, seed: int, config: dict[str, Any]) ->
         return {**row, "loss": math.inf, "accuracy": 0.0, "failed": str(err)}
     honest = [r for r in ranks if not r["attacker"]]
     losses = [r["loss"] for r in honest]
-    return {
-        **row,
-        "loss": max(losses) if all(map(math.isfinite, losses)) else math.inf,
-        "mean_loss": sum(losses) / len(losses),
-        "average_loss": honest[0]["average_loss"],
-        "accuracy": min(r["accuracy"] for r in honest),
-        "seconds": max(r["seconds"] for r in ranks),
-    }
+    worst = max(losses) if all(map(math.isfinite, losses)) else math.inf
+    row |= {"loss": worst, "mean_loss": sum(losses) / len(losses), "average_loss": honest[0]["average_loss"]}
+    return row | {"accuracy": min(r["accuracy"] for r in honest), "seconds": max(r["seconds"] for r in ranks)}
 
 
 def answer(args: argparse.Namespace) -> tuple[Any, str]:
     drop = None if args.clip_drop.lower() == "none" else float(args.clip_drop)
     audit = None if args.clip_audit.lower() == "none" else int(args.clip_audit)
-    clipping = ClippedGossip(
-        factor=args.clip_factor, quantile=args.clip_quantile, drop_beyond=drop, audit_every=audit
-    )
+    clipping = ClippedGossip(args.clip_factor, args.clip_quantile, drop_beyond=drop, audit_every=audit)
     attacks = [None if a == "none" else a for a in args.attacks]
     rows = []
     for seed in args.seeds:
@@ -198,12 +190,9 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
             loss, accuracy = (statistics.fmean(r[k] for r in mine) for k in ("loss", "accuracy"))
             spread = f"{statistics.fmean(ratios):.3f} ({max(ratios):.3f})"
             table.append([method, name or "none", f"{loss:.4f}", f"{accuracy:.4f}", spread, mark])
-    title = (
-        f"One attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, seeds "
-        f"{args.seeds}, task {args.task} ({'validation' if args.task == 'lm' else 'test'} loss); the worst "
-        f"honest worker's own replica; ring-clipped: {clipping}. Loss: the mean over seeds; vs no attack: "
-        "the mean and the worst of the seeds' ratios."
-    )
+    title = f"One attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, seeds "
+    title += f"{args.seeds}, task {args.task} ({'validation' if args.task == 'lm' else 'test'} loss); "
+    title += f"the worst honest worker's own replica; ring-clipped: {clipping}. Loss: the mean over seeds; "
     text = markdown_table(["method", "attack", "loss", "accuracy", "vs no attack", "target"], table)
     target = f"Target: ring-clipped under every attack and seed within {TARGET}x its own loss without one."
-    return rows, f"{title}\n\n{text}\n{target}"
+    return rows, f"{title}vs no attack: the mean and the worst of the seeds' ratios.\n\n{text}\n{target}"
