@@ -35,9 +35,7 @@ class _Replica:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = [p.clone() for p in params]
-        self.m = [torch.zeros_like(p) for p in params]
-        self.s = [torch.zeros_like(p) for p in params]
-        self.c = [torch.zeros_like(p) for p in params]
+        self.m, self.s, self.c = ([torch.zeros_like(p) for p in params] for _ in range(3))
         self.previous: list[torch.Tensor | None] = [None for _ in params]
 
 

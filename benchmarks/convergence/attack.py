@@ -12,6 +12,7 @@ scikit-learn's digits (a 64-64-10 MLP) or the language model (AdamW lr 3e-3, 16 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -63,9 +64,11 @@ class _Attack:
                 t.copy_(honest)
 
 
-def _task(task: str, rank: int, world: int, seed: int) -> tuple[nn.Module, Any, Any, Any]:
-    """The model, its optimizer's factory, a batch drawer and the evaluation (loss, accuracy) of ``task``."""
-    draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+def make_task(
+    task: str, rank: int, world: int, seed: int, draws: torch.Generator
+) -> tuple[nn.Module, Any, Any, Any]:
+    """The model, its optimizer's factory, a batch drawer (from ``draws``) and the evaluation of a model
+    (loss, accuracy) of ``task`` on this rank's iid part: ``lm`` (AdamW, 16 windows), else SGD, 32 samples."""
     if task == "lm":
         tokens, validation = make_lm_data(world, rank, "iid")
         lm = make_lm_model(seed=seed)
@@ -75,7 +78,7 @@ def _task(task: str, rank: int, world: int, seed: int) -> tuple[nn.Module, Any, 
             return x, y.reshape(-1)
 
         optimizer = lambda params: torch.optim.AdamW(params, lr=3e-3)  # noqa: E731
-        return lm, optimizer, lm_batch, lambda: (validation_loss(lm, validation), math.nan)
+        return lm, optimizer, lm_batch, lambda net: (validation_loss(net, validation), math.nan)
     if task == "digits":
         x_train, y_train, x_test, y_test = make_digits()
         model = make_digits_model(seed, hidden=(64,))
@@ -89,8 +92,8 @@ def _task(task: str, rank: int, world: int, seed: int) -> tuple[nn.Module, Any, 
         return x_train[pick], y_train[pick]
 
     @torch.no_grad()
-    def evaluate() -> tuple[float, float]:
-        logits = model(x_test)
+    def evaluate(net: nn.Module) -> tuple[float, float]:
+        logits = net(x_test)
         loss = float(nn.functional.cross_entropy(logits, y_test))
         return loss, float((logits.argmax(1) == y_test).float().mean())
 
@@ -101,7 +104,8 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
     """One rank's run of ``config["method"]`` under ``config["attack"]`` (None: no attacker)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     method, attack, seed = config["method"], config["attack"], config["seed"]
-    model, make_optimizer, next_batch, evaluate = _task(config["task"], rank, world, seed)
+    draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+    model, make_optimizer, next_batch, evaluate = make_task(config["task"], rank, world, seed, draws)
     params = list(model.parameters())
     inner = make_optimizer(params)
     attacker = _Attack(attack, seed) if attack is not None and rank == ATTACKER else None
@@ -139,14 +143,14 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
         world, attack = dist.get_world_size(), None
     if attacker is not None:
         attacker.restore(params)
-    loss, accuracy = evaluate()
+    loss, accuracy = evaluate(model)
     with torch.no_grad():  # the honest workers' average model too: whether the fleet as a whole lost ground
         own = torch.nn.utils.parameters_to_vector(params)
         replicas = torch.empty(world * own.numel(), dtype=own.dtype)
         dist.all_gather_into_tensor(replicas, own)
         honest = [r for r in range(world) if attack is None or r != ATTACKER]
         torch.nn.utils.vector_to_parameters(replicas.view(world, -1)[honest].mean(0), params)
-    honest_average = evaluate()[0]
+    honest_average = evaluate(model)[0]
     mine = {"loss": loss, "accuracy": accuracy, "attacker": attacker is not None, "seconds": seconds}
     return {**mine, "average_loss": honest_average}
 
@@ -171,25 +175,22 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
     clipping = ClippedGossip(args.clip_factor, args.clip_quantile, drop_beyond=drop, audit_every=audit)
     attacks = [None if a == "none" else a for a in args.attacks]
     rows = []
-    for seed in args.seeds:
-        for method in args.methods:
-            for name in attacks:
-                rows.append(one_run(method, name, seed, {**vars(args), "clipping": clipping}))
-                print(f"[{method} / {name or 'no attack'} / seed {seed}] {rows[-1]['loss']:.4f}", flush=True)
+    for seed, method, name in itertools.product(args.seeds, args.methods, attacks):
+        rows.append(one_run(method, name, seed, {**vars(args), "clipping": clipping}))
+        print(f"[{method} / {name or 'no attack'} / seed {seed}] {rows[-1]['loss']:.4f}", flush=True)
     clean = {(r["method"], r["seed"]): r["loss"] for r in rows if r["attack"] is None}
     for r in rows:
         r["ratio"] = r["loss"] / clean.get((r["method"], r["seed"]), math.nan)
     table = []
-    for method in args.methods:
-        for name in attacks:
-            mine = [r for r in rows if r["method"] == method and r["attack"] == name]
-            ratios = [r["ratio"] for r in mine]
-            mark = "job lost" if any("failed" in r for r in mine) else "-"
-            if method == "ring-clipped" and name is not None:
-                mark = "met" if max(ratios) <= TARGET else "MISSED"
-            loss, accuracy = (statistics.fmean(r[k] for r in mine) for k in ("loss", "accuracy"))
-            spread = f"{statistics.fmean(ratios):.3f} ({max(ratios):.3f})"
-            table.append([method, name or "none", f"{loss:.4f}", f"{accuracy:.4f}", spread, mark])
+    for method, name in itertools.product(args.methods, attacks):
+        mine = [r for r in rows if r["method"] == method and r["attack"] == name]
+        ratios = [r["ratio"] for r in mine]
+        mark = "job lost" if any("failed" in r for r in mine) else "-"
+        if method == "ring-clipped" and name is not None:
+            mark = "met" if max(ratios) <= TARGET else "MISSED"
+        loss, accuracy = (statistics.fmean(r[k] for r in mine) for k in ("loss", "accuracy"))
+        spread = f"{statistics.fmean(ratios):.3f} ({max(ratios):.3f})"
+        table.append([method, name or "none", f"{loss:.4f}", f"{accuracy:.4f}", spread, mark])
     title = f"One attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, seeds "
     title += f"{args.seeds}, task {args.task} ({'validation' if args.task == 'lm' else 'test'} loss); "
     title += f"the worst honest worker's own replica; ring-clipped: {clipping}. Loss: the mean over seeds; "

@@ -151,7 +151,6 @@ def table(results: list[Any], world: int, args: Any) -> str:
         "",
         markdown_table([*header, "vs uncompressed", "vs untracked", "target"], rows, "+.2f"),
         *paced_lines(results, lambda r: by_method[ddp_reference(r.method)], points_from),
-
         f"Targets: {judged}compressed within {TARGET_VS_UNCOMPRESSED} points of uncompressed "
         f"({TARGET_SPARSE_VS_UNCOMPRESSED} for formats sending at most 1/64 of fp32's bytes).",
     ])  # fmt: skip

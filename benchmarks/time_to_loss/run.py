@@ -408,7 +408,6 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
     title = f"{nodes} nodes x 1 worker, {result['parameters']:,} parameters, links {result['megabits']:.3f}"
     title += f" Mbit/s ({result['message_bytes']:.0f} B a message): {nocomm_ms:.1f} ms/step without"
     lines = [f"{title} communication", markdown_table(header, rows, ".1f")]
-
     verdicts = result.setdefault("verdicts", [])
 
     def judge(name: str, met: bool) -> None:
