@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.harness.digits_task import make_digits, make_digits_model
+from benchmarks.harness.digits_task import make_digits_model
 from benchmarks.harness.lm_task import make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.report import markdown_table
-from benchmarks.harness.runner import on_local_ranks
-from benchmarks.harness.synthetic_task import make_data, make_model, split_data
+from benchmarks.harness.runner import on_local_ranks, task_data
+from benchmarks.harness.synthetic_task import make_model, split_data
 from decent_optim_wrapper import ClippedGossip, DecentOptimWrapper, QuarantinedError
 
 ATTACKER = 3
@@ -79,12 +79,8 @@ def make_task(
 
         optimizer = lambda params: torch.optim.AdamW(params, lr=3e-3)  # noqa: E731
         return lm, optimizer, lm_batch, lambda net: (validation_loss(net, validation), math.nan)
-    if task == "digits":
-        x_train, y_train, x_test, y_test = make_digits()
-        model = make_digits_model(seed, hidden=(64,))
-    else:
-        x_train, y_train, x_test, y_test = make_data()
-        model = make_model(seed)
+    x_train, y_train, x_test, y_test = task_data("digits" if task == "digits" else "synthetic")
+    model = make_digits_model(seed, hidden=(64,)) if task == "digits" else make_model(seed)
     mine = split_data(y_train, world)[rank]
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
