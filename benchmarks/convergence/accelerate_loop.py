@@ -87,12 +87,10 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
         config.update(steps=steps, batch=32 if task == "classification" else 16)
         run = {**config, "own_group": True, "deadline": args.deadline}
         ranks = on_local_ranks(train_rank, run, f"{task} {method} seed {seed}")
-        records.append({
-            **config, "val_loss": ranks[0]["val_loss"], "accuracy": ranks[0].get("accuracy"),
-            "val_loss_all_ranks": [r["val_loss"] for r in ranks],
-            "train_loss_last": statistics.fmean(r["train_loss_last"] for r in ranks),
-            "ms_per_step": statistics.fmean(r["ms_per_step"] for r in ranks),
-        })  # fmt: skip
+        record = {**config, "val_loss": ranks[0]["val_loss"], "accuracy": ranks[0].get("accuracy")}
+        record["val_loss_all_ranks"] = [r["val_loss"] for r in ranks]
+        means = {key: statistics.fmean(r[key] for r in ranks) for key in ("train_loss_last", "ms_per_step")}
+        records.append(record | means)
         print(f"{task} {method} seed {seed}: val loss {records[-1]['val_loss']:.4f}", flush=True)
     rows = []
     for task, method in itertools.product(args.tasks, args.methods):

@@ -146,9 +146,8 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
         dist.all_gather_into_tensor(replicas, own)
         honest = [r for r in range(world) if attack is None or r != ATTACKER]
         torch.nn.utils.vector_to_parameters(replicas.view(world, -1)[honest].mean(0), params)
-    honest_average = evaluate(model)[0]
     mine = {"loss": loss, "accuracy": accuracy, "attacker": attacker is not None, "seconds": seconds}
-    return {**mine, "average_loss": honest_average}
+    return {**mine, "average_loss": evaluate(model)[0]}
 
 
 def one_run(method: str, name: str | None, seed: int, config: dict[str, Any]) -> dict[str, Any]:
