@@ -625,9 +625,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
             setattr(q, key, [m for m in getattr(q, key) if not m.startswith("torchft")])
     if q.question in ("slow-link", "scale-model"):  # nocomm first: the planner's input, the link's pace
         q.methods = ["nocomm", *[m for m in q.methods if m != "nocomm"]]
-        for method in [*q.methods, q.ours]:
-            if "@" in method:
-                parse_compression(method.partition("@")[2])
+        for method in [m for m in [*q.methods, q.ours] if "@" in m]:  # a bad wire format fails here
+            parse_compression(method.partition("@")[2])
         if q.ours not in ("", "planner") and not ours(q.ours):
             parser.error(f"--ours {q.ours!r}: 'planner', or ours in methods.py's grammar (ring~h2@int8)")
         try:
