@@ -33,7 +33,8 @@ def gossip_options(method: str) -> dict[str, Any]:
 
 
 def train_rank(config: dict[str, Any]) -> dict[str, Any]:
-    """One rank of one run: the Accelerate loop with ``config["method"]`` on ``config["task"]``."""
+    """One rank of one run: the Accelerate loop with ``config["method"]`` on ``config["task"]`` (its data,
+    model, optimizer and batches those of ``attack.make_task``, drawn with this question's seeds)."""
     from accelerate import Accelerator
     from accelerate.local_sgd import LocalSGD
 
