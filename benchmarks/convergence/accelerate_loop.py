@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import statistics
 import time
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from benchmarks.harness import lm_task, synthetic_task
+from benchmarks.convergence.attack import make_task
 from benchmarks.harness.report import markdown_table
 from benchmarks.harness.runner import on_local_ranks
 
@@ -32,7 +33,8 @@ def gossip_options(method: str) -> dict[str, Any]:
 
 
 def train_rank(config: dict[str, Any]) -> dict[str, Any]:
-    """One rank of one run: the Accelerate loop with ``config["method"]`` on ``config["task"]``."""
+    """One rank of one run: the Accelerate loop with ``config["method"]`` on ``config["task"]`` (its data,
+    model, optimizer and batches those of ``attack.make_task``, drawn with this question's seeds)."""
     from accelerate import Accelerator
     from accelerate.local_sgd import LocalSGD
 
@@ -44,41 +46,20 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
         accelerator = DecentralizedAccelerator(cpu=True, sync_every=every, **gossip_options(method))
     else:
         accelerator = Accelerator(cpu=True)
-    g = torch.Generator().manual_seed(1000 * seed + rank)
-    if task == "classification":
-        x_train, y_train, x_test, y_test = synthetic_task.make_data(0)
-        shard = synthetic_task.split_data(y_train, world, "iid")[rank]
-        model = synthetic_task.make_model(seed)
-        optimizer: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-
-        def batch() -> tuple[torch.Tensor, torch.Tensor]:
-            index = shard[torch.randint(0, len(shard), (config["batch"],), generator=g)]
-            return x_train[index], y_train[index]
-    else:
-        tokens, validation = lm_task.make_lm_data(world, rank, "iid")
-        model = lm_task.make_lm_model(seed=seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-
-        def batch() -> tuple[torch.Tensor, torch.Tensor]:
-            starts = torch.randint(0, len(tokens) - lm_task.CONTEXT - 1, (config["batch"],), generator=g)
-            return lm_task.windows(tokens, starts)
-
-    def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        logits = model(x)
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-
+    draws = torch.Generator().manual_seed(1000 * seed + rank)
+    model, make_optimizer, batch, evaluate = make_task(task, rank, world, seed, draws)
+    optimizer = make_optimizer(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
-    local_sgd: Any = (
-        LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=every)
-        if method == "local-sgd"
-        else contextlib.nullcontext()
-    )
+    local_sgd: Any = contextlib.nullcontext()
+    if method == "local-sgd":
+        local_sgd = LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=every)
     losses = []
     start = time.perf_counter()
     with local_sgd:
         for _ in range(config["steps"]):
             x, y = batch()
-            loss = loss_of(model, x, y)
+            logits = model(x)
+            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -91,17 +72,9 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
     plain = accelerator.unwrap_model(model)
     plain.eval()
     with torch.no_grad():
-        if task == "classification":
-            logits = plain(x_test)
-            result = {
-                "val_loss": nn.functional.cross_entropy(logits, y_test).item(),
-                "accuracy": (logits.argmax(-1) == y_test).float().mean().item(),
-            }
-        else:
-            result = {"val_loss": lm_task.validation_loss(plain, validation)}
-    result.update(
-        train_loss_last=statistics.fmean(losses[-20:]), ms_per_step=1000 * seconds / config["steps"]
-    )
+        loss, accuracy = evaluate(plain)
+    result = {"val_loss": loss} | ({"accuracy": accuracy} if task == "classification" else {})
+    result.update(train_loss_last=statistics.fmean(losses[-20:]), ms_per_step=1e3 * seconds / config["steps"])
     accelerator.end_training()
     return result
 
@@ -109,42 +82,28 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
 def answer(args: argparse.Namespace) -> tuple[Any, str]:
     """Every task, seed and method in turn, each run on fresh ranks; means and spread over the seeds."""
     records = []
-    for task in args.tasks:
-        for seed in args.seeds:
-            for method in args.methods:
-                steps = args.classification_steps if task == "classification" else args.lm_steps
-                config = dict(task=task, method=method, seed=seed, every=args.every, workers=args.workers)
-                config.update(steps=steps, batch=32 if task == "classification" else 16)
-                run = {**config, "own_group": True, "deadline": args.deadline}
-                ranks = on_local_ranks(train_rank, run, f"{task} {method} seed {seed}")
-                records.append({
-                    **config, "val_loss": ranks[0]["val_loss"], "accuracy": ranks[0].get("accuracy"),
-                    "val_loss_all_ranks": [r["val_loss"] for r in ranks],
-                    "train_loss_last": statistics.fmean(r["train_loss_last"] for r in ranks),
-                    "ms_per_step": statistics.fmean(r["ms_per_step"] for r in ranks),
-                })  # fmt: skip
-                print(f"{task} {method} seed {seed}: val loss {records[-1]['val_loss']:.4f}", flush=True)
+    for task, seed, method in itertools.product(args.tasks, args.seeds, args.methods):
+        steps = args.classification_steps if task == "classification" else args.lm_steps
+        config = dict(task=task, method=method, seed=seed, every=args.every, workers=args.workers)
+        config.update(steps=steps, batch=32 if task == "classification" else 16)
+        run = {**config, "own_group": True, "deadline": args.deadline}
+        ranks = on_local_ranks(train_rank, run, f"{task} {method} seed {seed}")
+        record = {**config, "val_loss": ranks[0]["val_loss"], "accuracy": ranks[0].get("accuracy")}
+        record["val_loss_all_ranks"] = [r["val_loss"] for r in ranks]
+        means = {key: statistics.fmean(r[key] for r in ranks) for key in ("train_loss_last", "ms_per_step")}
+        records.append(record | means)
+        print(f"{task} {method} seed {seed}: val loss {records[-1]['val_loss']:.4f}", flush=True)
     rows = []
-    for task in args.tasks:
-        for method in args.methods:
-            mine = [r for r in records if r["task"] == task and r["method"] == method]
-            loss = [r["val_loss"] for r in mine]
-            spread = statistics.stdev(loss) if len(loss) > 1 else 0.0
-            accuracy = None if mine[0]["accuracy"] is None else statistics.fmean(r["accuracy"] for r in mine)
-            ms = f"{statistics.fmean(r['ms_per_step'] for r in mine):.1f}"
-            train = statistics.fmean(r["train_loss_last"] for r in mine)
-            rows.append([task, method, f"{statistics.fmean(loss):.4f} +- {spread:.4f}", accuracy, train, ms])
-    title = (
-        f"{args.workers} CPU processes (gloo), K = {args.every}, seeds {args.seeds}; classification "
-        f"{args.classification_steps} steps (batch 32/rank), language model {args.lm_steps} steps "
-        "(batch 16/rank)"
-    )
-    header = [
-        "task",
-        "method",
-        "val loss (mean +- sd)",
-        "accuracy",
-        "train loss, last 20 steps",
-        "ms per step",
-    ]
-    return records, f"{title}\n\n{markdown_table(header, rows, '.4f')}"
+    for task, method in itertools.product(args.tasks, args.methods):
+        mine = [r for r in records if r["task"] == task and r["method"] == method]
+        loss = [r["val_loss"] for r in mine]
+        spread = statistics.stdev(loss) if len(loss) > 1 else 0.0
+        accuracy = None if mine[0]["accuracy"] is None else statistics.fmean(r["accuracy"] for r in mine)
+        ms = f"{statistics.fmean(r['ms_per_step'] for r in mine):.1f}"
+        train = statistics.fmean(r["train_loss_last"] for r in mine)
+        rows.append([task, method, f"{statistics.fmean(loss):.4f} +- {spread:.4f}", accuracy, train, ms])
+    title = f"{args.workers} CPU processes (gloo), K = {args.every}, seeds {args.seeds}; classification "
+    title += f"{args.classification_steps} steps (batch 32/rank), language model {args.lm_steps} steps "
+    header = ["task", "method", "val loss (mean +- sd)", "accuracy", "train loss, last 20 steps"]
+    table = markdown_table([*header, "ms per step"], rows, ".4f")
+    return records, f"{title}(batch 16/rank)\n\n{table}"

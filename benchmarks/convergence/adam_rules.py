@@ -35,9 +35,7 @@ class _Replica:
 
     def __init__(self, params: list[torch.Tensor]) -> None:
         self.params = [p.clone() for p in params]
-        self.m = [torch.zeros_like(p) for p in params]
-        self.s = [torch.zeros_like(p) for p in params]
-        self.c = [torch.zeros_like(p) for p in params]
+        self.m, self.s, self.c = ([torch.zeros_like(p) for p in params] for _ in range(3))
         self.previous: list[torch.Tensor | None] = [None for _ in params]
 
 
@@ -49,45 +47,29 @@ def _divisor(rule: str, r: _Replica, k: int, g: torch.Tensor, t: int, n: int, me
     r.previous[k] = g
     r.m[k].mul_(b1).add_(g, alpha=1 - b1)
     m_hat = r.m[k] / (1 - b1**t)
-    other = previous if rule.startswith("lag1") else m_prev_hat
-    if rule in ("ddp", "local"):
-        r.s[k].mul_(b2).addcmul_(g, g, value=1 - b2)
-        return r.s[k]
+    other, s = previous if rule.startswith("lag1") else m_prev_hat, r.s[k].mul_(b2)
+    if rule.startswith("oracle"):
+        assert mean is not None
     if rule == "oracle":
-        assert mean is not None
-        r.s[k].mul_(b2).addcmul_(mean, mean, value=1 - b2)
-        return r.s[k]
+        return s.addcmul_(mean, mean, value=1 - b2)
     if rule == "oracle-per-tensor":
-        assert mean is not None
-        ratio = ((mean * mean).sum() / (g * g).sum()).clamp(1 / n, 1.0)
-        r.s[k].mul_(b2).add_(g * g * ratio, alpha=1 - b2)
-        return r.s[k]
+        return s.add_(g * g * ((mean * mean).sum() / (g * g).sum()).clamp(1 / n, 1.0), alpha=1 - b2)
     if rule.endswith("-floor"):
-        r.s[k].mul_(b2).add_(g * g / n + (1 - 1 / n) * g * other, alpha=1 - b2)
-        torch.maximum(r.s[k], (1 - b2**t) * m_hat * m_hat, out=r.s[k])
-        return r.s[k]
-    r.s[k].mul_(b2).addcmul_(g, g, value=1 - b2)
+        s.add_(g * g / n + (1 - 1 / n) * g * other, alpha=1 - b2)
+        return torch.maximum(s, (1 - b2**t) * m_hat * m_hat, out=s)
+    s.addcmul_(g, g, value=1 - b2)
+    if rule in ("ddp", "local"):
+        return s
     r.c[k].mul_(b2).add_(g * other, alpha=1 - b2)
     signal = r.c[k].abs() if rule.endswith("-abs") else r.c[k].clamp(min=0)
     return r.s[k] / n + (1 - 1 / n) * signal
 
 
 def simulate(
-    rule: str,
-    n: int,
-    steps: int,
-    batch: int,
-    lr: float,
-    split: str,
-    gossip: str | None,
-    width: int = 64,
-    depth: int = 2,
-    seed: int = 0,
-    own_step: float = 1.0,
-    momentum: str = "local",
-    blocking: bool = False,
+    rule: str, n: int, steps: int, batch: int, lr: float, split: str, gossip: str | None, width: int = 64,
+    depth: int = 2, seed: int = 0, own_step: float = 1.0, momentum: str = "local", blocking: bool = False,
     every: int = 1,
-) -> float:
+) -> float:  # fmt: skip
     """Train ``n`` replicas with ``rule``; the validation loss of their average.
 
     ``width``, ``depth``: the model's (``lm_task.make_lm_model``); ``seed``: its initialization and the
@@ -115,10 +97,8 @@ def simulate(
     previous_lr = 0.0
 
     def gradient(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
-        tokens = data[rank]
-        x, y = windows(
-            tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (batch,), generator=samplers[rank])
-        )
+        starts = torch.randint(0, len(data[rank]) - CONTEXT - 1, (batch,), generator=samplers[rank])
+        x, y = windows(data[rank], starts)
         leaves = [p.detach().requires_grad_(True) for p in params]
         logits = functional_call(model, dict(zip(names, leaves, strict=True)), (x,))
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
@@ -131,6 +111,13 @@ def simulate(
             for i in range(n)
         ]
 
+    def mix_in(w: torch.Tensor) -> None:
+        """Every replica's parameters after a round of ``w`` (with ``momentum="gossip"``, its m too)."""
+        for r, values in zip(replicas, mix(w, sent), strict=True):
+            r.params = values
+        for r, values in zip(replicas, mix(w, sent_m) if momentum == "gossip" else [], strict=False):
+            r.m = values
+
     b1, b2 = BETAS
     for t in range(1, steps + 1):
         lr_t = lr * (1 + math.cos(math.pi * (t - 1) / steps)) / 2
@@ -140,12 +127,7 @@ def simulate(
         else:
             grads = [gradient(r.params, rank) for rank, r in enumerate(replicas)]
         if topology is not None and t > 1 and not blocking:  # the round launched at step t - 1
-            w = topology.mixing_matrix(t - 2).double()
-            for r, values in zip(replicas, mix(w, sent), strict=True):
-                r.params = values
-        if momentum == "gossip" and topology is not None and t > 1 and not blocking:  # m sent too
-            for r, values in zip(replicas, mix(w, sent_m), strict=True):
-                r.m = values
+            mix_in(topology.mixing_matrix(t - 2).double())
         if momentum == "mixed" and topology is not None and t > 1:
             for i, r in enumerate(replicas):
                 for k in range(len(start)):
@@ -168,12 +150,7 @@ def simulate(
             if momentum == "gossip":  # the first moment travels only when it is mixed
                 sent_m = [[m.clone() for m in r.m] for r in replicas]
             if blocking and t % every == 0:  # mixed at once: the next gradient at the mixed point
-                w = topology.mixing_matrix(t // every - 1).double()
-                for r, values in zip(replicas, mix(w, sent), strict=True):
-                    r.params = values
-                if momentum == "gossip":
-                    for r, values in zip(replicas, mix(w, sent_m), strict=True):
-                        r.m = values
+                mix_in(topology.mixing_matrix(t // every - 1).double())
                 sent = [list(r.params) for r in replicas]
             if own_step != 1.0:  # the next gradient at the mixed point plus a part of the own step
                 for r, before in zip(replicas, mixed, strict=True):
@@ -209,10 +186,11 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
         print(f"{rule:>18}: validation loss {loss:.4f} ({seconds:.0f} s)", flush=True)
     reference = next((r["validation_loss"] for r in results if r["rule"] == "ddp"), args.ddp_loss)
     rows = [[r["rule"], f"{r['validation_loss']:.4f}", r["validation_loss"] / reference] for r in results]
-    title = (
-        f"{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
+    title = f"{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
+    title += (
         f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth {args.depth}, "
-        f"seed {args.seed}, own step {args.own_step}, momentum {args.momentum}, blocking {args.blocking}, "
-        f"every {args.every}"
     )
-    return results, f"{title}\n\n{markdown_table(['rule', 'val loss', '/ ddp'], rows)}"
+    title += (
+        f"seed {args.seed}, own step {args.own_step}, momentum {args.momentum}, blocking {args.blocking}, "
+    )
+    return results, f"{title}every {args.every}\n\n{markdown_table(['rule', 'val loss', '/ ddp'], rows)}"

@@ -12,6 +12,7 @@ scikit-learn's digits (a 64-64-10 MLP) or the language model (AdamW lr 3e-3, 16 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -21,11 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.harness.digits_task import make_digits, make_digits_model
+from benchmarks.harness.digits_task import make_digits_model
 from benchmarks.harness.lm_task import make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.report import markdown_table
-from benchmarks.harness.runner import on_local_ranks
-from benchmarks.harness.synthetic_task import make_data, make_model, split_data
+from benchmarks.harness.runner import on_local_ranks, task_data
+from benchmarks.harness.synthetic_task import make_model, split_data
 from decent_optim_wrapper import ClippedGossip, DecentOptimWrapper, QuarantinedError
 
 ATTACKER = 3
@@ -63,9 +64,11 @@ class _Attack:
                 t.copy_(honest)
 
 
-def _task(task: str, rank: int, world: int, seed: int) -> tuple[nn.Module, Any, Any, Any]:
-    """The model, its optimizer's factory, a batch drawer and the evaluation (loss, accuracy) of ``task``."""
-    draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+def make_task(
+    task: str, rank: int, world: int, seed: int, draws: torch.Generator
+) -> tuple[nn.Module, Any, Any, Any]:
+    """The model, its optimizer's factory, a batch drawer (from ``draws``) and the evaluation of a model
+    (loss, accuracy) of ``task`` on this rank's iid part: ``lm`` (AdamW, 16 windows), else SGD, 32 samples."""
     if task == "lm":
         tokens, validation = make_lm_data(world, rank, "iid")
         lm = make_lm_model(seed=seed)
@@ -75,13 +78,9 @@ def _task(task: str, rank: int, world: int, seed: int) -> tuple[nn.Module, Any, 
             return x, y.reshape(-1)
 
         optimizer = lambda params: torch.optim.AdamW(params, lr=3e-3)  # noqa: E731
-        return lm, optimizer, lm_batch, lambda: (validation_loss(lm, validation), math.nan)
-    if task == "digits":
-        x_train, y_train, x_test, y_test = make_digits()
-        model = make_digits_model(seed, hidden=(64,))
-    else:
-        x_train, y_train, x_test, y_test = make_data()
-        model = make_model(seed)
+        return lm, optimizer, lm_batch, lambda net: (validation_loss(net, validation), math.nan)
+    x_train, y_train, x_test, y_test = task_data("digits" if task == "digits" else "synthetic")
+    model = make_digits_model(seed, hidden=(64,)) if task == "digits" else make_model(seed)
     mine = split_data(y_train, world)[rank]
 
     def batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,8 +88,8 @@ def _task(task: str, rank: int, world: int, seed: int) -> tuple[nn.Module, Any, 
         return x_train[pick], y_train[pick]
 
     @torch.no_grad()
-    def evaluate() -> tuple[float, float]:
-        logits = model(x_test)
+    def evaluate(net: nn.Module) -> tuple[float, float]:
+        logits = net(x_test)
         loss = float(nn.functional.cross_entropy(logits, y_test))
         return loss, float((logits.argmax(1) == y_test).float().mean())
 
@@ -101,7 +100,8 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
     """One rank's run of ``config["method"]`` under ``config["attack"]`` (None: no attacker)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     method, attack, seed = config["method"], config["attack"], config["seed"]
-    model, make_optimizer, next_batch, evaluate = _task(config["task"], rank, world, seed)
+    draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+    model, make_optimizer, next_batch, evaluate = make_task(config["task"], rank, world, seed, draws)
     params = list(model.parameters())
     inner = make_optimizer(params)
     attacker = _Attack(attack, seed) if attack is not None and rank == ATTACKER else None
@@ -133,23 +133,21 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
                     g.div_(world)
             optimizer.step()
     except QuarantinedError:  # the attacker, found out: it has left the job
-        nan = math.nan
-        return {"loss": nan, "accuracy": nan, "attacker": True, "seconds": nan, "average_loss": nan}
+        return dict.fromkeys(("loss", "accuracy", "seconds", "average_loss"), math.nan) | {"attacker": True}
     seconds = time.perf_counter() - start
     if dist.get_world_size() < world:  # the attacker was quarantined: every rank left is honest
         world, attack = dist.get_world_size(), None
     if attacker is not None:
         attacker.restore(params)
-    loss, accuracy = evaluate()
+    loss, accuracy = evaluate(model)
     with torch.no_grad():  # the honest workers' average model too: whether the fleet as a whole lost ground
         own = torch.nn.utils.parameters_to_vector(params)
         replicas = torch.empty(world * own.numel(), dtype=own.dtype)
         dist.all_gather_into_tensor(replicas, own)
         honest = [r for r in range(world) if attack is None or r != ATTACKER]
         torch.nn.utils.vector_to_parameters(replicas.view(world, -1)[honest].mean(0), params)
-    honest_average = evaluate()[0]
     mine = {"loss": loss, "accuracy": accuracy, "attacker": attacker is not None, "seconds": seconds}
-    return {**mine, "average_loss": honest_average}
+    return {**mine, "average_loss": evaluate(model)[0]}
 
 
 def one_run(method: str, name: str | None, seed: int, config: dict[str, Any]) -> dict[str, Any]:
@@ -161,49 +159,36 @@ def one_run(method: str, name: str | None, seed: int, config: dict[str, Any]) ->
         return {**row, "loss": math.inf, "accuracy": 0.0, "failed": str(err)}
     honest = [r for r in ranks if not r["attacker"]]
     losses = [r["loss"] for r in honest]
-    return {
-        **row,
-        "loss": max(losses) if all(map(math.isfinite, losses)) else math.inf,
-        "mean_loss": sum(losses) / len(losses),
-        "average_loss": honest[0]["average_loss"],
-        "accuracy": min(r["accuracy"] for r in honest),
-        "seconds": max(r["seconds"] for r in ranks),
-    }
+    worst = max(losses) if all(map(math.isfinite, losses)) else math.inf
+    row |= {"loss": worst, "mean_loss": sum(losses) / len(losses), "average_loss": honest[0]["average_loss"]}
+    return row | {"accuracy": min(r["accuracy"] for r in honest), "seconds": max(r["seconds"] for r in ranks)}
 
 
 def answer(args: argparse.Namespace) -> tuple[Any, str]:
     drop = None if args.clip_drop.lower() == "none" else float(args.clip_drop)
     audit = None if args.clip_audit.lower() == "none" else int(args.clip_audit)
-    clipping = ClippedGossip(
-        factor=args.clip_factor, quantile=args.clip_quantile, drop_beyond=drop, audit_every=audit
-    )
+    clipping = ClippedGossip(args.clip_factor, args.clip_quantile, drop_beyond=drop, audit_every=audit)
     attacks = [None if a == "none" else a for a in args.attacks]
     rows = []
-    for seed in args.seeds:
-        for method in args.methods:
-            for name in attacks:
-                rows.append(one_run(method, name, seed, {**vars(args), "clipping": clipping}))
-                print(f"[{method} / {name or 'no attack'} / seed {seed}] {rows[-1]['loss']:.4f}", flush=True)
+    for seed, method, name in itertools.product(args.seeds, args.methods, attacks):
+        rows.append(one_run(method, name, seed, {**vars(args), "clipping": clipping}))
+        print(f"[{method} / {name or 'no attack'} / seed {seed}] {rows[-1]['loss']:.4f}", flush=True)
     clean = {(r["method"], r["seed"]): r["loss"] for r in rows if r["attack"] is None}
     for r in rows:
         r["ratio"] = r["loss"] / clean.get((r["method"], r["seed"]), math.nan)
     table = []
-    for method in args.methods:
-        for name in attacks:
-            mine = [r for r in rows if r["method"] == method and r["attack"] == name]
-            ratios = [r["ratio"] for r in mine]
-            mark = "job lost" if any("failed" in r for r in mine) else "-"
-            if method == "ring-clipped" and name is not None:
-                mark = "met" if max(ratios) <= TARGET else "MISSED"
-            loss, accuracy = (statistics.fmean(r[k] for r in mine) for k in ("loss", "accuracy"))
-            spread = f"{statistics.fmean(ratios):.3f} ({max(ratios):.3f})"
-            table.append([method, name or "none", f"{loss:.4f}", f"{accuracy:.4f}", spread, mark])
-    title = (
-        f"One attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, seeds "
-        f"{args.seeds}, task {args.task} ({'validation' if args.task == 'lm' else 'test'} loss); the worst "
-        f"honest worker's own replica; ring-clipped: {clipping}. Loss: the mean over seeds; vs no attack: "
-        "the mean and the worst of the seeds' ratios."
-    )
+    for method, name in itertools.product(args.methods, attacks):
+        mine = [r for r in rows if r["method"] == method and r["attack"] == name]
+        ratios = [r["ratio"] for r in mine]
+        mark = "job lost" if any("failed" in r for r in mine) else "-"
+        if method == "ring-clipped" and name is not None:
+            mark = "met" if max(ratios) <= TARGET else "MISSED"
+        loss, accuracy = (statistics.fmean(r[k] for r in mine) for k in ("loss", "accuracy"))
+        spread = f"{statistics.fmean(ratios):.3f} ({max(ratios):.3f})"
+        table.append([method, name or "none", f"{loss:.4f}", f"{accuracy:.4f}", spread, mark])
+    title = f"One attacker (worker {ATTACKER}) among {args.workers} workers, {args.steps} steps, seeds "
+    title += f"{args.seeds}, task {args.task} ({'validation' if args.task == 'lm' else 'test'} loss); "
+    title += f"the worst honest worker's own replica; ring-clipped: {clipping}. Loss: the mean over seeds; "
     text = markdown_table(["method", "attack", "loss", "accuracy", "vs no attack", "target"], table)
     target = f"Target: ring-clipped under every attack and seed within {TARGET}x its own loss without one."
-    return rows, f"{title}\n\n{text}\n{target}"
+    return rows, f"{title}vs no attack: the mean and the worst of the seeds' ratios.\n\n{text}\n{target}"

@@ -64,17 +64,13 @@ def paced_lines(
     lines = []
     for r in results:
         if parse_method(r.method).paced:
-            steps, unpaced = r.steps_per_rank, by_name.get(twin(r.method, "paced") or "")
-            spread = (
-                f"inner steps per worker {min(steps)} to {max(steps)}, {sum(steps):,} in all; "
-                if steps
-                else ""
-            )
+            steps, unpaced, spread = r.steps_per_rank, by_name.get(twin(r.method, "paced") or ""), ""
+            if steps:
+                spread = f"inner steps per worker {min(steps)} to {max(steps)}, {sum(steps):,} in all; "
             lines.append(f"  {r.method}: {spread}{versus(r, reference(r))}")
             lines[-1] += "" if unpaced is None else f", {versus(r, unpaced)}"
-    return (
-        ["Paced rounds (the first half of the workers 2x faster), at DDP's samples:", *lines] if lines else []
-    )
+    head = "Paced rounds (the first half of the workers 2x faster), at DDP's samples:"
+    return [head, *lines] if lines else []
 
 
 def job(config: dict[str, Any]) -> list[dict] | None:
@@ -95,15 +91,12 @@ def mean_over_seeds(results: list[Result]) -> list[Result]:
     by_method: dict[str, list[Result]] = {}
     for r in results:
         by_method.setdefault(r.method, []).append(r)
-    return [
-        replace(
-            runs[0],
-            final_loss=sum(r.final_loss for r in runs) / len(runs),
-            accuracy=sum(r.accuracy for r in runs) / len(runs),
-            accuracies=[r.accuracy for r in runs],
-        )
-        for runs in by_method.values()
-    ]
+    merged = []
+    for runs in by_method.values():
+        accuracies = [r.accuracy for r in runs]
+        loss, accuracy = sum(r.final_loss for r in runs) / len(runs), sum(accuracies) / len(runs)
+        merged.append(replace(runs[0], final_loss=loss, accuracy=accuracy, accuracies=accuracies))
+    return merged
 
 
 def compressed_target(spec: Method) -> float:
@@ -143,27 +136,21 @@ def table(results: list[Any], world: int, args: Any) -> str:
             gaps = [None if ref is None else 100 * (r.accuracy - by_method[ref].accuracy) for ref in refs]
             cells = [*gaps, verdict(split, parse_method(r.method), *gaps)]
         spread = f"{100 * (max(r.accuracies) - min(r.accuracies)):.2f}" if len(r.accuracies) > 1 else None
-        rows.append(
-            [r.method, f"{r.final_loss:.4f}", f"{r.accuracy:.4f}", spread, f"{r.bytes_per_step:,.0f}", *cells]
-        )
+        row = [r.method, f"{r.final_loss:.4f}", f"{r.accuracy:.4f}", spread, f"{r.bytes_per_step:,.0f}"]
+        rows.append([*row, *cells])
     header = ["method", "final loss", "avg-model acc", "spread", "bytes/step", "vs DDP (points)"]
-    judged = (
-        f"gossip within {TARGET_VS_DDP} points of DDP; tracked within {TARGET_VS_UNTRACKED} points of "
-        "untracked; "
-        if split == "iid"
-        else f"tracked {' and '.join(TRACKED_ON_SKEW)} within {TARGET_VS_DDP} points of DDP; "
-    )
+    judged = f"tracked {' and '.join(TRACKED_ON_SKEW)} within {TARGET_VS_DDP} points of DDP; "
+    if split == "iid":
+        judged = f"gossip within {TARGET_VS_DDP} points of DDP; tracked within {TARGET_VS_UNTRACKED} points "
+        judged += "of untracked; "
+    points_from = lambda r, other: f"{100 * (r.accuracy - other.accuracy):+.2f} points from {other.method}"  # noqa: E731
     return "\n".join([
         f"Convergence, {split_label(split, results[0].alpha)} split: {world} workers, {args.steps} steps, "
         f"batch {args.batch_size}/worker, lr {args.lr}, adam lr {args.adam_lr}; {args.task} task"
         + (f"; means over {seeds} seeds, spread = max - min accuracy (points)" if seeds > 1 else ""),
         "",
         markdown_table([*header, "vs uncompressed", "vs untracked", "target"], rows, "+.2f"),
-        *paced_lines(
-            results,
-            lambda r: by_method[ddp_reference(r.method)],
-            lambda r, other: f"{100 * (r.accuracy - other.accuracy):+.2f} points from {other.method}",
-        ),
+        *paced_lines(results, lambda r: by_method[ddp_reference(r.method)], points_from),
         f"Targets: {judged}compressed within {TARGET_VS_UNCOMPRESSED} points of uncompressed "
         f"({TARGET_SPARSE_VS_UNCOMPRESSED} for formats sending at most 1/64 of fp32's bytes).",
     ])  # fmt: skip

@@ -25,15 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.convergence.classification import ADAM_OPTIMIZERS, JUDGED_SYNC_EVERY, paced_lines, twin
-from benchmarks.harness.lm_task import (
-    CONTEXT,
-    VOCAB,
-    describe_corpus,
-    make_lm_data,
-    make_lm_model,
-    validation_loss,
-    windows,
-)
+from benchmarks.harness import lm_task
+from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.methods import LOCAL_MOMENT_SUFFIX, optimizer_factory, parse_method
 from benchmarks.harness.report import markdown_table
 from benchmarks.harness.runner import covers_multiple, on_average, on_local_ranks, train
@@ -135,20 +128,15 @@ def table(results: list[LMResult], args: Any, world: int) -> str:
             plain and r.validation_loss / plain.validation_loss, to_ddp, status(r, ratio, plain),
         ])  # fmt: skip
     header = ["method", "val loss", "train loss", "bytes/step", "vs DDP", "uncorrected", "vs uncompr."]
+    title = f"Language model ({lm_task.describe_corpus()}), {results[0].split} split: {world} workers, "
+    title += f"{args.steps} steps, batch {args.batch_size} x {CONTEXT} bytes/worker, AdamW lr {args.adam_lr}"
+    title += f", {reference.parameters:,} parameters" + (f", seed {args.seed}" if args.seed else "")
+    versus = lambda r, other: f"{r.validation_loss / other.validation_loss:.4f}x {other.method}'s"  # noqa: E731
     return "\n".join([
-        f"Language model ({describe_corpus()}), {results[0].split} split: {world} workers, {args.steps} "
-        "steps, "
-        f"batch {args.batch_size} x {CONTEXT} bytes/worker, AdamW lr {args.adam_lr}, "
-        f"{reference.parameters:,} parameters"
-        + (f", seed {args.seed}" if args.seed else "")
-        + (f", {args.warmup} warmup steps" if args.warmup else ""),
+        title + (f", {args.warmup} warmup steps" if args.warmup else ""),
         "",
         markdown_table([*header, "steps to DDP", "target"], rows, ".4f"),
-        *paced_lines(
-            results,
-            lambda r: reference,
-            lambda r, other: f"{r.validation_loss / other.validation_loss:.4f}x {other.method}'s",
-        ),
+        *paced_lines(results, lambda r: reference, versus),
         f"Targets: per-step gossip within {TARGETS['per-step']:.2f}x DDP's validation loss, sync_every 2 to "
         f"{JUDGED_SYNC_EVERY} within {TARGETS['local']:.2f}x, paced within {TARGETS['paced']:.2f}x, "
         f"compressed within {TARGETS['compressed']:.2f}x its uncompressed twin ('vs uncompr.'); "
@@ -196,14 +184,10 @@ def replace_curve(result: LMResult) -> LMResult:
 
 
 def answer(args: argparse.Namespace) -> tuple[Any, str]:
-    kept = reused(args)
-    runs = [(s, m) for s in args.splits for m in args.methods if (s, m) not in kept]
+    kept, every = reused(args), [(s, m) for s in args.splits for m in args.methods]
+    runs = [run for run in every if run not in kept]
     trained = iter(on_local_ranks(job, {**vars(args), "runs": runs}, "lm")[0] if runs else [])
-    results = [
-        kept.get((s, m)) or replace_curve(LMResult(**next(trained)))
-        for s in args.splits
-        for m in args.methods
-    ]
+    results = [kept.get(run) or replace_curve(LMResult(**next(trained))) for run in every]
     tables = [table([r for r in results if r.split == s], args, args.workers) for s in args.splits]
     return [asdict(r) for r in results], "\n\n".join(tables)
 
@@ -228,10 +212,8 @@ def seeds(args: argparse.Namespace) -> tuple[Any, str]:
         if method != "ddp+adamw" and not method.endswith(LOCAL_MOMENT_SUFFIX):
             local = ratios.get(method + LOCAL_MOMENT_SUFFIX)
             within = f"{sum(v <= args.target for v in values)} of {len(values)}"
-            each = " ".join(f"{v:.3f}" for v in values)
-            rows.append(
-                [method, each, statistics.mean(values), max(values), within, local and statistics.mean(local)]
-            )
+            each, worst, mean = " ".join(f"{v:.3f}" for v in values), max(values), statistics.mean(values)
+            rows.append([method, each, mean, worst, within, local and statistics.mean(local)])
     header = ["method", "runs", "mean", "worst", f"within {args.target:g}", "uncorrected"]
     title = f"{len(runs)} runs; each method's validation loss over its own run's DDP loss"
     return ratios, f"{title}\n\n{markdown_table(header, rows)}"

@@ -19,14 +19,8 @@ from benchmarks.convergence import accelerate_loop, adam_rules, attack, classifi
 from benchmarks.convergence.questions import QUESTIONS
 from benchmarks.harness.report import add_output_arguments, save
 
-ANSWERS = {
-    "classification": classification.answer,
-    "lm": lm.answer,
-    "adam_rules": adam_rules.answer,
-    "seeds": lm.seeds,
-    "attack": attack.answer,
-    "accelerate": accelerate_loop.answer,
-}
+ANSWERS = {"classification": classification.answer, "lm": lm.answer, "adam_rules": adam_rules.answer}
+ANSWERS |= {"seeds": lm.seeds, "attack": attack.answer, "accelerate": accelerate_loop.answer}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -48,10 +42,9 @@ def parser() -> argparse.ArgumentParser:
             else:
                 many = isinstance(default, list)
                 kind = type(default[0] if many else default)
-                shown = " ".join(map(str, default)) if many else default
                 sub.add_argument(
                     flag, type=kind, nargs="+" if many else None, default=default, choices=choices,
-                    help=f"default: {shown}",
+                    help=f"default: {' '.join(map(str, default)) if many else default}",
                 )  # fmt: skip
         add_output_arguments(sub)
     return top

@@ -42,47 +42,38 @@ LINKS: dict[str, Any] = {
 
 # fmt: off
 QUESTIONS: dict[str, dict[str, Any]] = {
-    "slow-link": {
-        "help": "time to a validation loss on 2 and 4 nodes whose link makes DDP's all-reduce take "
+    "slow-link": {"help": "time to a validation loss on 2 and 4 nodes whose link makes DDP's all-reduce take "
         "--ddp-ratio times a step: DDP, PowerSGD, torchft's DiLoCo, ours; the planner's step times",
-        **LINKS,
-    },
-    "scale-model": {
-        "help": "16 nodes on links that move one fp32 model per --link-steps steps: the baselines' loss "
-        "on fast links, timed on the slow ones, against ours (the planner's pick) trained on them",
+        **LINKS},
+    "scale-model": {"help": "16 nodes on links that move one fp32 model per --link-steps steps: "
+        "the baselines' loss on fast links, timed on the slow ones, against ours (the planner's pick) "
+        "trained on them",
         **LINKS,
         "nodes": [16], "methods": ["nocomm"], "ours": "planner", "target_loss": 0.0, "sooner": 1.0,
         "baselines": ["ddp", "ddp-psgd1", "ddp-psgd4", "torchft~h8", "torchft~h32"],
         "link_steps": 320.0, "burst_frames": 4, "message_bytes": -1.0, "budget_s": 0.0,
         "queue_s": 10.0,  # at tens of kbit/s a 100 ms queue dropped the start-up's bursts
         "compute_ms": 400.0, "eval_every": 50, "batch": 8, "warmup": 60,
-        "timeout_s": 1800.0,  # one DDP all-reduce takes minutes on these links
-    },
-    "uneven": {
-        "help": "one worker 3x slower (or half 2x slower): time to DDP's final loss of paced rounds, "
+        "timeout_s": 1800.0},  # one DDP all-reduce takes minutes on these links
+    "uneven": {"help": "one worker 3x slower (or half 2x slower): time to DDP's final loss of paced rounds, "
         "synchronous gossip and DDP, the fleet's steps per second beside the planner's simulation",
         "nodes": [4, 8, 16],
         "scenarios": ["one3x"],  # one3x: rank 0 3x slower; half2x: the first half 2x slower
-        "methods": ["nocomm", "ddp", "sync", "paced"],
-        "bandwidth": "200mbit",
+        "methods": ["nocomm", "ddp", "sync", "paced"], "bandwidth": "200mbit",
         "compute_ms": 150.0,  # x the rank's factor
         "gossip": "ring~h8d1",  # sync and paced: a '~hH' method
         "steps": 240,  # DDP's
         "budget": 2.0,  # gossip: this many times DDP's samples
         "eval_every": 8,  # gossip: every eval_every / H rounds
-        "nocomm_steps": 24,
-        "batch": 8,
+        "nocomm_steps": 24, "batch": 8,
         "deadline_s": 600.0,  # a method's ranks are killed after this
-        **LM,
-    },
-    "lm": {
-        "help": "steps to DDP's loss in lm_convergence --eval-every results times the planner's step time",
+        **LM},
+    "lm": {"help": "steps to DDP's loss in lm_convergence --eval-every results times the planner's step time",
         "results": [f"{ADAM}{n}.json" for n in (2, 4, 8)]
         + [f"{ADAM}{n}-blocking.json" for n in (2, 4, 8)]
         + [f"{ADAM}8-blocking-local.json", f"{ADAM}16.json", f"{ADAM}16-blocking-h200cpu.json"],
         "compute_ms": 18.0,
         "bandwidth": 0.0,  # bits/s per node and direction; 0: one fp32 model per step's compute
-        "tolerance": 1.02,  # reach DDP's final loss times this
-    },
+        "tolerance": 1.02},  # reach DDP's final loss times this
 }
 # fmt: on

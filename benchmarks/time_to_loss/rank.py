@@ -52,11 +52,10 @@ def build(
         net = nn.parallel.DistributedDataParallel(model)
         if power is None:
             return net, adamw(params), allreduce * numel, None
-        state = power_sgd.PowerSGDState(
-            None, matrix_approximation_rank=int(power["rank"]), start_powerSGD_iter=2
-        )
+        psgd_rank = int(power["rank"])
+        state = power_sgd.PowerSGDState(None, matrix_approximation_rank=psgd_rank, start_powerSGD_iter=2)
         net.register_comm_hook(state, power_sgd.powerSGD_hook)
-        return net, adamw(params), allreduce * power_sgd_numel(model, int(power["rank"])), None
+        return net, adamw(params), allreduce * power_sgd_numel(model, psgd_rank), None
     torchft = TORCHFT.fullmatch(method)
     timeout = timedelta(seconds=args.timeout_s)
     if torchft is not None:

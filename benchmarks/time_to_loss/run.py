@@ -14,6 +14,7 @@ a curve costs the run nothing. Defaults: ``questions.py``; what each measures: d
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import json
@@ -109,9 +110,8 @@ def launch(
     curve. With ``shape``, the ranks are built on fast links and wait at the gate until ``shape`` slows
     them (start-up is not what a run measures). Raises if a rank failed or ran out of time."""
     outdir, nodes = Path(tempfile.mkdtemp(prefix="dow-ttl-")), cluster.nodes
-    flags |= {"world_size": nodes, "method": method, "steps": q.steps, "warmup": q.warmup, "batch": q.batch}
-    flags |= {"adam_lr": q.adam_lr, "width": q.width, "depth": q.depth, "timeout_s": q.timeout_s}
-    flags["outdir"] = outdir
+    shared = ("steps", "warmup", "batch", "adam_lr", "width", "depth", "timeout_s")
+    flags |= {k: getattr(q, k) for k in shared} | {"world_size": nodes, "method": method, "outdir": outdir}
     port, procs, counted = 29681 + next(_runs) % 16, [], cluster.sent_bytes()
     for rank in range(nodes):
         mine = {**flags, "rank": rank, "pad_ms": pads[rank]}
@@ -202,8 +202,7 @@ def predictions(
 
     def round_cost(compression: GossipCompression | None, group_size: int) -> RoundCost:
         key = None if compression is None else compression.name
-        if key not in costs:
-            costs[key] = measure_round_cost(numel, group_size, compression)
+        costs[key] = costs.get(key) or measure_round_cost(numel, group_size, compression)  # once a format
         return costs[key]
 
     specs = [parse_method(m) for m in methods if ours(m)]
@@ -312,11 +311,8 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
         link_steps = q.link_steps or q.ddp_ratio * nodes / (2 * (nodes - 1))  # DDP's all-reduce: ddp_ratio
         rate = 4.0 * numel * 8 / (link_steps * nocomm_s)
 
-        burst = q.burst_frames * MTU_FRAME or None
-
-        def shape() -> None:
-            cluster.shape(f"{int(rate)}bit", burst=burst, latency=f"{q.queue_s:g}s")
-
+        burst, latency = q.burst_frames * MTU_FRAME or None, f"{q.queue_s:g}s"
+        shape = functools.partial(cluster.shape, f"{int(rate)}bit", burst=burst, latency=latency)
         shape()
         megabits = emu.measure_link(cluster, min(2.0, rate / 8 * 20 / 1e6), 29669, timeout_s=120)  # or 20 s
         message = q.message_bytes  # the link's cost per message beyond its payload; < 0: probe it
@@ -395,9 +391,7 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
     step_ms = {m: r.get("step_ms", float("nan")) for m, r in runs.items()}
     step_ms |= {m: 1e3 * r["shaped_step_s"] for m, r in runs.items() if "shaped_step_s" in r}
     rows = []
-    for m, r in runs.items():
-        if m == "nocomm":
-            continue
+    for m, r in [(m, runs[m]) for m in finals]:  # every method but nocomm
         plan = planned.get(planner_label(m))
         sent = r.get("bytes_sent_per_step") or wire_bytes(m, make_lm_model(q.width, q.depth), nodes)
         row = [m + " (reused)" * ("reused_from" in r), cell(r.get("steps"), "d"), step_ms[m]]
@@ -410,12 +404,10 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
             row += [cell(seconds / theirs if seconds and theirs else None, ".2f")]
         rows.append(row)
     header = ["method", "steps", "ms/step", "planned", "/ nocomm", "B/step", "on wire", "final loss"]
-    header += ["vs DDP"]
-    header += [c for goal in goals for c in (f"step to {goal}", f"s to {goal}", f"vs {mine}")]
+    header += ["vs DDP"] + [c for goal in goals for c in (f"step to {goal}", f"s to {goal}", f"vs {mine}")]
     title = f"{nodes} nodes x 1 worker, {result['parameters']:,} parameters, links {result['megabits']:.3f}"
     title += f" Mbit/s ({result['message_bytes']:.0f} B a message): {nocomm_ms:.1f} ms/step without"
-    title += " communication"
-    lines = [title, markdown_table(header, rows, ".1f")]
+    lines = [f"{title} communication", markdown_table(header, rows, ".1f")]
     verdicts = result.setdefault("verdicts", [])
 
     def judge(name: str, met: bool) -> None:
@@ -423,9 +415,8 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
         lines.append(f"target: {name}: {'met' if met else 'MISSED'}")
 
     if result["ours"]:  # one of ours chosen beforehand: as fast and as good as the targets ask?
-        throughput, loss = nocomm_ms / step_ms[mine], finals[mine] / ddp_final
-        met = throughput >= THROUGHPUT
-        judge(f"{mine} at least {THROUGHPUT:.2f} of no communication ({throughput:.3f})", met)
+        share, loss = nocomm_ms / step_ms[mine], finals[mine] / ddp_final
+        judge(f"{mine} at least {THROUGHPUT:.2f} of no communication ({share:.3f})", share >= THROUGHPUT)
         judge(f"{mine} final loss at most {LOSS:.2f}x DDP's ({loss:.4f}x)", loss <= LOSS)
     for goal, times in reach.items() if mine else ():
         mine_s = times[mine][1]
@@ -439,10 +430,9 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
                 best = min((t for t in theirs if t is not None), default=None)
                 name = f"{mine} reaches {goal} {q.sooner:g}x sooner than the best {family} run"
                 judge(name, mine_s is not None and (best is None or best >= q.sooner * mine_s))
-    for m in runs:
-        if ours(m) and "@" in m and planner_label(m) in planned:
-            error = 1e3 * planned[planner_label(m)] / step_ms[m] - 1
-            judge(f"{m} step time predicted within {PREDICTION:.0%} ({error:+.1%})", abs(error) <= PREDICTION)
+    for m in (m for m in runs if ours(m) and "@" in m and planner_label(m) in planned):  # compressed ours
+        error = 1e3 * planned[planner_label(m)] / step_ms[m] - 1
+        judge(f"{m} step time predicted within {PREDICTION:.0%} ({error:+.1%})", abs(error) <= PREDICTION)
     if full := result.get("full_size"):
         lines.append(
             f"the planner on the full-size job ({full['model_bytes'] / 1e9:g} GB, {1e3 * full['step_s']:.0f} "
@@ -474,9 +464,8 @@ def uneven_rates(
 ) -> dict[str, Any]:
     """Measured fleet steps per second of ddp, sync and paced, the planner's and its errors
     (``harness/uneven.py``: ``o`` from ``nocomm``, the planner over at most 30 rounds)."""
-    args = Namespace(
-        compute_ms=q.compute_ms, shift_s=0.0, sync_every=q.sync_every, rounds=min(gossip_rounds(q), 30)
-    )
+    rounds = min(gossip_rounds(q), 30)
+    args = Namespace(compute_ms=q.compute_ms, shift_s=0.0, sync_every=q.sync_every, rounds=rounds)
     o = fleet.overhead_seconds([{f"{scenario}/nocomm": r} for r in records["nocomm"]], scenario, args)
     model_bytes = 4.0 * sum(p.numel() for p in make_lm_model(q.width, q.depth).parameters())
     late = delay(parse_method(q.gossip))
@@ -582,31 +571,27 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
         workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
-        compute_s = q.compute_ms / 1e3
-        target = reference["validation_loss"] * q.tolerance
+        compute_s, target = q.compute_ms / 1e3, reference["validation_loss"] * q.tolerance
         bandwidth = q.bandwidth or 8 * model_bytes / compute_s  # one model per step's compute
-        times = {}
-        for jitter in ("none", "lognormal"):
-            compute = ComputeTimes(compute_s, jitter=jitter, sigma=0.3)
-            network = Network(Link(bandwidth))
+        times = {}  # by the rows' key suffix: the planner's step seconds without, then with jitter
+        for suffix, jitter in (("", "none"), ("_jitter", "lognormal")):
+            compute, network = ComputeTimes(compute_s, jitter=jitter, sigma=0.3), Network(Link(bandwidth))
             found = predict(model_bytes, compute, network, workers, compressions=(), blocking=True)
-            times[jitter] = {p.method: p.step_s for p in found}
+            times[suffix] = {p.method: p.step_s for p in found}
         steps_to = {r["method"]: next((s for s, loss in r["curve"] if loss <= target), None) for r in results}
         rows, table = [], []
         for r in results:
-            spec = parse_method(r["method"])
+            spec, steps, row = parse_method(r["method"]), steps_to[r["method"]], {"method": r["method"]}
             name = ("ddp" if spec.topology is None else str(spec.topology)) + "~h1d0" * (spec.sync_delay == 0)
-            steps, row = steps_to[r["method"]], {"method": r["method"], "steps": None}
             if spec.sync_every != 1:
                 continue
-            if steps is not None and name in times["none"]:
-                row["steps"] = steps
-                for jitter, suffix in (("none", ""), ("lognormal", "_jitter")):
-                    step_s, ddp_s = times[jitter][name], times[jitter]["ddp"] * (steps_to["ddp+adamw"] or 0)
-                    row |= {f"step_ms{suffix}": 1e3 * step_s, f"time_s{suffix}": steps * step_s}
-                    row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
+            row["steps"] = steps if name in times[""] else None
+            for suffix, step_s in ((s, t[name]) for s, t in times.items() if row["steps"] is not None):
+                ddp_s = times[suffix]["ddp"] * (steps_to["ddp+adamw"] or 0)
+                row |= {f"step_ms{suffix}": 1e3 * step_s, f"time_s{suffix}": steps * step_s}
+                row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
             rows.append(row)
-            cells = [cell(row.get(f"{k}{s}"), f) for s in ("", "_jitter") for k, f in SPECS.items()]
+            cells = [cell(row.get(f"{k}{s}"), f) for s in times for k, f in SPECS.items()]
             table.append([r["method"], "never" if row["steps"] is None else str(steps), *cells])
         header = ["method", "steps", "ms/step", "time s", "vs DDP", "ms/step jit", "time jit", "vs DDP jit"]
         title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
@@ -638,9 +623,8 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
             setattr(q, key, [m for m in getattr(q, key) if not m.startswith("torchft")])
     if q.question in ("slow-link", "scale-model"):  # nocomm first: the planner's input, the link's pace
         q.methods = ["nocomm", *[m for m in q.methods if m != "nocomm"]]
-        for method in [*q.methods, q.ours]:
-            if "@" in method:
-                parse_compression(method.partition("@")[2])
+        for method in [m for m in [*q.methods, q.ours] if "@" in m]:  # a bad wire format fails here
+            parse_compression(method.partition("@")[2])
         if q.ours not in ("", "planner") and not ours(q.ours):
             parser.error(f"--ours {q.ours!r}: 'planner', or ours in methods.py's grammar (ring~h2@int8)")
         try:
