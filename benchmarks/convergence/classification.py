@@ -25,7 +25,7 @@ from benchmarks.harness.runner import Result, on_local_ranks, run
 from benchmarks.harness.synthetic_task import split_label
 from decent_optim_wrapper.engine.wire.compression import codec, resolve_compression
 
-ADAM_OPTIMIZERS = ("adamw", "accum-adamw")
+ADAM_OPTIMIZERS = ("adamw", "accum-adamw", "muon")
 JUDGED_SYNC_EVERY = 8  # low-communication methods with more local steps per round are reported only
 TARGET_VS_DDP, TARGET_VS_UNTRACKED = 0.5, 0.1  # points; vs DDP on dirichlet for tracked methods only
 TARGET_VS_UNCOMPRESSED, TARGET_SPARSE_VS_UNCOMPRESSED = 0.3, 0.5

@@ -149,7 +149,7 @@ def with_twins(methods: list[str]) -> list[str]:
     wanted = list(dict.fromkeys(["ddp+adamw", *methods]))
     for method in wanted:  # the list grows as the loop goes: a twin's twin is added too
         if parse_method(method).optimizer not in ADAM_OPTIMIZERS:
-            raise ValueError(f"method {method!r}: the language model trains with Adam; add '+adamw'")
+            raise ValueError(f"method {method!r}: the language model trains with Adam or Muon: add '+adamw'")
         twins = (twin(method, "compression"), twin(method, "paced"))
         wanted += [m for m in dict.fromkeys(twins) if m and m not in wanted]
     return wanted
