@@ -505,6 +505,31 @@ def test_local_suffix_selects_the_plain_second_moment(name, second_moment):
         methods.parse_method("ddp+adamw-local")
 
 
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
+def test_muon_method_steps_muon_on_the_hidden_matrices_and_adamw_on_the_rest():
+    assert methods.parse_method("ring~h8+muon").name == "ring~h8+muon"
+    model = lm.make_lm_model()
+    optimizer = methods.optimizer_factory("muon", 0.0, 3e-3)(list(model.named_parameters()))
+    muon, adamw = optimizer.parts
+    assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
+    hidden = {id(p) for g in muon.param_groups for p in g["params"]}
+    for name, p in model.named_parameters():  # the embedding (tied with the output) and positions: AdamW
+        assert (id(p) in hidden) == (p.ndim == 2 and not name.startswith(("embed", "position"))), name
+    # one step of each part is torch's own step on the same gradients
+    twin = lm.make_lm_model()
+    reference = methods.MuonAdamW(list(twin.named_parameters()), lr=3e-3).parts
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        p.grad = q.grad = torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel()))
+    optimizer.step()
+    for part in reference:
+        part.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters(), strict=True))
+    # a stock scheduler on the one optimizer drives both parts' learning rates
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5)
+    assert scheduler.get_last_lr() == [1.5e-3, 1.5e-3]
+    assert muon.param_groups[0]["lr"] == adamw.param_groups[0]["lr"] == 1.5e-3
+
+
 def test_lm_table_judges_targets_and_gives_the_uncorrected_twin():
     results = [
         _result("ddp+adamw", 2.0, [(10, 2.5), (20, 2.0)]),

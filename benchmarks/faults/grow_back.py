@@ -125,14 +125,8 @@ def run(scenario: str, args: argparse.Namespace, placement: Placement) -> dict[s
                         if proc.poll() is None:
                             proc.kill()
                         proc.wait()
-                    resume_step = max(
-                        (
-                            s
-                            for s in range(0, args.steps + 1, args.checkpoint_every)
-                            if s and complete(out, s, args)
-                        ),
-                        default=0,
-                    )
+                    saved = range(args.checkpoint_every, args.steps + 1, args.checkpoint_every)
+                    resume_step = max((s for s in saved if complete(out, s, args)), default=0)
                     recomputed = args.lose_at + 1 - resume_step
                     attempt, restarts = 1, args.workers
                     for node in range(args.workers):

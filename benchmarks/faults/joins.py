@@ -204,10 +204,8 @@ def run_job(
             procs.append(start_worker(__name__, options, out / f"log-{node}.txt", env, launch))
 
         stop_forging = threading.Event()
+        forger = threading.Thread(target=forge, args=(host, port, forged_per_s, stop_forging), daemon=True)
         if forged_per_s:
-            forger = threading.Thread(
-                target=forge, args=(host, port, forged_per_s, stop_forging), daemon=True
-            )
             forger.start()
         try:
             for rank in range(members):
@@ -225,6 +223,11 @@ def run_job(
                     raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
         finally:
             stop_forging.set()
+            # Joined before the store goes and before the interpreter exits: a thread still inside a
+            # call to its TCPStore client then aborts the process ("terminate called without an
+            # active exception").
+            if forger.is_alive():
+                forger.join()
             for proc in procs:
                 if proc.poll() is None:
                     proc.kill()

@@ -39,13 +39,9 @@ def train(rank: int, world: int, store: dist.Store, config: dict[str, Any]) -> d
     shard = split_data(train_y, world, "iid")[rank]
     shard_x, shard_y = train_x[shard], train_y[shard]
     model = make_model()
-    opt = DecentOptimWrapper(
-        torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9),
-        topology="ring",
-        timeout=timedelta(seconds=config["timeout_s"]),
-        on_peer_failure="continue",
-        store=store,
-    )
+    sgd = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=0.9)
+    timeout = timedelta(seconds=config["timeout_s"])
+    opt = DecentOptimWrapper(sgd, topology="ring", timeout=timeout, on_peer_failure="continue", store=store)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     loss_fn = nn.CrossEntropyLoss()
     sampler = torch.Generator().manual_seed(1000 * config["seed"] + 100 + rank)

@@ -66,16 +66,8 @@ def worker(rank: int, port: int, results: Any, args: argparse.Namespace, mode: s
         begin = time.perf_counter()
         dist.all_gather_into_tensor(gathered, flag, async_op=True).wait(timedelta(seconds=60))
         checks.append(time.perf_counter() - begin)
-    results.put(
-        (
-            rank,
-            {
-                "step_s": statistics.median(times[args.warmup :]),
-                "buckets": len(optimizer.engine.buckets),
-                "check_s": statistics.median(checks),
-            },
-        )
-    )
+    step_s, buckets = statistics.median(times[args.warmup :]), len(optimizer.engine.buckets)
+    results.put((rank, {"step_s": step_s, "buckets": buckets, "check_s": statistics.median(checks)}))
     dist.destroy_process_group()
 
 

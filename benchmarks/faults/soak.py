@@ -209,18 +209,10 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
                 store.compare_set(END_KEY, "", str(t + END_MARGIN))
             if store.check([END_KEY]):
                 end = int(store.get(END_KEY))
-    return {
-        "index": index,
-        "members": members,
-        "events": events,
-        "joined": opt.joined is not None,
-        "first_step": first_step,
-        "steps": t,
-        "failures_fired": clock.next if elastic else None,
-        "scheduler_steps": scheduler.last_epoch,
-        **final_checks(opt, params, health),
-        "final_loss": float(loss),
-    }
+    run = {"index": index, "members": members, "events": events, "joined": opt.joined is not None}
+    run |= {"first_step": first_step, "steps": t, "failures_fired": clock.next if elastic else None}
+    run |= {"scheduler_steps": scheduler.last_epoch, **final_checks(opt, params, health)}
+    return run | {"final_loss": float(loss)}
 
 
 class Injector:
@@ -420,21 +412,14 @@ def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> d
         or r["members"] != results[0]["members"]
         for r in results
     )
-    return {
-        "plan": plan,
-        "seconds": round(outcome.seconds, 2),
-        "injected": {v: {k: victims[v][k] for k in ("mode", "step", "landed")} for v in victims},
-        "not_injected": [f["rank"] for f in plan if f["rank"] not in victims],
-        "survived": len(survived),
-        "survived_modes": [victims[v]["mode"] for v in survived],
-        "dropped_alive": sorted(lost - set(victims)),
-        "survivors": len(survivors),
-        "survivors_finished": len(results) if not outcome.errors else 0,
-        "errors": {r: e[-2000:] for r, e in outcome.errors.items()},
-        "steps_lost": steps_lost,
-        "recovery_s": recoveries,
-        **finished_figures(results, world_disagrees),
-    }
+    injected = {v: {k: victims[v][k] for k in ("mode", "step", "landed")} for v in victims}
+    run = {"plan": plan, "seconds": round(outcome.seconds, 2), "injected": injected}
+    run["not_injected"] = [f["rank"] for f in plan if f["rank"] not in victims]
+    run |= {"survived": len(survived), "survived_modes": [victims[v]["mode"] for v in survived]}
+    run |= {"dropped_alive": sorted(lost - set(victims)), "survivors": len(survivors)}
+    run |= {"survivors_finished": len(results) if not outcome.errors else 0}
+    run |= {"errors": {r: e[-2000:] for r, e in outcome.errors.items()}, "steps_lost": steps_lost}
+    return run | {"recovery_s": recoveries, **finished_figures(results, world_disagrees)}
 
 
 def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
@@ -445,25 +430,26 @@ def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) 
     corrupted = {
         k: sum(run["corruption"][k] for run in runs) for k in (runs[0]["corruption"] if runs else ())
     }
-    return {
-        **{k: getattr(args, k) for k in ("machine", "workers", "floor", "timeout_s")},
+    summary = {k: getattr(args, k) for k in ("machine", "workers", "floor", "timeout_s")}
+    summary |= {
         "seconds": round(seconds, 1),
         "runs": len(runs),
         "seeds": [args.seed + i for i in range(len(runs))],
-        "injected": sum(injected_by_mode.values()),
-        "injected_by_mode": injected_by_mode,
-        "timed_kills_landed_in": landed_in(injected),
-        "survived": sum(survived_by_mode.values()),
-        "survived_by_mode": survived_by_mode,
-        **{k: sum(len(run[k]) for run in runs) for k in ("not_injected", "dropped_alive")},
-        **{k: sum(run[k] for run in runs) for k in ("survivors", "survivors_finished", "steps_lost")},
+    }
+    summary |= {"injected": sum(injected_by_mode.values()), "injected_by_mode": injected_by_mode}
+    summary |= {"timed_kills_landed_in": landed_in(injected), "survived": sum(survived_by_mode.values())}
+    summary |= {"survived_by_mode": survived_by_mode}
+    summary |= {k: sum(len(run[k]) for run in runs) for k in ("not_injected", "dropped_alive")}
+    summary |= {k: sum(run[k] for run in runs) for k in ("survivors", "survivors_finished", "steps_lost")}
+    summary |= {
         "scheduler_behind": sum(run["scheduler_behind"] for run in runs),
         "recoveries": len(recoveries),
-        "recovery_s": {k: v for k, v in spread(recoveries, "mean").items() if k != "n"},
-        "corruption": corrupted,
-        "witness_excursion_max": max((run["witness_excursion_max"] for run in runs), default=0.0),
-        "average_deviation_max": max((run["average_deviation_max"] for run in runs), default=0.0),
     }
+    summary |= {"recovery_s": {k: v for k, v in spread(recoveries, "mean").items() if k != "n"}}
+    summary["corruption"] = corrupted
+    for key in ("witness_excursion_max", "average_deviation_max"):
+        summary[key] = max((run[key] for run in runs), default=0.0)
+    return summary
 
 
 def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
@@ -493,47 +479,44 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
     ) + abs(expected - len(finishers))
     median = lambda values: statistics.median(values) if joined else None  # noqa: E731
     parts = {"start-up": median([j["before_front_end"] - j["started"] for j in joined])}
-    parts |= {
-        p: median([j["seconds"][p] for j in joined])
-        for p in ("admission", "group", "donor", "transfer", "verify")
-    }
+    for part in ("admission", "group", "donor", "transfer", "verify"):
+        parts[part] = median([j["seconds"][part] for j in joined])
     parts["first step"] = median([j["first_step_end"] - j["after_front_end"] for j in joined])
-    overlapping = lambda start, end: any(s < end and start < e and (s, e) != (start, end) for s, e in joining)  # noqa: E731
-    return {
-        "seconds": round(outcome.seconds, 1),
-        "processes": processes,
-        "steps": steps,
-        "ends_disagree": len({r["steps"] for r in finishers}) > 1,
-        "failures_fired": min((r["failures_fired"] for r in finishers), default=0),
-        "injected": len(injections),
-        "bursts": sum(not r["overlap"] for r in injections),
-        "injected_by_mode": {m: sum(r["mode"] == m for r in injections) for m in MODES},
-        "timed_kills_landed_in": landed_in(injections),
-        "restarts": processes - args.workers,
-        "joins": sum(a["joined"] for a in admissions),
-        "joiners_recorded": len(joined),
-        "losses": sum(e["lost"] for e in losses),
-        "world_whole_again": sum(a["world_size"] == expected for a in admissions),
-        "smallest_world": min([e["world_size"] for e in losses], default=expected),
-        "finishers": len(finishers),
-        "errors": {i: e[-3000:] for i, e in outcome.errors.items()},
-        "steps_lost": sum(steps - r["step_count"] for r in finishers)
-        + steps * max(0, expected - len(finishers)),
-        **finished_figures(finishers, world_disagrees),
-        "landed_during": {
-            "kills during an admission": sum(during(r["time"], admitting) for r in injections),
-            "kills during a recovery": sum(during(r["time"], recovering) for r in injections),
-            "kills while a worker was joining": sum(during(r["time"], joining) for r in injections),
-            "joins overlapping a recovery": sum(
-                any(s <= end and start <= e for s, e in recovering) for start, end in joining
-            ),
-            "joins overlapping another join": sum(overlapping(start, end) for start, end in joining),
-        },
+
+    def kills_during(intervals: list[tuple[float, float]]) -> int:
+        return sum(during(r["time"], intervals) for r in injections)
+
+    def a_recovery(start: float, end: float) -> bool:
+        return any(s <= end and start <= e for s, e in recovering)
+
+    def another_join(start: float, end: float) -> bool:
+        return any(s < end and start < e and (s, e) != (start, end) for s, e in joining)
+
+    landed = {"kills during an admission": kills_during(admitting)}
+    landed["kills during a recovery"] = kills_during(recovering)
+    landed["kills while a worker was joining"] = kills_during(joining)
+    landed["joins overlapping a recovery"] = sum(a_recovery(start, end) for start, end in joining)
+    landed["joins overlapping another join"] = sum(another_join(start, end) for start, end in joining)
+    lost = sum(steps - r["step_count"] for r in finishers) + steps * max(0, expected - len(finishers))
+    summary = {"seconds": round(outcome.seconds, 1), "processes": processes, "steps": steps}
+    summary |= {"ends_disagree": len({r["steps"] for r in finishers}) > 1}
+    summary |= {"failures_fired": min((r["failures_fired"] for r in finishers), default=0)}
+    summary |= {"injected": len(injections), "bursts": sum(not r["overlap"] for r in injections)}
+    summary |= {"injected_by_mode": {m: sum(r["mode"] == m for r in injections) for m in MODES}}
+    summary |= {"timed_kills_landed_in": landed_in(injections), "restarts": processes - args.workers}
+    summary |= {"joins": sum(a["joined"] for a in admissions), "joiners_recorded": len(joined)}
+    summary |= {"losses": sum(e["lost"] for e in losses)}
+    summary |= {"world_whole_again": sum(a["world_size"] == expected for a in admissions)}
+    summary |= {"smallest_world": min([e["world_size"] for e in losses], default=expected)}
+    summary |= {"finishers": len(finishers), "errors": {i: e[-3000:] for i, e in outcome.errors.items()}}
+    summary |= {"steps_lost": lost, **finished_figures(finishers, world_disagrees), "landed_during": landed}
+    summary |= {
         "join_s": spread([j["first_step_end"] - j["started"] for j in joined]),
         "join_parts_median_s": parts,
-        "admission_pause_s": spread([p["seconds"] for p in pauses["admission"]]),
-        "recovery_pause_s": spread([p["seconds"] for p in pauses["recovery"]]),
     }
+    for kind in ("admission", "recovery"):
+        summary[f"{kind}_pause_s"] = spread([p["seconds"] for p in pauses[kind]])
+    return summary
 
 
 # -- the reports and the answers ---------------------------------------------------------------------
