@@ -295,7 +295,8 @@ def test_lm_multiplies_steps_by_the_planners_step_time(tmp_path):
     first, second = tmp_path / "lm.json", tmp_path / "lm-blocking.json"
     first.write_text(json.dumps([ddp, _lm("ring+adamw", 2.03, [(10, 2.4), (20, 2.03)])]))  # within 2% at 20
     first_local = _lm("ring+adamw-local", 2.2, [(10, 2.6), (20, 2.2)])  # never
-    first.write_text(json.dumps([*json.loads(first.read_text()), first_local]))
+    longer = _lm("ring~h8@int8+adamw", 1.9, [(10, 2.6), (20, 2.2), (30, 2.03), (40, 1.9)])  # its own horizon
+    first.write_text(json.dumps([*json.loads(first.read_text()), first_local, longer]))
     second.write_text(
         json.dumps([ddp, _lm("ring~h1d0+adamw", 2.0, [(10, 2.03), (20, 2.0)])])
     )  # blocking: at 10
@@ -304,13 +305,19 @@ def test_lm_multiplies_steps_by_the_planners_step_time(tmp_path):
     )
     rows = _rows(text)
     ddp_row, ring = rows["ddp+adamw"], rows["ring+adamw"]
-    assert ddp_row[1] == ring[1] == "20"
-    assert float(ring[3]) == pytest.approx(20 * float(ring[2]) / 1000, rel=1e-2)  # steps x step time
-    assert float(ring[4]) < 1.0  # gossip's step is shorter than DDP's on links this slow
-    assert rows["ring+adamw-local"][1] == "never"
+    assert ddp_row[2] == ring[2] == "20" and ring[1] == "20"
+    assert float(ring[4]) == pytest.approx(20 * float(ring[3]) / 1000, rel=1e-2)  # steps x step time
+    assert float(ring[5]) < 1.0  # gossip's step is shorter than DDP's on links this slow
+    assert float(ring[6]) == pytest.approx(
+        float(ring[4]) / (20 * 10 / 1000), rel=1e-2
+    )  # / DDP's steps x 10 ms
+    assert rows["ring+adamw-local"][2] == "never"
     blocking = rows["ring~h1d0+adamw"]  # the round is not hidden behind the 10 ms of compute: a longer step
-    assert blocking[1] == "10" and float(blocking[2]) > max(10.0, float(ring[2]))
-    assert float(blocking[3]) == pytest.approx(10 * float(blocking[2]) / 1000, rel=1e-2)
+    assert blocking[2] == "10" and float(blocking[3]) > max(10.0, float(ring[3]))
+    assert float(blocking[4]) == pytest.approx(10 * float(blocking[3]) / 1000, rel=1e-2)
+    periodic = rows["ring~h8@int8+adamw"]  # past DDP's samples on its own horizon: 30 steps, a hidden round
+    assert periodic[1] == "40" and periodic[2] == "30" and float(periodic[3]) == pytest.approx(10.0, rel=0.05)
+    assert float(periodic[6]) == pytest.approx(30 / 20, rel=0.05)  # the limit: 20 steps of 10 ms
     assert len(results) == 1 and text.count("DDP's final validation loss") == 1
 
 

@@ -68,12 +68,14 @@ QUESTIONS: dict[str, dict[str, Any]] = {
         "nocomm_steps": 24, "batch": 8,
         "deadline_s": 600.0,  # a method's ranks are killed after this
         **LM},
-    "lm": {"help": "steps to DDP's loss in lm_convergence --eval-every results times the planner's step time",
+    "lm": {"help": "steps to DDP's loss in convergence lm --eval-every results times the planner's step time",
         "results": [f"{ADAM}{n}.json" for n in (2, 4, 8)]
         + [f"{ADAM}{n}-blocking.json" for n in (2, 4, 8)]
         + [f"{ADAM}8-blocking-local.json", f"{ADAM}16.json", f"{ADAM}16-blocking-h200cpu.json"],
         "compute_ms": 18.0,
-        "bandwidth": 0.0,  # bits/s per node and direction; 0: one fp32 model per step's compute
+        "bandwidth": 0.0,  # bits/s per node and direction; 0: one fp32 model per --link-steps' compute
+        "link_steps": 1.0,
+        "message_bytes": 0.0,  # the link's cost per message beyond its payload (the probe's, scale-model)
         "tolerance": 1.02},  # reach DDP's final loss times this
 }
 # fmt: on

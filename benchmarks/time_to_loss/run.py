@@ -564,46 +564,64 @@ def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
     return [list(run.values()) for run in runs.values()]
 
 
+def lm_label(method: str) -> str:
+    """The planner's name for ``method`` (``ring@int8~h1d0``: blocking per-step gossip)."""
+    spec = parse_method(method)
+    if spec.sync_every != 1:
+        return planner_label(method)
+    wire = f"@{spec.compression}" if spec.compression else ""
+    return ("ddp" if spec.topology is None else f"{spec.topology}{wire}") + "~h1d0" * (spec.sync_delay == 0)
+
+
 def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
-    """Per run, each per-step method's first evaluation within ``--tolerance`` of DDP's final loss times
-    the planner's step time (no jitter; log-normal, sigma 0.3); blocking gossip adds its round."""
+    """Per run, each method's first evaluation within ``--tolerance`` of DDP's final loss times the
+    planner's step time (no jitter; log-normal, sigma 0.3), over DDP's own time to it and over the limit:
+    DDP's steps to it at the step without communication (DDP on a network that costs nothing)."""
     out, text = [], []
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
         workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
         compute_s, target = q.compute_ms / 1e3, reference["validation_loss"] * q.tolerance
-        bandwidth = q.bandwidth or 8 * model_bytes / compute_s  # one model per step's compute
+        bandwidth = q.bandwidth or 8 * model_bytes / (compute_s * q.link_steps)  # a model per link_steps
+        specs = [parse_method(r["method"]) for r in results if ours(r["method"])]
+        options: dict[str, Any] = {"compressions": sorted({s.compression for s in specs if s.compression})}
+        options |= {"local_steps": sorted({(s.sync_every, delay(s)) for s in specs if s.sync_every > 1})}
         times = {}  # by the rows' key suffix: the planner's step seconds without, then with jitter
         for suffix, jitter in (("", "none"), ("_jitter", "lognormal")):
-            compute, network = ComputeTimes(compute_s, jitter=jitter, sigma=0.3), Network(Link(bandwidth))
-            found = predict(model_bytes, compute, network, workers, compressions=(), blocking=True)
+            compute = ComputeTimes(compute_s, jitter=jitter, sigma=0.3)
+            network = Network(Link(bandwidth, message_bytes=q.message_bytes))
+            found = predict(model_bytes, compute, network, workers, blocking=True, **options)
             times[suffix] = {p.method: p.step_s for p in found}
         steps_to = {r["method"]: next((s for s, loss in r["curve"] if loss <= target), None) for r in results}
+        limit_s = compute_s * (steps_to["ddp+adamw"] or 0)
         rows, table = [], []
         for r in results:
-            spec, steps, row = parse_method(r["method"]), steps_to[r["method"]], {"method": r["method"]}
-            name = ("ddp" if spec.topology is None else str(spec.topology)) + "~h1d0" * (spec.sync_delay == 0)
-            if spec.sync_every != 1:
-                continue
-            row["steps"] = steps if name in times[""] else None
+            name, steps, row = lm_label(r["method"]), steps_to[r["method"]], {"method": r["method"]}
+            row["steps"], row["horizon"] = (steps if name in times[""] else None), r["curve"][-1][0]
             for suffix, step_s in ((s, t[name]) for s, t in times.items() if row["steps"] is not None):
                 ddp_s = times[suffix]["ddp"] * (steps_to["ddp+adamw"] or 0)
                 row |= {f"step_ms{suffix}": 1e3 * step_s, f"time_s{suffix}": steps * step_s}
                 row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
+                row[f"vs_limit{suffix}"] = steps * step_s / limit_s if limit_s else None
             rows.append(row)
             cells = [cell(row.get(f"{k}{s}"), f) for s in times for k, f in SPECS.items()]
-            table.append([r["method"], "never" if row["steps"] is None else str(steps), *cells])
-        header = ["method", "steps", "ms/step", "time s", "vs DDP", "ms/step jit", "time jit", "vs DDP jit"]
+            reached = "never" if row["steps"] is None else str(steps)
+            table.append([r["method"], str(row["horizon"]), reached, *cells])
+        header = ["method", "horizon", "steps", "ms/step", "time s", "vs DDP", "vs limit"]
+        header += ["ms/step jit", "time jit", "vs DDP jit", "vs limit jit"]
         title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
         title += f"final validation loss {reference['validation_loss']:.4f} (target x{q.tolerance:g}: "
-        title += f"{target:.4f}); compute {q.compute_ms:g} ms/step, links {bandwidth / 1e6:.0f} Mbit/s"
+        title += f"{target:.4f}); compute {q.compute_ms:g} ms/step, links {bandwidth / 1e6:.4g} Mbit/s"
         text.append(f"{title}\n{markdown_table(header, table)}")
         out.append({"workers": workers, "target": target, "bandwidth": bandwidth, "rows": rows})
-    text.append("('jit': log-normal compute jitter, sigma 0.3; '~h1d0': blocking per-step gossip)")
+    text.append(
+        "('jit': log-normal compute jitter, sigma 0.3; '~h1d0': blocking per-step gossip; the limit: "
+        "DDP's steps to the target at the step without communication)"
+    )
     return out, "\n\n".join(text)
 
 
-SPECS = {"step_ms": ".1f", "time_s": ".1f", "vs_ddp": ".2f"}  # lm's columns
+SPECS = {"step_ms": ".1f", "time_s": ".1f", "vs_ddp": ".2f", "vs_limit": ".2f"}  # lm's columns
 
 
 # -- the command line: a question, its defaults as flags (questions.py)
