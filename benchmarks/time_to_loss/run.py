@@ -593,13 +593,14 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
             found = predict(model_bytes, compute, network, workers, blocking=True, **options)
             times[suffix] = {p.method: p.step_s for p in found}
         steps_to = {r["method"]: next((s for s, loss in r["curve"] if loss <= target), None) for r in results}
-        limit_s = compute_s * (steps_to["ddp+adamw"] or 0)
+        ddp_steps = steps_to["ddp+adamw"] or 0
+        limit_s = compute_s * ddp_steps  # DDP on a network that costs nothing
         rows, table = [], []
         for r in results:
             name, steps, row = lm_label(r["method"]), steps_to[r["method"]], {"method": r["method"]}
             row["steps"], row["horizon"] = (steps if name in times[""] else None), r["curve"][-1][0]
             for suffix, step_s in ((s, t[name]) for s, t in times.items() if row["steps"] is not None):
-                ddp_s = times[suffix]["ddp"] * (steps_to["ddp+adamw"] or 0)
+                ddp_s = times[suffix]["ddp"] * ddp_steps
                 row |= {f"step_ms{suffix}": 1e3 * step_s, f"time_s{suffix}": steps * step_s}
                 row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
                 row[f"vs_limit{suffix}"] = steps * step_s / limit_s if limit_s else None
