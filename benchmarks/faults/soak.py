@@ -54,6 +54,7 @@ JUDGE_TIMEOUT_S = 60  # the final gathers' timeout (they are not under test)
 WITNESS_ULPS = 4  # rounding allowed per round, in units of 2^-23 (an ulp at 2): see module docstring
 END_MARGIN = 30  # rejoins: steps between the proposal of the end and the end (workers a step or two apart)
 END_KEY = "rejoin-soak/end"  # rejoins: the agreed end, in the store
+CLOCK_KEY = "rejoin-soak/failures"  # rejoins: the failures fired and their claims, in the store
 QUIET_STEPS = 1000  # rejoins: after the last failure fired, steps without a loss that make it a miss
 WHEN = {  # (call, mode) -> the fault fires at once before the call, from a timer started before it, or after
     ("step", "stop"): "before",
@@ -93,39 +94,63 @@ def build_worker(store: dist.Store, config: dict) -> tuple[nn.Module, nn.Paramet
 class FaultClock:
     """rejoins: the planned failures, taken in order: failure ``k`` is due ``gap`` steps after failure
     ``k - 1`` fired, once the world is whole (or, for an ``overlap`` failure, above the floor), and for
-    a kill inside a global average at a step that takes one. Every worker holds one; a joiner receives
-    its donor's (``register_join_state``), so everyone agrees on which failure comes next."""
+    a kill inside a global average at a step that takes one.
 
-    def __init__(self, plan: list[dict], workers: int, floor: int, every: int, spare_rank_0: bool) -> None:
-        self.plan, self.workers, self.floor, self.every = plan, workers, floor, every
+    The store keeps the count of failures fired and, per failure, who claimed it at which step: the
+    members run a step or two apart around a change of the world, so clocks kept apart would see
+    different worlds at the same step and disagree on which failure comes next (a joiner would fire
+    one again). Only the victim claims a failure (``compare_set``), so each fires exactly once.
+    """
+
+    def __init__(
+        self, store: dist.Store, plan: list[dict], config: dict, index: int, spare_rank_0: bool
+    ) -> None:
+        self.store, self.plan, self.index = store, plan, index
+        self.workers, self.floor, self.every = config["workers"], config["floor"], config["average_every"]
         self.spare_rank_0 = spare_rank_0  # the slow worker (launch index 0, rank 0 for good) never fails
-        self.next, self.last_fired = 0, WARMUP_STEPS
+        self._fired_at: dict[int, int] = {}  # failure -> the step it fired at (claims never change)
+
+    @property
+    def next(self) -> int:
+        """How many failures have fired (the index of the next one)."""
+        return int(self.store.add(f"{CLOCK_KEY}/fired", 0))
 
     @property
     def done(self) -> bool:
         return self.next == len(self.plan)
 
+    @property
+    def last_fired(self) -> int:
+        """The step the latest failure fired at (``WARMUP_STEPS`` before the first)."""
+        return self._fired_step(self.next - 1)
+
+    def _fired_step(self, failure: int) -> int:
+        if failure < 0:
+            return WARMUP_STEPS
+        if failure not in self._fired_at:  # claimed before ``fired`` counts it: the key is there
+            self._fired_at[failure] = int(self.store.get(f"{CLOCK_KEY}/claim/{failure}").split(b":")[1])
+        return self._fired_at[failure]
+
     def due(self, step: int, rank: int, world_size: int) -> dict | None:
-        """The failure this worker must inject at ``step`` (it is the victim), if any."""
-        if self.done:
+        """The failure this worker must inject at ``step`` (it is the victim and claimed it), if any."""
+        failure = self.next
+        if failure == len(self.plan):
             return None
-        fault = self.plan[self.next]
-        if step < self.last_fired + fault["gap"]:
+        fault = self.plan[failure]
+        if step < self._fired_step(failure - 1) + fault["gap"]:
             return None
         if world_size < self.workers and not (fault["overlap"] and world_size > self.floor):
             return None
         if fault["mode"] == "kill-in-global-avg" and (step + 1) % self.every:
             return None
-        self.next, self.last_fired = self.next + 1, step
-        if self.spare_rank_0:
-            return fault if 1 + fault["victim"] % (world_size - 1) == rank else None
-        return fault if fault["victim"] % world_size == rank else None
-
-    def state_dict(self) -> dict[str, int]:
-        return {"next": self.next, "last_fired": self.last_fired}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.next, self.last_fired = state["next"], state["last_fired"]
+        victim = 1 + fault["victim"] % (world_size - 1) if self.spare_rank_0 else fault["victim"] % world_size
+        if victim != rank:
+            return None
+        mine = f"{self.index}:{step}"
+        if self.store.compare_set(f"{CLOCK_KEY}/claim/{failure}", "", mine) != mine.encode():
+            return None  # another worker, a step or a world behind or ahead, claimed it first
+        self.store.add(f"{CLOCK_KEY}/fired", 1)
+        return fault
 
 
 def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], config: dict) -> dict:
@@ -139,11 +164,12 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
     slow = config["slow_factor"] > 1
     # With --slow-factor, launch index 0 computes that many times longer per step (a slower machine).
     step_time_s = config["step_time_s"] * (config["slow_factor"] if index == 0 and slow else 1)
-    clock = FaultClock(plan, world, config["floor"], every, spare_rank_0=slow)
+    clock = (
+        FaultClock(store, plan, {**config, "workers": world}, index, spare_rank_0=slow) if elastic else None
+    )
     planned = {f["step"]: f for f in plan if f.get("rank") == index}  # kills: victims by launch rank
     if elastic:
         opt.register_join_state("scheduler", scheduler)  # a joiner loads its donor's here
-        opt.register_join_state("faults", clock)
     if opt.joined is None:
         with torch.no_grad():  # after construction, which broadcast rank 0's values
             witness.copy_(witness_values(index))
@@ -177,7 +203,7 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
     first_step = t = opt.step_count
     end = steps  # rejoins: until the first worker to see the run done proposes an end (first one wins)
     while t < end:
-        fault = (clock.due(t, opt.rank, opt.world_size) if elastic else planned.get(t)) or {}
+        fault = (clock.due(t, opt.rank, opt.world_size) if clock else planned.get(t)) or {}
         x = _inputs(index, t)
         opt.zero_grad()
         loss = loss_fn(model(x), x @ teacher)
@@ -200,7 +226,7 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
             health.check()
             opt.revert_global_avg()
         t += 1
-        if elastic:
+        if clock is not None:
             # The end comes once the last failure was recovered and its victim is back: a loss noted
             # after it fired, then a whole world (or, if nobody died of it, a long quiet stretch).
             lost_since = bool(events) and events[-1]["step"] >= clock.last_fired
@@ -210,7 +236,7 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
             if store.check([END_KEY]):
                 end = int(store.get(END_KEY))
     run = {"index": index, "members": members, "events": events, "joined": opt.joined is not None}
-    run |= {"first_step": first_step, "steps": t, "failures_fired": clock.next if elastic else None}
+    run |= {"first_step": first_step, "steps": t, "failures_fired": clock.next if clock else None}
     run |= {"scheduler_steps": scheduler.last_epoch, **final_checks(opt, params, health)}
     return run | {"final_loss": float(loss)}
 
