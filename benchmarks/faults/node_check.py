@@ -32,8 +32,9 @@ def worker(rank: int, port: int, results: Any, args: argparse.Namespace, mode: s
 
     torch.set_num_threads(1)
     world = args.nodes * args.shards
-    # Rank 0 hosts the store: nobody fails here, so it may live in a worker.
-    store = dist.TCPStore("127.0.0.1", port, is_master=rank == 0, wait_for_workers=False)
+    # The job's launcher hosts the store (run_job): with "continue" a rank polls it in every gossip wait,
+    # so a store in rank 0 would vanish under the ranks still in their last step when rank 0 is done.
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     init_elastic(store, rank, world, job="node-check", shards=args.shards, timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     model = build_mlp(64, args.width, args.depth, 8)
@@ -72,9 +73,12 @@ def worker(rank: int, port: int, results: Any, args: argparse.Namespace, mode: s
 
 
 def run_job(args: argparse.Namespace, mode: str) -> dict[str, float]:
+    import torch.distributed as dist
+
     world = args.nodes * args.shards
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # outlives every rank
     by_rank = collect_from_ranks(
-        world, worker, lambda rank, port, results: (rank, port, results, args, mode), 300, f"job {mode}"
+        world, worker, lambda rank, _, results: (rank, store.port, results, args, mode), 300, f"job {mode}"
     )
     return {
         "step_s": statistics.median(r["step_s"] for r in by_rank.values()),
