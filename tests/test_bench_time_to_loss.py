@@ -318,7 +318,22 @@ def test_lm_multiplies_steps_by_the_planners_step_time(tmp_path):
     periodic = rows["ring~h8@int8+adamw"]  # past DDP's samples on its own horizon: 30 steps, a hidden round
     assert periodic[1] == "40" and periodic[2] == "30" and float(periodic[3]) == pytest.approx(10.0, rel=0.05)
     assert float(periodic[6]) == pytest.approx(30 / 20, rel=0.05)  # the limit: 20 steps of 10 ms
-    assert len(results) == 1 and text.count("DDP's final validation loss") == 1
+    assert len(results) == 1 and text.count("DDP's (lr 0.003) final validation loss") == 1
+
+    # --reference: DDP at its best learning rate sets the target, here 1.95 (a run at lr 6e-3, steps 20)
+    tuned, other = tmp_path / "ddp-lr6e-3.json", tmp_path / "ddp-4.json"
+    tuned.write_text(json.dumps([_lm("ddp+adamw", 1.95, [(20, 1.95)]) | {"adam_lr": 6e-3}]))
+    other.write_text(json.dumps([_lm("ddp+adamw", 1.8, [(20, 1.8)]) | {"workers": 4}]))  # not 2 workers
+    q = driver.parse_args(["lm", "--results", str(first), "--compute-ms", "10", "--tolerance", "1"])
+    q.reference = [str(tuned), str(other), str(first)]  # the best of 2.0 and 1.95 at 2 workers
+    results, text = driver.lm(q)
+    rows = _rows(text)
+    assert results[0]["target"] == 1.95 and "DDP's (lr 0.006) final validation loss 1.9500" in text
+    assert rows["ring~h8@int8+adamw"][2] == "40" and rows["ring+adamw"][2] == "never"
+    assert float(rows["ring~h8@int8+adamw"][6]) == pytest.approx(40 / 20, rel=0.05)  # DDP's 20 steps
+    q.reference = [str(other)]
+    with pytest.raises(SystemExit, match="no ddp\\+adamw run with 2 workers"):
+        driver.lm(q)
 
 
 @pytest.mark.examples

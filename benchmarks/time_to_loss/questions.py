@@ -76,6 +76,7 @@ QUESTIONS: dict[str, dict[str, Any]] = {
         "bandwidth": 0.0,  # bits/s per node and direction; 0: one fp32 model per --link-steps' compute
         "link_steps": 1.0,
         "message_bytes": 0.0,  # the link's cost per message beyond its payload (the probe's, scale-model)
+        "reference": [],  # convergence lm JSONs: the target is the best of their ddp+adamw (DDP's best lr)
         "tolerance": 1.02},  # reach DDP's final loss times this
 }
 # fmt: on

@@ -564,6 +564,15 @@ def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
     return [list(run.values()) for run in runs.values()]
 
 
+def best_ddp(paths: list[str], workers: int) -> dict[str, Any] | None:
+    """The lowest final loss among the ``ddp+adamw`` results of ``paths`` with ``workers`` workers (DDP
+    at its best learning rate, where each path ran one), or None without ``paths``."""
+    found = [r for run in merged_runs(paths) for r in run if r["method"] == "ddp+adamw"]
+    if paths and not (found := [r for r in found if r["workers"] == workers]):
+        raise SystemExit(f"--reference: no ddp+adamw run with {workers} workers in {', '.join(paths)}")
+    return min(found, key=lambda r: r["validation_loss"], default=None)
+
+
 def lm_label(method: str) -> str:
     """The planner's name for ``method`` (``ring@int8~h1d0``: blocking per-step gossip)."""
     spec = parse_method(method)
@@ -574,12 +583,16 @@ def lm_label(method: str) -> str:
 
 
 def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
-    """Per run, each method's first evaluation within ``--tolerance`` of DDP's final loss times the
-    planner's step time (no jitter; log-normal, sigma 0.3), over DDP's own time to it and over the limit:
-    DDP's steps to it at the step without communication (DDP on a network that costs nothing)."""
+    """Per run, each method's first evaluation within ``--tolerance`` of DDP's final loss (the run's own,
+    or the best of ``--reference``'s) times the planner's step time (no jitter; log-normal, sigma 0.3),
+    over DDP's own time to it and over the limit: DDP's steps to it at the step without communication
+    (DDP on a network that costs nothing)."""
     out, text = [], []
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
+        if (best := best_ddp(q.reference, reference["workers"])) is not None:  # the target: DDP at its best
+            results = [best if r is reference else r for r in results]
+            reference = best
         workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
         compute_s, target = q.compute_ms / 1e3, reference["validation_loss"] * q.tolerance
         bandwidth = q.bandwidth or 8 * model_bytes / (compute_s * q.link_steps)  # a model per link_steps
@@ -610,8 +623,10 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
             table.append([r["method"], str(row["horizon"]), reached, *cells])
         header = ["method", "horizon", "steps", "ms/step", "time s", "vs DDP", "vs limit"]
         header += ["ms/step jit", "time jit", "vs DDP jit", "vs limit jit"]
-        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {reference['adam_lr']}: DDP's "
-        title += f"final validation loss {reference['validation_loss']:.4f} (target x{q.tolerance:g}: "
+        lrs = ", ".join(sorted({f"{r['adam_lr']:g}" for r in results if r is not reference}))
+        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {lrs}: DDP's (lr "
+        title += f"{reference['adam_lr']:g}) final validation loss {reference['validation_loss']:.4f} "
+        title += f"(target x{q.tolerance:g}: "
         title += f"{target:.4f}); compute {q.compute_ms:g} ms/step, links {bandwidth / 1e6:.4g} Mbit/s"
         text.append(f"{title}\n{markdown_table(header, table)}")
         out.append({"workers": workers, "target": target, "bandwidth": bandwidth, "rows": rows})
