@@ -324,14 +324,14 @@ def test_lm_multiplies_steps_by_the_planners_step_time(tmp_path):
     tuned, other = tmp_path / "ddp-lr6e-3.json", tmp_path / "ddp-4.json"
     tuned.write_text(json.dumps([_lm("ddp+adamw", 1.95, [(20, 1.95)]) | {"adam_lr": 6e-3}]))
     other.write_text(json.dumps([_lm("ddp+adamw", 1.8, [(20, 1.8)]) | {"workers": 4}]))  # not 2 workers
-    q = driver.parse_args(["lm", "--results", str(first), "--compute-ms", "10", "--tolerance", "1"])
-    q.reference = [str(tuned), str(other), str(first)]  # the best of 2.0 and 1.95 at 2 workers
+    argv = ["lm", "--results", str(first), "--compute-ms", "10", "--tolerance", "1", "--reference"]
+    q = driver.parse_args([*argv, str(tuned), str(other), str(first)])  # the best of 2.0 and 1.95, 2 workers
     results, text = driver.lm(q)
     rows = _rows(text)
     assert results[0]["target"] == 1.95 and "DDP's (lr 0.006) final validation loss 1.9500" in text
     assert rows["ring~h8@int8+adamw"][2] == "40" and rows["ring+adamw"][2] == "never"
     assert float(rows["ring~h8@int8+adamw"][6]) == pytest.approx(40 / 20, rel=0.05)  # DDP's 20 steps
-    q.reference = [str(other)]
+    q = driver.parse_args([*argv, str(other)])
     with pytest.raises(SystemExit, match="no ddp\\+adamw run with 2 workers"):
         driver.lm(q)
 

@@ -564,13 +564,12 @@ def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
     return [list(run.values()) for run in runs.values()]
 
 
-def best_ddp(paths: list[str], workers: int) -> dict[str, Any] | None:
-    """The lowest final loss among the ``ddp+adamw`` results of ``paths`` with ``workers`` workers (DDP
-    at its best learning rate, where each path ran one), or None without ``paths``."""
-    found = [r for run in merged_runs(paths) for r in run if r["method"] == "ddp+adamw"]
-    if paths and not (found := [r for r in found if r["workers"] == workers]):
+def best_ddp(references: list[dict[str, Any]], workers: int, paths: list[str]) -> dict[str, Any] | None:
+    """The lowest final loss among the ``ddp+adamw`` ``references`` (read from ``paths``) with
+    ``workers`` workers (DDP at its best learning rate, where each path ran one), or None without any."""
+    if paths and not (found := [r for r in references if r["workers"] == workers]):
         raise SystemExit(f"--reference: no ddp+adamw run with {workers} workers in {', '.join(paths)}")
-    return min(found, key=lambda r: r["validation_loss"], default=None)
+    return min(found, key=lambda r: r["validation_loss"]) if paths else None
 
 
 def lm_label(method: str) -> str:
@@ -588,9 +587,10 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
     over DDP's own time to it and over the limit: DDP's steps to it at the step without communication
     (DDP on a network that costs nothing)."""
     out, text = [], []
+    references = [r for run in merged_runs(q.reference) for r in run if r["method"] == "ddp+adamw"]
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
-        if (best := best_ddp(q.reference, reference["workers"])) is not None:  # the target: DDP at its best
+        if (best := best_ddp(references, reference["workers"], q.reference)) is not None:  # DDP at its best
             results = [best if r is reference else r for r in results]
             reference = best
         workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
@@ -623,11 +623,13 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
             table.append([r["method"], str(row["horizon"]), reached, *cells])
         header = ["method", "horizon", "steps", "ms/step", "time s", "vs DDP", "vs limit"]
         header += ["ms/step jit", "time jit", "vs DDP jit", "vs limit jit"]
-        lrs = ", ".join(sorted({f"{r['adam_lr']:g}" for r in results if r is not reference}))
-        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {lrs}: DDP's (lr "
+        lrs = sorted({f"{r['adam_lr']:g}" for r in results if r is not reference}) or [
+            f"{reference['adam_lr']:g}"
+        ]
+        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {', '.join(lrs)}: DDP's (lr "
         title += f"{reference['adam_lr']:g}) final validation loss {reference['validation_loss']:.4f} "
-        title += f"(target x{q.tolerance:g}: "
-        title += f"{target:.4f}); compute {q.compute_ms:g} ms/step, links {bandwidth / 1e6:.4g} Mbit/s"
+        title += f"(target x{q.tolerance:g}: {target:.4f}); compute {q.compute_ms:g} ms/step, "
+        title += f"links {bandwidth / 1e6:.4g} Mbit/s"
         text.append(f"{title}\n{markdown_table(header, table)}")
         out.append({"workers": workers, "target": target, "bandwidth": bandwidth, "rows": rows})
     text.append(
