@@ -121,8 +121,20 @@ def _inputs(rank: int, step: int) -> torch.Tensor:
 
 
 def _join_rank0_store(rank: int, world_size: int, port: int) -> dist.Store:
-    """Plain init_process_group: rank 0 hosts the store (port + 1: the parent's is unused here)."""
-    store = dist.TCPStore("127.0.0.1", port + 1, world_size, rank == 0, timeout=timedelta(seconds=30))
+    """Plain init_process_group: rank 0 hosts the store the group and the library meet in.
+
+    Rank 0 binds its store to a port the kernel picks (a guessed port may be taken: by a gloo socket
+    of another test, say) and posts it in the parent's store, used for nothing else here.
+    """
+    rendezvous = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world_size, True, timeout=timedelta(seconds=30), wait_for_workers=False
+        )
+        rendezvous.set("rank0_store_port", str(store.port))
+    else:
+        host_port = int(rendezvous.get("rank0_store_port"))
+        store = dist.TCPStore("127.0.0.1", host_port, world_size, False, timeout=timedelta(seconds=30))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     return store
 
