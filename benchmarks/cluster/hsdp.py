@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from benchmarks.harness.cluster_worker import COLLECTIVE_TIMEOUT, write_atomically
+from benchmarks.harness.emulated_cluster import COLLECTIVE_TIMEOUT, write_atomically
 from benchmarks.harness.common import build_mlp
 from benchmarks.harness.methods import parse_method
 from decent_optim_wrapper import DecentOptimWrapper

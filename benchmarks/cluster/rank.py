@@ -1,30 +1,20 @@
 """One rank of ``benchmarks/cluster/run.py``: trains each method in turn and writes what it measured.
 
-Started inside its node's network namespace (``harness/emulated_cluster.py``; ``MASTER_ADDR``,
-``MASTER_PORT`` and ``GLOO_SOCKET_IFNAME`` set) as ``rank.py --rank R --world-size W --local-world-size L
---out PATH --config JSON``, the config being the question's options. ``mode`` picks what it does:
+Started inside its node's namespace (``harness/emulated_cluster.py``) as ``rank.py --rank R --world-size
+W --local-world-size L --out PATH --config JSON``, the config being the question's options. ``mode``:
 
-* ``timed``: in each of ``rounds`` rounds, every method (under every one of ``scenarios``) trains a
-  fresh model from one seed, ``warmup`` untimed then ``iters`` timed steps, round ``r`` starting at
-  segment ``r`` so that no method is always first; ``--out`` is rewritten after every round (a driver
-  at its deadline keeps the rounds done). All methods use AdamW (lr 1e-3) on the same model and batch;
-  only the communication differs. Methods: ``nocomm`` (each rank alone), ``ddp``, ``ddp-bf16``
-  (torch's ``bf16_compress_hook``), ``avg~hH`` (torch's ``PostLocalSGDOptimizer`` with a
-  ``PeriodicModelAverager``), ``torchft~hH[dD]`` (torchft's DiLoCo, ``harness/torchft_peer.py``) and
-  gossip in ``harness/methods.py``'s grammar (``ring``, ``ring-module@bf16``, ``ring~h8n``); with
-  ``loop: accelerate`` the Accelerate loop's ``nocomm``, ``ddp``, ``local-sgd`` and ``gossip-TOPOLOGY``
-  (``DecentralizedAccelerator(sync_every=every)``); with ``shards`` the HSDP methods of
-  ``benchmarks/cluster/hsdp.py``. With ``compute: emulated`` forward and backward are sleeps
-  (``harness/emulated_compute.py``) of ``compute_ms`` on average, drawn per rank and step by
-  ``decent_optim_wrapper.plan.ComputeTimes`` for each scenario (results keyed ``scenario/method``).
-  Beside the times: bytes sent per step (gossip: the engine's count; DDP: a ring all-reduce's
-  ``2 (n - 1) / n`` gradients), the process's CPU seconds per window and rank 0's machine-wide busy
-  seconds; with real compute the forward and compute seconds of every step.
-* ``fleet``: the uneven fleet (``harness/uneven.py``'s speed factors): each scenario and method trains
-  until its rounds are launched (``nocomm``: for ``nocomm_s`` seconds), every step's wall-clock end
-  written, with each paced rank's pace report.
-* ``sharing``: two groups of two ranks all-reduce one model each, the second ``delta`` after the
-  first, for every delta (``link_sharing``).
+* ``timed``: each of ``rounds`` rounds trains every method (under every one of ``scenarios``) from one
+  seed, ``warmup`` untimed then ``iters`` timed steps, round ``r`` starting at segment ``r``; ``--out``
+  is rewritten after every round. Every method runs AdamW (lr 1e-3) on the same model and batch; only
+  the communication differs: ``nocomm``, ``ddp``, ``ddp-bf16`` (``bf16_compress_hook``), ``avg~hH``
+  (torch's ``PostLocalSGDOptimizer``), ``torchft~hH[dD]`` (torchft's DiLoCo) and gossip in
+  ``harness/methods.py``'s grammar; with ``loop: accelerate`` the Accelerate loop's ``nocomm``, ``ddp``,
+  ``local-sgd`` and ``gossip-TOPOLOGY``; with ``shards`` the HSDP methods of ``cluster/hsdp.py``. With
+  ``compute: emulated`` forward and backward are sleeps drawn by ``plan.ComputeTimes`` per scenario.
+  Beside the times: bytes sent per step, the process's CPU seconds and rank 0's machine-wide busy
+  seconds per window, with real compute each step's forward and compute seconds.
+* ``fleet``: the uneven fleet (``harness/uneven.py``): every step's wall-clock end, and the pace report.
+* ``sharing``: two groups of two ranks all-reduce one model each, the second ``delta`` after the first.
 * ``memory``: one configuration of ``hsdp.py``'s memory part, on loopback.
 """
 
@@ -47,12 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.cluster import hsdp
-from benchmarks.harness.cluster_worker import (
-    COLLECTIVE_TIMEOUT,
-    busy_cpu_seconds,
-    own_cpu_seconds,
-    write_atomically,
-)
+from benchmarks.harness.emulated_cluster import COLLECTIVE_TIMEOUT, busy_cpu_seconds, own_cpu_seconds
+from benchmarks.harness.emulated_cluster import write_atomically
 from benchmarks.harness.common import build_mlp
 from benchmarks.harness.emulated_compute import ROWS, EmulatedMLP
 from benchmarks.harness.methods import nesterov_outer, parse_method
@@ -123,8 +109,7 @@ def build(method: str, net: nn.Module, cfg: Any) -> Training:
     spec = parse_method(method)
     if spec.topology is None or spec.paced or spec.optimizer:
         raise ValueError(f"method {method!r}: not timed here (paced rounds: the uneven question)")
-    # Only the keywords a method turns on, so that plain methods also run on a library from before
-    # they existed (to compare commits).
+    # Only the keywords a method turns on: plain methods also run on an older library (to compare commits).
     turned_on = lambda v: not (v is None or v is False or v == "average")  # noqa: E731
     options = {k: v for k, v in spec.engine_options().items() if turned_on(v)}
     options["timeout"] = COLLECTIVE_TIMEOUT

@@ -290,7 +290,7 @@ def paced_notes(scenario: str, entries: dict[str, Any]) -> list[str]:
 def scaling(args: argparse.Namespace) -> tuple[Any, str]:
     """Per scenario: each method's mean step (mean over the ranks of their mean), over nocomm's and
     DDP's over it, the ranks' own CPU and the machine's busy CPU over the same windows."""
-    from benchmarks.harness.cluster_worker import busy_cpu_seconds
+    from benchmarks.harness.emulated_cluster import busy_cpu_seconds
 
     if args.workers_per_node > 1 and "hierarchical" not in args.methods:
         args.methods.append("hierarchical")

@@ -1,15 +1,12 @@
 """An emulated cluster on one machine: network namespaces on a bridge, links shaped with ``tc tbf``.
 
-:class:`Cluster` builds ``nodes`` Linux network namespaces (``dow-n0``, ``dow-n1``, ...), each with one
-veth link to a bridge that lives in a namespace of its own (``dow-br``), addresses ``10.213.7.0/24``,
-and removes them on exit, error or Ctrl-C; :meth:`Cluster.shape` sets every link to one rate in both
-directions (the node-side veth shapes what the node sends, the bridge-side one what it receives) and
-:func:`measure_link` checks it with one TCP stream; :func:`measure_message_bytes` measures what a small
-all-reduce costs beyond its payload (the planner's ``Link.message_bytes``). Ranks of one node talk over
-the node's own address, through loopback: unshaped. :func:`launch` starts one process per rank inside
-its node's namespace (or on loopback without a cluster), :func:`collect` waits for them within a
-deadline and :func:`run_workers` pools their step times (:func:`summarize`). Building it needs root:
-:func:`ready_to_emulate` says whether this process can.
+:class:`Cluster` builds ``nodes`` namespaces (``dow-n0``, ...), each with one veth link to a bridge in a
+namespace of its own (``dow-br``), addresses ``10.213.7.0/24``, and removes them on exit, error or
+Ctrl-C; ranks of one node talk over loopback, unshaped. :func:`measure_link`, :func:`round_trip_ms` and
+:func:`measure_message_bytes` check the links; :func:`run_ranks` starts one process per rank inside its
+node (or on loopback without a cluster) and collects their results within a deadline, and
+:func:`run_workers` pools their step times. Building it needs root (:func:`ready_to_emulate`). The
+ranks' shared helpers (the collective timeout, :func:`write_atomically`, CPU counters) live here too.
 """
 
 from __future__ import annotations
@@ -17,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -25,14 +23,16 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 PREFIX = "dow-"
 BRIDGE_NS = f"{PREFIX}br"
 SUBNET = "10.213.7"
-#: The emulated cluster's timed rank (``run_workers``' default).
 WORKER = Path(__file__).parents[1] / "cluster" / "rank.py"
+#: How long any collective of a rank may wait for a peer before raising (the drivers also kill at a deadline).
+COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 def sh(*cmd: str, timeout: float = 20.0) -> str:
@@ -45,8 +45,8 @@ def sh(*cmd: str, timeout: float = 20.0) -> str:
 
 def remove_namespaces() -> None:
     """Delete every namespace this module creates (their veths and qdiscs go with them)."""
-    names = [line.split()[0] for line in sh("ip", "netns", "list").splitlines() if line.strip()]
-    for name in names:
+    for line in sh("ip", "netns", "list").splitlines():
+        name = line.split()[0] if line.strip() else ""
         if name == BRIDGE_NS or (name.startswith(f"{PREFIX}n") and name[len(PREFIX) + 1 :].isdigit()):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=20)
 
@@ -71,7 +71,7 @@ class Cluster:
 
     def __enter__(self) -> Cluster:
         remove_namespaces()  # leftovers of a run that was killed with SIGKILL
-        br = f"-n {BRIDGE_NS}"  # the bridge's namespace
+        br = f"-n {BRIDGE_NS}"
         commands = [f"netns add {BRIDGE_NS}", f"{br} link add dowbr type bridge", f"{br} link set dowbr up"]
         for node in range(self.nodes):
             ns, dev, peer = self.namespace(node), self.ifname(node), f"dow{node}br"
@@ -91,8 +91,7 @@ class Cluster:
         remove_namespaces()
 
     def sent_bytes(self, nodes: Sequence[int] | None = None) -> int:
-        """Bytes the links of ``nodes`` (default: all) have sent so far, by the kernel's counters:
-        every header and acknowledgement included, which a count of payloads leaves out."""
+        """Bytes the links of ``nodes`` (default: all) have sent so far, headers and acks included."""
         total = 0
         for node in range(self.nodes) if nodes is None else nodes:
             out = sh("ip", "-n", self.namespace(node), "-s", "-j", "link", "show", self.ifname(node))
@@ -102,11 +101,9 @@ class Cluster:
     def shape(self, rate: str | None, burst: int | None = None, latency: str = "100ms") -> None:
         """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping.
 
-        ``burst``: the token bucket's bytes (default: 4 ms at the rate, at least 64 KiB, a GSO
-        packet). A link of tens of kbit/s wants a few packets' worth instead: 64 KiB would pass
-        seconds of its traffic at the bridge's speed (tbf splits a larger GSO packet itself).
-        ``latency``: how long a packet may wait in the bucket's queue before it is dropped (tc's
-        ``latency``); at tens of kbit/s 100 ms queue a few KB, less than one start-up burst."""
+        ``burst``: the token bucket's bytes (default: 4 ms at the rate, at least 64 KiB, a GSO packet;
+        a link of tens of kbit/s wants a few packets' worth instead). ``latency``: how long a packet may
+        wait in the bucket's queue before it is dropped (tc's ``latency``)."""
         if rate is not None and burst is None:
             burst = max(64 * 1024, rate_bits(rate) // 8 // 250)
         for node in range(self.nodes):
@@ -119,17 +116,14 @@ class Cluster:
 
 def rate_bits(rate: str) -> int:
     """``"200mbit"`` -> 200_000_000."""
-    units = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}
-    for unit, scale in units.items():
+    for unit, scale in {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "bit": 1}.items():
         if rate.lower().endswith(unit):
             return int(float(rate[: -len(unit)]) * scale)
     raise ValueError(f"rate {rate!r}: use tc units such as 200mbit or 1gbit")
 
 
-# The receiver ends the measurement: after the whole stream, or once `window` seconds have passed since
-# its first byte, whichever comes first, so that a link moving less than its shaped rate (TCP backing
-# off on a tiny tbf queue of a loaded machine) yields a low figure within the window instead of a
-# sender still blocked in sendall when the caller's timeout strikes.
+# The receiver ends the measurement after the whole stream or `window` seconds after its first byte,
+# so that a link moving less than its rate yields a low figure instead of a sender blocked in sendall.
 LINK_RECEIVER = """
 import socket, sys, time
 server = socket.create_server((sys.argv[1], int(sys.argv[2]))); server.settimeout(20)
@@ -144,41 +138,19 @@ while total < budget:
 if start is None: sys.exit("nothing arrived within 5 s of the connection")
 print(total * 8 / (time.perf_counter() - start) / 1e6); conn.close()
 """
-LINK_SENDER = """
-import socket, sys, time
+#: How a client (``LINK_SENDER``, ``ECHO_CLIENT``) starts: connected to the server.
+CONNECT = """
+import socket, statistics, sys, time
 for _ in range(200):
     try: conn = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
     except OSError: time.sleep(0.05)
-else: sys.exit("the link's receiver never listened")
+else: sys.exit("the server never listened")
+"""
+LINK_SENDER = """
 try: conn.sendall(bytes(int(sys.argv[3])))
 except OSError: pass  # the receiver closed the stream: its window had passed
 conn.close()
 """
-
-
-def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float = 60.0) -> float:
-    """Mbit/s of one TCP stream of ``megabytes`` from node 1 to node 0 (checks that the shaping
-    works), measured over the whole stream or its first ``timeout_s / 2`` seconds, whichever ends
-    first: it returns within about ``timeout_s``."""
-    addr, window = cluster.address(0), timeout_s / 2
-    budget = str(int(megabytes * 10**6))
-    inside = ["ip", "netns", "exec", cluster.namespace(0)]
-    receive = [*inside, sys.executable, "-c", LINK_RECEIVER, addr, str(port), budget, str(window)]
-    receiver = subprocess.Popen(receive, stdout=subprocess.PIPE, text=True)
-    try:
-        sender = [sys.executable, "-c", LINK_SENDER, addr, str(port), budget]
-        sh("ip", "netns", "exec", cluster.namespace(1), *sender, timeout=timeout_s)
-        # The sender returns once its kernel buffers hold the stream: on a slow link most of it is
-        # still on its way, so the receiver gets what is left of its window.
-        out, _ = receiver.communicate(timeout=window + 30.0)
-        if receiver.returncode != 0:
-            raise RuntimeError(f"measuring the link node 1 -> 0 failed (receiver exit {receiver.returncode})")
-        return float(out)
-    finally:
-        if receiver.poll() is None:
-            receiver.kill()
-
-
 ECHO_SERVER = """
 import socket, sys
 server = socket.create_server((sys.argv[1], int(sys.argv[2]))); server.settimeout(20)
@@ -187,10 +159,6 @@ while data := conn.recv(64):
     conn.sendall(data)
 """
 ECHO_CLIENT = """
-import socket, statistics, sys, time
-for _ in range(100):
-    try: conn = socket.create_connection((sys.argv[1], int(sys.argv[2]))); break
-    except OSError: time.sleep(0.05)
 conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1); times = []
 for _ in range(50):
     start = time.perf_counter(); conn.sendall(b"x"); conn.recv(64); times.append(time.perf_counter() - start)
@@ -198,17 +166,36 @@ print(1e3 * statistics.median(times))
 """
 
 
+def client_server(cluster: Cluster, server: str, client: str, args: list[str], timeout_s: float) -> str:
+    """``server`` in node 0 and ``client`` in node 1 (both given ``address port *args``): the client's
+    output, or if it printed nothing, the server's."""
+    serve = ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", server, *args]
+    served = subprocess.Popen(serve, stdout=subprocess.PIPE, text=True)
+    try:
+        connect = ["ip", "netns", "exec", cluster.namespace(1), sys.executable, "-c", CONNECT + client]
+        printed = sh(*connect, *args, timeout=timeout_s)
+        if printed.strip():
+            return printed
+        out, _ = served.communicate(timeout=timeout_s / 2 + 30.0)
+        if served.returncode != 0:
+            raise RuntimeError(f"the server in node 0 failed (exit {served.returncode})")
+        return out
+    finally:
+        if served.poll() is None:
+            served.kill()
+        served.wait()
+
+
+def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float = 60.0) -> float:
+    """Mbit/s of one TCP stream of ``megabytes`` from node 1 to node 0 (checks that the shaping works),
+    over the whole stream or its first ``timeout_s / 2`` seconds: it returns within about ``timeout_s``."""
+    args = [cluster.address(0), str(port), str(int(megabytes * 10**6))]
+    return float(client_server(cluster, LINK_RECEIVER, LINK_SENDER, [*args, str(timeout_s / 2)], timeout_s))
+
+
 def round_trip_ms(cluster: Cluster, port: int) -> float:
     """Median round trip of a one-byte TCP message node 1 -> node 0 -> node 1 on the idle link, in ms."""
-    addr = cluster.address(0)
-    inside = ["ip", "netns", "exec", cluster.namespace(0)]
-    server = subprocess.Popen([*inside, sys.executable, "-c", ECHO_SERVER, addr, str(port)])
-    try:
-        client = [sys.executable, "-c", ECHO_CLIENT, addr, str(port)]
-        return float(sh("ip", "netns", "exec", cluster.namespace(1), *client, timeout=30))
-    finally:
-        server.kill()
-        server.wait()
+    return float(client_server(cluster, ECHO_SERVER, ECHO_CLIENT, [cluster.address(0), str(port)], 30.0))
 
 
 MESSAGE_PROBE = """
@@ -236,14 +223,14 @@ def measure_message_bytes(
     rounds: int = 20,
     timeout_s: float = 300.0,
 ) -> float:
-    """Bytes one message of a gloo all-reduce costs on a link beyond its payload, at the goodput's rate.
+    """Bytes one message of a gloo all-reduce costs on a link beyond its payload (the planner's
+    ``Link.message_bytes``), at the goodput's rate.
 
-    Nodes 0 and 1 run ``rounds`` all-reduces of ``payload_bytes`` (a pair's gossip round: each node
-    sends one payload, in the all-reduce's two messages) and the links' counters are read around them,
-    after a warm-up that the counters leave out. ``goodput_fraction``: the measured goodput over the
-    shaped rate (:func:`measure_link` against :meth:`Cluster.shape`'s rate), so that the answer is in
-    bytes at the rate the planner's ``Link.bandwidth`` is given in. Returns
-    ``(wire bytes per node and round * goodput_fraction - payload_bytes) / 2``.
+    Nodes 0 and 1 run ``rounds`` all-reduces of ``payload_bytes`` (a pair's gossip round: one payload
+    per node, in two messages) between two reads of the links' counters, after a warm-up.
+    ``goodput_fraction``: measured goodput over the shaped rate, so that the answer is in bytes at the
+    rate the planner's ``Link.bandwidth`` is given in. Returns ``(wire bytes per node and round *
+    goodput_fraction - payload_bytes) / 2``.
     """
     gate = Path(tempfile.mkdtemp(prefix=PREFIX))
     procs = []
@@ -277,14 +264,10 @@ def measure_message_bytes(
 def node_env(cluster: Cluster | None, node: int, port: int) -> dict[str, str]:
     """The environment of a process on ``node``: rank 0's address and ``port`` to meet at, this node's
     interface and address (``NODE_ADDR``), one thread; without a cluster, loopback."""
-    if cluster is None:
-        addresses: dict[str, str] = {"MASTER_ADDR": "127.0.0.1", "NODE_ADDR": "127.0.0.1"}
-    else:
-        addresses = {
-            "MASTER_ADDR": cluster.address(0),
-            "GLOO_SOCKET_IFNAME": cluster.ifname(node),
-            "NODE_ADDR": cluster.address(node),
-        }
+    addresses = {"MASTER_ADDR": "127.0.0.1", "NODE_ADDR": "127.0.0.1"}
+    if cluster is not None:
+        addresses = {"MASTER_ADDR": cluster.address(0), "NODE_ADDR": cluster.address(node)}
+        addresses["GLOO_SOCKET_IFNAME"] = cluster.ifname(node)
     return dict(os.environ, MASTER_PORT=str(port), OMP_NUM_THREADS="1", **addresses)
 
 
@@ -297,9 +280,7 @@ def start_in_node(
     if cluster is not None:
         command = ["ip", "netns", "exec", cluster.namespace(node), *command]
     with open(log, "w") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(
-            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        return subprocess.Popen(command, env=env, stdout=out, stderr=out, start_new_session=True)
 
 
 def stop(procs: list) -> None:
@@ -311,33 +292,29 @@ def stop(procs: list) -> None:
         proc.wait()
 
 
-def launch(
+def run_ranks(
     cluster: Cluster | None,
     port: int,
     ranks: int,
     per_node: int,
-    outdir: Path,
+    seconds: float,
     extra: Sequence[str] = (),
-    worker: Path = WORKER,
     env: dict[str, str] | None = None,
-) -> list:
-    """``ranks`` processes of ``worker --rank R --world-size N --local-world-size L --out DIR/rankR.json
-    *extra``, ``per_node`` to a node, each in its node's namespace (``env``: more variables)."""
+) -> list[dict[str, Any]] | None:
+    """``ranks`` processes of ``rank.py --rank R --world-size N --local-world-size L --out rankR.json
+    *extra``, ``per_node`` to a node (``env``: more variables), waited for up to ``seconds`` (stopping
+    at the first failure): every rank's JSON, or None with a failed rank's log tail printed. A rank
+    killed at the deadline keeps what it wrote last (its rounds so far)."""
+    outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
     procs = []
-    for rank in range(ranks):
-        flags = ["--rank", rank, "--world-size", ranks, "--local-world-size", per_node]
-        argv = [str(worker), *map(str, flags), "--out", str(outdir / f"rank{rank}.json"), *extra]
-        node_vars = node_env(cluster, rank // per_node, port) | (env or {})
-        procs.append(start_in_node(cluster, rank // per_node, argv, node_vars, outdir / f"rank{rank}.log"))
-    return procs
-
-
-def collect(procs: list, outdir: Path, seconds: float) -> list[dict[str, Any]] | None:
-    """Wait for ``procs`` up to ``seconds`` (stop at the first failure), kill what is left; every rank's
-    JSON, or None (the tail of a failed rank's log printed). A rank killed at the deadline keeps
-    what it wrote last (its rounds so far)."""
-    deadline = time.monotonic() + seconds
     try:
+        for rank in range(ranks):
+            flags = ["--rank", rank, "--world-size", ranks, "--local-world-size", per_node]
+            argv = [str(WORKER), *map(str, flags), "--out", str(outdir / f"rank{rank}.json"), *extra]
+            node = rank // per_node
+            node_vars = node_env(cluster, node, port) | (env or {})
+            procs.append(start_in_node(cluster, node, argv, node_vars, outdir / f"rank{rank}.log"))
+        deadline = time.monotonic() + seconds
         while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
             if any(p.returncode not in (None, 0) for p in procs):
                 break
@@ -345,7 +322,7 @@ def collect(procs: list, outdir: Path, seconds: float) -> list[dict[str, Any]] |
         timed_out = time.monotonic() >= deadline and any(p.poll() is None for p in procs)
         failed = [r for r, p in enumerate(procs) if p.poll() not in (0, None)]
         stop(procs)
-        written = [outdir / f"rank{r}.json" for r in range(len(procs))]
+        written = [outdir / f"rank{r}.json" for r in range(ranks)]
         if failed or not all(path.exists() for path in written):
             status = f"timed out after {seconds:.0f} s before a round ended" if timed_out else "failed"
             rank = failed[0] if failed else 0
@@ -355,23 +332,6 @@ def collect(procs: list, outdir: Path, seconds: float) -> list[dict[str, Any]] |
         return [json.loads(path.read_text()) for path in written]
     finally:
         stop(procs)
-
-
-def run_ranks(
-    cluster: Cluster | None,
-    port: int,
-    ranks: int,
-    per_node: int,
-    seconds: float,
-    extra: Sequence[str] = (),
-    worker: Path = WORKER,
-    env: dict[str, str] | None = None,
-) -> list[dict[str, Any]] | None:
-    """:func:`launch` in a temporary folder, then :func:`collect` within ``seconds``."""
-    outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
-    try:
-        return collect(launch(cluster, port, ranks, per_node, outdir, extra, worker, env), outdir, seconds)
-    finally:
         shutil.rmtree(outdir, ignore_errors=True)
 
 
@@ -381,29 +341,23 @@ def run_workers(
     seconds: float,
     args: Any,
     extra: Sequence[str] = (),
-    keys: Sequence[str] | None = None,
-    worker: Path = WORKER,
+    keys: Sequence[str] = (),
 ) -> dict | None:
-    """``args.nodes * args.workers_per_node`` ranks of ``worker``; per result key (default: the
-    methods) the summary over all ranks of the rounds every rank finished, or None on failure."""
-    world = args.nodes * args.workers_per_node
-    ranks = run_ranks(cluster, port, world, args.workers_per_node, seconds, extra, worker)
+    """``args.nodes * args.workers_per_node`` timed ranks; per result key (default: the methods) the
+    :func:`summarize` of the rounds every rank finished, or None on failure."""
+    per_node = args.workers_per_node
+    ranks = run_ranks(cluster, port, args.nodes * per_node, per_node, seconds, extra)
     if ranks is None:
         return None
     rounds = min(len(r["round_medians"]) for r in ranks)
     if rounds < args.rounds:
-        kept = f"{rounds} of {args.rounds}"
-        print(f"  timed out after {seconds:.0f} s: keeping the {kept} rounds every rank finished")
+        print(f"  timed out after {seconds:.0f} s: keeping the {rounds} of {args.rounds} rounds all finished")
     return {key: summarize(key, ranks, rounds, args.iters) for key in keys or args.methods}
 
 
 def summarize(method: str, ranks: list[dict[str, Any]], rounds: int, iters: int) -> dict[str, Any]:
-    """Over all ranks' first ``rounds`` rounds of ``method``: median and mean step, each round's median.
-
-    Also each rank's bytes sent per step (None where the library does not count them), each rank's
-    mean step, and what the workers measured besides (``measured``: CPU seconds per rank and round,
-    rank 0's machine-wide busy seconds per round, per-step compute times with real compute).
-    """
+    """Over all ranks' first ``rounds`` rounds of ``method``: median and mean step, each round's median,
+    each rank's mean step and bytes sent per step, and what the ranks measured besides (``measured``)."""
     steps = [r["times"][method][: rounds * iters] for r in ranks]
     pooled = [t for rank_steps in steps for t in rank_steps]
     measured: dict[str, list[Any]] = {}
@@ -418,12 +372,34 @@ def summarize(method: str, ranks: list[dict[str, Any]], rounds: int, iters: int)
 
 
 def ready_to_emulate() -> bool:
-    """Whether this process can build the emulated cluster; says why not when it cannot.
-
-    When it can, SIGTERM becomes an exit, so the namespaces are removed (``finally`` / ``__exit__``).
-    """
+    """Whether this process can build the emulated cluster (says why not); if so SIGTERM becomes an
+    exit, so that the namespaces are removed."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("skipped: needs root for network namespaces (and iproute2's ip and tc)")
         return False
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     return True
+
+
+# -- inside the ranks ----------------------------------------------------------------------------------
+
+
+def write_atomically(path: str, result: object) -> None:
+    """Replace ``path`` in one rename: a driver that kills a rank at its deadline never reads half a file."""
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:
+        json.dump(result, f)
+    os.replace(partial, path)
+
+
+def busy_cpu_seconds() -> float:
+    """Seconds all cores of the machine spent busy since boot (``/proc/stat``: all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process, all its threads (gloo's included), user and system."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
