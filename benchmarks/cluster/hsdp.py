@@ -1,21 +1,17 @@
 """Decentralized HSDP against whole replicas and torch's HSDP: the ranks' methods and memory counts.
 
-Decentralized HSDP shards each replica over the ranks of a node with FSDP2's ``fully_shard`` (mesh
-dimension ``"shard"``) and gossips every shard with the ranks holding the same shard in the other
-replicas (``DecentOptimWrapper(..., device_mesh=mesh["replicate"])``); torch's HSDP (``fully_shard``
-over the 2-D mesh) all-reduces each gradient shard across the replicas in every backward.
+Decentralized HSDP shards each replica over a node's ranks with FSDP2's ``fully_shard`` (mesh dimension
+``"shard"``) and gossips every shard with the ranks holding it in the other replicas (``device_mesh=
+mesh["replicate"]``); torch's HSDP (``fully_shard`` over the 2-D mesh) all-reduces each gradient shard
+across the replicas in every backward.
 
-* Cluster (``rank.py``'s timed mode with ``shards``): ``fsdp`` (sharded inside the node, replicas never
-  talk: the floor), ``torch-hsdp``, and gossip HSDP ``topology[@compression]``. Beside the bytes each
-  method counts per step over the slow link (gossip: the engine's; torch's HSDP: a ring all-reduce of
-  the rank's fp32 gradient shard among the R replicas) it reads what the node's veth carried.
+* Cluster (``rank.py``'s timed mode with ``shards``): ``fsdp`` (replicas never talk: the floor),
+  ``torch-hsdp`` and gossip HSDP ``topology[@compression]``; bytes per step over the slow link as each
+  method counts them, and what the node's veth carried.
 * Memory (``rank.py``'s memory mode, on loopback): ``whole`` (gossip, no mesh), ``gossip-hsdp`` and
-  ``torch-hsdp``, ``@bf16`` after a gossip one. Reported per rank: the tensors held after a step,
-  counted from the objects (parameter storages, gradients, optimizer state, the engine's bucket
-  copies not already counted, the gossip buffers its ``state_dict()`` shows), and the resident size's
-  growth after the last step and at peak over that after a warm-up run of a tiny model. RSS follows
-  the tensors only because the driver makes glibc map every allocation of 128 KiB or more on its own
-  (``MALLOC_MMAP_THRESHOLD_``) and so give it back when freed.
+  ``torch-hsdp``, ``@bf16`` after a gossip one: the tensors a rank holds after a step, by kind, and its
+  resident size's growth after the last step and at peak. RSS follows the tensors only because the
+  driver makes glibc map every allocation of 128 KiB or more on its own (``MALLOC_MMAP_THRESHOLD_``).
 """
 
 from __future__ import annotations
@@ -34,8 +30,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from benchmarks.harness.emulated_cluster import COLLECTIVE_TIMEOUT, write_atomically
 from benchmarks.harness.common import build_mlp
+from benchmarks.harness.emulated_cluster import COLLECTIVE_TIMEOUT, write_atomically
 from benchmarks.harness.methods import parse_method
 from decent_optim_wrapper import DecentOptimWrapper
 
@@ -70,14 +66,21 @@ def shard_bytes(model: nn.Module) -> int:
     return sum(local(p).numel() * local(p).element_size() for p in model.parameters())
 
 
-def gossip_optimizer(model: nn.Module, method: str, mesh: DeviceMesh | None) -> DecentOptimWrapper:
-    spec = parse_method(method)
+def sharded_training(model: nn.Module, kind: str, mesh: DeviceMesh | None, gossip: str | None) -> Any:
+    """``model`` sharded for ``kind`` (``whole``: not at all, ``torch-hsdp``: over the 2-D mesh, any other:
+    over the node's ranks) and its optimizer: AdamW, or ``gossip`` (``topology[@compression]``) over it
+    across the replicas (``mesh`` None: over the whole world)."""
+    if kind != "whole":
+        shard_model(model, mesh if kind == "torch-hsdp" else mesh["shard"])  # type: ignore[index]
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if gossip is None:
+        return adamw
+    spec = parse_method(gossip)
     if spec.module or spec.topology is None:
-        raise ValueError(f"method {method!r}: HSDP gossip is topology[@compression] (no -module)")
+        raise ValueError(f"method {gossip!r}: HSDP gossip is topology[@compression] (no -module)")
     options: dict[str, Any] = {"compression": spec.compression} if spec.compression else {}
     if mesh is not None:
         options["device_mesh"] = mesh["replicate"]
-    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
     return DecentOptimWrapper(adamw, topology=spec.topology, timeout=COLLECTIVE_TIMEOUT, **options)
 
 
@@ -88,21 +91,15 @@ def link_tx_bytes() -> int | None:
 
 
 def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Callable[[], Any]]:
-    """``model`` sharded (or not) for ``method``, its optimizer, and what it sent per step.
-
-    ``sent()``: ``counted`` over the inter-node link per step and rank (0 for fsdp and nocomm),
-    ``shard_bytes``, and ``link_tx_per_step``, the node's veth ``tx_bytes`` over all the segment's
-    steps (warm-up included, so a compressed group's exact first round; TCP/IP headers included).
-    """
+    """``model`` sharded (or not) for ``method``, its optimizer, and ``sent()``: bytes ``counted`` over
+    the inter-node link per step and rank (gossip: the engine's; torch's HSDP: a ring all-reduce of the
+    fp32 gradient shard), ``shard_bytes``, and ``link_tx_per_step``, the node's veth ``tx_bytes`` per
+    step of the segment (warm-up and TCP/IP headers included)."""
     shards = cfg.local_world_size
     replicas = cfg.world_size // shards
-    mesh = hsdp_mesh(replicas, shards)
-    if method in SHARDED_BASELINES:
-        shard_model(model, mesh if method == "torch-hsdp" else mesh["shard"])
-    if method in ("nocomm", *SHARDED_BASELINES):
-        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:
-        optimizer = gossip_optimizer(shard_model(model, mesh["shard"]), method, mesh)
+    kind = {"nocomm": "whole", "fsdp": "fsdp", "torch-hsdp": "torch-hsdp"}.get(method, "gossip-hsdp")
+    gossip = None if method in ("nocomm", *SHARDED_BASELINES) else method
+    optimizer = sharded_training(model, kind, hsdp_mesh(replicas, shards), gossip)
     start, steps = link_tx_bytes(), cfg.warmup + cfg.iters
 
     def sent() -> dict[str, float | None]:
@@ -168,12 +165,8 @@ def train(cfg: Any, width: int, steps: int) -> tuple[nn.Module, Any]:
     torch.manual_seed(0)
     model = build_mlp(cfg.mem_inputs, width, cfg.mem_depth, 10)
     mesh = None if kind == "whole" else hsdp_mesh(cfg.world_size // cfg.shards, cfg.shards)
-    if mesh is not None:
-        shard_model(model, mesh if kind == "torch-hsdp" else mesh["shard"])
-    if kind == "torch-hsdp":
-        optimizer: Any = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    else:
-        optimizer = gossip_optimizer(model, cfg.topology + (f"@{compression}" if compression else ""), mesh)
+    gossip = None if kind == "torch-hsdp" else cfg.topology + (f"@{compression}" if compression else "")
+    optimizer = sharded_training(model, kind, mesh, gossip)
     generator = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(cfg.mem_batch, cfg.mem_inputs, generator=generator)
     y = torch.randint(0, 10, (cfg.mem_batch,), generator=generator)
@@ -190,9 +183,8 @@ def rss_bytes() -> int:
 
 
 def memory_rank(cfg: Any) -> None:
-    """Train ``mem_steps`` steps of ``config``; write what this rank held."""
-    # A tiny model first: lazy imports, autograd's and gloo's threads and the mesh's groups then exist
-    # before the baseline, not in the growth.
+    """Train ``mem_steps`` steps of ``config`` after a tiny model's warm-up (imports, threads, the mesh's
+    groups: not in the growth); write what this rank held."""
     train(cfg, width=8, steps=2)
     gc.collect()
     baseline = rss_bytes()
@@ -223,12 +215,10 @@ def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
 
 
 def cluster_rows(runs: dict[str, Any], shards: int, iters: int) -> dict[str, dict[str, float | None]]:
-    """Per method: step times (ms), CPU per step, and per step and rank the bytes on the slow link.
-
-    Both ranks of a node read the node's counter a moment apart: a node's bytes are the mean of its
-    ranks' readings, a rank's the node's over ``shards``; ``link_bytes`` is the mean over the nodes
-    (node 0 also carries the rendezvous store's traffic), ``link_bytes_max`` the busiest node's.
-    """
+    """Per method: step times (ms), CPU per step, and per step and rank the bytes on the slow link: a
+    node's bytes the mean of its ranks' readings of its counter, a rank's the node's over ``shards``;
+    ``link_bytes`` the mean over the nodes (node 0 also carries the store's traffic), ``link_bytes_max``
+    the busiest node's."""
     rows: dict[str, dict[str, float | None]] = {}
     for method, run in runs.items():
         sent = run["bytes_sent_per_step"]  # one dict per rank, in rank order

@@ -2,17 +2,13 @@
 
     sudo uv run benchmarks/cluster/run.py QUESTION [--OPTION VALUE ...] [--json PATH] [--table PATH]
 
-Each node is a Linux network namespace on a bridge, every link shaped with ``tc tbf`` to one rate both
-ways (``harness/emulated_cluster.py``); each rank runs ``benchmarks/cluster/rank.py`` inside its node
-and the same training with every method in turn, rounds interleaved, so that every ratio compares
-runs made side by side. The questions and their defaults are in ``benchmarks/cluster/questions.py``
-(``--help`` lists them; ``QUESTION --help`` their options): ``speed`` (2 nodes, a sweep of link
-rates), ``low_comm`` (a link whose exchange takes 8 steps' compute), ``accelerate`` (an Accelerate
-loop), ``uneven`` (paced rounds' fleet rate), ``scaling`` (one cluster size of sleeping compute, then
-``report``: tables, the simulator's check, ``docs/figures/scaling.png``), ``link_sharing`` and
-``hsdp`` (its memory part needs no root). The cluster needs root; without it a question says so and
-exits 0. Every run of ranks has a deadline (a run that hits it keeps the rounds every rank finished)
-and the namespaces are removed on exit, error or Ctrl-C.
+Each node is a network namespace on a bridge, every link shaped with ``tc tbf`` to one rate both ways
+(``harness/emulated_cluster.py``); each rank runs ``cluster/rank.py`` inside its node and trains with
+every method in turn, rounds interleaved, so that every ratio compares runs made side by side. The
+questions and their defaults: ``cluster/questions.py`` (``--help``; ``QUESTION --help``). The cluster
+needs root (``report``, ``link_sharing --fit`` and ``hsdp``'s memory part do not); without it a
+question says so and exits 0. Every run of ranks has a deadline (a run that hits it keeps the rounds
+every rank finished) and the namespaces are removed on exit, error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -49,11 +45,6 @@ def config(args: argparse.Namespace, **mode: Any) -> list[str]:
     return ["--config", json.dumps(options | {"mode": "timed"} | mode)]
 
 
-def exchange_ms(model_bytes: float, bandwidth: str) -> float | None:
-    """Milliseconds to send one model over one link at ``bandwidth`` (None when unlimited)."""
-    return None if bandwidth == "unlimited" else 1e3 * model_bytes * 8 / emu.rate_bits(bandwidth)
-
-
 def verdict_table(header: list[str], verdicts: list[dict[str, Any]]) -> str:
     """``verdicts`` (dicts whose last key is ``met``) as a table after a blank line; "" when none."""
     rows = [[*list(v.values())[:-1], str(v["met"])] for v in verdicts]
@@ -63,6 +54,18 @@ def verdict_table(header: list[str], verdicts: list[dict[str, Any]]) -> str:
 def busiest(per_rank: list[Any]) -> float | None:
     """The largest of the ranks' byte counts (the rank that sets the pace), None if any is missing."""
     return None if None in per_rank else max(per_rank)
+
+
+def on_cluster(args: argparse.Namespace, rate: str, link_mb: float, port: int) -> tuple[float | None, Any]:
+    """The question's timed ranks on ``args.nodes`` nodes whose links run at ``rate``: one TCP stream's
+    Mbit/s (None when ``link_mb`` is 0) and the runs; exits if the ranks failed."""
+    with emu.Cluster(args.nodes) as cluster:
+        cluster.shape(rate)
+        link = emu.measure_link(cluster, link_mb, port) if link_mb else None
+        runs = emu.run_workers(cluster, port + 2, args.run_seconds, args, config(args))
+    if runs is None:
+        sys.exit("the ranks failed; see the log tail above")
+    return link, runs
 
 
 # -- speed and accelerate: methods side by side at each link rate ---------------------------------
@@ -99,7 +102,7 @@ def speed(args: argparse.Namespace) -> tuple[Any, str]:
         rel = {m: t / median["nocomm"] for m, t in median.items()}
         sent = {m: busiest(runs[m]["bytes_sent_per_step"]) for m in rel}
         over = {ref: {m: median[ref] / t for m, t in median.items()} for ref in references if ref in median}
-        exchange = exchange_ms(model_bytes, bandwidth)
+        exchange = None if bandwidth == "unlimited" else 1e3 * model_bytes * 8 / emu.rate_bits(bandwidth)
         summary[bandwidth] = {"relative": rel, "over": over, "bytes_sent_per_step": sent}
         summary[bandwidth] |= {"exchange_ms": exchange, "nocomm_ms": 1e3 * median["nocomm"]}
         for m in rel:
@@ -138,14 +141,13 @@ SPEED_TARGETS = [
 def speed_targets(summary: dict[str, Any]) -> list[dict[str, Any]]:
     """Each of ``SPEED_TARGETS`` at its rate: a time ratio (at most) or how many times faster (at least)."""
     verdicts = []
+    balance = {b: s["exchange_ms"] / s["nocomm_ms"] for b, s in summary.items() if s["exchange_ms"]}
     for ratio, name, method, against, bound, at_most in SPEED_TARGETS:
         judged = "ring" if ratio == 1.0 else "ring@bf16"
-        shaped = [b for b, s in summary.items() if s["exchange_ms"] and judged in s["relative"]]
+        shaped = [b for b in balance if judged in summary[b]["relative"]]
         if not shaped:
             continue
-        at = min(
-            shaped, key=lambda b: abs(math.log(summary[b]["exchange_ms"] / summary[b]["nocomm_ms"] / ratio))
-        )
+        at = min(shaped, key=lambda b, r=ratio: abs(math.log(balance[b] / r)))
         rel = {**summary[at]["relative"], None: 1.0}
         value = None
         if method in rel and against in rel:
@@ -189,18 +191,12 @@ def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
     args.methods = list(dict.fromkeys(["nocomm", *args.methods]))
     step_s, model_bytes = compute_seconds(args)
     rate = args.rate or f"{int(model_bytes * 8 / (args.exchange_steps * step_s)) // 1000}kbit"
-    with emu.Cluster(args.nodes) as cluster:
-        cluster.shape(rate)
-        link = emu.measure_link(cluster, 5, 29669)
-        runs = emu.run_workers(cluster, 29671, args.run_seconds, args, config(args))
-    if runs is None:
-        sys.exit(1)
+    link, runs = on_cluster(args, rate, 5, 29669)
     exchange_s = model_bytes * 8 / (link * 1e6)  # over the link as measured
     rel = {m: r["mean_s"] / runs["nocomm"]["mean_s"] for m, r in runs.items()}
     rows = []
     for m, r in runs.items():
-        sent = busiest(r["bytes_sent_per_step"])
-        ddp = rel["ddp"] / rel[m] if "ddp" in rel else None
+        sent, ddp = busiest(r["bytes_sent_per_step"]), rel["ddp"] / rel[m] if "ddp" in rel else None
         rows.append([m, 1e3 * r["mean_s"], rel[m], ddp, None if sent is None else sent / 1e6])
     verdicts = []
     for m in (m for m in LOW_COMM_JUDGED if m in rel):
@@ -290,8 +286,6 @@ def paced_notes(scenario: str, entries: dict[str, Any]) -> list[str]:
 def scaling(args: argparse.Namespace) -> tuple[Any, str]:
     """Per scenario: each method's mean step (mean over the ranks of their mean), over nocomm's and
     DDP's over it, the ranks' own CPU and the machine's busy CPU over the same windows."""
-    from benchmarks.harness.emulated_cluster import busy_cpu_seconds
-
     if args.workers_per_node > 1 and "hierarchical" not in args.methods:
         args.methods.append("hierarchical")
     scenarios = args.scenarios if args.compute == "emulated" else [None]
@@ -300,10 +294,10 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
         cluster.shape(args.bandwidth)
         link = emu.measure_link(cluster, args.link_check_mb, 29690) if args.link_check_mb else None
         rtt = emu.round_trip_ms(cluster, 29691)
-        started, busy = time.monotonic(), busy_cpu_seconds()
+        started, busy = time.monotonic(), emu.busy_cpu_seconds()
         cfg = config(args, scenarios=args.scenarios if args.compute == "emulated" else [])
         runs = emu.run_workers(cluster, 29611, args.run_seconds, args, cfg, keys)
-        wall, busy = time.monotonic() - started, busy_cpu_seconds() - busy
+        wall, busy = time.monotonic() - started, emu.busy_cpu_seconds() - busy
     if runs is None:
         sys.exit("the ranks failed; see the log tail above")
     cores = os.cpu_count() or 1
@@ -457,12 +451,7 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         record["memory"] = {"rows": rows, "ranks": results}
     if args.part in ("all", "cluster") and emu.ready_to_emulate():
         args.workers_per_node = args.shards
-        with emu.Cluster(args.nodes) as emulated:
-            emulated.shape(args.bandwidth)
-            link = emu.measure_link(emulated, args.link_check_mb, 29701) if args.link_check_mb else None
-            runs = emu.run_workers(emulated, 29711, args.run_seconds, args, config(args))
-        if runs is None:
-            sys.exit("the ranks failed; see the log tail above")
+        link, runs = on_cluster(args, args.bandwidth, args.link_check_mb, 29701)
         rows = hsdp_parts.cluster_rows(runs, args.shards, args.iters)
         shard = max(row["shard_bytes"] or 0 for row in rows.values())
         predicted = planner_predictions(list(runs), shard, args)
