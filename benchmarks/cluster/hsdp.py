@@ -35,7 +35,6 @@ from benchmarks.harness.emulated_cluster import COLLECTIVE_TIMEOUT, write_atomic
 from benchmarks.harness.methods import parse_method
 from decent_optim_wrapper import DecentOptimWrapper
 
-MEMORY_KINDS = ("whole", "gossip-hsdp", "torch-hsdp")
 SHARDED_BASELINES = ("fsdp", "torch-hsdp")
 HELD_COLUMNS = ("params", "grads", "optimizer_state", "engine_copy", "gossip_buffers", "total")
 MMAP_THRESHOLD = 128 * 1024
@@ -196,11 +195,6 @@ def memory_rank(cfg: Any) -> None:
     result |= {"rss_growth": steady - baseline, "peak_rss_growth": peak - baseline}
     dist.barrier()
     write_atomically(cfg.out, result)
-
-
-def memory_world_size(config: str, replicas: int, shards: int) -> int:
-    """Ranks of a memory configuration: one per whole replica, or replicas x shards."""
-    return replicas if config.startswith("whole") else replicas * shards
 
 
 def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:

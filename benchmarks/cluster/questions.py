@@ -1,9 +1,7 @@
-"""The questions ``benchmarks/cluster/run.py`` answers: each one a few defaults, every one an option.
+"""The questions ``benchmarks/cluster/run.py`` answers: each a driver function and its options' defaults.
 
-Each :class:`Question` names what its driver function measures (``measure``) and the defaults of its
-options; ``run.py QUESTION --name value`` overrides any of them (``--help`` after the question lists
-them). Options that reach the ranks (the model, the steps, the methods) travel to
-``benchmarks/cluster/rank.py`` as one JSON config.
+``run.py QUESTION --name value`` overrides any of them (``QUESTION --help`` lists them); the options
+reach ``benchmarks/cluster/rank.py`` as one JSON config.
 """
 
 from __future__ import annotations

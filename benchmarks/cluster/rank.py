@@ -37,8 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.cluster import hsdp
-from benchmarks.harness.emulated_cluster import COLLECTIVE_TIMEOUT, busy_cpu_seconds, own_cpu_seconds
-from benchmarks.harness.emulated_cluster import write_atomically
+from benchmarks.harness import emulated_cluster as emu
 from benchmarks.harness.common import build_mlp
 from benchmarks.harness.emulated_compute import ROWS, EmulatedMLP
 from benchmarks.harness.methods import nesterov_outer, parse_method
@@ -112,7 +111,7 @@ def build(method: str, net: nn.Module, cfg: Any) -> Training:
     # Only the keywords a method turns on: plain methods also run on an older library (to compare commits).
     turned_on = lambda v: not (v is None or v is False or v == "average")  # noqa: E731
     options = {k: v for k, v in spec.engine_options().items() if turned_on(v)}
-    options["timeout"] = COLLECTIVE_TIMEOUT
+    options["timeout"] = emu.COLLECTIVE_TIMEOUT
     if spec.module:
         inner = lambda params: adamw([p for _, p in params])  # noqa: E731
         module = DecentralizedDataParallel(net, inner, _local_world_size=cfg.local_world_size, **options)
@@ -174,7 +173,7 @@ def segment(method: str, scenario: str | None, cfg: Any, round_: int = 0) -> dic
                 y = torch.randint(0, 10, (rows,), generator=generator)
             if i == cfg.warmup:
                 dist.barrier()  # every rank starts the timed window together
-                cpu, busy = own_cpu_seconds(), busy_cpu_seconds()
+                cpu, busy = emu.own_cpu_seconds(), emu.busy_cpu_seconds()
             if isinstance(net, EmulatedMLP):
                 net.compute_s = compute[i]
             start = time.perf_counter()
@@ -191,10 +190,10 @@ def segment(method: str, scenario: str | None, cfg: Any, round_: int = 0) -> dic
                 times.append(time.perf_counter() - start)
                 forward_s.append(forward - start)
                 compute_s.append(backward - start)
-    result: dict[str, Any] = {"times": times, "cpu_s": own_cpu_seconds() - cpu, "sent": run.sent()}
+    result: dict[str, Any] = {"times": times, "cpu_s": emu.own_cpu_seconds() - cpu, "sent": run.sent()}
     result["params"] = sum(p.numel() for p in net.parameters())
     if cfg.rank == 0:
-        result["busy_s"] = busy_cpu_seconds() - busy
+        result["busy_s"] = emu.busy_cpu_seconds() - busy
     if not emulated:
         result["compute_s"], result["forward_s"] = compute_s, forward_s
     run.finish()  # finishes the last gossip round, closes torchft's manager; untimed
@@ -223,7 +222,7 @@ def timed(cfg: Any) -> None:
                 extra[key].setdefault(name, []).append(value)
         rounds.append(medians)
         record = {"rank": cfg.rank, "params": params, "times": times, "round_medians": rounds}
-        write_atomically(cfg.out, record | {"bytes_sent_per_step": sent, "measured": extra})
+        emu.write_atomically(cfg.out, record | {"bytes_sent_per_step": sent, "measured": extra})
 
 
 def fleet_segment(scenario: str, method: str, cfg: Any) -> dict[str, Any]:
@@ -236,7 +235,8 @@ def fleet_segment(scenario: str, method: str, cfg: Any) -> dict[str, Any]:
     if method in ("sync", "paced"):
         pacing = "measured" if method == "paced" else None
         ring = {"topology": "ring", "sync_every": cfg.sync_every, "outer_optimizer": nesterov_outer}
-        optimizer = wrapper = DecentOptimWrapper(optimizer, pacing=pacing, timeout=COLLECTIVE_TIMEOUT, **ring)
+        ring |= {"pacing": pacing, "timeout": emu.COLLECTIVE_TIMEOUT}
+        optimizer = wrapper = DecentOptimWrapper(optimizer, **ring)
     generator = torch.Generator().manual_seed(cfg.rank)
     x = torch.randn(ROWS, cfg.inputs, generator=generator)
     y = torch.randint(0, 10, (ROWS,), generator=generator)
@@ -275,7 +275,7 @@ def fleet(cfg: Any) -> None:
     for scenario in cfg.scenarios:
         for method in cfg.methods:
             results[f"{scenario}/{method}"] = fleet_segment(scenario, method, cfg)
-            write_atomically(cfg.out, results)
+            emu.write_atomically(cfg.out, results)
 
 
 #: link_sharing's two groups: both cross node 0's outgoing and node 1's incoming link.
@@ -303,7 +303,7 @@ def sharing(cfg: Any) -> None:
             dist.all_reduce(x, group=groups[mine])
             times[str(delta)].append(time.perf_counter() - start)
     dist.barrier()
-    write_atomically(cfg.out, times)
+    emu.write_atomically(cfg.out, times)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)  # the drivers keep processes <= cores x 2; each gets one thread
     if getattr(cfg, "flush_denormal", False):
         torch.set_flush_denormal(True)  # the same for every method: no kernel slowed by denormals
-    dist.init_process_group("gloo", rank=cfg.rank, world_size=cfg.world_size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group("gloo", rank=cfg.rank, world_size=cfg.world_size, timeout=emu.COLLECTIVE_TIMEOUT)
     try:
         {"timed": timed, "fleet": fleet, "sharing": sharing, "memory": hsdp.memory_rank}[cfg.mode](cfg)
     finally:

@@ -425,7 +425,7 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
     if args.part in ("all", "memory"):
         results = {}
         for name in args.memory_configs:
-            world = hsdp_parts.memory_world_size(name, args.replicas, args.shards)
+            world = args.replicas * (1 if name.startswith("whole") else args.shards)  # ranks of a replica
             env = {"MALLOC_MMAP_THRESHOLD_": str(hsdp_parts.MMAP_THRESHOLD)}  # RSS follows the tensors
             extra = config(args, mode="memory", config=name)
             ranks = emu.run_ranks(None, free_port(), world, world, args.memory_seconds, extra, env=env)
@@ -455,8 +455,7 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         rows = hsdp_parts.cluster_rows(runs, args.shards, args.iters)
         shard = max(row["shard_bytes"] or 0 for row in rows.values())
         predicted = planner_predictions(list(runs), shard, args)
-        # What a step costs here besides the sleeps and the replicas' traffic: FSDP2's gathers and
-        # reduce-scatters on loopback, the optimizer, and 8 processes sharing 2 cores.
+        # A step's cost besides the sleeps and the replicas' traffic (FSDP2 on loopback, the optimizer)
         excess = max(0.0, rows["fsdp"]["median_ms"] - args.compute_ms) if "fsdp" in rows else None  # type: ignore[operator]
         with_fsdp = {} if excess is None else planner_predictions(list(runs), shard, args, excess)
         base = rows.get("torch-hsdp", {}).get("median_ms")

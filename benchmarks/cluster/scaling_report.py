@@ -1,13 +1,12 @@
 """The ``report`` question: tables of the ``scaling`` runs, the simulator replayed on each, predictions.
 
-Reads every ``emulated-*.json`` (and ``real-*.json``) in ``--results``, then: one table per scenario
-and ranks per node, each method's mean iteration time and its ratio to no communication against the
-number of nodes, beside the simulator's error; the simulator (``decent_optim_wrapper.plan``) replays
-every measured run (the same compute-time draws, the link rate and round trip measured before the
-run, the bytes from the engine's rule, per-step CPU work taken from the same run's no-communication
-time, the link sharing ``link_sharing`` measured); the figure (measured as markers, simulated as lines)
-to ``--figure``; predictions for ``--predict-nodes`` nodes (32 to 1024 by default) of a 125M- and a
-1B-parameter model on a datacentre and an internet link; the ranks' CPU; real against emulated compute.
+Reads every ``emulated-*.json`` (and ``real-*.json``) in ``--results``: per scenario and ranks per node,
+each method's mean iteration time and ratio to no communication against the nodes, beside the error of
+the simulator (``decent_optim_wrapper.plan``) replaying the run (its compute-time draws, the link rate
+and round trip measured before it, per-step CPU work from its no-communication time, the link sharing
+``link_sharing`` measured); the figure to ``--figure``; predictions for ``--predict-nodes`` nodes of a
+125M- and a 1B-parameter model on a datacentre and an internet link; the ranks' CPU; real against
+emulated compute.
 """
 
 from __future__ import annotations
@@ -28,14 +27,12 @@ from decent_optim_wrapper.topo import TopologyFactory
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "scaling"
 #: Ranks of one node talk through the kernel's loopback: a fast link next to the shaped ones.
 LOOPBACK = Link(10e9, 20e-6)
-#: How two exchanges that overlap share a shaped link of the emulated cluster: the best fit of
-#: ``link_sharing`` to its measurement (``results/scaling/link-sharing.json``). TCP behind tbf's
-#: FIFO favours the exchange already running; exchanges that start together race, and the stream
-#: that lost a race backs off rather than taking up at once what a neighbour leaves (no reclaim).
+#: How overlapping exchanges share a shaped link: ``link_sharing``'s best fit (``results/scaling/link-
+#: sharing.json``). TCP behind tbf's FIFO favours the exchange already running; the loser of a race backs
+#: off rather than taking up at once what a neighbour leaves (no reclaim).
 EMULATED_SHARING = SharingModel(doubling_s=0.1, head_start_s=0.15, reclaim=False)
-#: Draws of the race (head starts) each round is replayed with. Which exchange wins a race is not
-#: recorded, and under constant compute it decides whether a node's two ranks stay aligned or part
-#: for the rest of the round, so a replay predicts the mean over draws, not one arbitrary draw.
+#: Draws of the race (head starts) each round is replayed with: who wins one is not recorded, and it may
+#: decide the rest of the round, so a replay predicts the mean over draws.
 RACE_DRAWS = 64
 #: Prediction grid: fp32 models, compute per step on one accelerator, and two kinds of link.
 MODELS = {"125M": (125e6 * 4, 0.10), "1B": (1e9 * 4, 0.80)}
@@ -104,9 +101,7 @@ def replay(record: dict[str, Any], scenario: str, method: str) -> float:
     numel = record["runs"][f"{scenario}/nocomm"]["params"]
     rounds = len(record["runs"][f"{scenario}/{method}"]["round_medians_s"])
     warmup, steps = args["warmup"], args["warmup"] + args["iters"]
-    # Per-step CPU work besides the waits (the optimizer step, Python, sleeps' overshoot): what the
-    # same run's no-communication steps took beyond their drawn compute, without jitter.
-    overhead = overhead_s(record, "none")
+    overhead = overhead_s(record, "none")  # per-step CPU work besides the waits, without jitter
     times = []
     for r in range(rounds):
         compute = compute_times(args, scenario, r)
@@ -174,7 +169,7 @@ def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path
 
 def predictions(sigma: float, node_counts: list[int]) -> list[dict[str, Any]]:
     """DDP and per-step gossip at ``node_counts`` nodes, from the simulator alone (log-normal jitter
-    ``sigma``); the simulator's cost grows with the nodes (about 17 s at 1024 for each model and link)."""
+    ``sigma``; about 17 s at 1024 nodes for each model and link)."""
     out, topologies = [], ["ring", "one-peer-exp"]
     for model, link_name, nodes in itertools.product(MODELS, LINKS, node_counts):
         (model_bytes, compute_s), link = MODELS[model], LINKS[link_name]
@@ -237,9 +232,8 @@ def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
 
 
 def calibration(folder: Path) -> str:
-    """Real compute vs emulated compute (constant) at the same cluster size, per method: the emulated
-    run is ``calibration-emulated-NxL.json`` where there is one (waits as long as the real run's
-    forward and backward, measured right after it), else the scaling run."""
+    """Real vs emulated compute (constant) at the same size, per method: the emulated run is
+    ``calibration-emulated-NxL.json`` (waits as long as the real run's steps) where there is one."""
     rows = []
     for real in load(folder, "real"):
         args = real["args"]

@@ -1,11 +1,10 @@
 """A model whose forward and backward are waits of a chosen length: real parameters, no arithmetic.
 
-``EmulatedMLP`` has the parameters of ``common.build_mlp`` (same shapes, same order, so DDP and the
-engine bucket it the same way) and runs them on a batch of a few rows, but after each ``Linear`` it
-sleeps that layer's share of the step's compute, in forward and again in backward. Gradients appear in
-the order and at the times a real backward would produce them, so DDP's bucket all-reduces and the
-module front-end's per-bucket steps overlap the rest of backward as they would; the optimizer step,
-the bytes and the collectives stay real. A sleep leaves the core free, so many ranks fit on few cores.
+``EmulatedMLP`` has ``common.build_mlp``'s parameters (same shapes and order, so DDP and the engine
+bucket it alike) and runs them on a few rows, sleeping after each ``Linear`` that layer's share of the
+step's compute, in forward and in backward: gradients appear in the order and at the times a real
+backward makes them, so communication overlaps backward as it would; the optimizer step, the bytes
+and the collectives stay real, and a sleep leaves the core free for other ranks.
 """
 
 from __future__ import annotations
@@ -37,12 +36,9 @@ class _Wait(torch.autograd.Function):
 
 
 class EmulatedMLP(nn.Module):
-    """``build_mlp(inputs, width, depth, outputs)`` whose compute is ``compute_s`` seconds of sleep.
-
-    A layer's share of the forward is proportional to its multiply-adds; of the backward, twice that,
-    except for the first layer, which needs no gradient of its input (once). ``forward_fraction`` of
-    ``compute_s`` is slept in forward, the rest in backward. Set ``compute_s`` before each step.
-    """
+    """``build_mlp(inputs, width, depth, outputs)`` whose compute is ``compute_s`` seconds of sleep (set
+    before each step), ``forward_fraction`` of it in forward. A layer's share of the forward is its
+    share of the multiply-adds; of the backward, twice that (once for the first layer: no input grad)."""
 
     def __init__(self, inputs: int, width: int, depth: int, outputs: int, forward_fraction: float) -> None:
         super().__init__()
@@ -59,10 +55,7 @@ class EmulatedMLP(nn.Module):
         for module in self.net:
             x = module(x)
             if isinstance(module, nn.Linear):
-                x = _Wait.apply(
-                    x,
-                    self.compute_s * self._forward_shares[layer],
-                    self.compute_s * self._backward_shares[layer],
-                )
+                shares = self._forward_shares[layer], self._backward_shares[layer]
+                x = _Wait.apply(x, *(self.compute_s * share for share in shares))
                 layer += 1
         return x

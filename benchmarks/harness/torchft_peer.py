@@ -1,9 +1,9 @@
 """torchft's ``DiLoCo`` as the benchmarks' external peer: one replica group per emulated node.
 
-Each :class:`TorchftDiLoCo` is one segment of a worker's run: its own ``Manager`` (a store and manager
-port of its own), the lighthouse on rank 0 (once per process), torchft's gloo group; the ``bench`` group.
-Every replica builds the same model from one seed, so torchft's step-0 sync is off (it would fetch the
-model over HTTP from a host name that does not resolve inside a network namespace).
+Each :class:`TorchftDiLoCo` is one segment of a rank's run: its own ``Manager`` (store and manager ports
+of its own), the lighthouse on rank 0 (once per process), torchft's gloo group (the ``bench`` group).
+Every replica builds the model from one seed, so torchft's step-0 sync is off (it would fetch the model
+over HTTP from a host name that does not resolve inside a network namespace).
 """
 
 from __future__ import annotations

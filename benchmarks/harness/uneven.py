@@ -2,12 +2,8 @@
 
 A scenario gives each rank a factor on the step's compute (:func:`speed_factor`): ``half2x`` (the first
 half of the ranks 2x slower), ``one3x`` (rank 0 3x slower) and ``shift`` (rank 0 3x slower until
-``shift_s`` seconds into the run, then the last rank). From each rank's step ends (``start``, ``ends``,
-``round_ends``): :func:`fleet_rate` counts the whole fleet's steps per second after the warm-up,
-:func:`overhead_seconds` a step's time beyond its compute when training alone, :func:`own_rates` the
-sum of the workers' own rates (and today's bound, ``n`` times the slowest), and :func:`planned_rates`
-the planner's simulation of each method. Used by ``cluster/run.py uneven`` and the uneven fleet's
-time to loss. ``args`` carries ``compute_ms``, ``shift_s``, ``sync_every``, ``rounds`` and the MLP's
+``shift_s`` seconds in, then the last rank). Used by ``cluster/run.py uneven`` and the uneven fleet's
+time to loss; ``args`` carries ``compute_ms``, ``shift_s``, ``sync_every``, ``rounds`` and the MLP's
 ``inputs``, ``width``, ``depth``.
 """
 
@@ -59,8 +55,7 @@ def own_rates(scenario: str, n: int, window: tuple[float, float], o: float, args
     for k in range(points):
         at = a + (k + 0.5) * (b - a) / points
         rates = [
-            1.0 / (args.compute_ms / 1e3 * speed_factor(scenario, r, n, at, args.shift_s) + o)
-            for r in range(n)
+            1 / (args.compute_ms / 1e3 * speed_factor(scenario, r, n, at, args.shift_s) + o) for r in range(n)
         ]
         total += sum(rates)
         slowest += n * min(rates)
