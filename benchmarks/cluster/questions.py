@@ -1,4 +1,4 @@
-"""The questions ``benchmarks/cluster/run.py`` answers: each a driver function and its options' defaults.
+"""The questions ``benchmarks/cluster/run.py`` answers: each a help line and its options' defaults.
 
 ``run.py QUESTION --name value`` overrides any of them (``QUESTION --help`` lists them); the options
 reach ``benchmarks/cluster/rank.py`` as one JSON config.
@@ -23,18 +23,16 @@ LOW_COMM_METHODS += ("ring~h8nd0", "ring~h32n", "torchft~h8", "torchft~h8d7")
 
 @dataclass(frozen=True)
 class Question:
-    """``help``: one line for ``--help``; ``measure``: the driver function; ``defaults``: its options."""
+    """``help``: one line for ``--help``; ``defaults``: its options; ``root``: builds the emulated cluster."""
 
     help: str
-    measure: str
     defaults: dict[str, Any] = field(default_factory=dict)
-    root: bool = True  # builds the emulated cluster
+    root: bool = True
 
 
 QUESTIONS = {
     "speed": Question(
         "2 nodes, a sweep of link rates: no communication, DDP (bf16 too), gossip (compressed or not)",
-        "speed",
         TIMED
         | {"nodes": 2, "workers_per_node": 1, "bandwidths": ["unlimited", "200mbit"], "batch": 2048}
         | {"iters": 15, "link_check_mb": 20.0, "run_seconds": 420.0, "max_seconds": 900.0}
@@ -43,7 +41,6 @@ QUESTIONS = {
     "low_comm": Question(
         "2 nodes whose link takes --exchange-steps steps' compute per model: DDP, periodic averaging, "
         "low-communication gossip, torchft's DiLoCo",
-        "low_comm",
         TIMED
         | {"nodes": 2, "workers_per_node": 1, "exchange_steps": 8.0, "rate": "", "rounds": 2, "batch": 512}
         | {"warmup": 32, "iters": 64, "run_seconds": 900.0, "fresh_batches": True, "flush_denormal": True}
@@ -51,7 +48,6 @@ QUESTIONS = {
     ),
     "accelerate": Question(
         "an Accelerate loop on 4 nodes: Accelerator (DDP), LocalSGD every K steps, gossip every K",
-        "speed",
         TIMED
         | {"nodes": 4, "workers_per_node": 1, "bandwidths": ["200mbit", "50mbit"], "batch": 1024}
         | {"loop": "accelerate", "every": 8, "iters": 24, "warmup": 8, "link_check_mb": 0.0}
@@ -61,14 +57,12 @@ QUESTIONS = {
     "uneven": Question(
         "workers of unequal speed (half 2x slower, one 3x, the slow one changing): the fleet's steps per "
         "second with paced rounds, synchronous gossip and DDP against the sum of own rates",
-        "uneven",
         {"nodes": [8], "bandwidth": "200mbit", "scenarios": ["half2x", "one3x", "shift"], "rounds": 30}
         | {"methods": ["nocomm", "ddp", "sync", "paced"], "sync_every": 8, "compute_ms": 40.0}
         | {"shift_s": 6.0, "nocomm_s": 5.0, "inputs": 256, "width": 512, "depth": 2, "run_seconds": 900.0},
     ),
     "scaling": Question(
         "2 to 16 nodes of sleeping compute under constant compute, jitter and a straggler (one size a run)",
-        "scaling",
         TIMED
         | {"nodes": 2, "workers_per_node": 1, "bandwidth": "20mbit", "compute": "emulated"}
         | {"compute_ms": 199.0, "forward_fraction": 0.39, "scenarios": list(JITTERS), "inputs": 256}
@@ -77,21 +71,19 @@ QUESTIONS = {
     ),
     "report": Question(
         "the scaling runs' tables, the simulator replayed on each, docs/figures/scaling.png, predictions",
-        "report",
         {"results": "benchmarks/results/scaling", "figure": "docs/figures/scaling.png", "sigma": 0.2}
         | {"predict_nodes": [32, 64, 256, 1024]},
         root=False,
     ),
     "link_sharing": Question(
         "how two overlapping all-reduces share a link, and the planner's SharingModel fitted to it",
-        "link_sharing",
         {"bandwidth": "20mbit", "deltas": [-1.0, 0.0, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2]}
         | {"reps": 10, "numel": 134154, "run_seconds": 300.0, "fit": ""},
+        root=False,  # --fit needs none; a run checks for root itself
     ),
     "hsdp": Question(
         "decentralized HSDP against whole replicas and torch's HSDP: memory per rank (no root), step time "
         "on 4 nodes x 2 ranks",
-        "hsdp",
         TIMED
         | {"part": "all", "shards": 2, "replicas": 2, "memory_seconds": 120.0, "topology": "ring"}
         | {"memory_configs": ["whole", "whole@bf16", "gossip-hsdp", "gossip-hsdp@bf16", "torch-hsdp"]}
