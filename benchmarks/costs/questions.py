@@ -1,6 +1,5 @@
-"""The cost questions: each a measurement (``measure(args)``: its results, with their report's tables
-under ``tables``) and the options it takes, with their defaults. docs/benchmarks.md says what each found.
-"""
+"""The cost questions: each a measurement (``measure(args)``: its results, its report's tables under
+``tables``) and the options it takes, with their defaults. docs/benchmarks.md says what each found."""
 
 from __future__ import annotations
 
@@ -8,6 +7,7 @@ import copy
 import ctypes
 import importlib
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -56,19 +56,16 @@ def mlp_batch(args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # -- overhead ------------------------------------------------------------------------------------------
-#: Part (c): each row's wrapper options (``accum``: AccumAdamW, ``accum_iter=4``, which takes the rule in
-#: its own step) and the row it is compared with. ``ring-again``, identical to the reference, is the
-#: control: its distance from 1 is the measurement's own spread.
+#: Part (c): each row's wrapper options (``accum``: AccumAdamW, ``accum_iter=4``) and the row it is compared
+#: with; ``ring-again``, the reference again, is the control: its distance from 1 is the spread.
+LOCAL: dict[str, Any] = {"second_moment": "local"}
 RING_ROWS: dict[str, tuple[dict[str, Any], str]] = {
-    "ring": ({"second_moment": "local"}, "ring"),
-    "ring-again": ({"second_moment": "local"}, "ring"),
-    "ring-average": ({}, "ring"),
-    "ring-unguarded": ({"nonfinite_guard": False, "second_moment": "local"}, "ring"),
-    "ring-gt": ({"gradient_tracking": True, "second_moment": "local"}, "ring"),
-    "ring@bf16": ({"compression": "bf16", "second_moment": "local"}, "ring"),
-    "ring-accum": ({"accum": True, "second_moment": "local"}, "ring"),
-    "ring-accum-average": ({"accum": True}, "ring-accum"),
-}
+    "ring": (LOCAL, "ring"), "ring-again": (LOCAL, "ring"), "ring-average": ({}, "ring"),
+    "ring-unguarded": (LOCAL | {"nonfinite_guard": False}, "ring"),
+    "ring-gt": (LOCAL | {"gradient_tracking": True}, "ring"),
+    "ring@bf16": (LOCAL | {"compression": "bf16"}, "ring"),
+    "ring-accum": (LOCAL | {"accum": True}, "ring"), "ring-accum-average": ({"accum": True}, "ring-accum"),
+}  # fmt: skip
 
 
 def copy_equivalents(rank: int, world: int, args: Any, wire: str | None) -> dict[str, Any]:
@@ -136,9 +133,8 @@ def overhead(args: Any) -> dict[str, Any]:
     each of --formats; (b) a training step at world size 1 with each front-end; (c) one on a 2-rank ring
     with each feature (``RING_ROWS``).
 
-    Copy-equivalents: (staging + mix) / one ``dst.copy_(src)`` of all parameters, timed in the same loop
-    (target <= 3; the floor is 2.0 for uniform groups, 2.5 for weighted ones). Targets of (b): 1.02 for
-    ``DecentOptimWrapper`` (wrapped), 1.03 for ``DecentralizedDataParallel`` (module).
+    Copy-equivalents: (staging + mix) / one ``dst.copy_(src)`` of all parameters in the same loop (target
+    <= 3; floor 2.0 uniform, 2.5 weighted). Targets of (b): 1.02 wrapped, 1.03 module.
     """
     by_world = {str(w): on_ranks(w, overhead_rank, args) for w in sorted({1, *args.worlds})}
     rows = []
@@ -214,20 +210,16 @@ def map_large_allocations() -> None:
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: glibc is required for the memory part")
 
 
-def high_water_mib() -> float:
-    """This process's resident-set high-water mark (``VmHWM``)."""
-    line = next(s for s in Path("/proc/self/status").read_text().splitlines() if s.startswith("VmHWM:"))
-    return int(line.split()[1]) / 1024
-
-
 def second_moment_memory(rank: int, world: int, args: Any, method: str) -> dict[str, float]:
+    """The growth of this process's resident-set high-water mark over ``--memory-steps``, and the state."""
     model, optimizer = second_moment_method(args, method)
     x, y = mlp_batch(args)
-    before = high_water_mib()  # after the model and data are built: what the steps add
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB: what the steps add to model and data
     for _ in range(args.memory_steps):
         train_step(model, optimizer, x, y)
+    growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
     state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
-    return {"peak_growth_mib": high_water_mib() - before, "state_mib": sum(v.nbytes for v in state) / MIB}
+    return {"peak_growth_mib": growth, "state_mib": sum(v.nbytes for v in state) / MIB}
 
 
 def second_moment(args: Any) -> dict[str, Any]:

@@ -1,14 +1,12 @@
-"""What the wrapper costs per step, and in memory: variants of a step timed interleaved, side by side.
-
-Every question (``benchmarks/costs/questions.py``) times its variants in one loop, the order
-rotating every repetition, and reports ratios of medians (with the median of the paired ratios)
-against a reference timed in the same loop; docs/benchmarks.md says what each found::
+"""What the wrapper costs per step, and in memory: variants of a step timed interleaved, side by side::
 
     uv run benchmarks/costs/run.py QUESTION [options] [--json PATH] [--table PATH]
 
-An option a question does not take is refused; those it takes default to the question's own values
-(``run.py QUESTION --help`` lists them). Each process uses ``--threads`` torch threads (default 1: on a
-small shared VM a multi-threaded memory pass waits for its slowest thread at every kernel).
+Every question (``questions.py``) times its variants in one loop, the order rotating every repetition,
+and reports ratios of medians (and the median paired ratio) against a reference timed in the same loop;
+docs/benchmarks.md says what each found. An option a question does not take is refused (``run.py
+QUESTION --help`` lists its own). ``--threads`` torch threads per process (default 1: on a small shared
+VM a multi-threaded memory pass waits for its slowest thread at every kernel).
 """
 
 from __future__ import annotations
@@ -25,12 +23,12 @@ MODES = {"choices": ("engine", "codec"), "default": "engine"}  # engine: 2 CPU r
 SEED = f"a folder holding the seed release 0.1.1, timed beside the rest: {SEED_INSTALL}"
 
 
-def first_paragraph(text: str | None) -> str:
-    return " ".join((text or "").split("\n\n")[0].split())
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    helps = {name: (first_paragraph(ask.__doc__), defaults) for name, (ask, defaults) in QUESTIONS.items()}
+    """A question and its options (its help: its measurement's docstring's first paragraph)."""
+    helps = {
+        name: (" ".join(ask.__doc__.split("\n\n")[0].split()), defaults)
+        for name, (ask, defaults) in QUESTIONS.items()
+    }
     description = f"{__doc__}\nsecond_moment --seed-path DIR: {SEED}\n"
     parser = question_parser(description, helps, special={"mode": MODES, "seed_path": {"help": SEED}})
     args, unknown = parser.parse_known_args(argv)

@@ -1,10 +1,5 @@
-"""What every cost question shares: variants timed interleaved, ratios of medians, ranks, tables.
-
-A question builds *variants* (one training step each way, or the phases of one gossip round), timed
-by ``harness/interleaved.py``; :func:`step_ratios` times training steps and compares pairs of them.
-:func:`on_ranks` runs a measurement on local gloo ranks
-(or the members of an elastic job) and gathers what each returns; :func:`table` is a report's table.
-"""
+"""What every cost question shares: training steps timed interleaved (``harness/interleaved.py``) and
+compared in pairs, a gossip round's own work, a measurement on local ranks, a report's tables."""
 
 from __future__ import annotations
 
@@ -49,6 +44,7 @@ def table(title: str, header: str, rows: list[list[Any]], spec: str = ".3f") -> 
 
 
 def render(tables: list[dict[str, Any]]) -> str:
+    """The report: every table, titled."""
     return "\n\n".join(titled_table(t["title"], t["header"], t["rows"], t["spec"]) for t in tables)
 
 

@@ -1,11 +1,6 @@
-"""Variants timed interleaved, on the CPU or a GPU, and compared as ratios of medians.
-
-A *variant* is one way of doing the same work (a training step with and without the wrapper, the
-phases of a gossip round); :func:`interleave` runs each once per repetition, the order rotating every
-repetition so that a drift of the machine affects them all alike, and :func:`ratio` compares two as
-the ratio of their medians and the median of the per-repetition ratios. The cost questions and the
-GPU figures both time this way.
-"""
+"""Variants timed interleaved, on the CPU or a GPU, and compared as ratios of medians (``costs/``, the GPU
+figures): a *variant* is one way of doing the same work, run once per repetition, the order rotating every
+repetition so that a drift of the machine affects them all alike."""
 
 from __future__ import annotations
 
@@ -63,12 +58,8 @@ def ratio(times: Mapping[str, list[float]], name: str, against: str) -> dict[str
     """``name`` against ``against``: its median ms, the ratio of medians, the median paired ratio."""
     paired = statistics.median(a / b for a, b in zip(times[name], times[against], strict=True))
     of_medians = statistics.median(times[name]) / statistics.median(times[against])
-    return {
-        "ms": 1e3 * statistics.median(times[name]),
-        "vs": against,
-        "ratio_of_medians": of_medians,
-        "median_paired_ratio": paired,
-    }
+    ms = 1e3 * statistics.median(times[name])
+    return {"ms": ms, "vs": against, "ratio_of_medians": of_medians, "median_paired_ratio": paired}
 
 
 def rule_against_torch(

@@ -41,36 +41,32 @@ def build(
     method: str, model: nn.Module, args: argparse.Namespace
 ) -> tuple[nn.Module, torch.optim.Optimizer, float, TorchftDiLoCo | None]:
     """The module to call, the optimizer to step, bytes this rank sends per step, and torchft's context."""
-    params = list(model.named_parameters())
-    adamw = optimizer_factory("adamw", 0.0, args.adam_lr)
+    params, timeout = list(model.named_parameters()), timedelta(seconds=args.timeout_s)
+    adamw = optimizer_factory("adamw", 0.0, args.adam_lr)(params)
     allreduce = 2 * (args.world_size - 1) / args.world_size * 4  # bytes a ring all-reduce sends per value
     numel = sum(p.numel() for _, p in params)
     if method == "nocomm":
-        return model, adamw(params), 0.0, None
-    power = POWER_SGD.fullmatch(method)
-    if method == "ddp" or power:
+        return model, adamw, 0.0, None
+    if method == "ddp" or (power := POWER_SGD.fullmatch(method)):
         net = nn.parallel.DistributedDataParallel(model)
-        if power is None:
-            return net, adamw(params), allreduce * numel, None
+        if method == "ddp":
+            return net, adamw, allreduce * numel, None
         psgd_rank = int(power["rank"])
         state = power_sgd.PowerSGDState(None, matrix_approximation_rank=psgd_rank, start_powerSGD_iter=2)
         net.register_comm_hook(state, power_sgd.powerSGD_hook)
-        return net, adamw(params), allreduce * power_sgd_numel(model, psgd_rank), None
-    torchft = TORCHFT.fullmatch(method)
-    timeout = timedelta(seconds=args.timeout_s)
-    if torchft is not None:
-        every, inner = int(torchft["every"]), adamw(params)
+        return net, adamw, allreduce * power_sgd_numel(model, psgd_rank), None
+    if torchft := TORCHFT.fullmatch(method):
+        every, delay, alpha = int(torchft["every"]), int(torchft["delay"] or 0), float(torchft["alpha"] or 0)
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.0)
-        delay, alpha = int(torchft["delay"] or 0), float(torchft["alpha"] or 0.0)
-        diloco = TorchftDiLoCo(model, inner, outer, every, delay, args.rank, args.world_size, alpha, timeout)
-        return model, inner, allreduce * numel / every, diloco
+        diloco = TorchftDiLoCo(model, adamw, outer, every, delay, args.rank, args.world_size, alpha, timeout)
+        return model, adamw, allreduce * numel / every, diloco
     spec = parse_method(method)
     if spec.paced:
         raise ValueError(
-            f"method {method!r}: fixed paced schedules ('p') are not timed; use --pacing measured"
+            f"method {method!r}: a fixed paced schedule ('p') is not timed; use --pacing measured"
         )
     options = spec.engine_options() | ({"pacing": args.pacing} if args.pacing != "none" else {})
-    wrapper = DecentOptimWrapper(adamw(params), timeout=timeout, **options)
+    wrapper = DecentOptimWrapper(adamw, timeout=timeout, **options)
     return model, wrapper, wrapper.engine.bytes_sent_per_step(), None
 
 
@@ -88,6 +84,15 @@ def power_sgd_numel(model: nn.Module, rank: int) -> int:
 def round_lr(base: float, round_: int, rounds: int) -> float:
     """Round ``round_``'s learning rate of ``rounds``: a cosine from ``base`` to 0 (``CosineAnnealingLR``)."""
     return base * 0.5 * (1 + math.cos(math.pi * round_ / rounds))
+
+
+def train_step(net: nn.Module, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One AdamW step of the language model on windows ``x`` (targets ``y``): its training loss."""
+    optimizer.zero_grad()
+    loss = nn.functional.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1))
+    loss.backward()
+    optimizer.step()
+    return loss.item()
 
 
 def train(args: argparse.Namespace) -> None:
@@ -120,14 +125,10 @@ def train(args: argparse.Namespace) -> None:
                 group["lr"] = round_lr(args.adam_lr, rounds.round_count, args.rounds)
         x, y = windows(tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (args.batch,), generator=sampler))
         time.sleep(args.pad_ms / 1e3)
-        optimizer.zero_grad()
-        loss = nn.functional.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1))
-        loss.backward()
-        optimizer.step()
+        losses.append(train_step(net, optimizer, x, y))
         if scheduler is not None:
             scheduler.step()
         ends.append(time.time())
-        losses.append(loss.item())
         round_ends += ends[-1:] if wrapper is not None and wrapper.round_ended else []
         if rounds is not None:  # labelled with the samples of that many steps of equal workers
             done, label = rounds.round_count, rounds.round_count * every

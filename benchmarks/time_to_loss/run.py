@@ -3,7 +3,7 @@
     sudo uv run --group bench benchmarks/time_to_loss/run.py slow-link [--nodes 4 --ddp-ratio 48] [--json P]
     sudo uv run --group bench benchmarks/time_to_loss/run.py scale-model [--reuse JSON METHOD] [--json P]
     sudo uv run benchmarks/time_to_loss/run.py uneven --nodes 4 8 16 [--scenarios one3x half2x] [--json P]
-    uv run benchmarks/time_to_loss/run.py lm [--results LM_CONVERGENCE_JSON ...]
+    uv run benchmarks/time_to_loss/run.py lm [--results LM_CONVERGENCE_JSON ...] [--reference JSON ...]
 
 Every question but ``lm`` builds the emulated cluster (needs root; without it says so and exits 0) and
 runs ``rank.py`` on each node, one method at a time from the same model, a step's compute topped up by a
@@ -27,21 +27,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness import emulated_cluster as emu
 from benchmarks.harness import uneven as fleet
-from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
+from benchmarks.harness.interleaved import timed
+from benchmarks.harness.lm_task import CONTEXT, make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.methods import optimizer_factory, parse_method
 from benchmarks.harness.question_args import question_parser
 from benchmarks.harness.report import cell, markdown_table, save
 from benchmarks.time_to_loss.questions import QUESTIONS
-from benchmarks.time_to_loss.rank import POWER_SGD, TORCHFT, power_sgd_numel
-from decent_optim_wrapper.engine.wire.compression import GossipCompression, parse_compression
+from benchmarks.time_to_loss.rank import POWER_SGD, TORCHFT, power_sgd_numel, train_step
+from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper.engine.wire.compression import parse_compression
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
 from decent_optim_wrapper.plan.cli import parse_quantity
 from decent_optim_wrapper.plan.recommend import recommend
-from decent_optim_wrapper.plan.round_cost import RoundCost, measure_round_cost
+from decent_optim_wrapper.plan.round_cost import measure_round_cost
 
 RANK = Path(__file__).with_name("rank.py")
 PREDICTION, THROUGHPUT, LOSS, PACED_SOONER = 0.15, 0.90, 1.02, 1.5  # the targets (and --sooner)
@@ -63,25 +66,16 @@ def padding(q: Namespace, steps: int = 30) -> tuple[float, float]:
     sampler, times = torch.Generator().manual_seed(0), []
     for _ in range(steps):
         x, y = windows(tokens, torch.randint(0, len(tokens) - CONTEXT - 1, (q.batch,), generator=sampler))
-        start = time.perf_counter()
-        optimizer.zero_grad()
-        nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
-        optimizer.step()
-        times.append(time.perf_counter() - start)
-    real_ms = 1e3 * sorted(times)[len(times) // 2]
+        times.append(timed(functools.partial(train_step, model, optimizer, x, y)))
+    real_ms = 1e3 * statistics.median_high(times)
     print(f"the model's own step: {real_ms:.1f} ms here (batch {q.batch}); a step {q.compute_ms:g} ms")
     return real_ms, max(0.0, q.compute_ms - real_ms)
 
 
 def engine_overhead_seconds(q: Namespace, method: str = "ring~h8d1", steps: int = 64) -> float:
     """Seconds our optimizer step adds to AdamW's in a world of one rank (the planner's ``overhead_s``)."""
-    import torch.distributed as dist
-
-    from decent_optim_wrapper import DecentOptimWrapper
-
     torch.set_num_threads(1)
-    folder = Path(tempfile.mkdtemp(prefix="dow-ttl-store-"))
-    dist.init_process_group("gloo", init_method=f"file://{folder / 'store'}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         means = []
         for wrapped in (False, True):
@@ -91,20 +85,17 @@ def engine_overhead_seconds(q: Namespace, method: str = "ring~h8d1", steps: int 
                 optimizer = DecentOptimWrapper(optimizer, **parse_method(method).engine_options())
             for p in model.parameters():
                 p.grad = torch.randn_like(p)
-            start = 0.0
-            for k in range(8 + steps):  # 8 untimed: buckets built, first allocations
-                start = time.perf_counter() if k == 8 else start
+            for _ in range(8):  # untimed: buckets built, first allocations
                 optimizer.step()
-            means.append((time.perf_counter() - start) / steps)
+            means.append(timed(lambda opt=optimizer: [opt.step() for _ in range(steps)]) / steps)
     finally:
         dist.destroy_process_group()
-        shutil.rmtree(folder, ignore_errors=True)
     return max(0.0, means[1] - means[0])
 
 
 def launch(
     cluster: emu.Cluster, q: Namespace, method: str, pads: list[float], deadline_s: float,
-    shape: Callable[[], None] | None = None, evaluated: bool = True, **flags: object,
+    shape: Callable[[], None] | None = None, **flags: object,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
     """Train ``method`` on every node (``pads``: each rank's sleep): the ranks' records and the evaluated
     curve. With ``shape``, the ranks are built on fast links and wait at the gate until ``shape`` slows
@@ -138,7 +129,7 @@ def launch(
             tail = (outdir / f"rank{missing[0]}.log").read_text()[-2000:]
             raise RuntimeError(f"{method}: rank {missing[0]} failed or timed out; its log ends:\n{tail}")
         records = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(nodes)]
-        result = evaluate(outdir, nodes, q) if evaluated else {}
+        result = evaluate(outdir, nodes, q)
         if shape is not None:  # the run's whole traffic per node and step, headers and the store's too
             result["wire_bytes_per_step"] = (cluster.sent_bytes() - counted) / nodes / len(records[0]["ends"])
     finally:
@@ -169,18 +160,21 @@ def ours(method: str) -> bool:
     return method != "nocomm" and not method.startswith(("ddp", "torchft"))
 
 
-def planner_label(method: str) -> str:
-    """The planner's name for ``method``: ``ring~h8d1@int8`` (it needs no outer optimizer to time a step)."""
-    if not ours(method):
-        return method
-    spec = parse_method(method)
-    wire = f"@{spec.compression}" if spec.compression else ""
-    return f"{spec.topology}~h{spec.sync_every}d{delay(spec)}{wire}"
-
-
 def delay(spec: Any) -> int:
     """The steps a round of ``spec`` is folded in late (unset: the library's default, a whole round)."""
     return spec.sync_every if spec.sync_delay is None else spec.sync_delay
+
+
+def planner_label(method: str) -> str:
+    """The planner's name for ``method``: ``ring~h8d1@int8``, per-step ``ring@int8`` (``~h1d0``: blocking),
+    a baseline's own (``ddp+adamw``: ``ddp``). It needs no outer optimizer to time a step."""
+    if not ours(method):
+        return "ddp" if method.partition("+")[0] == "ddp" else method
+    spec = parse_method(method)
+    wire = f"@{spec.compression}" if spec.compression else ""
+    if spec.sync_every == 1:
+        return f"{spec.topology}{wire}" + "~h1d0" * (spec.sync_delay == 0)
+    return f"{spec.topology}~h{spec.sync_every}d{delay(spec)}{wire}"
 
 
 def wire_bytes(method: str, model: nn.Module, nodes: int) -> float:
@@ -193,32 +187,26 @@ def wire_bytes(method: str, model: nn.Module, nodes: int) -> float:
 
 
 def predictions(
-    methods: list[str], model_bytes: float, compute_s: float, link: Link, nodes: int, numel: int,
-    overhead_s: float, measured: bool = True,
-) -> dict[str, float]:  # fmt: skip
-    """Planner step times (seconds) of DDP and of ours among ``methods``; ``measured``: each wire format's
-    round timed here for ``numel`` parameters."""
-    costs: dict[str | None, RoundCost] = {}
-
-    def round_cost(compression: GossipCompression | None, group_size: int) -> RoundCost:
-        key = None if compression is None else compression.name
-        costs[key] = costs.get(key) or measure_round_cost(numel, group_size, compression)  # once a format
-        return costs[key]
-
+    methods: list[str], model_bytes: float, compute: ComputeTimes, link: Link, nodes: int, **options: Any
+) -> dict[str, float]:
+    """The planner's step seconds of DDP and of ours among ``methods``, by planner name."""
     specs = [parse_method(m) for m in methods if ours(m)]
-    options = {"compressions": sorted({s.compression for s in specs if s.compression})}
-    options |= {"local_steps": sorted({(s.sync_every, delay(s)) for s in specs}), "overhead_s": overhead_s}
-    options["round_costs"] = round_cost if measured else None
-    topologies = sorted({str(s.topology) for s in specs})
-    found = predict(model_bytes, ComputeTimes(compute_s), Network(link), nodes, topologies, **options)
-    return {p.method: p.step_s for p in found}
+    options["compressions"] = sorted({s.compression for s in specs if s.compression})
+    options["local_steps"] = sorted({(s.sync_every, delay(s)) for s in specs if s.sync_every > 1})
+    return {p.method: p.step_s for p in predict(model_bytes, compute, Network(link), nodes, **options)}
+
+
+def measured_rounds(numel: int) -> Callable[..., Any]:
+    """The planner's ``round_costs``: each wire format's round timed here for ``numel`` parameters, once."""
+    return functools.cache(lambda compression, group_size: measure_round_cost(numel, group_size, compression))
 
 
 def partial(q: Namespace, results: object) -> None:
     """Write what is measured so far to ``--json`` (``"partial": true``): not lost to a later failure."""
     if q.json:
-        payload = {"partial": True, "args": vars(q), "results": results}
-        Path(q.json).write_text(json.dumps(payload, default=str))
+        Path(q.json).write_text(
+            json.dumps({"partial": True, "args": vars(q), "results": results}, default=str)
+        )
 
 
 # -- slow-link and scale-model: methods trained to a loss and timed on shaped links, against the planner
@@ -281,26 +269,27 @@ def on_links(q: Namespace) -> tuple[dict[str, Any], str]:
     results: dict[str, Any] = {"real_step_ms": real_ms, "overhead_s": q.overhead_s, "results": []}
     for nodes in q.nodes:
         results["results"].append({"nodes": nodes, "runs": {}})
-        results["results"][-1] = on_links_nodes(nodes, pad_ms, q, results)
+        on_links_nodes(nodes, pad_ms, q, results)
     return results, "\n\n".join(links_report(r, q) for r in results["results"])
 
 
-def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, Any]) -> dict[str, Any]:
-    """``nocomm``, the baselines on fast links (their loss), then on links shaped from the ``nocomm`` step:
-    the methods and ours trained, the baselines timed."""
+def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, Any]) -> None:
+    """Into the last of ``results``: ``nocomm`` and the baselines on fast links (their loss), then on
+    links shaped from the ``nocomm`` step the methods and ours trained, the baselines timed."""
     model = make_lm_model(q.width, q.depth)
     numel, result = sum(p.numel() for p in model.parameters()), results["results"][-1]
-    runs = result["runs"]
-    fast_s = q.steps * q.compute_ms / 1e3 * 4 + 900  # generous: 16 starts on 2 cores are slow
+    runs, fast_s = result["runs"], q.steps * q.compute_ms / 1e3 * 4 + 900  # 16 starts on 2 cores are slow
 
-    def train(method: str, stop_at: int, deadline_s: float, shape: Any = None, evaluated: bool = True) -> Any:
-        began = time.monotonic()
-        flags = {"stop_at": stop_at, "eval_every": q.eval_every}
-        records, r = launch(cluster, q, method, [pad_ms] * nodes, deadline_s, shape, evaluated, **flags)
+    def train(method: str, stop_at: int, deadline_s: float, shape: Any = None) -> dict[str, Any]:
+        began, flags = time.monotonic(), {"stop_at": stop_at, "eval_every": q.eval_every}
+        records, r = launch(cluster, q, method, [pad_ms] * nodes, deadline_s, shape, **flags)
         r |= {"timed_s": step_seconds(records, timed_steps(method, q)[1]), "wall_s": time.monotonic() - began}
         print(f"  {nodes} nodes, {method}{' (shaped)' * bool(shape)}: {1e3 * r['timed_s']:.1f} ms/step")
         partial(q, results)
         return r
+
+    def unhidden_s(method: str) -> float:  # a step with the method's bytes sent after the compute
+        return nocomm_s + wire_bytes(method, model, nodes) * 8 / link.bandwidth
 
     with emu.Cluster(nodes) as cluster:
         runs["nocomm"] = train("nocomm", min(100, q.steps), fast_s)
@@ -310,7 +299,6 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
             runs[method] = train(method, q.steps, fast_s)
         link_steps = q.link_steps or q.ddp_ratio * nodes / (2 * (nodes - 1))  # DDP's all-reduce: ddp_ratio
         rate = 4.0 * numel * 8 / (link_steps * nocomm_s)
-
         burst, latency = q.burst_frames * MTU_FRAME or None, f"{q.queue_s:g}s"
         shape = functools.partial(cluster.shape, f"{int(rate)}bit", burst=burst, latency=latency)
         shape()
@@ -324,20 +312,23 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
         link = Link(megabits * 1e6, message_bytes=message)
         mine = [q.ours] if q.ours != "planner" else [recommended(q, 4.0 * numel, nocomm_s, link, nodes)]
         mine = [m for m in mine if m]
-        planned = predictions([*q.methods, *mine], 4.0 * numel, nocomm_s, link, nodes, numel, q.overhead_s)
-        for method in [m for m in [*q.methods, *mine] if m != "nocomm"]:
+        trained = [m for m in [*q.methods, *mine] if m != "nocomm"]
+        topologies = sorted({str(parse_method(m).topology) for m in trained if ours(m)})
+        planned = predictions(
+            trained, 4.0 * numel, ComputeTimes(nocomm_s), link, nodes, topologies=topologies,
+            overhead_s=q.overhead_s, round_costs=measured_rounds(numel),
+        )  # fmt: skip
+        for method in trained:
             stop_at, deadline_s = q.steps, fast_s * 2
             if q.budget_s:  # at most the budget at the planned pace, or with nothing hidden
-                unhidden = nocomm_s + wire_bytes(method, model, nodes) * 8 / link.bandwidth
-                pace = planned.get(planner_label(method)) or unhidden
+                pace = planned.get(planner_label(method)) or unhidden_s(method)
                 stop_at = min(q.steps, max(q.eval_every, int(q.budget_s / pace)))
                 stop_at, deadline_s = stop_at - stop_at % q.eval_every, q.budget_s * 1.5 + 60
             runs[method] = train(method, stop_at, deadline_s, shape)
         for baseline in q.baselines:
             steps = timed_steps(baseline, q)[0]
-            unhidden = wire_bytes(baseline, model, nodes) * 8 / link.bandwidth + nocomm_s
             try:
-                timing = train(baseline, steps, steps * unhidden * 3 + 900, shape, evaluated=False)
+                timing = train(baseline, steps, steps * unhidden_s(baseline) * 3 + 900, shape)
                 runs[baseline]["shaped_step_s"] = timing["timed_s"]
             except RuntimeError as err:  # its loss stands; a run that cannot be timed loses nothing else
                 for key in TIMES:  # its times on the fast links are not the shaped links'
@@ -345,7 +336,7 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
                 runs[baseline]["not_timed"] = str(err).splitlines()[0]
     result |= {"parameters": numel, "rate_bits": rate, "megabits": megabits, "message_bytes": message}
     result |= {"planned": planned, "ours": mine[0] if mine else None}
-    return result | {"full_size": full_size(mine[0], q) if mine else None}
+    result["full_size"] = full_size(mine[0], q) if mine else None
 
 
 def full_size(method: str, q: Namespace) -> dict[str, float]:
@@ -353,8 +344,9 @@ def full_size(method: str, q: Namespace) -> dict[str, float]:
     size, step_ms, link, nodes = q.full_size
     out = {"model_bytes": parse_quantity(size, "bytes"), "step_s": float(step_ms) / 1e3, "nodes": int(nodes)}
     out["link_bits"] = parse_quantity(link, "bandwidth")
-    link_ = Link(out["link_bits"])
-    step_s = predictions([method], out["model_bytes"], out["step_s"], link_, int(nodes), 0, 0.0, False)
+    topology = [str(parse_method(method).topology)] if ours(method) else []
+    compute, bandwidth = ComputeTimes(out["step_s"]), Link(out["link_bits"])
+    step_s = predictions([method], out["model_bytes"], compute, bandwidth, int(nodes), topologies=topology)
     out["throughput"] = step_s["nocomm"] / step_s[planner_label(method)]
     return out | {"ddp_throughput": step_s["nocomm"] / step_s["ddp"]}
 
@@ -564,53 +556,44 @@ def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
     return [list(run.values()) for run in runs.values()]
 
 
-def best_ddp(references: list[dict[str, Any]], workers: int, paths: list[str]) -> dict[str, Any] | None:
-    """The lowest final loss among the ``ddp+adamw`` ``references`` (read from ``paths``) with
-    ``workers`` workers (DDP at its best learning rate, where each path ran one), or None without any."""
-    if paths and not (found := [r for r in references if r["workers"] == workers]):
-        raise SystemExit(f"--reference: no ddp+adamw run with {workers} workers in {', '.join(paths)}")
-    return min(found, key=lambda r: r["validation_loss"]) if paths else None
-
-
-def lm_label(method: str) -> str:
-    """The planner's name for ``method`` (``ring@int8~h1d0``: blocking per-step gossip)."""
-    spec = parse_method(method)
-    if spec.sync_every != 1:
-        return planner_label(method)
-    wire = f"@{spec.compression}" if spec.compression else ""
-    return ("ddp" if spec.topology is None else f"{spec.topology}{wire}") + "~h1d0" * (spec.sync_delay == 0)
+LM_COLUMNS = {"step_ms": ".1f", "time_s": ".1f", "vs_ddp": ".2f", "vs_limit": ".2f"}  # and with "_jitter"
 
 
 def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
     """Per run, each method's first evaluation within ``--tolerance`` of DDP's final loss (the run's own,
-    or the best of ``--reference``'s) times the planner's step time (no jitter; log-normal, sigma 0.3),
-    over DDP's own time to it and over the limit: DDP's steps to it at the step without communication
-    (DDP on a network that costs nothing)."""
+    or the lowest of ``--reference``'s at its worker count: DDP at its best learning rate) times the
+    planner's step time (no jitter; log-normal, sigma 0.3), over DDP's own time to it and over the limit:
+    DDP's steps to it at the step without communication (DDP on a network that costs nothing)."""
     out, text = [], []
     references = [r for run in merged_runs(q.reference) for r in run if r["method"] == "ddp+adamw"]
     for results in merged_runs(q.results):
         reference = next(r for r in results if r["method"] == "ddp+adamw")
-        if (best := best_ddp(references, reference["workers"], q.reference)) is not None:  # DDP at its best
-            results = [best if r is reference else r for r in results]
-            reference = best
+        if q.reference:
+            found = [r for r in references if r["workers"] == reference["workers"]]
+            if not found:
+                paths = ", ".join(q.reference)
+                raise SystemExit(
+                    f"--reference: no ddp+adamw run with {reference['workers']} workers in {paths}"
+                )
+            best = min(found, key=lambda r: r["validation_loss"])
+            results, reference = [best if r is reference else r for r in results], best
         workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
         compute_s, target = q.compute_ms / 1e3, reference["validation_loss"] * q.tolerance
         bandwidth = q.bandwidth or 8 * model_bytes / (compute_s * q.link_steps)  # a model per link_steps
-        specs = [parse_method(r["method"]) for r in results if ours(r["method"])]
-        options: dict[str, Any] = {"compressions": sorted({s.compression for s in specs if s.compression})}
-        options |= {"local_steps": sorted({(s.sync_every, delay(s)) for s in specs if s.sync_every > 1})}
-        times = {}  # by the rows' key suffix: the planner's step seconds without, then with jitter
-        for suffix, jitter in (("", "none"), ("_jitter", "lognormal")):
-            compute = ComputeTimes(compute_s, jitter=jitter, sigma=0.3)
-            network = Network(Link(bandwidth, message_bytes=q.message_bytes))
-            found = predict(model_bytes, compute, network, workers, blocking=True, **options)
-            times[suffix] = {p.method: p.step_s for p in found}
+        link, methods = Link(bandwidth, message_bytes=q.message_bytes), [r["method"] for r in results]
+        times = {  # by the rows' key suffix: the planner's step seconds without, then with jitter
+            suffix: predictions(methods, model_bytes, compute, link, workers, blocking=True)
+            for suffix, compute in (
+                ("", ComputeTimes(compute_s)),
+                ("_jitter", ComputeTimes(compute_s, "lognormal", 0.3)),
+            )
+        }
         steps_to = {r["method"]: next((s for s, loss in r["curve"] if loss <= target), None) for r in results}
         ddp_steps = steps_to["ddp+adamw"] or 0
         limit_s = compute_s * ddp_steps  # DDP on a network that costs nothing
         rows, table = [], []
         for r in results:
-            name, steps, row = lm_label(r["method"]), steps_to[r["method"]], {"method": r["method"]}
+            name, steps, row = planner_label(r["method"]), steps_to[r["method"]], {"method": r["method"]}
             row["steps"], row["horizon"] = (steps if name in times[""] else None), r["curve"][-1][0]
             for suffix, step_s in ((s, t[name]) for s, t in times.items() if row["steps"] is not None):
                 ddp_s = times[suffix]["ddp"] * ddp_steps
@@ -618,9 +601,10 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
                 row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
                 row[f"vs_limit{suffix}"] = steps * step_s / limit_s if limit_s else None
             rows.append(row)
-            cells = [cell(row.get(f"{k}{s}"), f) for s in times for k, f in SPECS.items()]
-            reached = "never" if row["steps"] is None else str(steps)
-            table.append([r["method"], str(row["horizon"]), reached, *cells])
+            cells = [cell(row.get(f"{k}{s}"), f) for s in times for k, f in LM_COLUMNS.items()]
+            table.append(
+                [r["method"], str(row["horizon"]), "never" if row["steps"] is None else str(steps), *cells]
+            )
         header = ["method", "horizon", "steps", "ms/step", "time s", "vs DDP", "vs limit"]
         header += ["ms/step jit", "time jit", "vs DDP jit", "vs limit jit"]
         lrs = sorted({f"{r['adam_lr']:g}" for r in results if r is not reference}) or [
@@ -629,17 +613,13 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
         title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {', '.join(lrs)}: DDP's (lr "
         title += f"{reference['adam_lr']:g}) final validation loss {reference['validation_loss']:.4f} "
         title += f"(target x{q.tolerance:g}: {target:.4f}); compute {q.compute_ms:g} ms/step, "
-        title += f"links {bandwidth / 1e6:.4g} Mbit/s"
-        text.append(f"{title}\n{markdown_table(header, table)}")
+        text.append(f"{title}links {bandwidth / 1e6:.4g} Mbit/s\n{markdown_table(header, table)}")
         out.append({"workers": workers, "target": target, "bandwidth": bandwidth, "rows": rows})
     text.append(
         "('jit': log-normal compute jitter, sigma 0.3; '~h1d0': blocking per-step gossip; the limit: "
         "DDP's steps to the target at the step without communication)"
     )
     return out, "\n\n".join(text)
-
-
-SPECS = {"step_ms": ".1f", "time_s": ".1f", "vs_ddp": ".2f", "vs_limit": ".2f"}  # lm's columns
 
 
 # -- the command line: a question, its defaults as flags (questions.py)
