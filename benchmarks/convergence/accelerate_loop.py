@@ -1,12 +1,11 @@
-"""One rank of the ``accelerate`` question: the same Accelerate loop with three kinds of accelerator.
+"""The ``accelerate`` question: the same Accelerate loop with three kinds of accelerator.
 
-Accelerate forms the gloo group from torchrun's environment (``Accelerator(cpu=True)``); the loop differs
-only in the line that builds the accelerator (and, for LocalSGD, its context manager and
-``local_sgd.step()``, as Accelerate's docs write it). Methods (K = ``every``): ``ddp`` (``Accelerator``);
-``local-sgd`` (``accelerate.local_sgd.LocalSGD(local_sgd_steps=K)``: a blocking exact mean every K
-steps); ``gossip-<topology>[-dD]`` (``DecentralizedAccelerator(topology=..., sync_every=K)``, overlapped
-with the next K steps; ``-d1``: ``sync_delay=1``). Tasks: the synthetic classification task (iid, SGD
-with momentum) and the language model (iid windows, AdamW).
+Accelerate forms the gloo group (``cpu=True``); the loop differs only in the line that builds the
+accelerator (and LocalSGD's context manager and ``local_sgd.step()``, as Accelerate's docs write it).
+Methods (K = ``every``): ``ddp`` (``Accelerator``), ``local-sgd`` (``LocalSGD(local_sgd_steps=K)``: a
+blocking exact mean every K steps), ``gossip-<topology>[-dD]`` (``DecentralizedAccelerator(topology=...,
+sync_every=K)``, overlapped with the next K steps; ``-d1``: ``sync_delay=1``), on the synthetic
+classification task (SGD with momentum) and the language model (AdamW), iid.
 """
 
 from __future__ import annotations

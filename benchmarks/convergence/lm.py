@@ -1,14 +1,13 @@
 """The ``lm`` and ``seeds`` questions: the language model's validation loss against DDP's, with AdamW.
 
-``lm`` trains every method (each with an Adam optimizer; ``ddp+adamw`` first, the reference) on the
-byte-level transformer of ``harness/lm_task.py`` and reports the validation loss of the replicas' exact
-average over DDP's, beside its uncorrected twin (``+adamw-local``) where that ran and, for a compressed
-method, over its uncompressed twin (added to the run, as a paced method's unpaced twin is).
-``--eval-every K`` evaluates the average every K steps (``global_avg``, then ``revert_global_avg``:
-training goes on from the replicas, bit for bit) and gives the first step at DDP's final loss.
-Targets: per-step gossip within 2% of DDP, ``sync_every`` 2 to 8 within 5%, paced within 2%, compressed
-within 2% of its twin. ``seeds`` divides each method's loss by its own run's DDP loss (a seed moves DDP's
-own by 1-2%) across several runs' JSON files; files with the same DDP result (``--reuse``) are one run.
+``lm`` trains every method (``ddp+adamw`` first, the reference) on ``harness/lm_task.py``'s transformer
+and reports the validation loss of the replicas' exact average over DDP's, beside its uncorrected twin
+(``+adamw-local``) where that ran and, compressed, over its uncompressed twin (added to the run, as a
+paced method's unpaced twin is). ``--eval-every K`` evaluates the average every K steps (training goes on
+from the replicas, bit for bit) and gives the first step at DDP's final loss. Targets: per-step gossip
+within 2% of DDP, ``sync_every`` 2 to 8 within 5%, paced 2%, compressed 2% of its twin. ``seeds``
+divides each method's loss by its own run's DDP loss across several runs' JSON files (files with the
+same DDP result, ``--reuse``, are one run).
 """
 
 from __future__ import annotations

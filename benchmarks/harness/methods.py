@@ -98,10 +98,7 @@ class HalfFastSchedule:
 
 @dataclass(frozen=True)
 class Method:
-    """A method name taken apart.
-
-    The grammar is ``topology[-module][-gt][@compression][+optimizer]`` or ``ddp[+optimizer]``.
-    """
+    """A method name taken apart (the grammar of the module docstring)."""
 
     topology: str | None  # None: all-reduce with DistributedDataParallel
     module: bool = False  # the module front-end (the update happens inside backward)
@@ -138,12 +135,9 @@ class Method:
         options = dict(topology=self.topology, compression=self.compression, second_moment=self.second_moment)
         options["gradient_tracking"] = self.tracking
         if self.local:
-            outer = None
-            if self.nesterov:
-                lr = OUTER_LR if self.outer_lr is None else self.outer_lr
-                outer = nesterov_outer_with(
-                    lr, OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
-                )
+            lr = OUTER_LR if self.outer_lr is None else self.outer_lr
+            momentum = OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
+            outer = nesterov_outer_with(lr, momentum) if self.nesterov else None
             options.update(sync_every=self.sync_every, outer_optimizer=outer, sync_delay=self.sync_delay)
         if self.paced:
             options.update(pacing=Pacing(schedule=self.schedule(world)))
@@ -256,11 +250,9 @@ def optimizer_factory(
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon (``adjust_lr_fn="match_rms_adamw"``, so AdamW's learning rate carries over) on the hidden
-    matrices, AdamW on the rest (embeddings, positions, biases, norms), stepped as one optimizer: the
-    benchmarks' loops wrap a single optimizer, where a training script wraps the two (docs/
-    low-communication.md). Its param groups are the two optimizers' own, so schedulers drive both; its
-    state stays in the two (the benchmarks take no checkpoints of it)."""
+    """Muon (``adjust_lr_fn="match_rms_adamw"``: AdamW's learning rate carries over) on the hidden
+    matrices, AdamW on the rest, as one optimizer for the benchmarks' loops (a training script wraps the
+    two: docs/low-communication.md). Its param groups are the two's own, so schedulers drive both."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], lr: float) -> None:
         hidden = [p for name, p in named if p.ndim == 2 and not name.startswith(("embed", "position"))]
