@@ -24,7 +24,7 @@ from helpers import load_script, run_script
 
 from benchmarks.convergence import adam_rules, classification, lm, run
 from benchmarks.convergence.questions import CLASSIFICATION_METHODS, RULES
-from benchmarks.harness import digits_task, methods, runner, synthetic_task
+from benchmarks.harness import digits_task, lm_task, methods, runner, synthetic_task
 from decent_optim_wrapper import Pacing
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -508,7 +508,7 @@ def test_local_suffix_selects_the_plain_second_moment(name, second_moment):
 @pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon: torch >= 2.9")
 def test_muon_method_steps_muon_on_the_hidden_matrices_and_adamw_on_the_rest():
     assert methods.parse_method("ring~h8+muon").name == "ring~h8+muon"
-    model = lm.make_lm_model()
+    model = lm_task.make_lm_model()
     optimizer = methods.optimizer_factory("muon", 0.0, 3e-3)(list(model.named_parameters()))
     muon, adamw = optimizer.parts
     assert isinstance(muon, torch.optim.Muon) and isinstance(adamw, torch.optim.AdamW)
@@ -516,7 +516,7 @@ def test_muon_method_steps_muon_on_the_hidden_matrices_and_adamw_on_the_rest():
     for name, p in model.named_parameters():  # the embedding (tied with the output) and positions: AdamW
         assert (id(p) in hidden) == (p.ndim == 2 and not name.startswith(("embed", "position"))), name
     # one step of each part is torch's own step on the same gradients
-    twin = lm.make_lm_model()
+    twin = lm_task.make_lm_model()
     reference = methods.MuonAdamW(list(twin.named_parameters()), lr=3e-3).parts
     for p, q in zip(model.parameters(), twin.parameters(), strict=True):
         p.grad = q.grad = torch.randn_like(p, generator=torch.Generator().manual_seed(p.numel()))

@@ -1,12 +1,11 @@
-"""One rank of the ``accelerate`` question: the same Accelerate loop with three kinds of accelerator.
+"""The ``accelerate`` question: the same Accelerate loop with three kinds of accelerator.
 
-Accelerate forms the gloo group from torchrun's environment (``Accelerator(cpu=True)``); the loop differs
-only in the line that builds the accelerator (and, for LocalSGD, its context manager and
-``local_sgd.step()``, as Accelerate's docs write it). Methods (K = ``every``): ``ddp`` (``Accelerator``);
-``local-sgd`` (``accelerate.local_sgd.LocalSGD(local_sgd_steps=K)``: a blocking exact mean every K
-steps); ``gossip-<topology>[-dD]`` (``DecentralizedAccelerator(topology=..., sync_every=K)``, overlapped
-with the next K steps; ``-d1``: ``sync_delay=1``). Tasks: the synthetic classification task (iid, SGD
-with momentum) and the language model (iid windows, AdamW).
+Accelerate forms the gloo group (``cpu=True``); the loop differs only in the line that builds the
+accelerator (and LocalSGD's context manager and ``local_sgd.step()``, as Accelerate's docs write it).
+Methods (K = ``every``): ``ddp`` (``Accelerator``), ``local-sgd`` (``LocalSGD(local_sgd_steps=K)``: a
+blocking exact mean every K steps), ``gossip-<topology>[-dD]`` (``DecentralizedAccelerator(topology=...,
+sync_every=K)``, overlapped with the next K steps; ``-d1``: ``sync_delay=1``), on the synthetic
+classification task (SGD with momentum) and the language model (AdamW), iid.
 """
 
 from __future__ import annotations
@@ -19,9 +18,8 @@ import time
 from typing import Any
 
 import torch
-from torch import nn
 
-from benchmarks.convergence.attack import make_task
+from benchmarks.convergence import attack
 from benchmarks.harness.report import markdown_table
 from benchmarks.harness.runner import on_local_ranks
 
@@ -34,7 +32,7 @@ def gossip_options(method: str) -> dict[str, Any]:
 
 def train_rank(config: dict[str, Any]) -> dict[str, Any]:
     """One rank of one run: the Accelerate loop with ``config["method"]`` on ``config["task"]`` (its data,
-    model, optimizer and batches those of ``attack.make_task``, drawn with this question's seeds)."""
+    model, optimizer and batches those of ``attack.setup``, drawn with this question's seeds)."""
     from accelerate import Accelerator
     from accelerate.local_sgd import LocalSGD
 
@@ -47,9 +45,9 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
     else:
         accelerator = Accelerator(cpu=True)
     draws = torch.Generator().manual_seed(1000 * seed + rank)
-    model, make_optimizer, batch, evaluate = make_task(task, rank, world, seed, draws)
-    optimizer = make_optimizer(model.parameters())
-    model, optimizer = accelerator.prepare(model, optimizer)
+    setup = attack.setup(task, rank, world, seed, draws)
+    optimizer = attack.make_optimizer(task)(setup.model.parameters())
+    model, optimizer = accelerator.prepare(setup.model, optimizer)
     local_sgd: Any = contextlib.nullcontext()
     if method == "local-sgd":
         local_sgd = LocalSGD(accelerator=accelerator, model=model, local_sgd_steps=every)
@@ -57,9 +55,7 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     with local_sgd:
         for _ in range(config["steps"]):
-            x, y = batch()
-            logits = model(x)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss = setup.batch_loss(model)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -71,8 +67,7 @@ def train_rank(config: dict[str, Any]) -> dict[str, Any]:
         accelerator.global_avg(may_revert=False)  # the model every rank ends on: the exact average
     plain = accelerator.unwrap_model(model)
     plain.eval()
-    with torch.no_grad():
-        loss, accuracy = evaluate(plain)
+    loss, accuracy = setup.evaluate(plain)
     result = {"val_loss": loss} | ({"accuracy": accuracy} if task == "classification" else {})
     result.update(train_loss_last=statistics.fmean(losses[-20:]), ms_per_step=1e3 * seconds / config["steps"])
     accelerator.end_training()

@@ -186,11 +186,10 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
         print(f"{rule:>18}: validation loss {loss:.4f} ({seconds:.0f} s)", flush=True)
     reference = next((r["validation_loss"] for r in results if r["rule"] == "ddp"), args.ddp_loss)
     rows = [[r["rule"], f"{r['validation_loss']:.4f}", r["validation_loss"] / reference] for r in results]
-    title = f"{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, batch "
-    title += (
-        f"{args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, depth {args.depth}, "
+    title = (
+        f"{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, "
+        f"batch {args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, "
+        f"depth {args.depth}, seed {args.seed}, own step {args.own_step}, momentum {args.momentum}, "
+        f"blocking {args.blocking}, every {args.every}"
     )
-    title += (
-        f"seed {args.seed}, own step {args.own_step}, momentum {args.momentum}, blocking {args.blocking}, "
-    )
-    return results, f"{title}every {args.every}\n\n{markdown_table(['rule', 'val loss', '/ ddp'], rows)}"
+    return results, f"{title}\n\n{markdown_table(['rule', 'val loss', '/ ddp'], rows)}"

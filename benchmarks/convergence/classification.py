@@ -1,13 +1,10 @@
 """The ``classification`` question: accuracy of the averaged model for every method against DDP.
 
-Each method also meets its twins: a compressed method (``ring@bf16``) the same uncompressed, a tracked
-one (``ring-gt``) the same untracked, a paced one (``ring~h8n0.1p``) the same unpaced; an AdamW-type
-method ``ddp+adamw``, the others ``ddp``. Missing references are added to the run. Targets: on the iid
-split every gossip method within 0.5 points of DDP (low-communication ones with ``sync_every`` up to 8)
-and every tracked one within 0.1 of untracked; on the label-skewed split tracked ``ring`` and
-``one-peer-exp`` within 0.5 of DDP (the untracked gap is gossip's heterogeneity term: reported); on
-both every compressed method within 0.3 points of uncompressed, 0.5 for formats that send at most 1/64
-of fp32's bytes.
+Each method meets DDP (``ddp+adamw`` for an Adam-type one) and its twins, added to the run if missing:
+the same uncompressed, untracked or unpaced. Targets (points): on the iid split gossip within 0.5 of DDP
+(``sync_every`` up to 8) and tracked within 0.1 of untracked; on the skewed split tracked ``ring`` and
+``one-peer-exp`` within 0.5 of DDP (the untracked gap, gossip's heterogeneity term, is only reported);
+compressed within 0.3 of uncompressed, 0.5 for formats sending at most 1/64 of fp32's bytes.
 """
 
 from __future__ import annotations
@@ -62,13 +59,13 @@ def paced_lines(
     (``reference``) and the unpaced twin, where it ran."""
     by_name = {r.method: r for r in results}
     lines = []
-    for r in results:
-        if parse_method(r.method).paced:
-            steps, unpaced, spread = r.steps_per_rank, by_name.get(twin(r.method, "paced") or ""), ""
-            if steps:
-                spread = f"inner steps per worker {min(steps)} to {max(steps)}, {sum(steps):,} in all; "
-            lines.append(f"  {r.method}: {spread}{versus(r, reference(r))}")
-            lines[-1] += "" if unpaced is None else f", {versus(r, unpaced)}"
+    for r in (r for r in results if parse_method(r.method).paced):
+        steps, unpaced = r.steps_per_rank, by_name.get(twin(r.method, "paced") or "")
+        spread = ""
+        if steps:
+            spread = f"inner steps per worker {min(steps)} to {max(steps)}, {sum(steps):,} in all; "
+        lines.append(f"  {r.method}: {spread}{versus(r, reference(r))}")
+        lines[-1] += "" if unpaced is None else f", {versus(r, unpaced)}"
     head = "Paced rounds (the first half of the workers 2x faster), at DDP's samples:"
     return [head, *lines] if lines else []
 

@@ -1,14 +1,13 @@
 """The ``lm`` and ``seeds`` questions: the language model's validation loss against DDP's, with AdamW.
 
-``lm`` trains every method (each with an Adam optimizer; ``ddp+adamw`` first, the reference) on the
-byte-level transformer of ``harness/lm_task.py`` and reports the validation loss of the replicas' exact
-average over DDP's, beside its uncorrected twin (``+adamw-local``) where that ran and, for a compressed
-method, over its uncompressed twin (added to the run, as a paced method's unpaced twin is).
-``--eval-every K`` evaluates the average every K steps (``global_avg``, then ``revert_global_avg``:
-training goes on from the replicas, bit for bit) and gives the first step at DDP's final loss.
-Targets: per-step gossip within 2% of DDP, ``sync_every`` 2 to 8 within 5%, paced within 2%, compressed
-within 2% of its twin. ``seeds`` divides each method's loss by its own run's DDP loss (a seed moves DDP's
-own by 1-2%) across several runs' JSON files; files with the same DDP result (``--reuse``) are one run.
+``lm`` trains every method (``ddp+adamw`` first, the reference) on ``harness/lm_task.py``'s transformer
+and reports the validation loss of the replicas' exact average over DDP's, beside its uncorrected twin
+(``+adamw-local``) where that ran and, compressed, over its uncompressed twin (added to the run, as a
+paced method's unpaced twin is). ``--eval-every K`` evaluates the average every K steps (training goes on
+from the replicas, bit for bit) and gives the first step at DDP's final loss. Targets: per-step gossip
+within 2% of DDP, ``sync_every`` 2 to 8 within 5%, paced 2%, compressed 2% of its twin. ``seeds``
+divides each method's loss by its own run's DDP loss across several runs' JSON files (files with the
+same DDP result, ``--reuse``, are one run).
 """
 
 from __future__ import annotations
@@ -22,14 +21,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from benchmarks.convergence.classification import ADAM_OPTIMIZERS, JUDGED_SYNC_EVERY, paced_lines, twin
 from benchmarks.harness import lm_task
-from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
+from benchmarks.harness.lm_task import CONTEXT
 from benchmarks.harness.methods import LOCAL_MOMENT_SUFFIX, optimizer_factory, parse_method
 from benchmarks.harness.report import markdown_table
-from benchmarks.harness.runner import covers_multiple, on_average, on_local_ranks, train
+from benchmarks.harness.runner import covers_multiple, make_task, on_average, on_local_ranks, train
 
 TARGETS = {"per-step": 1.02, "local": 1.05, "paced": 1.02, "compressed": 1.02}
 
@@ -52,28 +50,25 @@ class LMResult:
 def train_lm(method: str, split: str, config: dict[str, Any]) -> LMResult | None:
     """Train one method on this rank's part of ``split`` (every rank calls this); rank 0 gets the result."""
     rank, world, eval_every = dist.get_rank(), dist.get_world_size(), config["eval_every"]
-    spec = parse_method(method)
-    tokens, validation = make_lm_data(world, rank, split)
-    model = make_lm_model(config["width"], config["depth"], config["seed"])
-    sampler = torch.Generator().manual_seed(100 + rank + 1000 * config["seed"])
+    spec, steps = parse_method(method), config["steps"]
+    draws = torch.Generator().manual_seed(100 + rank + 1000 * config["seed"])
+    size = dict(width=config["width"], depth=config["depth"])
+    task = make_task("lm", rank, world, config["seed"], config["batch_size"], draws, split, **size)
+    validation = lambda: task.evaluate(task.model)[0]  # noqa: E731
     curve: list[tuple[int, float]] = []
-
-    def batch_loss(net: nn.Module) -> torch.Tensor:
-        starts = torch.randint(0, len(tokens) - CONTEXT - 1, (config["batch_size"],), generator=sampler)
-        x, y = windows(tokens, starts)
-        return nn.functional.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1))
 
     def evaluate(taken: int, span: int, last: bool, loss: float, replicas: Any) -> None:
         if eval_every and not last and covers_multiple(taken - span + 1, taken, eval_every):
-            curve.append((taken, on_average(replicas, lambda: validation_loss(model, validation))))
+            curve.append((taken, on_average(replicas, validation)))
 
     make_optimizer = optimizer_factory(spec.optimizer or "adamw", lr=0.0, adam_lr=config["adam_lr"])
-    steps, warmup = config["steps"], config["warmup"]
-    trained, replicas = train(spec, model, make_optimizer, batch_loss, steps, evaluate, warmup)
-    loss = on_average(replicas, lambda: validation_loss(model, validation))
+    trained, replicas = train(
+        spec, task.model, make_optimizer, task.batch_loss, steps, evaluate, config["warmup"]
+    )
+    loss = on_average(replicas, validation)
     if rank != 0:
         return None
-    parameters = sum(p.numel() for p in model.parameters())
+    parameters = sum(p.numel() for p in task.model.parameters())
     return LMResult(
         method, split, loss, trained.final_loss, trained.bytes_per_step, trained.seconds,
         [*curve, (steps, loss)], world, config["adam_lr"], parameters, trained.steps_per_rank,
@@ -161,11 +156,16 @@ def results_of(path: Path) -> list[dict[str, Any]]:
     return data["results"] if isinstance(data, dict) else data
 
 
+def lm_result(fields: dict[str, Any]) -> LMResult:
+    """An :class:`LMResult` read back from JSON, its curve's pairs tuples again."""
+    return LMResult(**{**fields, "curve": [(int(step), loss) for step, loss in fields["curve"]]})
+
+
 def reused(args: argparse.Namespace) -> dict[tuple[str, str], LMResult]:
     """``--reuse JSON METHOD``: earlier results by (split, method); refused unless of the same flags."""
     found: dict[tuple[str, str], LMResult] = {}
     for path, method in args.reuse:
-        results = [LMResult(**r) for r in results_of(path) if r["method"] == method]
+        results = [lm_result(r) for r in results_of(path) if r["method"] == method]
         if not results:
             raise ValueError(f"--reuse: {path} has no result for {method!r}")
         for r in results:
@@ -174,20 +174,15 @@ def reused(args: argparse.Namespace) -> dict[tuple[str, str], LMResult]:
                     f"--reuse: {path}'s {method} ran with {r.workers} workers and lr {r.adam_lr}, this run "
                     f"has {args.workers} and {args.adam_lr}; reuse only a run of the same flags"
                 )
-            found[r.split, method] = replace_curve(r)
+            found[r.split, method] = r
     return found
-
-
-def replace_curve(result: LMResult) -> LMResult:
-    result.curve = [(int(step), loss) for step, loss in result.curve]  # JSON made the pairs lists
-    return result
 
 
 def answer(args: argparse.Namespace) -> tuple[Any, str]:
     kept, every = reused(args), [(s, m) for s in args.splits for m in args.methods]
     runs = [run for run in every if run not in kept]
     trained = iter(on_local_ranks(job, {**vars(args), "runs": runs}, "lm")[0] if runs else [])
-    results = [kept.get(run) or replace_curve(LMResult(**next(trained))) for run in every]
+    results = [kept.get(run) or lm_result(next(trained)) for run in every]
     tables = [table([r for r in results if r.split == s], args, args.workers) for s in args.splits]
     return [asdict(r) for r in results], "\n\n".join(tables)
 

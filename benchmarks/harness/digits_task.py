@@ -1,10 +1,8 @@
-"""scikit-learn's handwritten digits as a second classification task for the convergence benchmark.
+"""scikit-learn's handwritten digits, a second classification task (no download: shipped with it).
 
-The task a new user tries first: 1797 images of 8x8 pixels (``sklearn.datasets.load_digits``, shipped
-with scikit-learn: no download), 10 classes. A fixed stratified split keeps 360 images (20%) for the
-test set; the pixels are scaled to [0, 1] (their range is 0-16). The model is an MLP of the synthetic
-task's shape with 64 inputs (64 -> 128 -> 128 -> 10). Test accuracy moves in steps of 1/360 = 0.28
-points, so differences of a few tenths of a point are one or two images: compare means over seeds.
+1797 images of 8x8 pixels scaled to [0, 1], 10 classes, a fixed stratified 20% (360 images) for the test
+set, and an MLP of the synthetic task's shape with 64 inputs. Test accuracy moves in steps of 1/360 =
+0.28 points: a few tenths are one or two images, so compare means over seeds.
 """
 
 from __future__ import annotations
@@ -25,13 +23,9 @@ def make_digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
         images, labels, test_size=TEST_FRACTION, stratify=labels, random_state=0
     )
 
-    def features(x: object) -> torch.Tensor:
-        return torch.as_tensor(x, dtype=torch.float32) / 16.0
-
-    def targets(y: object) -> torch.Tensor:
-        return torch.as_tensor(y, dtype=torch.int64)
-
-    return features(train_x), targets(train_y), features(test_x), targets(test_y)
+    features = [torch.as_tensor(x, dtype=torch.float32) / 16.0 for x in (train_x, test_x)]
+    targets = [torch.as_tensor(y, dtype=torch.int64) for y in (train_y, test_y)]
+    return features[0], targets[0], features[1], targets[1]
 
 
 def make_digits_model(seed: int = 0, hidden: tuple[int, ...] = (128, 128)) -> nn.Module:

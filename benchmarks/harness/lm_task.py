@@ -1,12 +1,8 @@
-"""A small language-modelling task that needs no download: a byte-level causal transformer trained
-on the Python standard library's own source files.
-
-Corpus: the top-level ``*.py`` files of the running interpreter's standard library (about 4.7 MB
-for CPython 3.11), sorted by name and read as bytes (vocabulary 256). The last 10% of the files (by
-name) are the validation set; the other files are the training set. Two splits of the training
-set: ``iid`` (every worker samples windows from all of it) and ``files`` (worker ``r`` gets the
-``r``-th contiguous run of files, so each worker sees its own modules: data that differs between
-workers). The model is a GPT-style decoder (pre-norm, learned positions, tied embeddings).
+"""A language-modelling task with no download: a byte-level causal transformer (pre-norm, learned
+positions, tied embeddings) on the top-level ``*.py`` files of the running Python's standard library
+(about 4.7 MB for CPython 3.11), sorted by name, read as bytes; the last 10% of the files are the
+validation set. Splits: ``iid`` (every worker samples the whole training set) and ``files`` (worker
+``r`` gets the ``r``-th contiguous run of files: data that differs between workers).
 """
 
 from __future__ import annotations
@@ -36,11 +32,6 @@ def describe_corpus() -> str:
     return f"{len(files)} files of the Python {sys.version.split()[0]} standard library, {size / 1e6:.1f} MB"
 
 
-def _bytes(files: list[Path]) -> torch.Tensor:
-    data = b"".join(f.read_bytes() for f in files)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
-
-
 def make_lm_data(world: int, rank: int, split: str) -> tuple[torch.Tensor, torch.Tensor]:
     """This worker's training tokens and the validation tokens."""
     if split not in LM_SPLITS:
@@ -51,7 +42,11 @@ def make_lm_data(world: int, rank: int, split: str) -> tuple[torch.Tensor, torch
     if split == "files":
         per = math.ceil(len(train) / world)
         train = train[rank * per : (rank + 1) * per]
-    return _bytes(train), _bytes(validation)
+    train_tokens, validation_tokens = (
+        torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in part)), dtype=torch.uint8).long()
+        for part in (train, validation)
+    )
+    return train_tokens, validation_tokens
 
 
 def windows(tokens: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -38,17 +38,6 @@ LOCAL = re.compile(  # after "~"
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
 
 
-def check_compression(method: str, compression: str) -> None:
-    """Raise ``ValueError`` naming ``method`` unless ``compression`` is a name ``compression=`` accepts."""
-    try:
-        resolve_compression(compression)
-    except ValueError:
-        raise ValueError(
-            f"method {method!r}: unknown compression {compression!r} after '@'; choose one of "
-            f"{', '.join(COMPRESSIONS)}, a sparse format such as 'topk:0.01:int2' (or leave out '@' for none)"
-        ) from None
-
-
 def nesterov_outer_with(
     lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM
 ) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
@@ -63,13 +52,10 @@ nesterov_outer = nesterov_outer_with()  # DiLoCo's own: lr 0.7, Nesterov momentu
 class HalfFastSchedule:
     """Paced rounds' fixed counts (``Pacing(schedule=...)``) for a fleet whose first half is twice as fast.
 
-    Called as ``schedule(rank, round)``. Ranks ``0 .. N//2 - 1`` are fast and take ``a(r)`` inner steps
-    in round ``r``, the error diffusion of ``4H/3`` (the cumulative count ``round(4 H r / 3)``, halves
-    rounded up); ranks ``N//2 .. 2 (N//2) - 1`` are slow and take ``2H - a(r)``; with an odd ``N`` the
-    last rank takes ``H``. Every round's counts sum to exactly ``N H``, and over many rounds a fast
-    rank takes twice a slow one's steps. With ``H = 1`` (per-step gossip, where a slow rank cannot take
-    ``2/3`` of a step) a fast rank takes 2 steps per round and every other rank 1: rounds then hold
-    more than ``N`` steps (:attr:`fleet_steps_per_round`).
+    ``schedule(rank, round)``: ranks ``0 .. N//2 - 1`` take ``a(r)`` inner steps in round ``r``, the error
+    diffusion of ``4H/3`` (cumulative ``round(4 H r / 3)``), ranks ``N//2 .. 2 (N//2) - 1`` take
+    ``2H - a(r)``, an odd ``N``'s last rank ``H``: every round sums to ``N H``. With ``H = 1`` a fast rank
+    takes 2 steps a round and every other rank 1 (:attr:`fleet_steps_per_round`: ``N + N//2``).
     """
 
     world: int
@@ -82,54 +68,37 @@ class HalfFastSchedule:
     @property
     def fleet_steps_per_round(self) -> int:
         """The inner steps of one round over the whole fleet: ``N H`` (``H = 1``: ``N + N//2``)."""
-        if self.sync_every == 1:
-            return self.world + self.world // 2
-        return self.world * self.sync_every
+        return self.world + self.world // 2 if self.sync_every == 1 else self.world * self.sync_every
 
     def rounds_for(self, steps: int) -> int:
         """The rounds that process the samples of ``steps`` steps on every rank (DDP's ``steps``);
         ``ValueError`` if no whole number of rounds does."""
-        if (steps * self.world) % self.fleet_steps_per_round:
+        per_round = self.fleet_steps_per_round
+        if (steps * self.world) % per_round:
             raise ValueError(
                 f"{steps} steps on {self.world} ranks are not a whole number of paced rounds of "
-                f"{self.fleet_steps_per_round} fleet steps (H={self.sync_every}); pick a multiple of "
-                f"{self.fleet_steps_per_round // math.gcd(self.fleet_steps_per_round, self.world)}"
+                f"{per_round} fleet steps (H={self.sync_every}); pick a multiple of "
+                f"{per_round // math.gcd(per_round, self.world)}"
             )
-        return steps * self.world // self.fleet_steps_per_round
-
-    def _fast_total(self, rounds: int) -> int:
-        """A fast rank's inner steps in rounds ``0 .. rounds - 1``: ``round(4 H rounds / 3)``."""
-        return (8 * self.sync_every * rounds + 3) // 6
+        return steps * self.world // per_round
 
     def __call__(self, rank: int, round_: int) -> int:
-        half = self.world // 2
-        if self.sync_every == 1:
+        half, every = self.world // 2, self.sync_every
+        if every == 1:
             return 2 if rank < half else 1
-        fast = self._fast_total(round_ + 1) - self._fast_total(round_)
+        fast = (8 * every * (round_ + 1) + 3) // 6 - (8 * every * round_ + 3) // 6
         if rank < half:
             return fast
-        if rank < 2 * half:
-            return 2 * self.sync_every - fast
-        return self.sync_every
+        return 2 * every - fast if rank < 2 * half else every
 
     def total(self, rank: int, rounds: int) -> int:
         """Rank ``rank``'s inner steps in rounds ``0 .. rounds - 1`` (its own LR schedule's length)."""
-        half = self.world // 2
-        if self.sync_every == 1:
-            return (2 if rank < half else 1) * rounds
-        if rank < half:
-            return self._fast_total(rounds)
-        if rank < 2 * half:
-            return 2 * self.sync_every * rounds - self._fast_total(rounds)
-        return self.sync_every * rounds
+        return sum(self(rank, round_) for round_ in range(rounds))
 
 
 @dataclass(frozen=True)
 class Method:
-    """A method name taken apart.
-
-    The grammar is ``topology[-module][-gt][@compression][+optimizer]`` or ``ddp[+optimizer]``.
-    """
+    """A method name taken apart (the grammar of the module docstring)."""
 
     topology: str | None  # None: all-reduce with DistributedDataParallel
     module: bool = False  # the module front-end (the update happens inside backward)
@@ -166,12 +135,9 @@ class Method:
         options = dict(topology=self.topology, compression=self.compression, second_moment=self.second_moment)
         options["gradient_tracking"] = self.tracking
         if self.local:
-            outer = None
-            if self.nesterov:
-                lr = OUTER_LR if self.outer_lr is None else self.outer_lr
-                outer = nesterov_outer_with(
-                    lr, OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
-                )
+            lr = OUTER_LR if self.outer_lr is None else self.outer_lr
+            momentum = OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
+            outer = nesterov_outer_with(lr, momentum) if self.nesterov else None
             options.update(sync_every=self.sync_every, outer_optimizer=outer, sync_delay=self.sync_delay)
         if self.paced:
             options.update(pacing=Pacing(schedule=self.schedule(world)))
@@ -193,75 +159,74 @@ class Method:
 
 def parse_method(method: str) -> Method:
     """Read a method name (see the module docstring); ``ValueError`` names the part that is wrong."""
+
+    def wrong(reason: str) -> ValueError:
+        return ValueError(f"method {method!r}: {reason}")
+
     front, plus, optimizer = method.partition("+")
-    second_moment = "average"
-    if optimizer.endswith(LOCAL_MOMENT_SUFFIX):
-        optimizer, second_moment = optimizer.removesuffix(LOCAL_MOMENT_SUFFIX), "local"
-        if front.partition("~")[0].partition("@")[0] == "ddp":
-            raise ValueError(
-                f"method {method!r}: ddp takes no '{LOCAL_MOMENT_SUFFIX}'; its optimizer already sees the "
-                "all-reduced gradient."
-            )
-    if plus and optimizer not in OPTIMIZERS:
-        raise ValueError(
-            f"method {method!r}: unknown optimizer {optimizer!r} after '+'; "
-            f"choose one of {', '.join(OPTIMIZERS)}"
-        )
     base, at, compression = front.partition("@")
     base, tilde, local = base.partition("~")
-    every, nesterov, delay, outer_lr, outer_momentum, paced = 1, False, None, None, None, False
+    stem = base.removesuffix(TRACKING_SUFFIX)
+    second_moment = "local" if optimizer.endswith(LOCAL_MOMENT_SUFFIX) else "average"
+    optimizer = optimizer.removesuffix(LOCAL_MOMENT_SUFFIX)
+    if second_moment == "local" and base == "ddp":
+        raise wrong(
+            f"ddp takes no '{LOCAL_MOMENT_SUFFIX}'; its optimizer already sees the all-reduced gradient."
+        )
+    if plus and optimizer not in OPTIMIZERS:
+        raise wrong(f"unknown optimizer {optimizer!r} after '+'; choose one of {', '.join(OPTIMIZERS)}")
+    rounds: dict[str, Any] = {}
     if tilde:
         match = LOCAL.fullmatch(local)
         if base == "ddp" or match is None:
-            raise ValueError(
-                f"method {method!r}: after '~' write hH for H local steps per round, then n for DiLoCo's "
-                "outer optimizer, dD for a delay of D steps and p for paced rounds (e.g. 'ring~h8n', "
-                f"'ring~h8nd0', 'ring~h8n0.1p'), after a gossip topology, got {local!r}"
+            raise wrong(
+                "after '~' write hH for H local steps per round, then n for DiLoCo's outer optimizer, dD for "
+                "a delay of D steps and p for paced rounds (e.g. 'ring~h8n', 'ring~h8nd0', 'ring~h8n0.1p'), "
+                f"after a gossip topology, got {local!r}"
             )
-        every, nesterov = int(match["every"]), match["nesterov"] is not None
-        outer_lr = None if match["lr"] is None else float(match["lr"])
-        outer_momentum = None if match["momentum"] is None else float(match["momentum"])
-        delay = None if match["delay"] is None else int(match["delay"])
-        paced = match["paced"] is not None
-        if delay is not None and delay > every:
-            raise ValueError(f"method {method!r}: the delay d{delay} exceeds the round of h{every} steps")
+        number = lambda key, kind: None if match[key] is None else kind(match[key])  # noqa: E731
+        rounds = dict(sync_every=int(match["every"]), nesterov=match["nesterov"] is not None)
+        rounds |= dict(outer_lr=number("lr", float), outer_momentum=number("momentum", float))
+        rounds |= dict(sync_delay=number("delay", int), paced=match["paced"] is not None)
+        if rounds["sync_delay"] is not None and rounds["sync_delay"] > rounds["sync_every"]:
+            raise wrong(f"the delay d{match['delay']} exceeds the round of h{match['every']} steps")
     if at and base == "ddp":
-        raise ValueError(
-            f"method {method!r}: ddp takes no compression, got {compression!r}; all-reduce sends "
-            f"full-precision gradients. Drop '@{compression}', or compress a gossip topology, "
-            f"e.g. 'ring@{compression}'."
+        raise wrong(
+            f"ddp takes no compression, got {compression!r}; all-reduce sends full-precision gradients. "
+            f"Drop '@{compression}', or compress a gossip topology, e.g. 'ring@{compression}'."
         )
     if at:
-        check_compression(method, compression)
-    stem = base.removesuffix(TRACKING_SUFFIX)
+        try:
+            resolve_compression(compression)
+        except ValueError:
+            raise wrong(
+                f"unknown compression {compression!r} after '@'; choose one of {', '.join(COMPRESSIONS)}, "
+                "a sparse format such as 'topk:0.01:int2' (or leave out '@' for none)"
+            ) from None
     if stem == "ddp" and stem != base:
-        raise ValueError(
-            f"method {method!r}: ddp takes no gradient tracking; all-reduce already steps every rank "
-            f"with the exact average gradient. Drop '{TRACKING_SUFFIX}', or track on a gossip "
-            f"topology, e.g. 'ring{TRACKING_SUFFIX}'."
+        raise wrong(
+            "ddp takes no gradient tracking; all-reduce already steps every rank with the exact average "
+            f"gradient. Drop '{TRACKING_SUFFIX}', or track on a gossip topology, e.g. "
+            f"'ring{TRACKING_SUFFIX}'."
         )
     if base.endswith(TRACKING_SUFFIX + MODULE_SUFFIX):
         reordered = base.removesuffix(TRACKING_SUFFIX + MODULE_SUFFIX) + MODULE_SUFFIX + TRACKING_SUFFIX
-        raise ValueError(
-            f"method {method!r}: '{TRACKING_SUFFIX}' comes after '{MODULE_SUFFIX}'; write "
-            f"{reordered + method[len(base) :]!r}"
+        raise wrong(
+            f"'{TRACKING_SUFFIX}' comes after '{MODULE_SUFFIX}'; write {reordered + method[len(base) :]!r}"
         )
-    if paced and stem != base:
-        raise ValueError(
-            f"method {method!r}: paced rounds ('p') take no gradient tracking (its trackers are gossiped "
-            f"every step); drop '{TRACKING_SUFFIX}' or 'p'"
-        )
+    if rounds.get("paced") and stem != base:
+        raise wrong(f"paced rounds ('p') take no gradient tracking (its trackers are gossiped every step); "
+                    f"drop '{TRACKING_SUFFIX}' or 'p'")  # fmt: skip
     if base == "ddp":
         return Method(topology=None, optimizer=optimizer or None)
     topology = stem.removesuffix(MODULE_SUFFIX)
     try:  # an unknown name fails here, before any worker starts training
         TopologyFactory.get(topology)
     except ValueError as error:
-        raise ValueError(f"method {method!r}: {error}") from None
+        raise wrong(str(error)) from None
     front_end = dict(topology=topology, module=stem.endswith(MODULE_SUFFIX), tracking=stem != base)
     wire = dict(compression=compression or None, optimizer=optimizer or None, second_moment=second_moment)
-    rounds = dict(sync_every=every, nesterov=nesterov, outer_lr=outer_lr, outer_momentum=outer_momentum)
-    return Method(**front_end, **wire, **rounds, sync_delay=delay, paced=paced)
+    return Method(**front_end, **wire, **rounds)
 
 
 def optimizer_factory(
@@ -285,11 +250,9 @@ def optimizer_factory(
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon (``adjust_lr_fn="match_rms_adamw"``, so AdamW's learning rate carries over) on the hidden
-    matrices, AdamW on the rest (embeddings, positions, biases, norms), stepped as one optimizer: the
-    benchmarks' loops wrap a single optimizer, where a training script wraps the two (docs/
-    low-communication.md). Its param groups are the two optimizers' own, so schedulers drive both; its
-    state stays in the two (the benchmarks take no checkpoints of it)."""
+    """Muon (``adjust_lr_fn="match_rms_adamw"``: AdamW's learning rate carries over) on the hidden
+    matrices, AdamW on the rest, as one optimizer for the benchmarks' loops (a training script wraps the
+    two: docs/low-communication.md). Its param groups are the two's own, so schedulers drive both."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], lr: float) -> None:
         hidden = [p for name, p in named if p.ndim == 2 and not name.startswith(("embed", "position"))]

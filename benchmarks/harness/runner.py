@@ -2,14 +2,15 @@
 
 :func:`train` is the loop every task shares: a method (a name of ``methods.py``) trained by steps, or a
 paced one (``~h8n0.1p``: ``methods.HalfFastSchedule``) by rounds, ``steps // H`` of ``N H`` inner steps
-over the fleet: the same samples as ``steps`` steps of DDP (with ``H = 1``: fewer rounds of more steps).
-Each rank's cosine schedule spans its own inner steps; losses are kept per round, and the hook that
-measures (a collective) runs at round ends. :func:`run` trains the classification tasks with it;
-:func:`on_local_ranks` starts a driver's local ranks.
+over the fleet: the same samples as ``steps`` steps of DDP. Each rank's cosine schedule spans its own
+inner steps; losses are kept per round, and the hook that measures (a collective) runs at round ends.
+:func:`make_task` gives a task's model, batches and evaluation; :func:`run` trains the classification
+tasks; :func:`on_local_ranks` starts a driver's local ranks.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import traceback
@@ -24,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.digits_task import make_digits, make_digits_model
+from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_data, make_lm_model, validation_loss, windows
 from benchmarks.harness.methods import HalfFastSchedule, Method, optimizer_factory, parse_method
 from benchmarks.harness.synthetic_task import describe_split, make_data, make_model, split_data, split_label
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
@@ -63,6 +65,58 @@ class Trained:
     steps_per_rank: list[int]
 
 
+@dataclass
+class Task:
+    """A task's model and this rank's data: ``batch_loss(net)`` draws the next batch and returns its
+    loss; ``evaluate(net)`` is the held-out (loss, accuracy), accuracy NaN for the language model."""
+
+    model: nn.Module
+    batch_loss: Callable[[nn.Module], torch.Tensor]
+    evaluate: Callable[[nn.Module], tuple[float, float]]
+
+
+def task_data(task: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Train and test sets of ``task`` (``"synthetic"`` or ``"digits"``)."""
+    if task not in ("synthetic", "digits"):
+        raise ValueError(f"unknown task {task!r}; choose synthetic or digits")
+    return make_digits() if task == "digits" else make_data()
+
+
+def make_task(
+    task: str, rank: int, world: int, seed: int, batch_size: int, draws: torch.Generator, split: str = "iid",
+    alpha: float = 0.1, width: int = 64, depth: int = 2, hidden: tuple[int, ...] = (128, 128),
+) -> Task:  # fmt: skip
+    """``task`` (``synthetic``, ``digits`` or ``lm``) on this rank's part of ``split``, the model drawn
+    from ``seed``, batches of ``batch_size`` from ``draws``; ``width``, ``depth``: the language model's,
+    ``hidden``: the digits MLP's widths. A Dirichlet split gives every rank at least a batch."""
+    if task == "lm":
+        tokens, validation = make_lm_data(world, rank, split)
+
+        def lm_loss(net: nn.Module) -> torch.Tensor:
+            starts = torch.randint(0, len(tokens) - CONTEXT - 1, (batch_size,), generator=draws)
+            x, y = windows(tokens, starts)
+            return nn.functional.cross_entropy(net(x).reshape(-1, VOCAB), y.reshape(-1))
+
+        lm_evaluate = lambda net: (validation_loss(net, validation), math.nan)  # noqa: E731
+        return Task(make_lm_model(width, depth, seed), lm_loss, lm_evaluate)
+    train_x, train_y, test_x, test_y = task_data(task)
+    shard = split_data(train_y, world, split, alpha, min_size=batch_size, seed=seed)[rank]
+    shard_x, shard_y = train_x[shard], train_y[shard]
+
+    def batch_loss(net: nn.Module) -> torch.Tensor:
+        idx = torch.randint(0, len(shard_x), (batch_size,), generator=draws)
+        return nn.functional.cross_entropy(net(shard_x[idx]), shard_y[idx])
+
+    @torch.no_grad()
+    def evaluate(net: nn.Module) -> tuple[float, float]:
+        logits = net(test_x)
+        accuracy = (logits.argmax(1) == test_y).float().mean().item()
+        return nn.functional.cross_entropy(logits, test_y).item(), accuracy
+
+    model = make_digits_model(seed, hidden) if task == "digits" else make_model(seed)
+    return Task(model, batch_loss, evaluate)
+
+
 def model_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -72,11 +126,11 @@ def warmup_cosine(
 ) -> torch.optim.lr_scheduler.LRScheduler:
     """A linear warmup from 1/``warmup`` of the learning rate over ``warmup`` steps, then a cosine down
     to 0 over the rest of ``steps`` (``CosineAnnealingLR`` alone when ``warmup`` is 0)."""
+    lr = torch.optim.lr_scheduler
     if warmup <= 0:
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
+        return lr.CosineAnnealingLR(optimizer, T_max=steps)
     if warmup >= steps:
         raise ValueError(f"warmup={warmup} must be shorter than the run's {steps} steps")
-    lr = torch.optim.lr_scheduler
     ramp = lr.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
     decay = lr.CosineAnnealingLR(optimizer, T_max=steps - warmup)
     return lr.SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
@@ -88,24 +142,18 @@ def build_training(
     make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
     steps: int,
     warmup: int = 0,
-) -> tuple[
-    nn.Module, torch.optim.Optimizer | None, Replicas | None, torch.optim.lr_scheduler.LRScheduler | None
-]:
-    """What trains ``model`` with ``spec``: the module to call, the optimizer to step (None for the
-    module front-end, which steps inside backward), what gossips (None for DDP), and the schedule of
-    :func:`warmup_cosine` over ``steps`` (None for the module front-end, which steps its own per
-    bucket). For a paced method ``steps`` is this rank's own total (:func:`paced_plan`)."""
+) -> tuple[nn.Module, torch.optim.Optimizer | None, Replicas | None, Any]:
+    """The module to call, the optimizer to step and its :func:`warmup_cosine` schedule over ``steps``
+    (both None for the module front-end, which steps inside backward), and what gossips (None: DDP)."""
     optimizer: torch.optim.Optimizer | None = None
     replicas: Replicas | None = None
     if spec.topology is None:
         net: nn.Module = DistributedDataParallel(model)
         optimizer = make_optimizer(list(model.named_parameters()))
-    elif spec.module:  # the update happens inside backward, one optimizer per bucket
+    elif spec.module:
+        schedule = lambda opt: warmup_cosine(opt, steps, warmup)  # noqa: E731
         net = replicas = DecentralizedDataParallel(
-            model,
-            make_optimizer,
-            lr_scheduler_fn=lambda opt: warmup_cosine(opt, steps, warmup),
-            **spec.engine_options(),
+            model, make_optimizer, lr_scheduler_fn=schedule, **spec.engine_options()
         )
     else:
         net = model
@@ -117,9 +165,8 @@ def build_training(
 
 
 def paced_plan(spec: Method, steps: int, rank: int, world: int) -> tuple[HalfFastSchedule | None, int, int]:
-    """A method's schedule (None unless paced), its rounds (those that process the samples of ``steps``
-    steps on every rank; 0 unless paced) and this rank's own total of inner steps (``steps`` unless
-    paced). ``ValueError`` if no whole number of rounds processes the samples of ``steps`` steps."""
+    """A paced method's schedule, its rounds (those that process the samples of ``steps`` steps on every
+    rank) and this rank's own total of inner steps; ``(None, 0, steps)`` unless paced."""
     schedule = spec.schedule(world)
     if schedule is None:
         return None, 0, steps
@@ -164,7 +211,7 @@ def train(
             optimizer.zero_grad()
         loss = batch_loss(net)
         loss.backward()  # the module front-end updates here
-        if optimizer is not None and scheduler is not None:
+        if optimizer is not None:
             optimizer.step()
             scheduler.step()
         seconds += time.perf_counter() - start
@@ -218,49 +265,32 @@ def on_average(replicas: Replicas | None, measure: Callable[[], Any]) -> Any:
 
 
 def train_one_method(
-    method: str,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    log_every: int,
-    adam_lr: float = 3e-3,
-    split: str = "iid",
-    alpha: float = 0.1,
-    task: str = "synthetic",
-    seed: int = 0,
-) -> Result | None:
-    """Train ``method`` from scratch on this rank's part of the ``split`` of ``task``'s training set
-    (``"synthetic"`` or ``"digits"``; a Dirichlet split gives every worker at least ``batch_size``
-    points); ``seed`` draws the initial model and the batches. Every rank calls this; rank 0 gets the
-    Result, with the consensus distance measured every ``log_every`` steps and at the end."""
+    method: str, steps: int, batch_size: int, lr: float, log_every: int, adam_lr: float = 3e-3,
+    split: str = "iid", alpha: float = 0.1, task: str = "synthetic", seed: int = 0,
+) -> Result | None:  # fmt: skip
+    """Train ``method`` from ``seed``'s model and batches on this rank's part of the ``split`` of ``task``
+    (every rank calls this); rank 0 gets the Result, with the consensus distance measured every
+    ``log_every`` steps and at the end, and the averaged model's test accuracy."""
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = parse_method(method)
-    train_x, train_y, test_x, test_y = task_data(task)
-    shard = split_data(train_y, world, split, alpha, min_size=batch_size, seed=seed)[rank]
-    shard_x, shard_y = train_x[shard], train_y[shard]
-    model = make_digits_model(seed) if task == "digits" else make_model(seed)
-    sampler = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+    draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+    setup = make_task(task, rank, world, seed, batch_size, draws, split, alpha)
     distance_steps: list[int] = []
     distances: list[float] = []
 
-    def batch_loss(net: nn.Module) -> torch.Tensor:
-        idx = torch.randint(0, len(shard_x), (batch_size,), generator=sampler)
-        return nn.functional.cross_entropy(net(shard_x[idx]), shard_y[idx])
-
     def measure(taken: int, span: int, last: bool, loss: float, replicas: Replicas | None) -> None:
-        if not (last or covers_multiple(taken - span, taken - 1, log_every)):
-            return
-        distance = replicas.consensus_distance() if replicas is not None else 0.0
-        distance_steps.append(taken - 1)
-        distances.append(distance)
-        if rank == 0:
-            line = f"  {method:>13}  step {taken:4d}/{steps}  loss {loss:.4f}  consensus {distance:.2e}"
-            print(line, flush=True)
+        if last or covers_multiple(taken - span, taken - 1, log_every):
+            distance_steps.append(taken - 1)
+            distances.append(0.0 if replicas is None else replicas.consensus_distance())
+            if rank == 0:
+                line = (
+                    f"  {method:>13}  step {taken:4d}/{steps}  loss {loss:.4f}  consensus {distances[-1]:.2e}"
+                )
+                print(line, flush=True)
 
     make_optimizer = optimizer_factory(spec.optimizer or "sgd", lr, adam_lr)
-    trained, replicas = train(spec, model, make_optimizer, batch_loss, steps, measure)
-    with torch.no_grad():
-        accuracy = on_average(replicas, lambda: (model(test_x).argmax(1) == test_y).float().mean().item())
+    trained, replicas = train(spec, setup.model, make_optimizer, setup.batch_loss, steps, measure)
+    accuracy = on_average(replicas, lambda: setup.evaluate(setup.model)[1])
     if rank != 0:
         return None
     consensus = dict(distance_steps=distance_steps, distances=distances, final_distance=distances[-1])
@@ -272,29 +302,11 @@ def train_one_method(
     )  # fmt: skip
 
 
-def task_data(task: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Train and test sets of ``task`` (``"synthetic"`` or ``"digits"``)."""
-    if task == "digits":
-        return make_digits()
-    if task == "synthetic":
-        return make_data()
-    raise ValueError(f"unknown task {task!r}; choose synthetic or digits")
-
-
 def run(
-    methods: list[str],
-    steps: int,
-    batch_size: int,
-    lr: float,
-    log_every: int,
-    adam_lr: float = 3e-3,
-    split: str = "iid",
-    alpha: float = 0.1,
-    task: str = "synthetic",
-    seed: int = 0,
-) -> list[Result]:
-    """Train every method in turn on the ``split`` of ``task``'s data (all ranks), from ``seed``'s
-    model and batches; rank 0 returns the results."""
+    methods: list[str], steps: int, batch_size: int, lr: float, log_every: int, adam_lr: float = 3e-3,
+    split: str = "iid", alpha: float = 0.1, task: str = "synthetic", seed: int = 0,
+) -> list[Result]:  # fmt: skip
+    """:func:`train_one_method` for every method in turn (all ranks); rank 0 returns the results."""
     for method in methods:  # a misspelt method fails now, not after the ones before it have trained
         parse_method(method)
     world = dist.get_world_size()
@@ -307,8 +319,7 @@ def run(
         if dist.get_rank() == 0:
             print(f"[{method}] training {steps} steps on {world} workers", flush=True)
         result = train_one_method(method, steps, batch_size, lr, log_every, adam_lr, split, alpha, task, seed)
-        if result is not None:
-            results.append(result)
+        results += [] if result is None else [result]
         dist.barrier()
     return results
 

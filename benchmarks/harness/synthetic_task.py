@@ -1,16 +1,10 @@
 """The synthetic classification task the benchmarks train on, and how its training set is split.
 
-The task needs no download: 10 Gaussian clusters in 32 dimensions with overlapping classes
-(generated from a fixed seed), 16384 training points split across workers and 8192 test points
-(the same balanced test set for every split), and a small MLP. It is the main job's task
-(examples/quickstart.py keeps its own copy so that it reads on its own; tests/test_bench_convergence.py
-checks that the two give the same data and the same initial model).
-
-Two splits of the training set: ``iid`` deals the points out in turn (worker ``r`` gets points
-``r, r + n, r + 2n, ...``); ``dirichlet`` skews the labels: each class is divided among the workers
-in proportions drawn from Dirichlet(alpha) (Hsu et al., 2019, "Measuring the effects of
-non-identical data distribution", arXiv:1909.06335), so with a small alpha most workers see mostly
-one or two classes.
+No download: 10 overlapping Gaussian clusters in 32 dimensions (a fixed seed), 16384 training points and
+8192 test points, and a small MLP: the main job's task (examples/quickstart.py keeps its own copy;
+tests/test_bench_convergence.py checks the two agree). ``iid`` deals the training points out in turn;
+``dirichlet`` divides each class among the workers in proportions drawn from Dirichlet(alpha) (Hsu et
+al., 2019, arXiv:1909.06335): with a small alpha most workers see mostly one or two classes.
 """
 
 from __future__ import annotations
@@ -35,8 +29,7 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 
 
 def make_model(seed: int = 0) -> nn.Module:
-    """The MLP every method starts from (32 -> 128 -> 128 -> 10, the same weights each time for a
-    ``seed``)."""
+    """The MLP every method starts from (32 -> 128 -> 128 -> 10, the same weights for a ``seed``)."""
     torch.manual_seed(seed)
     return nn.Sequential(
         nn.Linear(FEATURES, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, CLASSES)
@@ -46,13 +39,9 @@ def make_model(seed: int = 0) -> nn.Module:
 def split_data(
     labels: torch.Tensor, world: int, split: str = "iid", alpha: float = 0.1, min_size: int = 1, seed: int = 0
 ) -> list[torch.Tensor]:
-    """The indices of each worker's training points: ``split_data(...)[rank]``, sorted.
-
-    ``"iid"`` deals the points out in turn (rank ``r`` gets ``r, r + world, ...``);
-    ``"dirichlet"`` skews the labels (see :func:`dirichlet_split`). Every rank computes the same
-    partition, with no communication. ``min_size`` applies to the Dirichlet split (the iid one
-    is as even as can be).
-    """
+    """The sorted indices of each worker's training points, the same on every rank: ``"iid"`` deals them
+    out in turn (rank ``r`` gets ``r, r + world, ...``), ``"dirichlet"`` skews the labels
+    (:func:`dirichlet_split`, every worker at least ``min_size`` points)."""
     if split == "iid":
         return [torch.arange(rank, len(labels), world) for rank in range(world)]
     if split == "dirichlet":
@@ -65,12 +54,10 @@ def dirichlet_split(
 ) -> list[torch.Tensor]:
     """Divide each class among ``world`` workers in proportions drawn from Dirichlet(``alpha``).
 
-    Every point goes to exactly one worker. A small ``alpha`` (0.1) gives most of a class to one or
-    two workers; a large one (100) approaches an even split. The whole draw (all classes at once)
-    is repeated until every worker holds at least ``min_size`` points, which samples the Dirichlet
-    split conditioned on that event rather than moving points by hand afterwards (the rule of Hsu
-    et al.'s and FedMA's partitioners). ``ValueError`` if ``MAX_DIRICHLET_DRAWS`` draws all fail:
-    then ``alpha`` is too small for this many workers of that size.
+    A small ``alpha`` (0.1) gives most of a class to one or two workers, a large one (100) nearly an even
+    split. The whole draw is repeated until every worker holds at least ``min_size`` points (the split
+    conditioned on that event, as Hsu et al.'s and FedMA's partitioners do); ``ValueError`` if
+    ``MAX_DIRICHLET_DRAWS`` draws all fail.
     """
     if not (isinstance(alpha, int | float) and 0 < alpha < float("inf")):
         raise ValueError(
@@ -82,25 +69,10 @@ def dirichlet_split(
             f"{len(labels)}. Lower the batch size or the number of workers."
         )
     by_class = [torch.nonzero(labels == c).flatten() for c in labels.unique()]
-    counts = _dirichlet_counts(torch.tensor([len(i) for i in by_class]), world, alpha, min_size, seed)
-    # which points of a class go to which worker: a seeded shuffle, so a dataset sorted by some
-    # feature does not hand one worker the first points of every class
-    g = torch.Generator().manual_seed(seed)
-    shards: list[list[torch.Tensor]] = [[] for _ in range(world)]
-    for indices, row in zip(by_class, counts, strict=True):
-        shuffled = indices[torch.randperm(len(indices), generator=g)]
-        for rank, part in enumerate(shuffled.split(row.tolist())):
-            shards[rank].append(part)
-    return [torch.cat(parts).sort().values for parts in shards]
-
-
-def _dirichlet_counts(
-    class_sizes: torch.Tensor, world: int, alpha: float, min_size: int, seed: int
-) -> torch.Tensor:
-    """How many points of each class (rows) each worker (columns) gets, each worker ``min_size`` or more."""
+    class_sizes = torch.tensor([len(i) for i in by_class])
     concentration = torch.full((len(class_sizes), world), float(alpha), dtype=torch.float64)
-    # Dirichlet.sample() takes no generator: seed the global one inside fork_rng, so every rank
-    # draws the same shares and the caller's random state is left as it was
+    # Dirichlet.sample() takes no generator: seed the global one inside fork_rng (the same shares on
+    # every rank, the caller's random state left as it was)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for _ in range(MAX_DIRICHLET_DRAWS):
@@ -110,12 +82,21 @@ def _dirichlet_counts(
             ends[:, -1] = class_sizes
             counts = ends.diff(dim=1, prepend=torch.zeros_like(ends[:, :1]))
             if (counts.sum(0) >= min_size).all():
-                return counts
-    raise ValueError(
-        f"no Dirichlet(alpha={alpha}) split of {int(class_sizes.sum())} points in {MAX_DIRICHLET_DRAWS} "
-        f"draws gave each of {world} workers at least {min_size} points; raise alpha, or lower the batch "
-        "size or the number of workers."
-    )
+                break
+        else:
+            raise ValueError(
+                f"no Dirichlet(alpha={alpha}) split of {len(labels)} points in {MAX_DIRICHLET_DRAWS} draws "
+                f"gave each of {world} workers at least {min_size} points; raise alpha, or lower the batch "
+                "size or the number of workers."
+            )
+    # a seeded shuffle within each class, so a dataset sorted by some feature is dealt out evenly
+    g = torch.Generator().manual_seed(seed)
+    shards: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    for indices, row in zip(by_class, counts, strict=True):
+        shuffled = indices[torch.randperm(len(indices), generator=g)]
+        for rank, part in enumerate(shuffled.split(row.tolist())):
+            shards[rank].append(part)
+    return [torch.cat(parts).sort().values for parts in shards]
 
 
 def describe_split(shards: list[torch.Tensor], labels: torch.Tensor) -> str:
