@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.faults import grow_back, joins, lost_worker, node_check, soak
+from benchmarks.faults import joins, lost_worker, node_check, soak
 from benchmarks.faults.questions import QUESTIONS
 from benchmarks.harness.question_args import question_parser
 from benchmarks.harness.report import save
@@ -25,8 +25,8 @@ ANSWERS = {
     "kills": soak.kills,
     "rejoins": soak.rejoins,
     "lost-worker": lost_worker.answer,
-    "joining": joins.answer,
-    "grow-back": grow_back.answer,
+    "joining": joins.joining,
+    "grow-back": joins.grow_back,
     "node-check": node_check.answer,
 }
 
