@@ -1,14 +1,18 @@
-"""What a live join costs: the members' pause per admission, a joiner's time to its first step, the
-transfer against the link, and the per-step cost of a job open to joiners.
+"""Live joins on spawned workers: what a join costs (``joining``), and growing back against a
+restart from a checkpoint (``grow-back``).
 
     uv run benchmarks/faults/run.py joining                        # local CPU workers, about 4 min
     uv run benchmarks/faults/run.py joining --ranks 4 8 --params 1e6 --json /tmp/joining.json
     sudo uv run benchmarks/faults/run.py joining --links 100mbit 1gbit --sizes-mb 1 10 100  # emulated cluster
     sudo uv run benchmarks/faults/run.py joining --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause
+    sudo uv run benchmarks/faults/run.py grow-back              # 8 nodes of the emulated cluster, ~5 min
+    uv run benchmarks/faults/run.py grow-back --local --workers 4 --steps 80 --lose-at 30  # loopback
 
-A job is worker processes (this module run with ``python -m``; :class:`Placement` and
-:func:`start_worker` serve ``grow_back.py`` too) around a store the driver hosts, training an MLP of
-``--params`` parameters with AdamW (ring, ``on_peer_failure="continue"``, ``init_elastic``). Parts:
+A job is worker processes (this module run with ``python -m``) around a store the launcher hosts,
+training an MLP of ``--params`` parameters with AdamW (ring; elastic jobs: ``on_peer_failure=
+"continue"``, ``init_elastic``), worker ``i`` on loopback or on node ``i`` of the emulated cluster.
+
+``joining``'s parts:
 
 - *pause* (``--ranks``; ``--cluster RATE``: a worker per emulated node): ``n - 1`` members start, one
   more joins at ``--join-after``: per admission the members' time inside it and their longest step
@@ -18,6 +22,14 @@ A job is worker processes (this module run with ``python -m``; :class:`Placement
   ``on_peer_failure="raise"``, interleaved ``--rounds`` times.
 - *link* (``--links``, root): 4 emulated nodes and a joiner on a fifth, replicas of ``--sizes-mb``
   MB: the payload's time on the wire against bytes / link rate.
+
+``grow-back`` trains three ways (``--step-time`` of emulated compute, links at ``--link``): *steady*
+(no failure); *grow back* (elastic; after ``--lose-at`` the last two ranks SIGKILL themselves with
+their round in flight and are restarted at once, joining from a member's replica); *restart*
+(``"raise"``, a checkpoint every ``--checkpoint-every`` steps; the same two die, and the launcher, as
+torchrun's elastic agent does, restarts every worker from the last checkpoint). Reported: time from
+launch to the last rank's step ``--steps``, steps computed again, and the global average's loss on a
+fixed probe set (restart equals steady bit for bit; docs/joining.md, "The mean").
 """
 
 from __future__ import annotations
@@ -26,67 +38,71 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from benchmarks.harness.common import free_port
 
+LOST = 2  # grow-back: ranks lost at --lose-at
+#: A worker's options where its question sets none.
+WORKER_DEFAULTS = {"scenario": "joining", "attempt": 0, "resume_step": 0, "lose_at": -1, "lr": 1e-3}
+WORKER_DEFAULTS |= {"checkpoint_every": 0, "join_after": -1, "expect_join": False}
+#: Per question: the MLP's inputs and outputs, and the batch size.
+TASKS = {"joining": (64, 8, 32), "grow-back": (32, 4, 64)}
+JOB_NAME = "bench"
+
 
 # -- the worker ----------------------------------------------------------------------------------------
-def connect(elastic_job: str | None, prefix: str) -> tuple[int, int, Any]:
-    """A started worker's rank, world size and store (from the launcher's environment), in the job
-    ``elastic_job`` through ``init_elastic``, or else in a gloo group formed under ``prefix``."""
-    import torch
-    import torch.distributed as dist
-
-    from decent_optim_wrapper import init_elastic
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    if elastic_job is not None:
-        init_elastic(store, rank, world, job=elastic_job)
-    else:
-        dist.init_process_group("gloo", store=dist.PrefixStore(prefix, store), rank=rank, world_size=world)
-    return rank, world, store
-
-
 def worker(args: argparse.Namespace) -> None:
+    """Train (``args.mode``: ``raise``, ``continue`` or ``elastic``) and write what the launcher reads:
+    ``joining``: step times, pauses and the join's parts; ``grow-back``: the final average's loss."""
     started = float(os.environ.get("JOIN_T0", time.time()))
     import torch
     import torch.distributed as dist
     from torch import nn
 
-    from decent_optim_wrapper import DecentOptimWrapper
+    from decent_optim_wrapper import DecentOptimWrapper, init_elastic
 
-    _, _, store = connect("bench" if args.mode == "elastic" else None, "start")
-    width = int((args.params / 1.0) ** 0.5)
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    if args.mode == "elastic":
+        init_elastic(store, rank, world, job=JOB_NAME)
+    else:  # each start of the job forms its group anew
+        prefix = dist.PrefixStore(f"start-{args.attempt}", store)
+        dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world)
+    grow_back, (inputs, outputs, batch) = args.scenario != "joining", TASKS[args.question]
+    width = int(args.params**0.5)
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Linear(64, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8)
+        nn.Linear(inputs, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, outputs)
     )
-    adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the first optimizer imports torch._dynamo
+    teacher = torch.randn(inputs, outputs, generator=torch.Generator().manual_seed(0))
+    adamw = torch.optim.AdamW(model.parameters(), lr=args.lr)  # the first optimizer imports torch._dynamo
     before_front_end = time.time()
     options: dict[str, Any] = {"timeout": timedelta(seconds=args.timeout)}
     if args.mode != "raise":
         options |= {"on_peer_failure": "continue", "store": store}
     opt = DecentOptimWrapper(adamw, topology="ring", **options)
     after_front_end = time.time()
-    ready = Path(args.out) / "ready"
-    times = []
-    step = opt.step_count
+    out = Path(args.out)
+    if args.resume_step:
+        opt.load_state_dict(torch.load(out / f"ckpt-{rank}-{args.resume_step}.pt", weights_only=False))
+    loss_fn = nn.MSELoss()
+    times, waited, step = [], 0.0, opt.step_count
 
     def last_step() -> float:
-        """--steps; with --expect-join, also 10 steps past the admission, and no end before it (a
-        joiner takes seconds to start, more on a loaded machine: the job must still be there)."""
+        """--steps; with expect_join, also 10 steps past the admission, and no end before it (a joiner
+        takes seconds to start, more on a loaded machine: the job must still be there)."""
         if not args.expect_join:
             return args.steps
         admission = opt.joined or (opt.peer_joins[0] if opt.peer_joins else None)
@@ -94,82 +110,143 @@ def worker(args: argparse.Namespace) -> None:
 
     while step < last_step():
         begin = time.time()
-        x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1000 * opt.rank + step))
+        x = torch.randn(batch, inputs, generator=torch.Generator().manual_seed(1000 * opt.rank + step))
         opt.zero_grad()
-        model(x).square().mean().backward()
+        loss_fn(model(x), torch.tanh(x @ teacher)).backward()
         opt.step()
         time.sleep(args.step_time)  # the rest of a step's compute
         times.append((begin, time.time()))
         if opt.joined is None and opt.rank == 0 and step == args.join_after:
-            ready.write_text("1")
+            (out / "ready").write_text("1")
         if args.expect_join and opt.joined is None and not opt.peer_joins and step >= args.join_after:
             time.sleep(0.25)  # until the joiner arrives (seconds to start): outside the steps' times
+        dying = args.scenario in ("grow-back", "restart") and args.attempt == 0 and opt.joined is None
+        if dying and step == args.lose_at and opt.rank >= world - LOST:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if grow_back and opt.world_size < world and step >= args.steps - 10:
+            # Do not finish before the lost workers are back (a restart takes seconds): slow the last
+            # steps down until they are admitted (up to 10 s), counted and printed with the figures.
+            time.sleep(1.0)
+            waited += 1.0
+        if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
+            path = out / f"ckpt-{rank}-{step + 1}.pt"
+            torch.save(opt.state_dict(), path.with_suffix(".part"))
+            path.with_suffix(".part").replace(path)  # complete or absent
         step += 1
-    survival = opt.engine.survival
-    result = {
-        "rank": opt.rank,
-        "world_size": opt.world_size,
-        "joined": opt.joined is not None,
-        "start": started,
-    }
-    result |= {"before_front_end": before_front_end, "after_front_end": after_front_end, "times": times}
-    result |= {"first_step": opt.step_count - len(times), "join_seconds": opt.engine.growth.join_seconds}
-    result |= {"pauses": [] if survival is None else survival.pauses, "admissions": len(opt.peer_joins)}
-    result |= {"forged_refused": opt.guard_counts.get("forged_application", 0)}
-    (Path(args.out) / f"worker-{os.getpid()}.json").write_text(json.dumps(result))
+    result = {"rank": opt.rank, "world_size": opt.world_size, "joined": opt.joined is not None}
+    result |= {"start": started, "end": time.time(), "waited_s": waited}
+    if grow_back:
+        opt.global_avg(may_revert=False)
+        probe = torch.randn(1024, inputs, generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            result["final_loss"] = loss_fn(model(probe), torch.tanh(probe @ teacher)).item()
+    else:
+        survival = opt.engine.survival
+        result |= {"before_front_end": before_front_end, "after_front_end": after_front_end}
+        result |= {"times": times, "first_step": opt.step_count - len(times)}
+        result |= {"join_seconds": opt.engine.growth.join_seconds, "admissions": len(opt.peer_joins)}
+        result |= {"pauses": [] if survival is None else survival.pauses}
+        result |= {"forged_refused": opt.guard_counts.get("forged_application", 0)}
+    (out / f"result-{args.attempt}-{os.getpid()}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
 
 
 # -- running jobs --------------------------------------------------------------------------------------
-def start_worker(
-    module: str, options: dict[str, Any], log: Path, env: dict[str, str], launcher: list[str]
-) -> subprocess.Popen:
-    """A worker process: ``module``'s ``worker`` with ``options`` (its output to ``log``), started
-    through ``launcher`` (a namespace of the emulated cluster, a wrapper) with ``env`` added."""
-    command = [*launcher, sys.executable, "-m", module, json.dumps(options)]
-    with open(log, "w") as out:  # the child holds its own copy of the file
-        return subprocess.Popen(command, env=dict(os.environ, **env), stdout=out, stderr=subprocess.STDOUT)
+@contextlib.contextmanager
+def cluster_at(nodes: int, link: str | None) -> Iterator[Any]:
+    """None (loopback) without ``link``, else ``nodes`` nodes of the emulated cluster at ``link``."""
+    if not link:
+        yield None
+        return
+    from benchmarks.harness.emulated_cluster import Cluster
+
+    with Cluster(nodes) as cluster:
+        cluster.shape(link)
+        yield cluster
 
 
-class Placement:
-    """Where a job's processes run: on this machine's loopback, or each worker in a namespace of its
-    own on the emulated cluster (``harness/emulated_cluster.py``; the store in node 0's, since the
-    root namespace has no address on the cluster's bridge)."""
+class Job:
+    """A launcher's job: worker processes around the store it hosts for the ``with`` block, worker
+    ``node`` on this machine's loopback or in node ``node``'s namespace of the emulated ``cluster``
+    (``harness/emulated_cluster.py``); :meth:`supervise` waits for them."""
 
-    def __init__(self, cluster: Any = None) -> None:
-        self.cluster = cluster
-
-    @contextlib.contextmanager
-    def store(self) -> Iterator[tuple[str, int]]:
-        """Host the job's store for the duration of the block: its address and port."""
-        import torch.distributed as dist
-
-        port = free_port()
-        if self.cluster is None:
-            store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-            try:
-                yield "127.0.0.1", port
-            finally:
-                del store
-            return
-        host = self.cluster.address(0)
-        hosting = (
-            f"import time, torch.distributed as d; "
-            f"s = d.TCPStore({host!r}, {port}, is_master=True, wait_for_workers=False); time.sleep(3600)"
-        )
-        process = subprocess.Popen([*self.launcher(0), sys.executable, "-c", hosting])
-        try:
-            time.sleep(1.5)  # the store listens before the first worker connects (its client retries anyway)
-            yield host, port
-        finally:
-            process.kill()
-            process.wait()
+    def __init__(self, cluster: Any, world: int, options: dict[str, Any], env: dict[str, str]):
+        self.cluster, self.world, self.env = cluster, world, env
+        self.options = {**WORKER_DEFAULTS, **options}
+        self.out = Path(tempfile.mkdtemp(prefix=f"dow-{self.options['scenario']}-"))
+        self.options["out"] = str(self.out)
+        self.procs: dict[int, subprocess.Popen] = {}  # node -> its current process
+        self.starts = 0
 
     def launcher(self, node: int) -> list[str]:
         return [] if self.cluster is None else ["ip", "netns", "exec", self.cluster.namespace(node)]
 
-    def env(self, node: int) -> dict[str, str]:
-        return {} if self.cluster is None else {"GLOO_SOCKET_IFNAME": self.cluster.ifname(node)}
+    def __enter__(self) -> Job:
+        import torch.distributed as dist
+
+        self.port = free_port()
+        if self.cluster is None:
+            self.host = "127.0.0.1"
+            self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
+            return self
+        # The store in node 0's namespace: the root namespace has no address on the cluster's bridge.
+        self.host = self.cluster.address(0)
+        hosting = (
+            f"import time, torch.distributed as d; s = d.TCPStore({self.host!r}, {self.port}, "
+            f"is_master=True, wait_for_workers=False); time.sleep(3600)"
+        )
+        self.store = subprocess.Popen([*self.launcher(0), sys.executable, "-c", hosting])
+        time.sleep(1.5)  # the store listens before the first worker connects (its client retries anyway)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.kill()
+        if isinstance(self.store, subprocess.Popen):
+            self.store.kill()
+            self.store.wait()
+        del self.store
+
+    def start(self, node: int, rank: int | None = None, env: dict[str, str] | None = None, **options) -> None:
+        """Start worker ``rank`` (default: ``node``) on ``node``, ``options`` over the job's."""
+        self.starts += 1
+        environ = dict(os.environ, MASTER_ADDR=self.host, MASTER_PORT=str(self.port), OMP_NUM_THREADS="1")
+        environ |= {"RANK": str(node if rank is None else rank), "WORLD_SIZE": str(self.world)}
+        if self.cluster is not None:
+            environ["GLOO_SOCKET_IFNAME"] = self.cluster.ifname(node)
+        environ |= {**self.env, **(env or {})}
+        command = [*self.launcher(node), sys.executable, "-m", __name__]
+        command.append(json.dumps({**self.options, **options}))
+        with open(self.out / f"log-{node}-{self.starts}.txt", "w") as log:  # the child holds its own copy
+            self.procs[node] = subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT)
+
+    def supervise(
+        self,
+        deadline_s: float,
+        on_failure: Callable[[list[int]], None] | None = None,
+        joiner: int | None = None,
+    ) -> None:
+        """Wait for every worker within ``deadline_s``; start a joiner on node ``joiner`` once rank 0 is
+        ready; hand failed nodes to ``on_failure`` (without it, raise)."""
+        deadline = time.monotonic() + deadline_s
+        while any(p.poll() is None for p in self.procs.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the job passed {deadline_s} s: logs in {self.out}")
+            if joiner is not None and (self.out / "ready").exists():
+                self.start(joiner, 0, {"JOIN_T0": repr(time.time())})
+                joiner = None
+            failed = [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
+            if failed and on_failure is None:
+                raise RuntimeError(f"a worker failed (nodes {failed}): logs in {self.out}")
+            if failed:
+                on_failure(failed)
+            time.sleep(0.05)
+        if any(p.returncode != 0 for p in self.procs.values()):
+            raise RuntimeError(f"a worker failed at the end: logs in {self.out}")
+
+    def results(self, attempt: int = 0) -> list[dict[str, Any]]:
+        return [json.loads(p.read_text()) for p in sorted(self.out.glob(f"result-{attempt}-*.json"))]
 
 
 def run_job(
@@ -177,50 +254,29 @@ def run_job(
     args: argparse.Namespace,
     mode: str,
     join: bool,
-    placement: Placement | None = None,
-    launcher: list[str] | None = None,
+    cluster: Any = None,
     secret: str | None = None,
     forged_per_s: float = 0.0,
 ) -> list[dict[str, Any]]:
-    """``members`` workers (and one joiner once rank 0 is ready, with ``join``); their results.
-
-    On the emulated cluster worker ``i`` runs on node ``i``, the joiner on node ``members``. With
-    ``secret`` the workers seal the job's entries; with ``forged_per_s`` an outsider writes that many
-    forged applications a second into the store while they run.
-    """
-    placement = placement or Placement()
-    out = Path(tempfile.mkdtemp(prefix="dow-joining-"))
-    options = {k: getattr(args, k) for k in ("params", "steps", "join_after", "timeout", "step_time")}
-    options |= {"mode": mode, "out": str(out), "expect_join": join}
-    procs = []
-    with placement.store() as (host, port):
-
-        def start(rank: int, extra: dict[str, str]) -> None:
-            node = len(procs)
-            env = {"MASTER_ADDR": host, "MASTER_PORT": str(port), "RANK": str(rank)}
-            env |= {"WORLD_SIZE": str(members), "OMP_NUM_THREADS": "1", **placement.env(node), **extra}
-            env |= {} if secret is None else {"DECENT_JOB_SECRET": secret}
-            launch = [*placement.launcher(node), *(launcher or [])]
-            procs.append(start_worker(__name__, options, out / f"log-{node}.txt", env, launch))
-
+    """``joining``: ``members`` workers (and one joiner on node ``members`` once rank 0 is ready, with
+    ``join``); their results. With ``secret`` the workers seal the job's entries; with
+    ``forged_per_s`` an outsider writes that many forged applications a second into the store."""
+    options = {
+        k: getattr(args, k) for k in ("question", "params", "steps", "join_after", "timeout", "step_time")
+    }
+    options |= {"mode": mode, "expect_join": join}
+    env = {} if secret is None else {"DECENT_JOB_SECRET": secret}
+    with Job(cluster, members, options, env) as job:
         stop_forging = threading.Event()
-        forger = threading.Thread(target=forge, args=(host, port, forged_per_s, stop_forging), daemon=True)
+        forger = threading.Thread(
+            target=forge, args=(job.host, job.port, forged_per_s, stop_forging), daemon=True
+        )
         if forged_per_s:
             forger.start()
         try:
-            for rank in range(members):
-                start(rank, {})
-            deadline = time.monotonic() + args.deadline_s
-            if join:
-                while not (out / "ready").exists():
-                    if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
-                        raise RuntimeError(f"the members did not reach step {args.join_after}: logs in {out}")
-                    time.sleep(0.05)
-                start(0, {"JOIN_T0": repr(time.time())})
-            for proc in procs:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-                if proc.returncode != 0:
-                    raise RuntimeError(f"a worker failed (exit {proc.returncode}): logs in {out}")
+            for node in range(members):
+                job.start(node)
+            job.supervise(args.deadline_s, joiner=members if join else None)
         finally:
             stop_forging.set()
             # Joined before the store goes and before the interpreter exits: a thread still inside a
@@ -228,10 +284,7 @@ def run_job(
             # active exception").
             if forger.is_alive():
                 forger.join()
-            for proc in procs:
-                if proc.poll() is None:
-                    proc.kill()
-    return [json.loads(p.read_text()) for p in sorted(out.glob("worker-*.json"))]
+    return job.results()
 
 
 def forge(host: str, port: int, per_s: float, stop: threading.Event) -> None:
@@ -247,7 +300,7 @@ def forge(host: str, port: int, per_s: float, stop: threading.Event) -> None:
     from decent_optim_wrapper.engine.fleet.sealing import Seal
 
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=60))
-    job = "decent-optim-wrapper/jobs/bench"
+    job = f"decent-optim-wrapper/jobs/{JOB_NAME}"
     while not store.check([job]):
         if stop.wait(0.05):
             return
@@ -336,7 +389,7 @@ def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
             for megabytes in args.sizes_mb:
                 params = int(megabytes * 1e6 / 16)  # parameters, AdamW's two moments, the rule's signal
                 sized = argparse.Namespace(**{**vars(args), "params": params, "steps": args.join_after + 15})
-                results = run_job(4, sized, "elastic", join=True, placement=Placement(cluster))
+                results = run_job(4, sized, "elastic", join=True, cluster=cluster)
                 figures = admission_figures(results)["joiner"]
                 ideal = figures["bytes"] * 8 / rate_bits(link)
                 rows.append({"link": link, "megabytes": figures["bytes"] / 1e6, **figures, "ideal_s": ideal})
@@ -367,7 +420,7 @@ def pause_row(world: int, entry: dict[str, Any]) -> str:
     )
 
 
-def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+def joining(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """The parts asked for (link, pause, overhead), in that order: their figures and their lines."""
     args.params = int(args.params)
     figures: dict[str, Any] = {"params": args.params, "cpus": os.cpu_count()}
@@ -376,17 +429,11 @@ def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         figures["link"] = link_sweep(args)
         lines += [link_row(row) for row in figures["link"]]
     figures["pause"] = []
-    with contextlib.ExitStack() as stack:
-        placement = Placement()
-        if args.cluster:
-            from benchmarks.harness.emulated_cluster import Cluster
-
-            cluster = stack.enter_context(Cluster(max(args.ranks, default=0)))
-            cluster.shape(args.cluster)
-            placement = Placement(cluster)
-            figures["cluster_link"] = args.cluster
+    if args.cluster:
+        figures["cluster_link"] = args.cluster
+    with cluster_at(max(args.ranks, default=0), args.cluster) as cluster:
         for world in args.ranks:
-            figures["pause"].append(admission_figures(run_job(world - 1, args, "elastic", True, placement)))
+            figures["pause"].append(admission_figures(run_job(world - 1, args, "elastic", True, cluster)))
             lines.append(pause_row(world, figures["pause"][-1]))
             print(lines[-1], flush=True)
     if args.overhead_ranks:
@@ -399,5 +446,80 @@ def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return figures, "\n".join(lines)
 
 
-if __name__ == "__main__":  # a worker, started by start_worker
+# -- grow-back -----------------------------------------------------------------------------------------
+def grow_back_run(scenario: str, args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
+    """One run of ``scenario``, as a launcher runs it; its time to the last step and final loss."""
+    names = ("question", "params", "steps", "lose_at", "step_time", "timeout", "lr")
+    options = {"scenario": scenario, **{name: getattr(args, name) for name in names}}
+    options |= {"mode": "elastic" if scenario == "grow-back" else "raise"}
+    options |= {"checkpoint_every": args.checkpoint_every if scenario == "restart" else 0}
+    restarts, recomputed, attempt = 0, 0, 0
+    with Job(cluster, args.workers, options, {}) as job:
+
+        def on_failure(failed: list[int]) -> None:
+            nonlocal restarts, recomputed, attempt
+            if scenario == "grow-back":
+                for node in failed:  # bring the node back: the new process joins the running job
+                    restarts += 1
+                    job.start(node)
+                return
+            if scenario != "restart" or attempt:
+                raise RuntimeError(f"{scenario}: a worker failed (nodes {failed}): logs in {job.out}")
+            for proc in job.procs.values():  # as torchrun's agent does: stop everyone, restart all
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            saved = range(args.checkpoint_every, args.steps + 1, args.checkpoint_every)
+            ranks = range(args.workers)
+            complete = [s for s in saved if all((job.out / f"ckpt-{r}-{s}.pt").exists() for r in ranks)]
+            resume_step = max(complete, default=0)
+            recomputed, attempt, restarts = args.lose_at + 1 - resume_step, 1, args.workers
+            for node in ranks:
+                job.start(node, attempt=attempt, resume_step=resume_step)
+
+        began = time.time()
+        for node in range(args.workers):
+            job.start(node)
+        job.supervise(args.deadline_s, on_failure)
+    results = job.results(attempt)
+    if len(results) != args.workers:
+        raise RuntimeError(
+            f"{scenario}: {len(results)} of {args.workers} workers finished: logs in {job.out}"
+        )
+    losses = {r["final_loss"] for r in results}
+    figures = {"scenario": scenario, "seconds": max(r["end"] for r in results) - began}
+    figures |= {"final_loss": results[0]["final_loss"], "losses_identical": len(losses) == 1}
+    figures |= {"processes_restarted": restarts, "steps_recomputed": recomputed}
+    figures |= {"joiners": sum(r["joined"] for r in results)}
+    figures |= {"final_world_size": min(r["world_size"] for r in results)}
+    return figures | {"waited_for_joiners_s": max(r["waited_s"] for r in results)}
+
+
+def row_text(row: dict[str, Any], first: dict[str, Any]) -> str:
+    time_ratio, loss_ratio = row["seconds"] / first["seconds"], row["final_loss"] / first["final_loss"]
+    return (
+        f"{row['scenario']:>9}: {row['seconds']:6.1f} s to the last step ({time_ratio:.2f}x of "
+        f"{first['scenario']}), final loss {row['final_loss']:.6f} ({loss_ratio:.4f}x), "
+        f"processes restarted {row['processes_restarted']}, steps computed again {row['steps_recomputed']}, "
+        f"joiners {row['joiners']}, waited for them {row['waited_for_joiners_s']:.2f} s"
+    )
+
+
+def grow_back(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """The runs asked for (``--runs``), on the emulated cluster or, with ``--local``, on loopback."""
+    from benchmarks.harness.emulated_cluster import ready_to_emulate
+
+    if not args.local and not ready_to_emulate():
+        return {"runs": []}, "grow-back: the emulated cluster needs root (or use --local)"
+    rows: list[dict[str, Any]] = []
+    with cluster_at(args.workers, None if args.local else args.link) as cluster:
+        for scenario in args.runs:
+            rows.append(grow_back_run(scenario, args, cluster))
+            print(row_text(rows[-1], rows[0]), flush=True)
+    setup = {k: getattr(args, k) for k in ("workers", "params", "steps", "lose_at", "checkpoint_every")}
+    figures = {**setup, "link": None if args.local else args.link, "cpus": os.cpu_count(), "runs": rows}
+    return figures, "\n".join(row_text(row, rows[0]) for row in rows)
+
+
+if __name__ == "__main__":  # a worker, started by Job.start
     worker(argparse.Namespace(**json.loads(sys.argv[1])))

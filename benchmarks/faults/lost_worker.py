@@ -7,8 +7,8 @@ The main job's task (``synthetic_task.py``: the MLP, SGD with momentum under a c
 iid split) with ring gossip, twice per seed: ``8 -> 7`` (``on_peer_failure="continue"``, a worker
 drawn from the seed SIGKILLed at step ``--kill-at``; its shard is not seen again) and ``7`` (7 workers
 from the start). Batches are seeded by the seed and the launch rank, so the two runs differ only in
-the lost worker. Reported: the final training loss (last 5 % of steps) and the test accuracy of the
-global average. Target: ``8 -> 7`` within 0.5 points of ``7`` on average over the seeds.
+the lost worker. Reported: the final training loss (last 5 % of steps) and the global average's
+test accuracy. Target: ``8 -> 7`` within 0.5 points of ``7`` on average over the seeds.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness.fault_runs import injected, run_workers
+from benchmarks.harness.report import titled_table
 from benchmarks.harness.synthetic_task import make_data, make_model, split_data
 from decent_optim_wrapper import DecentOptimWrapper
 
@@ -89,40 +90,32 @@ def run_arm(workers: int, victim: int | None, seed: int, args: argparse.Namespac
 
 def report(rows: list[dict[str, Any]], args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """The verdict, and the table: per seed both runs and the difference, then the means."""
-    header = (
-        f"{'seed':>4} | {'run':>7} | {'victim':>6} | {'final loss':>10} | {'avg-model acc':>13} | "
-        f"{'diff (points)':>13}"
-    )
-    lines = [
-        f"Survival: ring gossip, {args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, "
-        f"kill at step {args.kill_at}; {args.machine}",
-        header,
-        "-" * len(header),
-    ]
-    diffs = []
+    table, diffs = [], []
     for seed in args.seeds:
         lost, whole = (
             next(r for r in rows if r["seed"] == seed and r["arm"] == arm) for arm in ("8 -> 7", "7")
         )
         diffs.append(100 * (lost["accuracy"] - whole["accuracy"]))
-        for row, column in ((whole, "-"), (lost, f"{diffs[-1]:+.2f}")):
-            victim = "-" if row["victim"] is None else str(row["victim"])
-            lines.append(
-                f"{seed:>4} | {row['arm']:>7} | {victim:>6} | {row['final_loss']:>10.4f} | "
-                f"{row['accuracy']:>13.4f} | {column:>13}"
-            )
-    mean = statistics.fmean(diffs)
-    verdict = "met" if abs(mean) <= TARGET_POINTS else "MISSED"
+        for row, diff in ((whole, None), (lost, f"{diffs[-1]:+.2f}")):
+            victim = None if row["victim"] is None else str(row["victim"])
+            table.append((str(seed), row["arm"], victim, row["final_loss"], row["accuracy"], diff))
     for arm in ("7", "8 -> 7"):
         loss = statistics.fmean(r["final_loss"] for r in rows if r["arm"] == arm)
         accuracy = statistics.fmean(r["accuracy"] for r in rows if r["arm"] == arm)
-        lines.append(f"{'mean':>4} | {arm:>7} | {'':>6} | {loss:>10.4f} | {accuracy:>13.4f} |")
-    lines.append(
-        f"8 -> 7 vs 7 workers: {mean:+.2f} points on average over {len(diffs)} seeds; "
+        table.append(("mean", arm, "", loss, accuracy, ""))
+    mean = statistics.fmean(diffs)
+    verdict = "met" if abs(mean) <= TARGET_POINTS else "MISSED"
+    title = (
+        f"Survival: ring gossip, {args.steps} steps, batch {args.batch_size}/worker, lr {args.lr}, "
+        f"kill at step {args.kill_at}; {args.machine}"
+    )
+    header = ("seed", "run", "victim", "final loss", "avg-model acc", "diff (points)")
+    text = titled_table(title, header, table, ".4f") + (
+        f"\n8 -> 7 vs 7 workers: {mean:+.2f} points on average over {len(diffs)} seeds; "
         f"target within {TARGET_POINTS}: {verdict}"
     )
     summary = {"mean_difference_points": mean, "target_points": TARGET_POINTS, "verdict": verdict}
-    return summary, "\n".join(lines)
+    return summary, text
 
 
 def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

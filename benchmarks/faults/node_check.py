@@ -20,22 +20,17 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from benchmarks.harness.common import build_mlp, collect_from_ranks
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+from benchmarks.harness.common import build_mlp
+from benchmarks.harness.fault_runs import run_workers
+from decent_optim_wrapper import DecentOptimWrapper, node_mesh
 
 
-def worker(rank: int, port: int, results: Any, args: argparse.Namespace, mode: str) -> None:
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import fully_shard
-
-    from decent_optim_wrapper import DecentOptimWrapper, init_elastic, node_mesh
-
-    torch.set_num_threads(1)
-    world = args.nodes * args.shards
-    # The job's launcher hosts the store (run_job): with "continue" a rank polls it in every gossip wait,
-    # so a store in rank 0 would vanish under the ranks still in their last step when rank 0 is done.
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-    init_elastic(store, rank, world, job="node-check", shards=args.shards, timeout=timedelta(seconds=60))
+def worker(rank: int, world: int, store: dist.Store, args: argparse.Namespace, mode: str) -> dict[str, Any]:
+    """One rank of an elastic job of nodes (``init_elastic(..., shards=)``, formed by ``run_workers``)."""
     torch.manual_seed(0)
     model = build_mlp(64, args.width, args.depth, 8)
     mesh = node_mesh("cpu")
@@ -68,18 +63,17 @@ def worker(rank: int, port: int, results: Any, args: argparse.Namespace, mode: s
         dist.all_gather_into_tensor(gathered, flag, async_op=True).wait(timedelta(seconds=60))
         checks.append(time.perf_counter() - begin)
     step_s, buckets = statistics.median(times[args.warmup :]), len(optimizer.engine.buckets)
-    results.put((rank, {"step_s": step_s, "buckets": buckets, "check_s": statistics.median(checks)}))
-    dist.destroy_process_group()
+    return {"step_s": step_s, "buckets": buckets, "check_s": statistics.median(checks)}
 
 
 def run_job(args: argparse.Namespace, mode: str) -> dict[str, float]:
-    import torch.distributed as dist
-
-    world = args.nodes * args.shards
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # outlives every rank
-    by_rank = collect_from_ranks(
-        world, worker, lambda rank, _, results: (rank, store.port, results, args, mode), 300, f"job {mode}"
-    )
+    # The launcher hosts the store (run_workers): with "continue" a rank polls it in every gossip wait,
+    # so a store in rank 0 would vanish under the ranks still in their last step when rank 0 is done.
+    world, elastic = args.nodes * args.shards, {"job": "node-check", "shards": args.shards}
+    outcome = run_workers(worker, world, (args, mode), deadline_s=300, elastic=elastic)
+    if outcome.errors or len(outcome.results) != world:
+        raise RuntimeError(f"job {mode}: {outcome.errors or outcome}")
+    by_rank = outcome.results
     return {
         "step_s": statistics.median(r["step_s"] for r in by_rank.values()),
         "check_s": statistics.median(r["check_s"] for r in by_rank.values()),

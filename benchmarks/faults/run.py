@@ -5,18 +5,17 @@
 The questions and their defaults are in ``questions.py`` (``run.py QUESTION --help`` lists the options);
 each is answered by its module: ``kills`` and ``rejoins`` (``soak.py``: the fault-injection soak, down
 to a floor or with every victim restarted), ``lost-worker`` (``lost_worker.py``: convergence after a
-lost worker), ``joining`` (``joins.py``: what a live join costs), ``grow-back`` (``grow_back.py``: a
-live join against a restart from a checkpoint) and ``node-check`` (``node_check.py``: the node check
-of a job of nodes). Forked workers start around a store this process hosts (``harness/fault_runs.py``),
-spawned ones through ``joins.py``'s launcher; the report is printed and written with
-``harness/report.py``.
+lost worker), ``joining`` and ``grow-back`` (``joins.py``: what a live join costs; a live join against
+a restart from a checkpoint) and ``node-check`` (``node_check.py``: the node check of a job of nodes).
+Forked workers start around a store this process hosts (``harness/fault_runs.py``), spawned ones
+through ``joins.py``'s launcher; the report is written with ``harness/report.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from benchmarks.faults import grow_back, joins, lost_worker, node_check, soak
+from benchmarks.faults import joins, lost_worker, node_check, soak
 from benchmarks.faults.questions import QUESTIONS
 from benchmarks.harness.question_args import question_parser
 from benchmarks.harness.report import save
@@ -25,8 +24,8 @@ ANSWERS = {
     "kills": soak.kills,
     "rejoins": soak.rejoins,
     "lost-worker": lost_worker.answer,
-    "joining": joins.answer,
-    "grow-back": grow_back.answer,
+    "joining": joins.joining,
+    "grow-back": joins.grow_back,
     "node-check": node_check.answer,
 }
 

@@ -7,14 +7,12 @@
     uv run benchmarks/faults/run.py rejoins --workers 4 --floor 3 --cycles 10 --average-every 3 \
         --slow-factor 15
 
-Forked workers (``harness/fault_runs.py``) train an MLP with the wrapper (ring, SGD with momentum, a
-cosine schedule), take and revert a global average every ``--average-every`` steps, and carry a
-*witness*: a parameter in a group with ``lr=0``, so only gossip (a convex combination) moves it,
-started in [1, 2] and different on every rank. A victim fails in one of ``MODES`` at a seeded moment.
-``kills``: seeded runs down to ``--floor`` (failures survived, steps lost, recovery time;
-docs/survival-benchmarks.md). ``rejoins``: one elastic run (``init_elastic``) of ``--cycles``
-failures, each victim restarted as a joiner, a share ``--overlap`` of them firing while the world is
-short (joins, losses, join time and its parts, the members' pause; docs/joining.md).
+Forked workers (``harness/fault_runs.py``) train an MLP (ring, SGD with momentum, a cosine schedule),
+take and revert a global average every ``--average-every`` steps, and carry a *witness*: a parameter
+only gossip moves (``lr=0``), started in [1, 2], different on every rank. A victim fails in one of
+``MODES`` at a seeded moment. ``kills``: seeded runs down to ``--floor`` (docs/survival-benchmarks.md).
+``rejoins``: one elastic run of ``--cycles`` failures, each victim restarted as a joiner, a share
+``--overlap`` of them firing while the world is short (docs/joining.md).
 
 *Corruption* (each must be 0): a non-finite parameter or loss; a witness outside [1, 2] (beyond
 ``WITNESS_ULPS`` of rounding per round); final averages not bitwise identical across survivors, or
@@ -78,8 +76,7 @@ def _inputs(rank: int, step: int) -> torch.Tensor:
 
 
 def build_worker(store: dist.Store, config: dict) -> tuple[nn.Module, nn.Parameter, DecentOptimWrapper]:
-    """The soak's model, its witness (a parameter only gossip moves: a group with ``lr=0``) and the
-    wrapped SGD with momentum (ring, ``on_peer_failure="continue"``)."""
+    """The soak's model, its witness and the wrapped SGD (ring, ``on_peer_failure="continue"``)."""
     torch.manual_seed(0)
     model = build_mlp(FEATURES, 32, 3, OUTPUTS)
     witness = nn.Parameter(torch.zeros(WITNESS))
@@ -92,15 +89,10 @@ def build_worker(store: dist.Store, config: dict) -> tuple[nn.Module, nn.Paramet
 
 
 class FaultClock:
-    """rejoins: the planned failures, taken in order: failure ``k`` is due ``gap`` steps after failure
-    ``k - 1`` fired, once the world is whole (or, for an ``overlap`` failure, above the floor), and for
-    a kill inside a global average at a step that takes one.
-
-    The store keeps the count of failures fired and, per failure, who claimed it at which step: the
-    members run a step or two apart around a change of the world, so clocks kept apart would see
-    different worlds at the same step and disagree on which failure comes next (a joiner would fire
-    one again). Only the victim claims a failure (``compare_set``), so each fires exactly once.
-    """
+    """rejoins: failure ``k`` is due ``gap`` steps after failure ``k - 1`` fired, once the world is
+    whole (an ``overlap`` failure: above the floor), a kill inside a global average at a step that
+    takes one. The schedule lives in the store (members a step apart would disagree on it): the count
+    fired and, per failure, the victim's claim (``compare_set``: each fires exactly once)."""
 
     def __init__(
         self, store: dist.Store, plan: list[dict], config: dict, index: int, spare_rank_0: bool
@@ -242,9 +234,8 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
 
 
 class Injector:
-    """Fails this worker where a planned fault says, around the call it wraps, and records where the
-    main thread was when it did; with ``elastic``, notes the pauses the call added (an admission's if
-    it admitted and lost nobody, else a recovery's)."""
+    """Fails this worker where a planned fault says, around the call it wraps, recording where the main
+    thread was; with ``elastic``, notes the pauses the call added (admission or recovery)."""
 
     def __init__(self, opt: DecentOptimWrapper, elastic: bool) -> None:
         self.opt, self.elastic = opt, elastic
@@ -305,12 +296,8 @@ class Health:
 
 
 def final_checks(opt: DecentOptimWrapper, params: list[torch.Tensor], health: Health) -> dict[str, Any]:
-    """The survivors' final average, against their replicas gathered just before it.
-
-    The gathers are the judge's, outside the optimizer and its failure handling: on a group of their
-    own whose timeout allows for a slow machine (a rank finishing seconds after another is not a
-    failure).
-    """
+    """The survivors' final average against their replicas gathered just before it (the judge's
+    gathers, on a group of their own with a timeout that allows for a slow machine)."""
     flat = lambda: torch.cat([p.detach().reshape(-1) for p in params])  # noqa: E731
     size = dist.get_world_size()
     judge_group = dist.new_group(timeout=timedelta(seconds=JUDGE_TIMEOUT_S))
@@ -371,24 +358,18 @@ def rejoins_plan(args: argparse.Namespace) -> list[dict]:
 # -- the judges --------------------------------------------------------------------------------------
 
 
-def corruption(results: list[dict], world_disagrees: int) -> dict[str, int]:
-    tolerance = [WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in results]
-    return {
-        "nonfinite": sum(r["nonfinite"] > 0 for r in results),
-        "witness_outside_hull": sum(
-            r["witness_excursion"] > tol for r, tol in zip(results, tolerance, strict=True)
-        ),
-        "average_not_identical": int(not all(r["average_identical"] for r in results)),
-        "average_not_mean": sum(r["average_deviation"] > r["average_bound"] for r in results),
-        "world_size_disagrees": world_disagrees,
-    }
-
-
 def finished_figures(results: list[dict], world_disagrees: int) -> dict[str, Any]:
     """What both judges report of the workers that finished: schedules behind their step count,
     corruption, the witness's and the final averages' largest errors, the mean final loss."""
+    corruption = {"nonfinite": sum(r["nonfinite"] > 0 for r in results)}
+    corruption["witness_outside_hull"] = sum(
+        r["witness_excursion"] > WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in results
+    )
+    corruption["average_not_identical"] = int(not all(r["average_identical"] for r in results))
+    corruption["average_not_mean"] = sum(r["average_deviation"] > r["average_bound"] for r in results)
+    corruption["world_size_disagrees"] = world_disagrees
     behind = sum(r["scheduler_steps"] != r["step_count"] for r in results)
-    figures = {"scheduler_behind": behind, "corruption": corruption(results, world_disagrees)}
+    figures = {"scheduler_behind": behind, "corruption": corruption}
     for key in ("witness_excursion", "average_deviation"):
         figures[f"{key}_max"] = max((r[key] for r in results), default=0.0)
     return figures | {"final_loss": statistics.fmean(r["final_loss"] for r in results) if results else None}
@@ -453,9 +434,6 @@ def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) 
     injected_by_mode = dict.fromkeys(MODES, 0) | Counter(r["mode"] for r in injected)
     survived_by_mode = dict.fromkeys(MODES, 0) | Counter(m for run in runs for m in run["survived_modes"])
     recoveries = [s for run in runs for s in run["recovery_s"]]
-    corrupted = {
-        k: sum(run["corruption"][k] for run in runs) for k in (runs[0]["corruption"] if runs else ())
-    }
     summary = {k: getattr(args, k) for k in ("machine", "workers", "floor", "timeout_s")}
     summary |= {
         "seconds": round(seconds, 1),
@@ -472,7 +450,8 @@ def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) 
         "recoveries": len(recoveries),
     }
     summary |= {"recovery_s": {k: v for k, v in spread(recoveries, "mean").items() if k != "n"}}
-    summary["corruption"] = corrupted
+    kinds = runs[0]["corruption"] if runs else ()
+    summary["corruption"] = {kind: sum(run["corruption"][kind] for run in runs) for kind in kinds}
     for key in ("witness_excursion_max", "average_deviation_max"):
         summary[key] = max((run[key] for run in runs), default=0.0)
     return summary

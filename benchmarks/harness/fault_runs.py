@@ -1,16 +1,13 @@
 """Runs of gloo workers that may die on purpose: forked from a parent that hosts the job's store.
 
-``run_workers(fn, world_size, args, deadline_s)`` forks ``world_size`` workers, each running
-``fn(rank, world_size, store, *args)`` in a gloo group joined through the parent's ``TCPStore`` (kept
-outside the workers, as torchrun's agent keeps it, so any worker may die), and returns their JSON
-results. A worker fails itself through :func:`injected`, so the parent knows whom not to wait for;
-past ``deadline_s`` the parent raises ``TimeoutError`` with every running worker's stacks, and no
-worker outlives the call. Forking starts a run in about a second: the parent has imported torch but
-run no torch op nor thread (the store's master is made after the fork).
-
-With ``restart_after`` the job is elastic (``init_elastic``) and every failed worker comes back after
-``restart_after(record)`` seconds as a *spawned* process (it pays a real restart's start-up) that
-joins; :func:`process_started` tells a worker when its process started.
+``run_workers(fn, world_size, args, deadline_s)`` forks workers running ``fn(rank, world_size, store,
+*args)`` in a gloo group joined through the parent's ``TCPStore`` (outside the workers, as torchrun's
+agent keeps it, so any worker may die) and returns their JSON results. A worker fails itself through
+:func:`injected`, so the parent knows whom not to wait for; past ``deadline_s`` the parent raises
+``TimeoutError`` with the running workers' stacks. Forking starts a run in about a second (the store's
+master is made after the fork: the parent runs no torch op nor thread before it). With
+``restart_after`` the job is elastic and every failed worker comes back after ``restart_after(record)``
+seconds as a *spawned* process (a real restart's start-up) that joins.
 """
 
 from __future__ import annotations
@@ -62,10 +59,8 @@ class Outcome:
 
 
 def injected(record: dict[str, Any]) -> None:
-    """Record, in this worker, that it fails itself now (``record`` plus the wall-clock ``time``).
-
-    Written before the failure (a SIGKILL leaves no chance after), and safe from any thread.
-    """
+    """Record, in this worker, that it fails itself now (``record`` plus the wall-clock ``time``): before
+    the failure (a SIGKILL leaves no chance after), from any thread."""
     assert _workdir is not None, "injected() is for workers started by run_workers()"
     path = _workdir / f"injected-{_rank}.json"
     partial = path.with_suffix(".part")
@@ -92,7 +87,7 @@ def _main(
     port: int,
     fn: Callable[..., Any],
     args: tuple,
-    elastic_job: str | None,
+    elastic: dict[str, Any] | None,
     started: float,
 ) -> None:
     global _workdir, _rank, _started
@@ -107,14 +102,14 @@ def _main(
         torch.set_num_threads(1)  # 8 workers on 2 cores: one thread each
         # The client retries until the parent's master (created after the fork) listens.
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        if elastic_job is None:
+        if elastic is None:
             dist.init_process_group(
                 "gloo", store=dist.PrefixStore("start", store), rank=rank, world_size=world_size
             )
         else:  # a replacement (rank >= world_size) finds the job running and joins it in fn
             from decent_optim_wrapper import init_elastic
 
-            init_elastic(store, rank % world_size, world_size, job=elastic_job, timeout=timedelta(seconds=60))
+            init_elastic(store, rank % world_size, world_size, timeout=timedelta(seconds=60), **elastic)
         result = fn(rank, world_size, store, *args)
         (_workdir / f"result-{rank}.json").write_text(json.dumps(result))
     except BaseException:
@@ -132,10 +127,11 @@ def run_workers(
     deadline_s: float = 120.0,
     *,
     restart_after: Callable[[dict[str, Any]], float] | None = None,
+    elastic: dict[str, Any] | None = None,
 ) -> Outcome:
     """Run ``fn(rank, world_size, store, *args)`` on ``world_size`` forked workers (see module doc);
     with ``restart_after``, bring back every worker that failed itself, ``restart_after(record)``
-    seconds after it did."""
+    seconds after it did. With ``elastic`` (``init_elastic``'s keywords) the workers form an elastic job."""
     if threading.active_count() != 1:
         raise RuntimeError(
             f"run_workers forks: the parent must have no Python thread but the main one, it has "
@@ -143,13 +139,14 @@ def run_workers(
         )
     workdir = Path(tempfile.mkdtemp(prefix="dow-survival-"))
     port = free_port()
-    elastic_job = None if restart_after is None else "soak"
+    if restart_after is not None:
+        elastic = {"job": "soak", **(elastic or {})}
     procs: list[Any] = []
 
     def start(context: str) -> None:
         proc = mp.get_context(context).Process(
             target=_main,
-            args=(len(procs), str(workdir), world_size, port, fn, args, elastic_job, time.time()),
+            args=(len(procs), str(workdir), world_size, port, fn, args, elastic, time.time()),
             daemon=True,
         )
         procs.append(proc)
@@ -195,7 +192,9 @@ def run_workers(
                 os.kill(procs[r].pid, signal.SIGCONT)  # a stopped worker dumps its stacks too
                 os.kill(procs[r].pid, signal.SIGUSR1)
             time.sleep(1.0)
-            logs = "\n".join(f"--- rank {r} ---\n{_log_tail(workdir, r)[-6000:]}" for r in alive)
+            logs = "\n".join(
+                f"--- rank {r} ---\n{_read(workdir, 'log', r, '(no output yet)')[-6000:]}" for r in alive
+            )
             raise TimeoutError(
                 f"{fn.__name__}: ranks {running} did not finish within {deadline_s:.0f} s; "
                 f"logs and stacks of the running ones (workdir {workdir}):\n{logs}"
@@ -208,23 +207,18 @@ def run_workers(
             proc.join(timeout=10)
         del store
     seconds = time.monotonic() - start_time
-
-    def read(name: str, rank: int) -> Any:
-        path = workdir / f"{name}-{rank}.{'txt' if name == 'error' else 'json'}"
-        if not path.exists():
-            return None
-        return path.read_text() if name == "error" else json.loads(path.read_text())
-
     outcome = Outcome({r: p.exitcode for r, p in enumerate(procs)}, {}, {}, {}, seconds, workdir)
     tables = {"result": outcome.results, "error": outcome.errors, "injected": outcome.injected}
     for rank, (name, table) in itertools.product(range(len(procs)), tables.items()):
-        if (value := read(name, rank)) is not None:
+        if (value := _read(workdir, name, rank)) is not None:
             table[rank] = value
     return outcome
 
 
-def _log_tail(workdir: Path, rank: int) -> str:
-    """Worker ``rank``'s output so far; a worker started late may not have written it yet (a deadline
-    report must still show the others)."""
-    path = workdir / f"log-{rank}.txt"
-    return path.read_text() if path.exists() else f"(no output yet: {path} not created)"
+def _read(workdir: Path, name: str, rank: int, missing: Any = None) -> Any:
+    """What worker ``rank`` wrote to ``name`` (logs and errors as text, the rest as JSON), or ``missing``
+    (a worker started late may not have written it yet)."""
+    path = workdir / f"{name}-{rank}.{'txt' if name in ('log', 'error') else 'json'}"
+    if not path.exists():
+        return missing
+    return json.loads(path.read_text()) if path.suffix == ".json" else path.read_text()
