@@ -4,7 +4,8 @@
 namespace of its own (``dow-br``), addresses ``10.213.7.0/24``, and removes them on exit, error or
 Ctrl-C; ranks of one node talk over loopback, unshaped. :func:`measure_link`, :func:`round_trip_ms` and
 :func:`measure_message_bytes` check the links; :func:`run_ranks` starts one process per rank inside its
-node (or on loopback without a cluster) and collects their results within a deadline, and
+node (or on loopback without a cluster) and collects their results within a deadline (waiting with
+:func:`wait_for`, which a driver with its own launch shares), and
 :func:`run_workers` pools their step times. Building it needs root (:func:`ready_to_emulate`). The
 ranks' shared helpers (the collective timeout, :func:`write_atomically`, CPU counters) live here too.
 """
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -292,6 +293,21 @@ def stop(procs: list) -> None:
         proc.wait()
 
 
+def wait_for(
+    procs: Sequence[subprocess.Popen], seconds: float, tick: Callable[[], None] | None = None
+) -> bool:
+    """Wait until every process has exited, one has failed, or ``seconds`` have passed, calling ``tick``
+    between looks (a driver's hook, e.g. opening a gate); whether the time ran out with one running."""
+    deadline = time.monotonic() + seconds
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        if tick is not None:
+            tick()
+        time.sleep(0.2)
+    return time.monotonic() >= deadline and any(p.poll() is None for p in procs)
+
+
 def run_ranks(
     cluster: Cluster | None,
     port: int,
@@ -314,12 +330,7 @@ def run_ranks(
             node = rank // per_node
             node_vars = node_env(cluster, node, port) | (env or {})
             procs.append(start_in_node(cluster, node, argv, node_vars, outdir / f"rank{rank}.log"))
-        deadline = time.monotonic() + seconds
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-        timed_out = time.monotonic() >= deadline and any(p.poll() is None for p in procs)
+        timed_out = wait_for(procs, seconds)
         failed = [r for r, p in enumerate(procs) if p.poll() not in (0, None)]
         stop(procs)
         written = [outdir / f"rank{r}.json" for r in range(ranks)]

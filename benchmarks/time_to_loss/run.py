@@ -109,16 +109,17 @@ def launch(
         argv = [str(RANK), *[x for k, v in mine.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
         env, log = emu.node_env(cluster, rank, port), outdir / f"rank{rank}.log"
         procs.append(emu.start_in_node(cluster, rank, argv + ["--gate"] * bool(shape), env, log))
-    deadline, gated = time.monotonic() + deadline_s, shape is None
+    gated = shape is None
+
+    def open_gate() -> None:  # once every rank is built: shape the links, count from here, let them go
+        nonlocal counted, gated
+        if shape and not gated and all((outdir / f"ready-{r}").exists() for r in range(nodes)):
+            shape()
+            counted, gated = cluster.sent_bytes(), True
+            (outdir / "go").touch()
+
     try:
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if any(p.returncode not in (None, 0) for p in procs):
-                break
-            if shape and not gated and all((outdir / f"ready-{r}").exists() for r in range(nodes)):
-                shape()
-                counted, gated = cluster.sent_bytes(), True
-                (outdir / "go").touch()
-            time.sleep(0.5)
+        emu.wait_for(procs, deadline_s, open_gate)
     finally:
         emu.stop(procs)
         if shape is not None:
