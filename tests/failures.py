@@ -101,6 +101,15 @@ def request_worker(workdir: str, tag: str) -> None:
     (Path(workdir) / f"spawn-{tag}.req").write_text(tag)
 
 
+def note_losses(front_end: Any, workdir: str, index: int) -> None:
+    """Tell the parent of :func:`run_elastic` of every loss this worker records (``restart_after_noted``)."""
+
+    def note(failure: Any) -> None:
+        (Path(workdir) / f"lost-{index}-{failure.step}.note").write_text(str(failure.world_size))
+
+    front_end.register_peer_failure_hook(note)
+
+
 def run_elastic(
     fn: Callable[..., Any],
     world_size: int,
@@ -109,6 +118,7 @@ def run_elastic(
     restart_killed: int = 0,
     restart_delay_s: float = 0.0,
     started: Callable[[int, str], None] | None = None,
+    restart_after_noted: int = 0,
 ) -> Outcome:
     """Like :func:`run_with_faults`, but the job may grow: ``fn(index, world_size, port, workdir, *args)``.
 
@@ -119,8 +129,11 @@ def run_elastic(
     a while to notice; a test that wants the loss settled before the join waits longer than the
     survivors' timeout (a worker forked from the preloaded server starts in well under a second, so
     otherwise it may apply while the survivors are still agreeing on the loss, and both are settled
-    in one change of membership). ``started(port, workdir)`` is called once the store is up, before
-    the workers start (a test watching the job from outside learns where it is).
+    in one change of membership). A test that needs the loss settled first passes
+    ``restart_after_noted``, the number of survivors that must have recorded it (their
+    :func:`note_losses`) before the restart: an event, not a wait, so a loaded machine that takes
+    longer to agree on the loss cannot merge the two. ``started(port, workdir)`` is called once the
+    store is up, before the workers start (a test watching the job from outside learns where it is).
     """
     handled: set[str] = set()
     restarted: set[int] = set()
@@ -135,7 +148,8 @@ def run_elastic(
             killed = proc.exitcode is not None and proc.exitcode < 0
             if killed and index not in restarted and len(restarted) < restart_killed:
                 seen = dead_since.setdefault(index, time.monotonic())
-                if time.monotonic() - seen >= restart_delay_s:
+                noted = {path.name.split("-")[1] for path in Path(workdir).glob("lost-*.note")}
+                if time.monotonic() - seen >= restart_delay_s and len(noted) >= restart_after_noted:
                     restarted.add(index)
                     start()
 

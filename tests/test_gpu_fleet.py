@@ -41,7 +41,7 @@ CASES: dict[str, dict[str, Any]] = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_gpu_nodes_survive_a_kill_and_the_restarted_worker_joins_bit_for_bit(case):
     from failures import run_elastic
-    from test_joining import TIMEOUT, _by_rank, _check_transfers, _check_world, _train
+    from test_joining import _by_rank, _check_transfers, _check_world, _train
 
     options = CASES[case]
     plan = {
@@ -53,9 +53,7 @@ def test_gpu_nodes_survive_a_kill_and_the_restarted_worker_joins_bit_for_bit(cas
         "device": "cuda",
         "options": options,
     }
-    outcome = run_elastic(
-        _train, 3, (plan,), deadline_s=240, restart_killed=1, restart_delay_s=1.5 * TIMEOUT.total_seconds()
-    )
+    outcome = run_elastic(_train, 3, (plan,), deadline_s=240, restart_killed=1, restart_after_noted=2)
     assert outcome.exitcodes[1] == -9
     results = _by_rank(outcome)
     assert len(results) == 3

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from failures import inject, request_worker, run_elastic
+from failures import inject, note_losses, request_worker, run_elastic
 from helpers import flat as _flat
 from torch import nn
 
@@ -129,6 +129,7 @@ def _train(index: int, world_size: int, port: int, workdir: str, plan: dict[str,
         )
 
     front_end.register_join_hook(on_join)
+    note_losses(front_end, workdir, index)
     received = None
     if front_end.joined is not None:
         received = {
@@ -368,7 +369,7 @@ def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
         3,
         ({"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": ()},),
         restart_killed=1,
-        restart_delay_s=1.5 * TIMEOUT.total_seconds(),  # the loss settled first, then the join
+        restart_after_noted=2,  # the loss settled on both survivors first, then the join
     )
     assert outcome.exitcodes[1] == -9
     results = _by_rank(outcome)
@@ -382,6 +383,24 @@ def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
 
 
 @pytest.mark.timeout(200)
+def test_a_killed_worker_restarted_at_once_comes_back_whether_or_not_the_loss_settled_first():
+    # Restarted as soon as the parent sees it dead: it may apply while the survivors still agree on
+    # the loss (then one change of membership drops rank 1 and admits it) or after (two changes).
+    # Either way the world returns to its size, each joiner holding its donor's replica bit for bit.
+    plan = {"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": ()}
+    outcome = run_elastic(_train, 3, (plan,), restart_killed=1)
+    assert outcome.exitcodes[1] == -9
+    results = _by_rank(outcome)
+    assert len(results) == 3
+    _check_world(results, 3)
+    _check_transfers(results)
+    for member in results:
+        if not member["joining"]:
+            assert [f.lost for f in member["failures"]] == [(1,)]
+            assert [j.world_size for j in member["joins"]] == [3]
+
+
+@pytest.mark.timeout(200)
 def test_a_job_with_a_secret_survives_a_kill_and_takes_the_worker_back():
     # Every entry of the recovery and of the join sealed, the replica's digest an HMAC.
     secret = "a-secret-of-the-test-job-0123"
@@ -390,7 +409,7 @@ def test_a_job_with_a_secret_survives_a_kill_and_takes_the_worker_back():
         3,
         ({"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": (), "secret": secret},),
         restart_killed=1,
-        restart_delay_s=1.5 * TIMEOUT.total_seconds(),
+        restart_after_noted=2,
     )
     assert outcome.exitcodes[1] == -9
     results = _by_rank(outcome)
@@ -506,7 +525,7 @@ def test_a_donor_lost_during_its_transfer_the_joiner_applies_again():
 @pytest.mark.timeout(180)
 def test_a_joiner_lost_during_its_transfer_is_dropped_and_its_restart_joins():
     plan = {"front": "optimizer", "request_at": 3, "fault": "joiner killed", "joins": 2}
-    outcome = run_elastic(_train, 3, (plan,), restart_killed=1, restart_delay_s=1.5 * TIMEOUT.total_seconds())
+    outcome = run_elastic(_train, 3, (plan,), restart_killed=1, restart_after_noted=3)  # the 3 members
     assert outcome.exitcodes[3] == -9
     results = _by_rank(outcome)
     assert len(results) == 4
@@ -537,7 +556,7 @@ def test_nodes_of_one_process_survive_a_kill_and_take_it_back():
     # The GPU tier's fleet (test_gpu_fleet) on CPU: each process a node of its own, whose group (gloo
     # here, NCCL on a GPU) is of one, and the groups between nodes the engine's own over the store.
     plan = {"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": (), "node_backend": "gloo"}
-    outcome = run_elastic(_train, 3, (plan,), restart_killed=1, restart_delay_s=1.5 * TIMEOUT.total_seconds())
+    outcome = run_elastic(_train, 3, (plan,), restart_killed=1, restart_after_noted=2)
     assert outcome.exitcodes[1] == -9
     results = _by_rank(outcome)
     assert len(results) == 3

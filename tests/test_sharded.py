@@ -339,7 +339,7 @@ def _node_joins(index: int, world_size: int, port: int, workdir: str, plan: dict
     from datetime import timedelta
     from pathlib import Path
 
-    from failures import inject, request_worker
+    from failures import inject, note_losses, request_worker
     from torch.distributed.fsdp import fully_shard
 
     from decent_optim_wrapper import JoinRejectedError, init_elastic, node_mesh
@@ -391,6 +391,7 @@ def _node_joins(index: int, world_size: int, port: int, workdir: str, plan: dict
         donated.append({"join": record, "rank": join.rank, "state": state(), "step": front_end.step_count})
 
     front_end.register_join_hook(on_join)
+    note_losses(front_end, workdir, index)
     received = None
     if front_end.joined is not None:
         received = {"state": state(), "step": front_end.step_count}
@@ -481,10 +482,10 @@ def test_a_node_of_one_joins_a_job_of_nodes_under_the_module_front_end():
 def test_a_node_lost_whole_comes_back_and_the_job_returns_to_its_size():
     from failures import run_elastic
 
-    # Node 2's ranks are killed at step 4; the launcher restarts both (processes 6 and 7: node 3).
-    # Restarted 15 s after the kill (1.5x the members' timeout): the loss settles first, then the join.
+    # Node 2's ranks are killed at step 4; the launcher restarts both (processes 6 and 7: node 3)
+    # once the 4 surviving ranks recorded the loss: the loss settles first, then the join.
     outcome = run_elastic(
-        _node_joins, 6, ({"kill": (4, 5)},), deadline_s=200, restart_killed=2, restart_delay_s=15.0
+        _node_joins, 6, ({"kill": (4, 5)},), deadline_s=200, restart_killed=2, restart_after_noted=4
     )
     assert sorted(outcome.results) == [0, 1, 2, 3, 6, 7], outcome
     for index in range(4):

@@ -331,15 +331,19 @@ class Survival:
             )
         # Unlike the library's other logs this one is on by default: a lost worker changes the run
         # (the world size, the data seen, what the learning rate means).
+        # A worker that applied while the survivors agreed on the loss is admitted in the same change.
+        joining = f" and {len(admission.joiners)} joining" if admission.joiners else ""
         logger.warning(
-            "lost rank(s) {} of {} at step {}; this rank ({} before) goes on as rank {} of {} survivors, "
-            "gossiping again from position {} (a step; with paced rounds, a round)",
+            "lost rank(s) {} of {} at step {}; this rank ({} before) goes on as rank {} of {} "
+            "({} survivors{}), gossiping again from position {} (a step; with paced rounds, a round)",
             list(failure.lost),
             world_before,
             step,
             rank_before,
             rank,
             failure.world_size,
+            len(failure.survivors),
+            joining,
             decision.resume_step,
         )
         for hook in list(self._hooks.values()):
