@@ -8,49 +8,40 @@ restart from a checkpoint (``grow-back``).
     sudo uv run benchmarks/faults/run.py grow-back              # 8 nodes of the emulated cluster, ~5 min
     uv run benchmarks/faults/run.py grow-back --local --workers 4 --steps 80 --lose-at 30  # loopback
 
-A job is worker processes (this module run with ``python -m``) around a store the launcher hosts,
-training an MLP of ``--params`` parameters with AdamW (ring; elastic jobs: ``on_peer_failure=
-"continue"``, ``init_elastic``), worker ``i`` on loopback or on node ``i`` of the emulated cluster.
-
-``joining``'s parts:
-
-- *pause* (``--ranks``; ``--cluster RATE``: a worker per emulated node): ``n - 1`` members start, one
-  more joins at ``--join-after``: per admission the members' time inside it and their longest step
-  beyond the median, and the joiner's time to its first step, in its parts.
-- *overhead* (``--overhead-ranks``): median step time of ``"continue"``, open to joiners, sealed by a
-  job secret, and sealed while an outsider writes ``--forged-per-s`` forged applications, each over
-  ``on_peer_failure="raise"``, interleaved ``--rounds`` times.
-- *link* (``--links``, root): 4 emulated nodes and a joiner on a fifth, replicas of ``--sizes-mb``
-  MB: the payload's time on the wire against bytes / link rate.
-
-``grow-back`` trains three ways (``--step-time`` of emulated compute, links at ``--link``): *steady*
-(no failure); *grow back* (elastic; after ``--lose-at`` the last two ranks SIGKILL themselves with
-their round in flight and are restarted at once, joining from a member's replica); *restart*
-(``"raise"``, a checkpoint every ``--checkpoint-every`` steps; the same two die, and the launcher, as
-torchrun's elastic agent does, restarts every worker from the last checkpoint). Reported: time from
-launch to the last rank's step ``--steps``, steps computed again, and the global average's loss on a
-fixed probe set (restart equals steady bit for bit; docs/joining.md, "The mean").
+Workers (``harness/fault_runs.py``, spawned, on loopback or worker ``i`` on node ``i`` of the emulated
+cluster) train an MLP of ``--params`` parameters with AdamW (ring; elastic jobs: ``init_elastic``).
+``joining``: *pause* (``--ranks``): ``n - 1`` members start, one more joins at ``--join-after``: the
+members' time inside the admission, their longest step beyond the median, and the joiner's time to
+its first step, in parts; *overhead* (``--overhead-ranks``): median step time of ``"continue"``, open
+to joiners, sealed by a job secret, and sealed beside ``--forged-per-s`` forged applications, each over
+``"raise"``; *link* (``--links``, root): the payload's time on the wire against bytes / link rate.
+``grow-back`` trains three ways: *steady* (no failure); *grow back* (elastic; after ``--lose-at`` the
+last two ranks SIGKILL themselves, are restarted at once and join); *restart* (``"raise"``, a
+checkpoint every ``--checkpoint-every`` steps; as torchrun's elastic agent does, every worker restarts
+from the last one). Reported: time to the last rank's step ``--steps``, steps computed again, the
+global average's loss on a probe set (restart equals steady bit for bit; docs/joining.md, "The mean").
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
+import pickle
 import signal
 import statistics
-import subprocess
-import sys
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
-from benchmarks.harness.common import free_port
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.harness.fault_runs import Launch, process_started, workdir
+from decent_optim_wrapper import DecentOptimWrapper
 
 LOST = 2  # grow-back: ranks lost at --lose-at
 #: A worker's options where its question sets none.
@@ -62,24 +53,11 @@ JOB_NAME = "bench"
 
 
 # -- the worker ----------------------------------------------------------------------------------------
-def worker(args: argparse.Namespace) -> None:
-    """Train (``args.mode``: ``raise``, ``continue`` or ``elastic``) and write what the launcher reads:
+def worker(index: int, world: int, store: dist.Store, options: dict[str, Any]) -> dict[str, Any]:
+    """Train (``mode``: ``raise``, ``continue`` or ``elastic``) and return what the launcher reads:
     ``joining``: step times, pauses and the join's parts; ``grow-back``: the final average's loss."""
-    started = float(os.environ.get("JOIN_T0", time.time()))
-    import torch
-    import torch.distributed as dist
-    from torch import nn
-
-    from decent_optim_wrapper import DecentOptimWrapper, init_elastic
-
-    torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    if args.mode == "elastic":
-        init_elastic(store, rank, world, job=JOB_NAME)
-    else:  # each start of the job forms its group anew
-        prefix = dist.PrefixStore(f"start-{args.attempt}", store)
-        dist.init_process_group("gloo", store=prefix, rank=rank, world_size=world)
+    args = argparse.Namespace(**{**WORKER_DEFAULTS, **options})
+    rank, out = index % world, workdir()
     grow_back, (inputs, outputs, batch) = args.scenario != "joining", TASKS[args.question]
     width = int(args.params**0.5)
     torch.manual_seed(0)
@@ -89,12 +67,11 @@ def worker(args: argparse.Namespace) -> None:
     teacher = torch.randn(inputs, outputs, generator=torch.Generator().manual_seed(0))
     adamw = torch.optim.AdamW(model.parameters(), lr=args.lr)  # the first optimizer imports torch._dynamo
     before_front_end = time.time()
-    options: dict[str, Any] = {"timeout": timedelta(seconds=args.timeout)}
+    options = {"timeout": timedelta(seconds=args.timeout)}
     if args.mode != "raise":
         options |= {"on_peer_failure": "continue", "store": store}
     opt = DecentOptimWrapper(adamw, topology="ring", **options)
     after_front_end = time.time()
-    out = Path(args.out)
     if args.resume_step:
         opt.load_state_dict(torch.load(out / f"ckpt-{rank}-{args.resume_step}.pt", weights_only=False))
     loss_fn = nn.MSELoss()
@@ -134,21 +111,19 @@ def worker(args: argparse.Namespace) -> None:
             path.with_suffix(".part").replace(path)  # complete or absent
         step += 1
     result = {"rank": opt.rank, "world_size": opt.world_size, "joined": opt.joined is not None}
-    result |= {"start": started, "end": time.time(), "waited_s": waited}
+    result |= {"start": process_started(), "end": time.time(), "waited_s": waited}
     if grow_back:
         opt.global_avg(may_revert=False)
         probe = torch.randn(1024, inputs, generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             result["final_loss"] = loss_fn(model(probe), torch.tanh(probe @ teacher)).item()
-    else:
-        survival = opt.engine.survival
-        result |= {"before_front_end": before_front_end, "after_front_end": after_front_end}
-        result |= {"times": times, "first_step": opt.step_count - len(times)}
-        result |= {"join_seconds": opt.engine.growth.join_seconds, "admissions": len(opt.peer_joins)}
-        result |= {"pauses": [] if survival is None else survival.pauses}
-        result |= {"forged_refused": opt.guard_counts.get("forged_application", 0)}
-    (out / f"result-{args.attempt}-{os.getpid()}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
+        return result
+    survival = opt.engine.survival
+    result |= {"before_front_end": before_front_end, "after_front_end": after_front_end}
+    result |= {"times": times, "first_step": opt.step_count - len(times)}
+    result |= {"join_seconds": opt.engine.growth.join_seconds, "admissions": len(opt.peer_joins)}
+    result |= {"pauses": [] if survival is None else survival.pauses}
+    return result | {"forged_refused": opt.guard_counts.get("forged_application", 0)}
 
 
 # -- running jobs --------------------------------------------------------------------------------------
@@ -165,88 +140,17 @@ def cluster_at(nodes: int, link: str | None) -> Iterator[Any]:
         yield cluster
 
 
-class Job:
-    """A launcher's job: worker processes around the store it hosts for the ``with`` block, worker
-    ``node`` on this machine's loopback or in node ``node``'s namespace of the emulated ``cluster``
-    (``harness/emulated_cluster.py``); :meth:`supervise` waits for them."""
+def launch(world: int, mode: str, options: dict[str, Any], cluster: Any, env: dict | None = None) -> Launch:
+    """A job of ``world`` workers in ``mode`` (an elastic job: one the launcher may grow)."""
+    elastic = {"job": JOB_NAME, "timeout": timedelta(minutes=10)} if mode == "elastic" else None
+    return Launch(worker, world, ({**options, "mode": mode},), elastic=elastic, cluster=cluster, env=env)
 
-    def __init__(self, cluster: Any, world: int, options: dict[str, Any], env: dict[str, str]):
-        self.cluster, self.world, self.env = cluster, world, env
-        self.options = {**WORKER_DEFAULTS, **options}
-        self.out = Path(tempfile.mkdtemp(prefix=f"dow-{self.options['scenario']}-"))
-        self.options["out"] = str(self.out)
-        self.procs: dict[int, subprocess.Popen] = {}  # node -> its current process
-        self.starts = 0
 
-    def launcher(self, node: int) -> list[str]:
-        return [] if self.cluster is None else ["ip", "netns", "exec", self.cluster.namespace(node)]
-
-    def __enter__(self) -> Job:
-        import torch.distributed as dist
-
-        self.port = free_port()
-        if self.cluster is None:
-            self.host = "127.0.0.1"
-            self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
-            return self
-        # The store in node 0's namespace: the root namespace has no address on the cluster's bridge.
-        self.host = self.cluster.address(0)
-        hosting = (
-            f"import time, torch.distributed as d; s = d.TCPStore({self.host!r}, {self.port}, "
-            f"is_master=True, wait_for_workers=False); time.sleep(3600)"
-        )
-        self.store = subprocess.Popen([*self.launcher(0), sys.executable, "-c", hosting])
-        time.sleep(1.5)  # the store listens before the first worker connects (its client retries anyway)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.kill()
-        if isinstance(self.store, subprocess.Popen):
-            self.store.kill()
-            self.store.wait()
-        del self.store
-
-    def start(self, node: int, rank: int | None = None, env: dict[str, str] | None = None, **options) -> None:
-        """Start worker ``rank`` (default: ``node``) on ``node``, ``options`` over the job's."""
-        self.starts += 1
-        environ = dict(os.environ, MASTER_ADDR=self.host, MASTER_PORT=str(self.port), OMP_NUM_THREADS="1")
-        environ |= {"RANK": str(node if rank is None else rank), "WORLD_SIZE": str(self.world)}
-        if self.cluster is not None:
-            environ["GLOO_SOCKET_IFNAME"] = self.cluster.ifname(node)
-        environ |= {**self.env, **(env or {})}
-        command = [*self.launcher(node), sys.executable, "-m", __name__]
-        command.append(json.dumps({**self.options, **options}))
-        with open(self.out / f"log-{node}-{self.starts}.txt", "w") as log:  # the child holds its own copy
-            self.procs[node] = subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT)
-
-    def supervise(
-        self,
-        deadline_s: float,
-        on_failure: Callable[[list[int]], None] | None = None,
-        joiner: int | None = None,
-    ) -> None:
-        """Wait for every worker within ``deadline_s``; start a joiner on node ``joiner`` once rank 0 is
-        ready; hand failed nodes to ``on_failure`` (without it, raise)."""
-        deadline = time.monotonic() + deadline_s
-        while any(p.poll() is None for p in self.procs.values()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the job passed {deadline_s} s: logs in {self.out}")
-            if joiner is not None and (self.out / "ready").exists():
-                self.start(joiner, 0, {"JOIN_T0": repr(time.time())})
-                joiner = None
-            failed = [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
-            if failed and on_failure is None:
-                raise RuntimeError(f"a worker failed (nodes {failed}): logs in {self.out}")
-            if failed:
-                on_failure(failed)
-            time.sleep(0.05)
-        if any(p.returncode != 0 for p in self.procs.values()):
-            raise RuntimeError(f"a worker failed at the end: logs in {self.out}")
-
-    def results(self, attempt: int = 0) -> list[dict[str, Any]]:
-        return [json.loads(p.read_text()) for p in sorted(self.out.glob(f"result-{attempt}-*.json"))]
+def failure(scenario: str, job: Launch) -> RuntimeError:
+    codes = {i: code for i, code in enumerate(job.exitcodes()) if code != 0}
+    return RuntimeError(
+        f"{scenario}: workers failed or did not finish, exit codes {codes}: logs in {job.workdir}"
+    )
 
 
 def run_job(
@@ -261,40 +165,49 @@ def run_job(
     """``joining``: ``members`` workers (and one joiner on node ``members`` once rank 0 is ready, with
     ``join``); their results. With ``secret`` the workers seal the job's entries; with
     ``forged_per_s`` an outsider writes that many forged applications a second into the store."""
-    options = {
-        k: getattr(args, k) for k in ("question", "params", "steps", "join_after", "timeout", "step_time")
-    }
-    options |= {"mode": mode, "expect_join": join}
-    env = {} if secret is None else {"DECENT_JOB_SECRET": secret}
-    with Job(cluster, members, options, env) as job:
-        stop_forging = threading.Event()
-        forger = threading.Thread(
-            target=forge, args=(job.host, job.port, forged_per_s, stop_forging), daemon=True
-        )
-        if forged_per_s:
-            forger.start()
-        try:
-            for node in range(members):
-                job.start(node)
-            job.supervise(args.deadline_s, joiner=members if join else None)
-        finally:
-            stop_forging.set()
-            # Joined before the store goes and before the interpreter exits: a thread still inside a
-            # call to its TCPStore client then aborts the process ("terminate called without an
-            # active exception").
-            if forger.is_alive():
-                forger.join()
-    return job.results()
+    names = ("question", "params", "steps", "join_after", "timeout", "step_time")
+    options = {k: getattr(args, k) for k in names} | {"expect_join": join}
+    job = launch(members, mode, options, cluster, {} if secret is None else {"DECENT_JOB_SECRET": secret})
+    for _ in range(members):
+        job.start()
+
+    stop_forging = threading.Event()
+    forger = threading.Thread(target=forge, args=(job.host, job.port, forged_per_s, stop_forging))
+
+    def watch(job: Launch) -> bool:
+        """Start the joiner once rank 0 is ready; a failed worker fails the job."""
+        codes = job.exitcodes()
+        if any(code not in (None, 0) for code in codes):
+            raise failure("joining", job)
+        if join and len(job.procs) == members and (job.workdir / "ready").exists():
+            job.start(rank=0, node=members)
+        if None not in codes:
+            stop(forger, stop_forging)
+        return join and len(job.procs) == members
+
+    if forged_per_s:
+        forger.start()
+    try:
+        outcome = job.wait(args.deadline_s, watch)
+    finally:
+        stop(forger, stop_forging)
+    if outcome.errors or any(code != 0 for code in outcome.exitcodes.values()):
+        raise failure("joining", job)
+    return list(outcome.results.values())
+
+
+def stop(forger: threading.Thread, stop_forging: threading.Event) -> None:
+    """Join the outsider before the store goes and before the interpreter exits: a thread still inside a
+    call to its TCPStore client then aborts the process ("terminate called without an active exception")."""
+    stop_forging.set()
+    if forger.is_alive():
+        forger.join()
 
 
 def forge(host: str, port: int, per_s: float, stop: threading.Event) -> None:
     """An outsider that reaches the store without the job's secret: it reads the job's run from the
     store (entries are not hidden) and claims application slots with plain requests, ``per_s`` a
     second, until ``stop``."""
-    import pickle
-
-    import torch.distributed as dist
-
     from decent_optim_wrapper.engine.fleet.admission import JoinRequest, slot_key
     from decent_optim_wrapper.engine.fleet.jobs import run_prefix
     from decent_optim_wrapper.engine.fleet.sealing import Seal
@@ -325,11 +238,8 @@ def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
         usual = statistics.median(durations)
         usual_steps.append(usual)
         # the member's steps that ran while the joiner started, joined and took its first step
-        around = [
-            end - begin
-            for begin, end in member["times"]
-            if end >= joiner["start"] and begin <= first_step_end
-        ]
+        times = member["times"]
+        around = [end - begin for begin, end in times if end >= joiner["start"] and begin <= first_step_end]
         lost.append(max([0.0, *(d - usual for d in around)]))
     # The join's parts as the engine times them; donor: the donor forming its side and packing its
     # replica; transfer: the payload on the wire.
@@ -343,12 +253,12 @@ def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     front_end = joiner["after_front_end"] - joiner["before_front_end"]
     timeline["construct_s"] = front_end - sum(seconds[p] for p in parts)
     timeline |= {"total_s": first_step_end - joiner["start"], "bytes": seconds["bytes"]}
-    figures = {
-        "world_size": joiner["world_size"],
-        "pause_s": max(pauses),
+    figures = {"world_size": joiner["world_size"], "pause_s": max(pauses)}
+    figures |= {
         "pause_median_s": statistics.median(pauses),
+        "step_lost_s": max(lost),
+        "member_step_s": statistics.median(usual_steps),
     }
-    figures |= {"step_lost_s": max(lost), "member_step_s": statistics.median(usual_steps)}
     return figures | {"joiner": timeline}
 
 
@@ -451,41 +361,44 @@ def grow_back_run(scenario: str, args: argparse.Namespace, cluster: Any) -> dict
     """One run of ``scenario``, as a launcher runs it; its time to the last step and final loss."""
     names = ("question", "params", "steps", "lose_at", "step_time", "timeout", "lr")
     options = {"scenario": scenario, **{name: getattr(args, name) for name in names}}
-    options |= {"mode": "elastic" if scenario == "grow-back" else "raise"}
     options |= {"checkpoint_every": args.checkpoint_every if scenario == "restart" else 0}
-    restarts, recomputed, attempt = 0, 0, 0
-    with Job(cluster, args.workers, options, {}) as job:
+    job = launch(args.workers, "elastic" if scenario == "grow-back" else "raise", options, cluster)
+    restarts, recomputed, first = 0, 0, 0  # first: the launch index of the last attempt's first worker
+    handled: set[int] = set()  # the failed workers seen
 
-        def on_failure(failed: list[int]) -> None:
-            nonlocal restarts, recomputed, attempt
-            if scenario == "grow-back":
-                for node in failed:  # bring the node back: the new process joins the running job
-                    restarts += 1
-                    job.start(node)
-                return
-            if scenario != "restart" or attempt:
-                raise RuntimeError(f"{scenario}: a worker failed (nodes {failed}): logs in {job.out}")
-            for proc in job.procs.values():  # as torchrun's agent does: stop everyone, restart all
-                if proc.poll() is None:
-                    proc.kill()
-                proc.wait()
+    def on_failure(job: Launch) -> bool:
+        """grow back: bring the failed workers back, to join the running job; restart: as torchrun's
+        agent does, stop everyone and restart all from the last complete checkpoint."""
+        nonlocal restarts, recomputed, first
+        lost = [i for i, code in enumerate(job.exitcodes()) if code not in (None, 0) and i not in handled]
+        handled.update(lost)
+        if lost and scenario == "grow-back":
+            restarts += len(lost)
+            for i in lost:
+                job.start(rank=job.ranks[i])
+        elif lost and (scenario != "restart" or first):
+            raise failure(scenario, job)
+        elif lost:
+            job.kill()
+            handled.update(range(len(job.procs)))
             saved = range(args.checkpoint_every, args.steps + 1, args.checkpoint_every)
             ranks = range(args.workers)
-            complete = [s for s in saved if all((job.out / f"ckpt-{r}-{s}.pt").exists() for r in ranks)]
+            complete = [s for s in saved if all((job.workdir / f"ckpt-{r}-{s}.pt").exists() for r in ranks)]
             resume_step = max(complete, default=0)
-            recomputed, attempt, restarts = args.lose_at + 1 - resume_step, 1, args.workers
-            for node in ranks:
-                job.start(node, attempt=attempt, resume_step=resume_step)
+            recomputed, first, restarts = args.lose_at + 1 - resume_step, len(job.procs), args.workers
+            for rank in ranks:
+                job.start(
+                    rank=rank, attempt=1, args=({**job.args[0], "attempt": 1, "resume_step": resume_step},)
+                )
+        return False
 
-        began = time.time()
-        for node in range(args.workers):
-            job.start(node)
-        job.supervise(args.deadline_s, on_failure)
-    results = job.results(attempt)
-    if len(results) != args.workers:
-        raise RuntimeError(
-            f"{scenario}: {len(results)} of {args.workers} workers finished: logs in {job.out}"
-        )
+    began = time.time()
+    for _ in range(args.workers):
+        job.start()
+    outcome = job.wait(args.deadline_s, on_failure)
+    results = [result for i, result in outcome.results.items() if i >= first]
+    if len(results) != args.workers or any(c != 0 for i, c in outcome.exitcodes.items() if i not in handled):
+        raise failure(scenario, job)
     losses = {r["final_loss"] for r in results}
     figures = {"scenario": scenario, "seconds": max(r["end"] for r in results) - began}
     figures |= {"final_loss": results[0]["final_loss"], "losses_identical": len(losses) == 1}
@@ -519,7 +432,3 @@ def grow_back(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     setup = {k: getattr(args, k) for k in ("workers", "params", "steps", "lose_at", "checkpoint_every")}
     figures = {**setup, "link": None if args.local else args.link, "cpus": os.cpu_count(), "runs": rows}
     return figures, "\n".join(row_text(row, rows[0]) for row in rows)
-
-
-if __name__ == "__main__":  # a worker, started by Job.start
-    worker(argparse.Namespace(**json.loads(sys.argv[1])))

@@ -3,12 +3,11 @@
     uv run benchmarks/faults/run.py lost-worker                       # 3 seeds, about 4 min on 2 cores
     uv run benchmarks/faults/run.py lost-worker --seeds 0 --steps 100 # a quick look
 
-The main job's task (``synthetic_task.py``: the MLP, SGD with momentum under a cosine schedule, the
-iid split) with ring gossip, twice per seed: ``8 -> 7`` (``on_peer_failure="continue"``, a worker
-drawn from the seed SIGKILLed at step ``--kill-at``; its shard is not seen again) and ``7`` (7 workers
-from the start). Batches are seeded by the seed and the launch rank, so the two runs differ only in
-the lost worker. Reported: the final training loss (last 5 % of steps) and the global average's
-test accuracy. Target: ``8 -> 7`` within 0.5 points of ``7`` on average over the seeds.
+``synthetic_task.py``'s task with ring gossip, twice per seed: ``8 -> 7`` (``on_peer_failure=
+"continue"``, a worker drawn from the seed SIGKILLed at ``--kill-at``; its shard is not seen again) and
+``7``. Batches are seeded by the seed and the launch rank, so the runs differ only in the lost worker.
+Reported: the final training loss (last 5 % of steps) and the global average's test accuracy.
+Target: ``8 -> 7`` within 0.5 points of ``7`` on average over the seeds.
 """
 
 from __future__ import annotations

@@ -3,12 +3,10 @@
     uv run benchmarks/faults/run.py node-check                 # 2 nodes x 2 shards on loopback, about 2 min
     uv run benchmarks/faults/run.py node-check --buckets 8 --json /tmp/node-check.json
 
-In a job of nodes with ``on_peer_failure="continue"`` a node's ranks all-gather a flag and a count
-after every gossip wait, so that they recover together (docs/big-models.md, "A job of nodes"). Two
-measures on local gloo processes: *per step*, an FSDP2-sharded MLP over ``node_mesh()`` (ring over
-nodes, ``--buckets`` buckets) with ``"raise"`` against ``"continue"``, interleaved ``--rounds`` times
-(the ratio holds all surviving costs); *one check*, the check's all-gather alone (``--checks``
-times), times the checks per step, over the step.
+With ``on_peer_failure="continue"`` a node's ranks all-gather a flag and a count after every gossip
+wait, so that they recover together (docs/big-models.md, "A job of nodes"). *Per step*: an FSDP2-sharded
+MLP over ``node_mesh()`` (``--buckets`` buckets) with ``"raise"`` against ``"continue"``, interleaved
+``--rounds`` times; *one check*: the all-gather alone (``--checks`` times), times the checks per step.
 """
 
 from __future__ import annotations
@@ -67,8 +65,8 @@ def worker(rank: int, world: int, store: dist.Store, args: argparse.Namespace, m
 
 
 def run_job(args: argparse.Namespace, mode: str) -> dict[str, float]:
-    # The launcher hosts the store (run_workers): with "continue" a rank polls it in every gossip wait,
-    # so a store in rank 0 would vanish under the ranks still in their last step when rank 0 is done.
+    # The launcher hosts the store: with "continue" a rank polls it in every gossip wait, and a store in
+    # rank 0 would vanish under the ranks still in their last step.
     world, elastic = args.nodes * args.shards, {"job": "node-check", "shards": args.shards}
     outcome = run_workers(worker, world, (args, mode), deadline_s=300, elastic=elastic)
     if outcome.errors or len(outcome.results) != world:

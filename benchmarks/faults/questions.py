@@ -1,8 +1,5 @@
-"""The fault driver's questions (``run.py``): each a name, what it asks, its options' defaults and,
-for grow-back, the choices of ``--runs``. A default sets its option's type (``--workers 5`` for
-``workers=8``; a list takes several values, a bool is a switch). What each measures: the docstring of
-the module that answers it.
-"""
+"""The fault driver's questions: each a name, what it asks, its options' defaults (which set their
+types) and, for grow-back, the choices of ``--runs``. What each measures: its module's docstring."""
 
 from __future__ import annotations
 

@@ -2,13 +2,9 @@
 
     uv run benchmarks/faults/run.py QUESTION [options] [--json PATH] [--table PATH]
 
-The questions and their defaults are in ``questions.py`` (``run.py QUESTION --help`` lists the options);
-each is answered by its module: ``kills`` and ``rejoins`` (``soak.py``: the fault-injection soak, down
-to a floor or with every victim restarted), ``lost-worker`` (``lost_worker.py``: convergence after a
-lost worker), ``joining`` and ``grow-back`` (``joins.py``: what a live join costs; a live join against
-a restart from a checkpoint) and ``node-check`` (``node_check.py``: the node check of a job of nodes).
-Forked workers start around a store this process hosts (``harness/fault_runs.py``), spawned ones
-through ``joins.py``'s launcher; the report is written with ``harness/report.py``.
+The questions' defaults are in ``questions.py`` (``run.py QUESTION --help`` lists them); each is
+answered by its module: ``kills`` and ``rejoins`` (``soak.py``), ``lost-worker`` (``lost_worker.py``),
+``joining`` and ``grow-back`` (``joins.py``), ``node-check`` (``node_check.py``).
 """
 
 from __future__ import annotations

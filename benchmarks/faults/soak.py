@@ -7,12 +7,11 @@
     uv run benchmarks/faults/run.py rejoins --workers 4 --floor 3 --cycles 10 --average-every 3 \
         --slow-factor 15
 
-Forked workers (``harness/fault_runs.py``) train an MLP (ring, SGD with momentum, a cosine schedule),
-take and revert a global average every ``--average-every`` steps, and carry a *witness*: a parameter
-only gossip moves (``lr=0``), started in [1, 2], different on every rank. A victim fails in one of
-``MODES`` at a seeded moment. ``kills``: seeded runs down to ``--floor`` (docs/survival-benchmarks.md).
-``rejoins``: one elastic run of ``--cycles`` failures, each victim restarted as a joiner, a share
-``--overlap`` of them firing while the world is short (docs/joining.md).
+Forked workers train an MLP (ring, SGD with momentum, a cosine schedule), take and revert a global
+average every ``--average-every`` steps, and carry a *witness*: a parameter only gossip moves
+(``lr=0``), started in [1, 2], different on every rank. A victim fails in one of ``MODES`` at a
+seeded moment. ``kills``: seeded runs down to ``--floor`` (docs/survival-benchmarks.md). ``rejoins``:
+one elastic run of ``--cycles`` failures, each victim restarted as a joiner (docs/joining.md).
 
 *Corruption* (each must be 0): a non-finite parameter or loss; a witness outside [1, 2] (beyond
 ``WITNESS_ULPS`` of rounding per round); final averages not bitwise identical across survivors, or
@@ -40,7 +39,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness.common import build_mlp
-from benchmarks.harness.fault_runs import Outcome, injected, note, process_started, run_workers
+from benchmarks.harness.fault_runs import Launch, Outcome, injected, note, process_started, run_workers
 from decent_optim_wrapper import DecentOptimWrapper, PeerJoin
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure
 
@@ -71,34 +70,14 @@ def witness_values(rank: int) -> torch.Tensor:
     return 1 + ((3 * rank + torch.arange(WITNESS)) % 8).float() / 7
 
 
-def _inputs(rank: int, step: int) -> torch.Tensor:
-    return torch.randn(16, FEATURES, generator=torch.Generator().manual_seed(100_003 * rank + step))
-
-
-def build_worker(store: dist.Store, config: dict) -> tuple[nn.Module, nn.Parameter, DecentOptimWrapper]:
-    """The soak's model, its witness and the wrapped SGD (ring, ``on_peer_failure="continue"``)."""
-    torch.manual_seed(0)
-    model = build_mlp(FEATURES, 32, 3, OUTPUTS)
-    witness = nn.Parameter(torch.zeros(WITNESS))
-    inner = torch.optim.SGD(
-        [{"params": list(model.parameters())}, {"params": [witness], "lr": 0.0}], lr=0.05, momentum=0.9
-    )
-    timeout = timedelta(seconds=config["timeout_s"])
-    opt = DecentOptimWrapper(inner, topology="ring", timeout=timeout, on_peer_failure="continue", store=store)
-    return model, witness, opt
-
-
 class FaultClock:
     """rejoins: failure ``k`` is due ``gap`` steps after failure ``k - 1`` fired, once the world is
     whole (an ``overlap`` failure: above the floor), a kill inside a global average at a step that
-    takes one. The schedule lives in the store (members a step apart would disagree on it): the count
-    fired and, per failure, the victim's claim (``compare_set``: each fires exactly once)."""
+    takes one. The schedule lives in the store, as members a step apart would disagree on it: the
+    count fired and, per failure, the victim's claim (``compare_set``: each fires exactly once)."""
 
-    def __init__(
-        self, store: dist.Store, plan: list[dict], config: dict, index: int, spare_rank_0: bool
-    ) -> None:
-        self.store, self.plan, self.index = store, plan, index
-        self.workers, self.floor, self.every = config["workers"], config["floor"], config["average_every"]
+    def __init__(self, store: dist.Store, plan: list[dict], config: dict, index: int, spare_rank_0: bool):
+        self.store, self.plan, self.index, self.config = store, plan, index, config
         self.spare_rank_0 = spare_rank_0  # the slow worker (launch index 0, rank 0 for good) never fails
         self._fired_at: dict[int, int] = {}  # failure -> the step it fired at (claims never change)
 
@@ -107,16 +86,8 @@ class FaultClock:
         """How many failures have fired (the index of the next one)."""
         return int(self.store.add(f"{CLOCK_KEY}/fired", 0))
 
-    @property
-    def done(self) -> bool:
-        return self.next == len(self.plan)
-
-    @property
-    def last_fired(self) -> int:
-        """The step the latest failure fired at (``WARMUP_STEPS`` before the first)."""
-        return self._fired_step(self.next - 1)
-
-    def _fired_step(self, failure: int) -> int:
+    def fired_step(self, failure: int) -> int:
+        """The step ``failure`` fired at (``WARMUP_STEPS`` before the first)."""
         if failure < 0:
             return WARMUP_STEPS
         if failure not in self._fired_at:  # claimed before ``fired`` counts it: the key is there
@@ -125,22 +96,23 @@ class FaultClock:
 
     def due(self, step: int, rank: int, world_size: int) -> dict | None:
         """The failure this worker must inject at ``step`` (it is the victim and claimed it), if any."""
-        failure = self.next
+        failure, workers = self.next, self.config["workers"]
         if failure == len(self.plan):
             return None
         fault = self.plan[failure]
-        if step < self._fired_step(failure - 1) + fault["gap"]:
+        if step < self.fired_step(failure - 1) + fault["gap"]:
             return None
-        if world_size < self.workers and not (fault["overlap"] and world_size > self.floor):
+        if world_size < workers and not (fault["overlap"] and world_size > self.config["floor"]):
             return None
-        if fault["mode"] == "kill-in-global-avg" and (step + 1) % self.every:
+        if fault["mode"] == "kill-in-global-avg" and (step + 1) % self.config["average_every"]:
             return None
         victim = 1 + fault["victim"] % (world_size - 1) if self.spare_rank_0 else fault["victim"] % world_size
-        if victim != rank:
-            return None
         mine = f"{self.index}:{step}"
-        if self.store.compare_set(f"{CLOCK_KEY}/claim/{failure}", "", mine) != mine.encode():
-            return None  # another worker, a step or a world behind or ahead, claimed it first
+        if (
+            victim != rank
+            or self.store.compare_set(f"{CLOCK_KEY}/claim/{failure}", "", mine) != mine.encode()
+        ):
+            return None  # not the victim, or another worker a step or a world apart claimed it first
         self.store.add(f"{CLOCK_KEY}/fired", 1)
         return fault
 
@@ -150,15 +122,19 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
     replacement joins first. Returns what the parent judges."""
     elastic, steps, every = config["scenario"] == "rejoins", config["steps"], config["average_every"]
     before_front_end = time.time()
-    model, witness, opt = build_worker(store, config)
+    torch.manual_seed(0)
+    model = build_mlp(FEATURES, 32, 3, OUTPUTS)
+    witness = nn.Parameter(torch.zeros(WITNESS))
+    groups = [{"params": list(model.parameters())}, {"params": [witness], "lr": 0.0}]
+    inner = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    timeout = timedelta(seconds=config["timeout_s"])
+    opt = DecentOptimWrapper(inner, topology="ring", timeout=timeout, on_peer_failure="continue", store=store)
     after_front_end = time.time()
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
     slow = config["slow_factor"] > 1
     # With --slow-factor, launch index 0 computes that many times longer per step (a slower machine).
     step_time_s = config["step_time_s"] * (config["slow_factor"] if index == 0 and slow else 1)
-    clock = (
-        FaultClock(store, plan, {**config, "workers": world}, index, spare_rank_0=slow) if elastic else None
-    )
+    clock = FaultClock(store, plan, {**config, "workers": world}, index, slow) if elastic else None
     planned = {f["step"]: f for f in plan if f.get("rank") == index}  # kills: victims by launch rank
     if elastic:
         opt.register_join_state("scheduler", scheduler)  # a joiner loads its donor's here
@@ -167,40 +143,36 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
             witness.copy_(witness_values(index))
     params = [*model.parameters(), witness]
     teacher = torch.randn(FEATURES, OUTPUTS, generator=torch.Generator().manual_seed(0))
-    loss_fn = nn.MSELoss()
-
     members = list(range(world))  # kills: launch ranks, in the current rank order
     events: list[dict[str, Any]] = []
 
-    def on_failure(failure: PeerFailure) -> None:
-        event = {"time": time.time(), "step": failure.step, "world_size": failure.world_size}
-        event["previous_world_size"] = failure.previous_world_size
-        if elastic:  # every member notes it; the parent keeps one per generation
-            generation = opt.engine.survival.membership.generation
-            note({"kind": "lost", "generation": generation, "lost": len(failure.lost), **event})
+    def on_change(change: PeerFailure | PeerJoin) -> None:
+        event = {"time": time.time(), "step": change.step, "world_size": change.world_size}
+        if isinstance(change, PeerJoin):
+            record = {"kind": "admitted", "joined": len(change.joined)}
         else:
-            event["lost"] = [members[i] for i in failure.lost]
-            event["survivors"] = members[:] = [members[i] for i in failure.survivors]
-        events.append(event)
+            event["previous_world_size"] = change.previous_world_size
+            record = {"kind": "lost", "lost": len(change.lost)}
+            if not elastic:
+                event["lost"] = [members[i] for i in change.lost]
+                event["survivors"] = members[:] = [members[i] for i in change.survivors]
+            events.append(event)
+        if elastic:  # every member notes it; the parent keeps one per generation
+            note({**record, "generation": opt.engine.survival.membership.generation, **event})
 
-    def on_join(join: PeerJoin) -> None:
-        generation = opt.engine.survival.membership.generation
-        event = {"time": time.time(), "step": join.step, "world_size": join.world_size}
-        note({"kind": "admitted", "generation": generation, "joined": len(join.joined), **event})
-
-    opt.register_peer_failure_hook(on_failure)
+    opt.register_peer_failure_hook(on_change)
     if elastic:
-        opt.register_join_hook(on_join)
+        opt.register_join_hook(on_change)
     failing, health = Injector(opt, elastic), Health(params)
     first_step = t = opt.step_count
     end = steps  # rejoins: until the first worker to see the run done proposes an end (first one wins)
     while t < end:
         fault = (clock.due(t, opt.rank, opt.world_size) if clock else planned.get(t)) or {}
-        x = _inputs(index, t)
+        x = torch.randn(16, FEATURES, generator=torch.Generator().manual_seed(100_003 * index + t))
         opt.zero_grad()
-        loss = loss_fn(model(x), x @ teacher)
+        loss = nn.functional.mse_loss(model(x), x @ teacher)
         loss.backward()
-        health.loss(loss)
+        health.nonfinite += int(not torch.isfinite(loss))
         with failing.around("step", fault):
             opt.step()
         scheduler.step()
@@ -221,9 +193,9 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
         if clock is not None:
             # The end comes once the last failure was recovered and its victim is back: a loss noted
             # after it fired, then a whole world (or, if nobody died of it, a long quiet stretch).
-            lost_since = bool(events) and events[-1]["step"] >= clock.last_fired
-            recovered = lost_since or t > clock.last_fired + QUIET_STEPS
-            if clock.done and recovered and opt.world_size == world:
+            last_fired = clock.fired_step(clock.next - 1)
+            recovered = (bool(events) and events[-1]["step"] >= last_fired) or t > last_fired + QUIET_STEPS
+            if clock.next == len(plan) and recovered and opt.world_size == world:
                 store.compare_set(END_KEY, "", str(t + END_MARGIN))
             if store.check([END_KEY]):
                 end = int(store.get(END_KEY))
@@ -243,12 +215,9 @@ class Injector:
 
     def fail(self, fault: dict) -> None:
         injected({**fault, "landed": self.phase})
-        if fault["mode"] == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        elif fault["mode"] == "hang":
+        if fault["mode"] == "hang":
             time.sleep(3600)
-        else:
-            os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if fault["mode"] == "stop" else signal.SIGKILL)
 
     @contextlib.contextmanager
     def around(self, call: str, fault: dict) -> Iterator[None]:
@@ -284,9 +253,6 @@ class Health:
         self.params = params
         self.nonfinite, self.excursion, self.rounds = 0, 0.0, 0
 
-    def loss(self, loss: torch.Tensor) -> None:
-        self.nonfinite += int(not torch.isfinite(loss))
-
     def check(self) -> None:
         self.rounds += 1
         witness = self.params[-1]
@@ -310,14 +276,12 @@ def final_checks(opt: DecentOptimWrapper, params: list[torch.Tensor], health: He
     averages = [torch.empty_like(average) for _ in range(opt.world_size)]
     dist.all_gather(averages, average, group=judge_group if opt.world_size == size else None)
     stacked = torch.stack(replicas).double()
-    sizes = {"final_rank": opt.rank, "world_size": opt.world_size, "dist_world_size": size}
-    health_figures = {"nonfinite": health.nonfinite, "witness_excursion": health.excursion}
-    health_figures |= {"witness_rounds": health.rounds, "step_count": opt.step_count}
-    deviation = float((average.double() - stacked.mean(0)).abs().max())
-    bound = size * 2**-24 * float(stacked.abs().max())
-    averages_figures = {"average_identical": all(torch.equal(a, averages[0]) for a in averages)}
-    averages_figures |= {"average_deviation": deviation, "average_bound": bound}
-    return sizes | health_figures | averages_figures
+    figures = {"final_rank": opt.rank, "world_size": opt.world_size, "dist_world_size": size}
+    figures |= {"nonfinite": health.nonfinite, "witness_excursion": health.excursion}
+    figures |= {"witness_rounds": health.rounds, "step_count": opt.step_count}
+    figures["average_identical"] = all(torch.equal(a, averages[0]) for a in averages)
+    figures["average_deviation"] = float((average.double() - stacked.mean(0)).abs().max())
+    return figures | {"average_bound": size * 2**-24 * float(stacked.abs().max())}
 
 
 # -- the plans ---------------------------------------------------------------------------------------
@@ -333,9 +297,8 @@ def kills_plan(seed: int, args: argparse.Namespace) -> list[dict]:
         if mode == "kill-in-global-avg":  # the next step after which global_avg runs
             step = (step // args.average_every + 1) * args.average_every - 1
         victim = alive.pop(rng.randrange(len(alive)))
-        plan.append(
-            {"rank": victim, "step": step, "mode": mode, "delay_ms": rng.uniform(0, args.kill_window_ms)}
-        )
+        delay_ms = rng.uniform(0, args.kill_window_ms)
+        plan.append({"rank": victim, "step": step, "mode": mode, "delay_ms": delay_ms})
     return plan
 
 
@@ -358,35 +321,36 @@ def rejoins_plan(args: argparse.Namespace) -> list[dict]:
 # -- the judges --------------------------------------------------------------------------------------
 
 
-def finished_figures(results: list[dict], world_disagrees: int) -> dict[str, Any]:
-    """What both judges report of the workers that finished: schedules behind their step count,
-    corruption, the witness's and the final averages' largest errors, the mean final loss."""
-    corruption = {"nonfinite": sum(r["nonfinite"] > 0 for r in results)}
-    corruption["witness_outside_hull"] = sum(
-        r["witness_excursion"] > WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in results
-    )
-    corruption["average_not_identical"] = int(not all(r["average_identical"] for r in results))
-    corruption["average_not_mean"] = sum(r["average_deviation"] > r["average_bound"] for r in results)
-    corruption["world_size_disagrees"] = world_disagrees
-    behind = sum(r["scheduler_steps"] != r["step_count"] for r in results)
-    figures = {"scheduler_behind": behind, "corruption": corruption}
-    for key in ("witness_excursion", "average_deviation"):
-        figures[f"{key}_max"] = max((r[key] for r in results), default=0.0)
-    return figures | {"final_loss": statistics.fmean(r["final_loss"] for r in results) if results else None}
-
-
-def landed_in(injections: list[dict]) -> dict[str, dict[str, int]]:
-    """Where the timed kills landed (the main thread's phase when the timer fired)."""
+def injection_figures(injections: list[dict]) -> dict[str, Any]:
+    """The failures injected, by mode, and where the timed kills landed (the main thread's phase)."""
     landed: dict[str, dict[str, int]] = {m: {} for m in TIMED_MODES}
     for record in injections:
         if record["mode"] in landed:
             landed[record["mode"]][record["landed"]] = landed[record["mode"]].get(record["landed"], 0) + 1
-    return landed
+    by_mode = dict.fromkeys(MODES, 0) | Counter(r["mode"] for r in injections)
+    return {"injected": len(injections), "injected_by_mode": by_mode, "timed_kills_landed_in": landed}
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered)) - 1))]
+def finisher_figures(
+    finishers: list[dict], steps: int, expected: int, world_disagrees: int
+) -> dict[str, Any]:
+    """What both soaks report of the workers that finished (``expected`` of them, ``steps`` each): steps
+    lost, schedules behind their step count, corruption, the witness's and the final averages' largest
+    errors, the mean final loss."""
+    missing = max(0, expected - len(finishers))
+    figures = {"steps_lost": sum(steps - r["step_count"] for r in finishers) + steps * missing}
+    figures["scheduler_behind"] = sum(r["scheduler_steps"] != r["step_count"] for r in finishers)
+    corruption = {"nonfinite": sum(r["nonfinite"] > 0 for r in finishers)}
+    corruption["witness_outside_hull"] = sum(
+        r["witness_excursion"] > WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in finishers
+    )
+    corruption["average_not_identical"] = int(not all(r["average_identical"] for r in finishers))
+    corruption["average_not_mean"] = sum(r["average_deviation"] > r["average_bound"] for r in finishers)
+    figures["corruption"] = corruption | {"world_size_disagrees": world_disagrees}
+    for key in ("witness_excursion", "average_deviation"):
+        figures[f"{key}_max"] = max((r[key] for r in finishers), default=0.0)
+    losses = [r["final_loss"] for r in finishers]
+    return figures | {"final_loss": statistics.fmean(losses) if losses else None}
 
 
 def spread(values: list[float], middle: str = "median") -> dict[str, float | None]:
@@ -394,7 +358,9 @@ def spread(values: list[float], middle: str = "median") -> dict[str, float | Non
     if not values:
         return {"n": 0, middle: None, "p95": None, "max": None}
     centre = statistics.median(values) if middle == "median" else statistics.fmean(values)
-    return {"n": len(values), middle: centre, "p95": percentile(values, 0.95), "max": max(values)}
+    ordered = sorted(values)
+    p95 = ordered[min(len(ordered) - 1, max(0, round(0.95 * len(ordered)) - 1))]
+    return {"n": len(values), middle: centre, "p95": p95, "max": max(values)}
 
 
 def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> dict[str, Any]:
@@ -412,44 +378,34 @@ def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> d
         for i, event in enumerate(results[0]["events"]):
             start = min(victims[v]["time"] for v in event["lost"] if v in victims)
             recoveries.append(max(r["events"][i]["time"] for r in results) - start)
-    steps_lost = sum(steps - r["step_count"] for r in results) + steps * (len(survivors) - len(results))
     expected_world = world - len(victims)
     world_disagrees = sum(
         (r["world_size"], r["dist_world_size"], len(r["members"])) != (expected_world,) * 3
         or r["members"] != results[0]["members"]
         for r in results
     )
-    injected = {v: {k: victims[v][k] for k in ("mode", "step", "landed")} for v in victims}
-    run = {"plan": plan, "seconds": round(outcome.seconds, 2), "injected": injected}
+    run = {"plan": plan, "seconds": round(outcome.seconds, 2)}
+    run["injected"] = {v: {k: victims[v][k] for k in ("mode", "step", "landed")} for v in victims}
     run["not_injected"] = [f["rank"] for f in plan if f["rank"] not in victims]
     run |= {"survived": len(survived), "survived_modes": [victims[v]["mode"] for v in survived]}
     run |= {"dropped_alive": sorted(lost - set(victims)), "survivors": len(survivors)}
     run |= {"survivors_finished": len(results) if not outcome.errors else 0}
-    run |= {"errors": {r: e[-2000:] for r, e in outcome.errors.items()}, "steps_lost": steps_lost}
-    return run | {"recovery_s": recoveries, **finished_figures(results, world_disagrees)}
+    run |= {"errors": {r: e[-2000:] for r, e in outcome.errors.items()}, "recovery_s": recoveries}
+    return run | finisher_figures(results, steps, len(survivors), world_disagrees)
 
 
 def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) -> dict[str, Any]:
-    injected = [r for run in runs for r in run["injected"].values()]
-    injected_by_mode = dict.fromkeys(MODES, 0) | Counter(r["mode"] for r in injected)
-    survived_by_mode = dict.fromkeys(MODES, 0) | Counter(m for run in runs for m in run["survived_modes"])
     recoveries = [s for run in runs for s in run["recovery_s"]]
     summary = {k: getattr(args, k) for k in ("machine", "workers", "floor", "timeout_s")}
-    summary |= {
-        "seconds": round(seconds, 1),
-        "runs": len(runs),
-        "seeds": [args.seed + i for i in range(len(runs))],
-    }
-    summary |= {"injected": sum(injected_by_mode.values()), "injected_by_mode": injected_by_mode}
-    summary |= {"timed_kills_landed_in": landed_in(injected), "survived": sum(survived_by_mode.values())}
-    summary |= {"survived_by_mode": survived_by_mode}
+    summary |= {"seconds": round(seconds, 1), "runs": len(runs), "seeds": [run["seed"] for run in runs]}
+    summary |= injection_figures([r for run in runs for r in run["injected"].values()])
+    survived = Counter(m for run in runs for m in run["survived_modes"])
+    summary |= {"survived": survived.total(), "survived_by_mode": dict.fromkeys(MODES, 0) | survived}
     summary |= {k: sum(len(run[k]) for run in runs) for k in ("not_injected", "dropped_alive")}
-    summary |= {k: sum(run[k] for run in runs) for k in ("survivors", "survivors_finished", "steps_lost")}
-    summary |= {
-        "scheduler_behind": sum(run["scheduler_behind"] for run in runs),
-        "recoveries": len(recoveries),
-    }
-    summary |= {"recovery_s": {k: v for k, v in spread(recoveries, "mean").items() if k != "n"}}
+    for key in ("survivors", "survivors_finished", "steps_lost", "scheduler_behind"):
+        summary[key] = sum(run[key] for run in runs)
+    summary["recoveries"] = len(recoveries)
+    summary["recovery_s"] = {k: v for k, v in spread(recoveries, "mean").items() if k != "n"}
     kinds = runs[0]["corruption"] if runs else ()
     summary["corruption"] = {kind: sum(run["corruption"][kind] for run in runs) for kind in kinds}
     for key in ("witness_excursion_max", "average_deviation_max"):
@@ -474,10 +430,6 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
     admitting, recovering = ([(p["start"], p["end"]) for p in pauses[k]] for k in ("admission", "recovery"))
     joining = [(j["started"], j["first_step_end"]) for j in joined]
     injections = list(victims.values())
-
-    def during(moment: float, intervals: list[tuple[float, float]]) -> bool:
-        return any(start <= moment <= end for start, end in intervals)
-
     expected = args.workers
     world_disagrees = sum(
         (r["world_size"], r["dist_world_size"]) != (expected, expected) for r in finishers
@@ -489,7 +441,7 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
     parts["first step"] = median([j["first_step_end"] - j["after_front_end"] for j in joined])
 
     def kills_during(intervals: list[tuple[float, float]]) -> int:
-        return sum(during(r["time"], intervals) for r in injections)
+        return sum(any(start <= r["time"] <= end for start, end in intervals) for r in injections)
 
     def a_recovery(start: float, end: float) -> bool:
         return any(s <= end and start <= e for s, e in recovering)
@@ -500,25 +452,21 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
     landed = {"kills during an admission": kills_during(admitting)}
     landed["kills during a recovery"] = kills_during(recovering)
     landed["kills while a worker was joining"] = kills_during(joining)
-    landed["joins overlapping a recovery"] = sum(a_recovery(start, end) for start, end in joining)
-    landed["joins overlapping another join"] = sum(another_join(start, end) for start, end in joining)
-    lost = sum(steps - r["step_count"] for r in finishers) + steps * max(0, expected - len(finishers))
+    landed["joins overlapping a recovery"] = sum(a_recovery(s, e) for s, e in joining)
+    landed["joins overlapping another join"] = sum(another_join(s, e) for s, e in joining)
     summary = {"seconds": round(outcome.seconds, 1), "processes": processes, "steps": steps}
     summary |= {"ends_disagree": len({r["steps"] for r in finishers}) > 1}
     summary |= {"failures_fired": min((r["failures_fired"] for r in finishers), default=0)}
-    summary |= {"injected": len(injections), "bursts": sum(not r["overlap"] for r in injections)}
-    summary |= {"injected_by_mode": {m: sum(r["mode"] == m for r in injections) for m in MODES}}
-    summary |= {"timed_kills_landed_in": landed_in(injections), "restarts": processes - args.workers}
+    summary |= injection_figures(injections) | {"bursts": sum(not r["overlap"] for r in injections)}
+    summary |= {"restarts": processes - args.workers}
     summary |= {"joins": sum(a["joined"] for a in admissions), "joiners_recorded": len(joined)}
     summary |= {"losses": sum(e["lost"] for e in losses)}
     summary |= {"world_whole_again": sum(a["world_size"] == expected for a in admissions)}
     summary |= {"smallest_world": min([e["world_size"] for e in losses], default=expected)}
     summary |= {"finishers": len(finishers), "errors": {i: e[-3000:] for i, e in outcome.errors.items()}}
-    summary |= {"steps_lost": lost, **finished_figures(finishers, world_disagrees), "landed_during": landed}
-    summary |= {
-        "join_s": spread([j["first_step_end"] - j["started"] for j in joined]),
-        "join_parts_median_s": parts,
-    }
+    summary |= finisher_figures(finishers, steps, expected, world_disagrees) | {"landed_during": landed}
+    summary["join_s"] = spread([j["first_step_end"] - j["started"] for j in joined])
+    summary["join_parts_median_s"] = parts
     for kind in ("admission", "recovery"):
         summary[f"{kind}_pause_s"] = spread([p["seconds"] for p in pauses[kind]])
     return summary
@@ -527,25 +475,23 @@ def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
 # -- the reports and the answers ---------------------------------------------------------------------
 
 
-def injected_lines(s: dict[str, Any]) -> list[str]:
-    """The lines both soaks print: failures injected by mode, and where the timed kills landed."""
+def shared_lines(s: dict[str, Any]) -> tuple[list[str], str]:
+    """The lines both soaks print: failures injected by mode and where the timed kills landed; and
+    corruption."""
     modes = ", ".join(f"{m} {n}" for m, n in s["injected_by_mode"].items())
     lines = [f"  failures injected  {s['injected']:5d}   {modes}"]
     for mode, where in s["timed_kills_landed_in"].items():
         lines.append(f"    {mode} landed in: " + ", ".join(f"{k} {n}" for k, n in sorted(where.items())))
-    return lines
-
-
-def corruption_line(s: dict[str, Any]) -> str:
-    return "  corruption         " + ", ".join(f"{k} {n}" for k, n in s["corruption"].items())
+    return lines, "  corruption         " + ", ".join(f"{k} {n}" for k, n in s["corruption"].items())
 
 
 def report_kills(s: dict[str, Any]) -> str:
-    r, survived = s["recovery_s"], ", ".join(f"{m} {n}" for m, n in s["survived_by_mode"].items())
+    (injected_lines, corruption), r = shared_lines(s), s["recovery_s"]
+    survived = ", ".join(f"{m} {n}" for m, n in s["survived_by_mode"].items())
     lines = [
         f"Soak: {s['runs']} runs of {s['workers']} gloo workers down to {s['floor']} "
         f"(timeout {s['timeout_s']} s), {s['seconds']:.0f} s, {s['machine']}",
-        *injected_lines(s),
+        *injected_lines,
         f"  failures survived  {s['survived']:5d}   {survived}",
         f"  planned, not reached {s['not_injected']}; live ranks dropped {s['dropped_alive']}",
         f"  survivors finished {s['survivors_finished']:5d} of {s['survivors']}",
@@ -557,7 +503,7 @@ def report_kills(s: dict[str, Any]) -> str:
             f"  recovery (s)       mean {r['mean']:.2f}  p95 {r['p95']:.2f}  max {r['max']:.2f}  "
             f"over {s['recoveries']} recoveries"
         )
-    lines.append(corruption_line(s))
+    lines.append(corruption)
     lines.append(
         f"  largest witness excursion outside [1, 2]: {s['witness_excursion_max']:.3g}; largest deviation "
         f"of a final average from the float64 mean: {s['average_deviation_max']:.3g}"
@@ -566,11 +512,12 @@ def report_kills(s: dict[str, Any]) -> str:
 
 
 def report_rejoins(s: dict[str, Any], args: argparse.Namespace) -> str:
+    injected_lines, corruption = shared_lines(s)
     lines = [
         f"Kill/restart soak: {args.workers} gloo workers, {s['failures_fired']} of {args.cycles} planned "
         f"failures fired over {s['steps']} steps, floor {args.floor}, timeout {args.timeout_s} s, "
         f"{s['seconds']:.0f} s, {args.machine}",
-        *injected_lines(s),
+        *injected_lines,
         f"  restarts {s['restarts']}, joins admitted {s['joins']} (recorded by joiners "
         f"{s['joiners_recorded']}), losses recorded {s['losses']}; world whole again "
         f"{s['world_whole_again']} times after {s['bursts']} failures that waited for it, "
@@ -578,30 +525,26 @@ def report_rejoins(s: dict[str, Any], args: argparse.Namespace) -> str:
         "  landed: " + ", ".join(f"{k} {n}" for k, n in s["landed_during"].items()),
         f"  finishers {s['finishers']} of {args.workers}, errors {len(s['errors'])}",
         f"  steps lost {s['steps_lost']} (LR schedules behind their step count: {s['scheduler_behind']})",
-        corruption_line(s),
+        corruption,
     ]
     for name in ("join_s", "admission_pause_s", "recovery_pause_s"):
-        d = s[name]
-        if d["n"]:
+        if (d := s[name])["n"]:
             lines.append(
                 f"  {name.replace('_', ' ')}: median {d['median']:.2f}  p95 {d['p95']:.2f}  "
                 f"max {d['max']:.2f}  (n {d['n']})"
             )
-    parts = s["join_parts_median_s"]
-    if parts["start-up"] is not None:
+    if (parts := s["join_parts_median_s"])["start-up"] is not None:
         lines.append("  join, median parts (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
     lines += [f"  process {index} raised:\n{error}" for index, error in s["errors"].items()]
     return "\n".join(lines)
 
 
-def worker_config(args: argparse.Namespace) -> dict[str, Any]:
+def worker_config(args: argparse.Namespace, steps: int) -> dict[str, Any]:
     """What every worker of either soak reads (the rest of a worker's plan comes with the run)."""
     rejoins = args.question == "rejoins"
-    return {
-        "scenario": args.question,
-        "average_every": args.average_every,
-        "timeout_s": args.timeout_s,
-        "floor": args.floor,
+    config = {k: getattr(args, k) for k in ("average_every", "timeout_s", "floor")}
+    config |= {"scenario": args.question, "steps": steps}
+    return config | {
         "step_time_s": args.step_time_s if rejoins else 0.0,
         "slow_factor": args.slow_factor if rejoins else 1.0,
     }
@@ -610,19 +553,18 @@ def worker_config(args: argparse.Namespace) -> dict[str, Any]:
 def kills(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Runs with seeds SEED, SEED + 1, ... while the budget lasts: their summary and every run."""
     runs: list[dict] = []
-    start, config = time.monotonic(), worker_config(args)
-    for i in range(args.runs):
+    start = time.monotonic()
+    for seed in range(args.seed, args.seed + args.runs):
         if runs and time.monotonic() - start + max(run["seconds"] for run in runs) > args.budget_s:
             break
-        seed = args.seed + i
         plan = kills_plan(seed, args)
         steps = plan[-1]["step"] + TAIL_STEPS
-        outcome = run_workers(soak_worker, args.workers, (plan, {**config, "steps": steps}), args.deadline_s)
+        outcome = run_workers(soak_worker, args.workers, (plan, worker_config(args, steps)), args.deadline_s)
         run = {"seed": seed, "steps": steps, **judge_kills(plan, args.workers, steps, outcome)}
         runs.append(run)
         modes = ", ".join(f"{r}:{v['mode']}@{v['step']}({v['landed']})" for r, v in run["injected"].items())
         print(
-            f"run {i:3d} seed {seed}: {run['seconds']:5.1f} s, {steps} steps, survived "
+            f"run {seed - args.seed:3d} seed {seed}: {run['seconds']:5.1f} s, {steps} steps, survived "
             f"{run['survived']}/{len(run['injected'])} [{modes}], recoveries "
             f"{', '.join(f'{s:.2f}' for s in run['recovery_s'])} s, corruption "
             f"{sum(run['corruption'].values())}",
@@ -637,12 +579,28 @@ def kills(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def rejoins(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """One run on an elastic job, every victim restarted: its summary and the plan."""
     plan = rejoins_plan(args)
-    outcome = run_workers(
-        soak_worker,
-        args.workers,
-        (plan, {**worker_config(args), "steps": args.max_steps}),
-        deadline_s=args.deadline_s,
-        restart_after=lambda record: record["restart_s"],
+    launch = Launch(
+        soak_worker, args.workers, (plan, worker_config(args, args.max_steps)), elastic={"job": "soak"}
     )
-    summary = judge_rejoins(args, outcome)
+    for _ in range(args.workers):
+        launch.start(fork=True)
+    restarts: dict[int, float] = {}  # a failed worker -> when its replacement starts (then inf)
+
+    def restart(launch: Launch) -> bool:
+        """Bring back every worker that failed, ``restart_s`` after it failed itself, 1 s after it raised
+        (a launcher restarts it too); whether a restart is still to come."""
+        now = time.monotonic()
+        for index, code in enumerate(launch.exitcodes()):
+            if index not in restarts and (record := launch.failed_itself(index)) is not None:
+                restarts[index] = now + record["restart_s"]
+            elif index not in restarts and code not in (None, 0):
+                restarts[index] = now + 1.0
+        for index, due in sorted(restarts.items()):
+            if due <= now:
+                launch.kill([index])  # a stopped or hung worker: the launcher ends it
+                restarts[index] = float("inf")
+                launch.start()  # spawned: a real restart's start-up, and the store's master is up
+        return any(due != float("inf") for due in restarts.values())
+
+    summary = judge_rejoins(args, launch.wait(args.deadline_s, restart))
     return {"summary": summary, "plan": plan}, report_rejoins(summary, args)
