@@ -14,8 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.costs.questions import QUESTIONS, SEED_INSTALL
-from benchmarks.costs.timing import environment, render
+from benchmarks.costs.questions import QUESTIONS, SEED_INSTALL, environment, render
 from benchmarks.harness.question_args import question_parser
 from benchmarks.harness.report import save
 
