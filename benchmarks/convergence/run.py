@@ -3,10 +3,8 @@
     uv run benchmarks/convergence/run.py QUESTION [options] [--json PATH] [--table PATH]
 
 The questions and their defaults are in ``questions.py`` (``run.py QUESTION --help`` lists the options);
-each is answered by its module: ``classification`` (every method of ``harness/methods.py``'s grammar on
-the main job's task, iid and label-skewed), ``lm`` and ``seeds`` (``lm.py``: the language model with
-AdamW), ``adam_rules`` (Adam's second-moment rules in one process), ``attack`` (one Byzantine worker among
-8) and ``accelerate`` (``accelerate_loop.py``: an Accelerate loop three ways).
+each is answered by its module (``lm.py`` answers ``lm`` and ``seeds``, ``accelerate_loop.py``
+``accelerate``).
 """
 
 from __future__ import annotations
