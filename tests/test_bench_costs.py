@@ -131,7 +131,7 @@ def test_every_question_runs_end_to_end_and_reports_what_it_measures(tmp_path):
 
 @pytest.mark.pure
 def test_the_loop_rotates_the_order_and_records_a_variant_s_own_parts():
-    from benchmarks.costs.timing import interleave, step_table
+    from benchmarks.costs.questions import interleave, step_table
 
     calls = []
     variants = {

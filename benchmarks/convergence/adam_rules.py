@@ -70,12 +70,9 @@ def simulate(
     depth: int = 2, seed: int = 0, own_step: float = 1.0, momentum: str = "local", blocking: bool = False,
     every: int = 1,
 ) -> float:  # fmt: skip
-    """Train ``n`` replicas with ``rule``; the validation loss of their average.
-
-    ``width``, ``depth``: the model's (``lm_task.make_lm_model``); ``seed``: its initialization and the
-    batch order. ``own_step`` (with ``gossip``): the next gradient is taken at the mixed point plus
-    this share of the replica's own step, while the full step is what it sends (1: the engine's).
-    """
+    """Train ``n`` replicas with ``rule``; the validation loss of their average. ``own_step`` (with
+    ``gossip``): the next gradient is taken at the mixed point plus this share of the replica's own step,
+    while the full step is what it sends (1: the engine's)."""
     model = make_lm_model(width, depth, seed)
     names = [name for name, _ in model.named_parameters()]
     start = [p.detach().clone() for p in model.parameters()]
@@ -94,7 +91,7 @@ def simulate(
     # mixed parameters moved along (its displacement over the round, in the step's own units).
     anchors: list[list[torch.Tensor]] = []
     denominators: list[list[torch.Tensor]] = [[] for _ in replicas]
-    previous_lr = 0.0
+    previous_lr, tensors = 0.0, range(len(start))
 
     def gradient(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
         starts = torch.randint(0, len(data[rank]) - CONTEXT - 1, (batch,), generator=samplers[rank])
@@ -107,7 +104,7 @@ def simulate(
     def mix(w: torch.Tensor, values: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
         """What every replica holds after a round with matrix ``w`` of what each sent (``values``)."""
         return [
-            [sum(float(w[i, j]) * values[j][k] for j in range(n) if w[i, j] != 0) for k in range(len(start))]
+            [sum(float(w[i, j]) * values[j][k] for j in range(n) if w[i, j] != 0) for k in tensors]
             for i in range(n)
         ]
 
@@ -123,27 +120,27 @@ def simulate(
         lr_t = lr * (1 + math.cos(math.pi * (t - 1) / steps)) / 2
         if rule == "ddp":
             per_rank = [gradient(replicas[0].params, rank) for rank in range(n)]
-            grads = [[sum(g[k] for g in per_rank) / n for k in range(len(start))]]
+            grads = [[sum(g[k] for g in per_rank) / n for k in tensors]]
         else:
             grads = [gradient(r.params, rank) for rank, r in enumerate(replicas)]
         if topology is not None and t > 1 and not blocking:  # the round launched at step t - 1
             mix_in(topology.mixing_matrix(t - 2).double())
         if momentum == "mixed" and topology is not None and t > 1:
             for i, r in enumerate(replicas):
-                for k in range(len(start)):
+                for k in tensors:
                     moved = (anchors[i][k] - r.params[k]) / previous_lr
                     r.m[k] = moved * denominators[i][k] * (1 - b1 ** (t - 1))
-        means = [sum(g[k] for g in grads) / len(grads) for k in range(len(start))]
+        means = [sum(g[k] for g in grads) / len(grads) for k in tensors]
         mixed = [list(r.params) for r in replicas] if own_step != 1.0 else []
         anchors = [list(r.params) for r in replicas]
         for i, (r, g) in enumerate(zip(replicas, grads, strict=True)):
-            for k in range(len(start)):
+            for k in tensors:
                 divisor = _divisor(rule, r, k, g[k], t, n, means[k] if rule.startswith("oracle") else None)
                 m_hat = r.m[k] / (1 - b1**t)
                 denominator = (divisor / (1 - b2**t)).sqrt().add_(EPS)
                 r.params[k] = r.params[k].addcdiv(m_hat, denominator, value=-lr_t)
                 if momentum == "mixed":
-                    denominators[i][k : k + 1] = [denominator]
+                    denominators[i][k : k + 1] = [denominator]  # kept for the next step's first moment
         previous_lr = lr_t
         if topology is not None:
             sent = [[p.clone() for p in r.params] for r in replicas]
@@ -156,7 +153,7 @@ def simulate(
                 for r, before in zip(replicas, mixed, strict=True):
                     r.params = [b + own_step * (p - b) for p, b in zip(r.params, before, strict=True)]
         elif len(replicas) > 1:
-            for k in range(len(start)):
+            for k in tensors:
                 average = sum(r.params[k] for r in replicas) / len(replicas)
                 for r in replicas:
                     r.params[k] = average.clone()
@@ -168,7 +165,7 @@ def simulate(
 
 
 def answer(args: argparse.Namespace) -> tuple[Any, str]:
-    """Every rule of ``args.rules`` in turn (``ddp`` first unless ``--ddp-loss`` gives its loss)."""
+    """Every rule in turn (``ddp`` first unless ``--ddp-loss`` gives its loss)."""
     rules = args.rules if "ddp" in args.rules or args.ddp_loss else ["ddp", *args.rules]
     mixing = f"gossip ({args.gossip})" if args.gossip else "exact average"
     torch.set_num_threads(1)

@@ -1,12 +1,9 @@
-"""One rank of the ``attack`` question: worker 3 Byzantine, the others honest, trained side by side.
+"""The ``attack`` question: worker 3 Byzantine, the others honest, trained side by side.
 
-Attacks (under DDP on its gradient, else on the model it sends): ``scaled`` multiplies by 100 after each
-local step; ``random`` replaces it by Gaussian noise of standard deviation 10; ``negated`` trains
-honestly (its replica restored before each step) and sends the negation every round; ``alternating``
-the same in odd rounds only; ``flipping`` negates its model in place after each step. Methods: ``ddp``
-(the gradients all-reduced by hand, so that the attacker's enters), ``ring`` (plain gossip) and
-``ring-clipped`` (``clipped_gossip=``). Tasks: the main job's (SGD lr 0.05, momentum 0.9, batch 32),
-scikit-learn's digits (a 64-64-10 MLP) or the language model (AdamW lr 3e-3, 16 windows; no accuracy).
+Attacks (under DDP on its gradient, else on the model it sends): ``scaled`` x100 after each step;
+``random`` Gaussian noise of sd 10; ``negated`` trains honestly and sends the negation every round,
+``alternating`` in odd rounds; ``flipping`` negates its model in place after each step. Methods: ``ddp``
+(gradients all-reduced by hand, the attacker's among them), ``ring`` and ``ring-clipped``.
 """
 
 from __future__ import annotations
@@ -62,7 +59,6 @@ class _Attack:
 
 
 def make_optimizer(task: str) -> Callable[[Any], torch.optim.Optimizer]:
-    """The task's optimizer: AdamW lr 3e-3 for the language model, else SGD lr 0.05, momentum 0.9."""
     if task == "lm":
         return lambda params: torch.optim.AdamW(params, lr=3e-3)
     return lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9)
@@ -70,7 +66,7 @@ def make_optimizer(task: str) -> Callable[[Any], torch.optim.Optimizer]:
 
 def setup(task: str, rank: int, world: int, seed: int, draws: torch.Generator) -> Task:
     """``task`` on this rank's iid part: ``lm`` (16 windows a batch), ``digits`` (a 64-64-10 MLP) or
-    ``classification`` (the main job's), 32 samples a batch."""
+    ``classification`` (the main job's, 32 samples a batch)."""
     name = {"classification": "synthetic"}.get(task, task)
     return make_task(name, rank, world, seed, 16 if task == "lm" else 32, draws, hidden=(64,))
 

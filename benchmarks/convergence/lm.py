@@ -1,13 +1,8 @@
 """The ``lm`` and ``seeds`` questions: the language model's validation loss against DDP's, with AdamW.
 
-``lm`` trains every method (``ddp+adamw`` first, the reference) on ``harness/lm_task.py``'s transformer
-and reports the validation loss of the replicas' exact average over DDP's, beside its uncorrected twin
-(``+adamw-local``) where that ran and, compressed, over its uncompressed twin (added to the run, as a
-paced method's unpaced twin is). ``--eval-every K`` evaluates the average every K steps (training goes on
-from the replicas, bit for bit) and gives the first step at DDP's final loss. Targets: per-step gossip
-within 2% of DDP, ``sync_every`` 2 to 8 within 5%, paced 2%, compressed 2% of its twin. ``seeds``
-divides each method's loss by its own run's DDP loss across several runs' JSON files (files with the
-same DDP result, ``--reuse``, are one run).
+``lm``: the replicas' exact average over DDP's (``ddp+adamw``, trained first), beside the uncorrected twin
+(``+adamw-local``) and, compressed or paced, the plain twin (added to the run); ``--eval-every K``: the
+first evaluated step at DDP's final loss. ``seeds``: each method over its own run's DDP, across runs.
 """
 
 from __future__ import annotations
@@ -48,7 +43,7 @@ class LMResult:
 
 
 def train_lm(method: str, split: str, config: dict[str, Any]) -> LMResult | None:
-    """Train one method on this rank's part of ``split`` (every rank calls this); rank 0 gets the result."""
+    """Train one method on this rank's part of ``split`` (on every rank); rank 0 gets the result."""
     rank, world, eval_every = dist.get_rank(), dist.get_world_size(), config["eval_every"]
     spec, steps = parse_method(method), config["steps"]
     draws = torch.Generator().manual_seed(100 + rank + 1000 * config["seed"])
@@ -76,7 +71,7 @@ def train_lm(method: str, split: str, config: dict[str, Any]) -> LMResult | None
 
 
 def job(config: dict[str, Any]) -> list[dict] | None:
-    """Every (split, method) of ``config["runs"]`` in turn (on every rank); rank 0's results."""
+    """Every (split, method) of ``config["runs"]`` in turn, on every rank; rank 0's results."""
     results = []
     for split, method in config["runs"]:
         if config["rank"] == 0:
@@ -90,7 +85,6 @@ def job(config: dict[str, Any]) -> list[dict] | None:
 
 
 def steps_to_reach(curve: list[tuple[int, float]], target: float) -> int | None:
-    """The first evaluated step whose validation loss is at most ``target`` (None: never)."""
     return next((step for step, loss in curve if loss <= target), None)
 
 
@@ -107,7 +101,6 @@ def status(result: LMResult, ratio: float, plain: LMResult | None) -> str:
 
 
 def table(results: list[LMResult], args: Any, world: int) -> str:
-    """The table of one split's results."""
     reference = next(r for r in results if r.method == "ddp+adamw")
     by_name = {r.method: r for r in results}
     rows = []
@@ -140,7 +133,7 @@ def table(results: list[LMResult], args: Any, world: int) -> str:
 
 
 def with_twins(methods: list[str]) -> list[str]:
-    """``ddp+adamw`` first, then ``methods``, then each compressed or paced method's twin if missing."""
+    """``ddp+adamw`` first, then ``methods``, then each compressed or paced method's missing twin."""
     wanted = list(dict.fromkeys(["ddp+adamw", *methods]))
     for method in wanted:  # the list grows as the loop goes: a twin's twin is added too
         if parse_method(method).optimizer not in ADAM_OPTIMIZERS:
@@ -151,13 +144,12 @@ def with_twins(methods: list[str]) -> list[str]:
 
 
 def results_of(path: Path) -> list[dict[str, Any]]:
-    """What a driver wrote to ``path``: ``report.save``'s JSON (its ``"results"``), or a bare list."""
+    """``report.save``'s JSON's ``"results"`` at ``path``, or a bare list (older runs)."""
     data = json.loads(Path(path).read_text())
     return data["results"] if isinstance(data, dict) else data
 
 
 def lm_result(fields: dict[str, Any]) -> LMResult:
-    """An :class:`LMResult` read back from JSON, its curve's pairs tuples again."""
     return LMResult(**{**fields, "curve": [(int(step), loss) for step, loss in fields["curve"]]})
 
 
@@ -188,7 +180,7 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def seeds(args: argparse.Namespace) -> tuple[Any, str]:
-    """Each method's loss over its own run's DDP loss, per run and summarised (the ``seeds`` question)."""
+    """Each method's loss over its own run's DDP loss (files with the same DDP result are one run)."""
     runs: dict[tuple[int, float], dict[str, float]] = {}
     for path in args.paths:
         results = [r for r in results_of(path) if r["split"] == "iid"]

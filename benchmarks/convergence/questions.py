@@ -1,13 +1,9 @@
-"""The questions of the convergence driver: each a name, what it asks, and its options' defaults.
-
-An option's default sets its type on the command line (``--batch-size 16`` for ``batch_size=32``; a list
-takes several values, a bool is a switch; a type, such as ``float``, is an option that is unset by
-default); ``choices`` limits one to a set of values.
-"""
+"""The questions of the convergence driver: each a name, what it asks, its options' defaults (a default
+sets its option's type, ``harness/question_args.py``; a type, such as ``float``, is an option unset by
+default) and the sets of values some options take."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from benchmarks.harness.lm_task import LM_SPLITS
@@ -35,45 +31,34 @@ ATTACK_METHODS = ("ddp", "ring", "ring-clipped")
 ACCELERATE_METHODS = (
     "ddp", "local-sgd", "gossip-complete", "gossip-ring", "gossip-complete-d1", "gossip-ring-d1",
 )
-# fmt: on
 
-
-@dataclass(frozen=True)
-class Question:
-    name: str
-    asks: str
-    defaults: dict[str, Any]
-    choices: dict[str, Any] = field(default_factory=dict)
-
-
-# fmt: off
-QUESTIONS = {q.name: q for q in (
-    Question("classification",
+#: name: (what it asks, its options' defaults, the values some options may take)
+QUESTIONS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "classification": (
         "accuracy of the averaged model for every method against DDP's, iid and skewed",
         dict(workers=8, methods=CLASSIFICATION_METHODS, splits=list(SPLITS), alpha=0.1, steps=600,
              batch_size=32, lr=0.05, adam_lr=3e-3, task="synthetic", seeds=[0], deadline=14400.0),
         {"splits": SPLITS, "task": ("synthetic", "digits")}),
-    Question("lm", "validation loss of the language model, gossip with AdamW against DDP",
+    "lm": ("validation loss of the language model, gossip with AdamW against DDP",
         dict(workers=4, methods=LM_METHODS, splits=["iid"], steps=600, batch_size=16, adam_lr=3e-3,
              eval_every=0, warmup=0, width=64, depth=2, seed=0, reuse=[], deadline=14400.0),
         {"splits": LM_SPLITS}),
-    Question("adam_rules", "second-moment rules for Adam under averaging, simulated in one process",
+    "adam_rules": ("second-moment rules for Adam under averaging, simulated in one process",
         dict(workers=4, rules=list(RULES), steps=600, batch_size=16, adam_lr=3e-3, split="iid", gossip=str,
              width=64, depth=2, seed=0, own_step=1.0, momentum="local", blocking=False, every=1,
              ddp_loss=float),
         {"rules": RULES, "split": LM_SPLITS, "momentum": ("local", "mixed", "gossip")}),
-    Question("seeds", "each method's loss over its own run's DDP loss across several lm runs (JSON files)",
-        dict(paths=[], target=1.05)),
-    Question("attack",
-        "one Byzantine worker among 8: the honest workers' loss with DDP, plain and clipped gossip",
+    "seeds": ("each method's loss over its own run's DDP loss across several lm runs (JSON files)",
+        dict(target=1.05), {}),
+    "attack": ("one Byzantine worker among 8: the honest workers' loss with DDP, plain and clipped gossip",
         dict(workers=8, steps=300, seeds=[0], methods=list(ATTACK_METHODS), attacks=list(ATTACKS),
              task="classification", clip_factor=ClippedGossip.factor, clip_quantile=ClippedGossip.quantile,
              clip_drop=str(ClippedGossip.drop_beyond), clip_audit=str(ClippedGossip.audit_every),
              deadline=1800.0),
         {"methods": ATTACK_METHODS, "attacks": ATTACKS, "task": ("classification", "digits", "lm")}),
-    Question("accelerate", "an Accelerate loop: Accelerator (DDP), LocalSGD and DecentralizedAccelerator",
+    "accelerate": ("an Accelerate loop: Accelerator (DDP), LocalSGD and DecentralizedAccelerator",
         dict(workers=4, every=8, seeds=[0, 1, 2], tasks=["classification", "lm"],
              methods=list(ACCELERATE_METHODS), classification_steps=300, lm_steps=200, deadline=600.0),
         {"methods": ACCELERATE_METHODS, "tasks": ("classification", "lm")}),
-)}
+}
 # fmt: on

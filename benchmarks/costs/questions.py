@@ -7,33 +7,64 @@ import copy
 import ctypes
 import importlib
 import os
+import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import nullcontext
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from benchmarks.costs.timing import SECRET, gossip_over, on_ranks, round_parts, step_ratios, step_table, table
-from benchmarks.harness.common import build_mlp
-from benchmarks.harness.interleaved import interleave, ratio, rule_against_torch, timed, timed_on
+from benchmarks.harness.common import build_mlp, collect_from_ranks
+from benchmarks.harness.interleaved import Variant, interleave, ratio, rule_against_torch, timed, timed_on
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, make_lm_model
-from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel
+from benchmarks.harness.report import titled_table
+from decent_optim_wrapper import AccumAdamW, DecentOptimWrapper, DecentralizedDataParallel, init_elastic
 from decent_optim_wrapper.engine import RECORD_S, RECORDS_ENV, Seal
 from decent_optim_wrapper.engine.counters import WaitClock
+from decent_optim_wrapper.engine.exchange.gossip import Gossip
+from decent_optim_wrapper.engine.exchange.guard import GuardLog
+from decent_optim_wrapper.engine.fleet.comm import ProcessGroups, group_layout
 from decent_optim_wrapper.engine.fleet.status import MAX_EVENTS, StatusBoard, status_key
-from decent_optim_wrapper.engine.wire.compression import codec, resolve_compression, round_seed
+from decent_optim_wrapper.engine.fleet.world import resolve_gossip_world
+from decent_optim_wrapper.engine.wire.compression import (
+    CompressionPlan,
+    codec,
+    resolve_compression,
+    round_seed,
+)
 
 MIB = 2**20
+SECRET = "the-secret-of-the-cost-benchmark-0123"
+RATIO_COLUMNS = ("ms", "ratio_of_medians", "median_paired_ratio")  # of ``ratio``'s result, in a table
+
+
+# -- what every question shares ------------------------------------------------------------------------
+def table(title: str, header: str, rows: list[list[Any]], spec: str = ".3f") -> dict[str, Any]:
+    """A table of a report: ``title``, the columns (``"a|b|c"``), the rows (numbers shown with ``spec``)."""
+    return {"title": title, "header": header.split("|"), "rows": rows, "spec": spec}
+
+
+def render(tables: list[dict[str, Any]]) -> str:
+    return "\n\n".join(titled_table(t["title"], t["header"], t["rows"], t["spec"]) for t in tables)
+
+
+def environment() -> str:
+    """A report's first line: torch, the machine, the checkout's commit (``+dirty``: uncommitted changes)."""
+    git = ["git", "describe", "--always", "--dirty=+dirty"]
+    commit = subprocess.run(git, cwd=os.path.dirname(__file__), capture_output=True, text=True).stdout.strip()
+    return f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, commit {commit or '-'}"
 
 
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, x: torch.Tensor, y: Any) -> None:
@@ -45,6 +76,24 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer | None, x: tor
         optimizer.step()
 
 
+def step_ratios(
+    steps: Mapping[str, Callable[[], object]], pairs: str, iters: int, warmup: int
+) -> dict[str, Any]:
+    """Training steps timed interleaved: each one's median ms, the ratios of ``pairs`` (``"a/b c/d"``)."""
+    times = interleave({name: lambda _, s=step: s() for name, step in steps.items()}, iters, warmup)
+    wanted = [pair.split("/") for pair in pairs.split() if set(pair.split("/")) <= set(times)]
+    ms = {name: 1e3 * statistics.median(seconds) for name, seconds in times.items()}
+    return {"ms": ms, "ratios": {f"{a}/{b}": ratio(times, a, b) for a, b in wanted}}
+
+
+def step_table(title: str, result: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`step_ratios`' result as a table: a row per ratio, then those of the runs compared with."""
+    rows = [[*p.split("/"), *(r[c] for c in RATIO_COLUMNS)] for p, r in result["ratios"].items()]
+    compared = {row[0] for row in rows}
+    rows += [[name, None, ms, None, None] for name, ms in result["ms"].items() if name not in compared]
+    return table(title, "run|against|ms per step (median)|ratio of medians|median paired ratio", rows)
+
+
 def mlp_adamw(args: Any, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = build_mlp(args.width, args.width, args.depth, 10)
@@ -53,6 +102,60 @@ def mlp_adamw(args: Any, lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 def mlp_batch(args: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(args.batch, args.width), torch.randint(0, 10, (args.batch,))
+
+
+def on_ranks(world: int, measure: Callable[..., Any], args: Any, *extra: Any, **start: Any) -> dict[int, Any]:
+    """``measure(rank, world, args, *extra)`` on ``world`` local ranks with ``args.threads`` torch threads
+    each: one gloo group on loopback, or (``job=NAME``) the members of an elastic job around a store
+    hosted here; ``before=fn``: ``fn()`` runs first in each rank. The results by rank."""
+    job, before = start.get("job"), start.get("before")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if job else None
+
+    def args_for(rank: int, port: int, results: Any) -> tuple[Any, ...]:
+        return (rank, world, store.port if store else port, job, before, measure, args, extra, results)
+
+    return collect_from_ranks(world, _rank, args_for, args.max_seconds, job or measure.__name__)
+
+
+def _rank(rank, world, port, job, before, measure, args, extra, results) -> None:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(getattr(args, "threads", 1))
+    if before is not None:
+        before()
+    if job is None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    else:
+        timeout = timedelta(seconds=120)
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+        init_elastic(store, rank, world, job=job, secret=SECRET, timeout=timeout)
+    try:
+        results.put((rank, measure(rank, world, args, *extra)))
+    finally:
+        dist.destroy_process_group()
+
+
+def gossip_round(
+    wrapper: DecentOptimWrapper, rank: int, world: int, wire: str | None, guard: bool
+) -> Variant:
+    """A variant timing a round's own work over the wrapper's buckets, through a ``Gossip`` built as the
+    engine builds its own (``guard=False``: as ``nonfinite_guard=False``): ``stage`` of every bucket,
+    then, untimed, ``launch`` and ``wait`` (the network), then ``mix``."""
+    spec = resolve_compression(wire)
+    plan = None if spec is None else CompressionPlan(wrapper.topology, spec)
+    gossip_world = resolve_gossip_world(rank, world, None)  # the whole job, as the wrapper's
+    groups = ProcessGroups(gossip_world, [group_layout(wrapper.topology, gossip_world)])
+    extra = {} if guard else {"guard": GuardLog(rank, enabled=False)}
+    tensors = [b.data for b in wrapper.buckets]
+    gossip = Gossip(tensors, wrapper.topology, rank, groups, plan=plan, **extra)
+    buckets = range(gossip.num_buckets)
+
+    def one_round(step: int) -> dict[str, float]:
+        stage = sum(timed(lambda b=b: gossip.stage(b, step)) for b in buckets)
+        for b in buckets:
+            gossip.launch(b, step)
+        gossip.wait_all()
+        return {"stage": stage, "mix": sum(timed(lambda b=b: gossip.mix(b)) for b in buckets)}
+
+    return one_round
 
 
 # -- overhead ------------------------------------------------------------------------------------------
@@ -81,8 +184,8 @@ def copy_equivalents(rank: int, world: int, args: Any, wire: str | None) -> dict
     ops = [(x, torch.empty_like(x), x.clone()) for x in tensors]  # x.copy_(a clone) leaves x as it was
     variants = {
         "copy": lambda _: dst.copy_(src),
-        "engine": round_parts(gossip_over(wrapper, rank, world, wire, guard=True)),
-        "unguarded": round_parts(gossip_over(wrapper, rank, world, wire, guard=False)),
+        "engine": gossip_round(wrapper, rank, world, wire, guard=True),
+        "unguarded": gossip_round(wrapper, rank, world, wire, guard=False),
         "ops": lambda _: {
             "div": sum(timed(lambda x=x, s=s: torch.div(x, 2, out=s)) for x, s, _ in ops),
             "copy": sum(timed(lambda x=x, r=r: x.copy_(r)) for x, _, r in ops),
@@ -164,9 +267,8 @@ SEED_INSTALL = "uv pip install --no-deps --python-version 3.12 --target DIR dece
 
 
 def load_seed_wrapper(path: str | Path) -> Any:
-    """The seed release's ``DecentOptimWrapper`` from the folder ``path`` (``SEED_INSTALL`` puts it there:
-    it has this package's name). Its modules are imported with this library's set aside, then put back:
-    the release's classes keep their own modules, so both work in one process."""
+    """The seed release's ``DecentOptimWrapper`` from the folder ``path`` (``SEED_INSTALL``), imported with
+    this library's modules set aside, then put back: the release's classes keep their own modules."""
     package = "decent_optim_wrapper"
     if not (Path(path) / package / "wrapper.py").is_file():
         raise FileNotFoundError(f"--seed-path {str(path)!r} holds no {package}/wrapper.py: {SEED_INSTALL}")
@@ -204,8 +306,8 @@ def second_moment_steps(rank: int, world: int, args: Any) -> dict[str, Any]:
 
 
 def map_large_allocations() -> None:
-    """glibc maps every allocation of 64 KiB or more on its own (``mallopt(M_MMAP_THRESHOLD)``: a forked
-    rank keeps the fork server's allocator), so the high-water mark follows the tensors alive at once."""
+    """glibc maps every allocation of 64 KiB or more on its own, so the high-water mark follows the
+    tensors alive at once (a forked rank keeps the fork server's allocator)."""
     if ctypes.CDLL(None).mallopt(-3, 64 * 1024) != 1:  # M_MMAP_THRESHOLD, <malloc.h>
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: glibc is required for the memory part")
 
@@ -281,7 +383,7 @@ def engine_round(rank: int, world: int, args: Any, fmt: str) -> dict[str, Any]:
     wrapper = DecentOptimWrapper(inner, topology="ring", compression=wire)  # its own gossip stays idle
     lm_step(model, inner, 0, args.batch, "cpu")  # AdamW's state exists before the rounds
     step = torch.enable_grad()(partial(lm_step, model, inner, batch=args.batch, device="cpu"))
-    variants = {"step": step, "round": round_parts(gossip_over(wrapper, rank, world, wire, guard=True))}
+    variants = {"step": step, "round": gossip_round(wrapper, rank, world, wire, guard=True)}
     with torch.no_grad():  # the first round is a group's exact one; the second faults pages in
         times = interleave(variants, args.reps, 2)
     ms = {k.removeprefix("round."): 1e3 * statistics.median(v) for k, v in times.items()}
@@ -291,7 +393,7 @@ def engine_round(rank: int, world: int, args: Any, fmt: str) -> dict[str, Any]:
 
 
 def codec_round(args: Any, fmt: str) -> dict[str, Any]:
-    """One process: the codec's work of one round of a pair on a flat tensor of the model's size (``x -
+    """One process: the codec's calls of one round of a pair on a flat tensor of the model's size (``x -
     r``, ``encode``, ``decode_into`` its own payload, ``add_into`` the peer's) against a training step."""
     device = torch.device(args.device)
     model = make_lm_model(args.width, args.depth).to(device)  # seeded
@@ -364,8 +466,7 @@ def compression(args: Any) -> dict[str, Any]:
 
 # -- metrics -------------------------------------------------------------------------------------------
 def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
-    """Microseconds per call of ``fn``: the best of 5 runs of ``calls`` calls."""
-    return min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6
+    return min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6  # the best of 5 runs
 
 
 def metrics_rank(rank: int, world: int, args: Any) -> dict[str, Any]:
@@ -430,7 +531,7 @@ def set_records(state: str) -> None:
 
 
 def records_rank(rank: int, world: int, args: Any) -> dict[str, float]:
-    """A member of a 2-rank elastic job (``on_peer_failure="continue"``, a ring, AdamW): its step times."""
+    """A member of a 2-rank elastic job (``on_peer_failure="continue"``): its step times."""
     model, adamw = mlp_adamw(args, 1e-3)
     opt = DecentOptimWrapper(adamw, topology="ring", on_peer_failure="continue")
     x = torch.randn(args.batch, args.width, generator=torch.Generator().manual_seed(rank))
@@ -479,7 +580,6 @@ STATEMENTS = {
 
 
 def fresh_interpreter(statement: str) -> tuple[float, str]:
-    """Seconds a fresh interpreter takes to run ``statement`` and exit, and what it printed."""
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-c", statement], check=True, capture_output=True, text=True)
     return time.perf_counter() - start, done.stdout
@@ -506,8 +606,7 @@ def import_time(args: Any) -> dict[str, Any]:
     return {"times_s": times, "cost_s": cost, "budget_s": args.budget, "over_budget": over, "tables": tables}
 
 
-#: Each question: its measurement (its docstring's first paragraph is the question's help) and the
-#: options it takes, with their defaults.
+#: Each question: its measurement (its docstring's first paragraph: the question's help), its defaults.
 STEP = {"width": 2048, "depth": 3, "batch": 64, "threads": 1, "max_seconds": 600.0}
 QUESTIONS: dict[str, tuple[Callable[[Any], dict[str, Any]], dict[str, Any]]] = {
     "overhead": (overhead, STEP | dict(depth=6, reps=40, iters=200, worlds=[1, 2], formats=["bf16", "int8"])),

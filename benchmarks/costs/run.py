@@ -3,10 +3,8 @@
     uv run benchmarks/costs/run.py QUESTION [options] [--json PATH] [--table PATH]
 
 Every question (``questions.py``) times its variants in one loop, the order rotating every repetition,
-and reports ratios of medians (and the median paired ratio) against a reference timed in the same loop;
-docs/benchmarks.md says what each found. An option a question does not take is refused (``run.py
-QUESTION --help`` lists its own). ``--threads`` torch threads per process (default 1: on a small shared
-VM a multi-threaded memory pass waits for its slowest thread at every kernel).
+and reports ratios of medians against a reference timed in the same loop. ``--threads``: torch threads
+per process (default 1: on a small shared VM a multi-threaded pass waits for its slowest thread).
 """
 
 from __future__ import annotations
@@ -14,8 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from benchmarks.costs.questions import QUESTIONS, SEED_INSTALL
-from benchmarks.costs.timing import environment, render
+from benchmarks.costs.questions import QUESTIONS, SEED_INSTALL, environment, render
 from benchmarks.harness.question_args import question_parser
 from benchmarks.harness.report import save
 
