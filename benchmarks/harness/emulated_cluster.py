@@ -95,16 +95,18 @@ class Cluster:
             total += int(json.loads(out)[0]["stats64"]["tx"]["bytes"])
         return total
 
-    def shape(self, rate: str | None) -> None:
+    def shape(self, rate: str | None, burst: int | None = None, latency: str = "100ms") -> None:
         """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping.
-        The bucket holds 4 ms at the rate, at least 64 KiB (a GSO packet)."""
-        burst = max(64 * 1024, rate_bits(rate) // 8 // 250) if rate is not None else 0
+        ``burst``: the bucket's bytes (default 4 ms at the rate, at least 64 KiB: a GSO packet; a link of
+        tens of kbit/s wants a few packets instead); ``latency``: tc's limit on a packet's queueing."""
+        if rate is not None and burst is None:
+            burst = max(64 * 1024, rate_bits(rate) // 8 // 250)
         for node in range(self.nodes):
             for ns, dev in ((self.namespace(node), self.ifname(node)), (BRIDGE_NS, f"dow{node}br")):
                 tc = ["ip", "netns", "exec", ns, "tc", "qdisc"]
                 subprocess.run([*tc, "del", "dev", dev, "root"], capture_output=True, timeout=20)
                 if rate is not None:
-                    sh(*tc, *f"add dev {dev} root tbf rate {rate} burst {burst} latency 100ms".split())
+                    sh(*tc, *f"add dev {dev} root tbf rate {rate} burst {burst} latency {latency}".split())
 
 
 def rate_bits(rate: str) -> int:
