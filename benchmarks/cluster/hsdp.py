@@ -1,17 +1,11 @@
 """Decentralized HSDP against whole replicas and torch's HSDP: the ranks' methods and memory counts.
 
-Decentralized HSDP shards each replica over a node's ranks with FSDP2's ``fully_shard`` (mesh dimension
-``"shard"``) and gossips every shard with the ranks holding it in the other replicas (``device_mesh=
-mesh["replicate"]``); torch's HSDP (``fully_shard`` over the 2-D mesh) all-reduces each gradient shard
-across the replicas in every backward.
-
-* Cluster (``rank.py``'s timed mode with ``shards``): ``fsdp`` (replicas never talk: the floor),
-  ``torch-hsdp`` and gossip HSDP ``topology[@compression]``; bytes per step over the slow link as each
-  method counts them, and what the node's veth carried.
-* Memory (``rank.py``'s memory mode, on loopback): ``whole`` (gossip, no mesh), ``gossip-hsdp`` and
-  ``torch-hsdp``, ``@bf16`` after a gossip one: the tensors a rank holds after a step, by kind, and its
-  resident size's growth after the last step and at peak. RSS follows the tensors only because the
-  driver makes glibc map every allocation of 128 KiB or more on its own (``MALLOC_MMAP_THRESHOLD_``).
+Decentralized HSDP shards each replica over a node's ranks with FSDP2 (mesh dimension ``"shard"``) and
+gossips every shard across the replicas (``device_mesh=mesh["replicate"]``); torch's HSDP all-reduces
+each gradient shard across the replicas in every backward. Timed methods: ``fsdp`` (replicas never
+talk: the floor), ``torch-hsdp`` and gossip ``topology[@compression]``. Memory configurations: ``whole``
+(gossip, no mesh), ``gossip-hsdp``, ``torch-hsdp``, ``@bf16`` after a gossip one; RSS follows the
+tensors only because the driver makes glibc map every allocation of 128 KiB or more on its own.
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ PLANNER_NAMES = {"torch-hsdp": "ddp", "fsdp": "nocomm"}
 
 @functools.cache
 def hsdp_mesh(replicas: int, shards: int) -> DeviceMesh:
-    """The (replicate, shard) mesh, built once per process: every build creates new process groups."""
+    """The (replicate, shard) mesh, once per process: every build creates new process groups."""
     return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
 
@@ -57,7 +51,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
@@ -66,9 +59,8 @@ def shard_bytes(model: nn.Module) -> int:
 
 
 def sharded_training(model: nn.Module, kind: str, mesh: DeviceMesh | None, gossip: str | None) -> Any:
-    """``model`` sharded for ``kind`` (``whole``: not at all, ``torch-hsdp``: over the 2-D mesh, any other:
-    over the node's ranks) and its optimizer: AdamW, or ``gossip`` (``topology[@compression]``) over it
-    across the replicas (``mesh`` None: over the whole world)."""
+    """``model`` sharded for ``kind`` (``whole``: not, ``torch-hsdp``: over the 2-D mesh, else over the
+    node's ranks) and AdamW, wrapped in ``gossip`` across the replicas (``mesh`` None: the world)."""
     if kind != "whole":
         shard_model(model, mesh if kind == "torch-hsdp" else mesh["shard"])  # type: ignore[index]
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -90,10 +82,9 @@ def link_tx_bytes() -> int | None:
 
 
 def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Callable[[], Any]]:
-    """``model`` sharded (or not) for ``method``, its optimizer, and ``sent()``: bytes ``counted`` over
-    the inter-node link per step and rank (gossip: the engine's; torch's HSDP: a ring all-reduce of the
-    fp32 gradient shard), ``shard_bytes``, and ``link_tx_per_step``, the node's veth ``tx_bytes`` per
-    step of the segment (warm-up and TCP/IP headers included)."""
+    """``model`` sharded for ``method``, its optimizer, and ``sent()``: bytes ``counted`` per step and rank
+    over the slow link (gossip: the engine's; torch's HSDP: a ring all-reduce of the fp32 gradient
+    shard), ``shard_bytes``, and the node's veth ``tx_bytes`` per step (warm-up and headers included)."""
     shards = cfg.local_world_size
     replicas = cfg.world_size // shards
     kind = {"nocomm": "whole", "fsdp": "fsdp", "torch-hsdp": "torch-hsdp"}.get(method, "gossip-hsdp")
@@ -130,8 +121,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int
 
 
 def gossip_buffer_tensors(optimizer: Any) -> list[torch.Tensor]:
-    """The engine's gossip buffers as its public ``state_dict()`` shows them: the received sums of the
-    round in flight, with compression the gathered payloads and the references."""
+    """The engine's gossip buffers as its ``state_dict()`` shows them (sums, payloads, references)."""
     if not isinstance(optimizer, DecentOptimWrapper):
         return []
     gossip = optimizer.engine.state_dict()["gossip"] or {}
@@ -142,8 +132,8 @@ def gossip_buffer_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 
 def held_tensor_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
-    """Bytes of the tensors this rank holds, by kind, each storage counted once (first kind wins):
-    whole replicas' parameters are views of the buckets, FSDP2's shards are copied into them."""
+    """Bytes of the tensors this rank holds, by kind, each storage once (first kind wins: whole replicas'
+    parameters are views of the buckets, FSDP2's shards are copied into them)."""
     seen: set[int] = set()
     params = list(model.parameters())
     held = {
@@ -182,8 +172,8 @@ def rss_bytes() -> int:
 
 
 def memory_rank(cfg: Any) -> None:
-    """Train ``mem_steps`` steps of ``config`` after a tiny model's warm-up (imports, threads, the mesh's
-    groups: not in the growth); write what this rank held."""
+    """``mem_steps`` steps of ``config`` after a tiny model's warm-up (imports, threads, the mesh's groups:
+    not in the growth); write what this rank held."""
     train(cfg, width=8, steps=2)
     gc.collect()
     baseline = rss_bytes()
@@ -198,7 +188,7 @@ def memory_rank(cfg: Any) -> None:
 
 
 def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Per configuration: the largest rank's bytes of each kind, its RSS growth after a step and at peak."""
+    """Per configuration: the largest rank's bytes of each kind and RSS growth."""
     rows = {}
     for config, ranks in results.items():
         row: dict[str, float] = {kind: max(r["held"][kind] for r in ranks) for kind in HELD_COLUMNS}
@@ -209,10 +199,8 @@ def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str,
 
 
 def cluster_rows(runs: dict[str, Any], shards: int, iters: int) -> dict[str, dict[str, float | None]]:
-    """Per method: step times (ms), CPU per step, and per step and rank the bytes on the slow link: a
-    node's bytes the mean of its ranks' readings of its counter, a rank's the node's over ``shards``;
-    ``link_bytes`` the mean over the nodes (node 0 also carries the store's traffic), ``link_bytes_max``
-    the busiest node's."""
+    """Per method: step times (ms), CPU per step, bytes per step and rank on the slow link (a node's:
+    its ranks' mean reading over ``shards``; ``link_bytes``: the mean over nodes, ``_max``: the busiest)."""
     rows: dict[str, dict[str, float | None]] = {}
     for method, run in runs.items():
         sent = run["bytes_sent_per_step"]  # one dict per rank, in rank order

@@ -1,21 +1,13 @@
 """One rank of ``benchmarks/cluster/run.py``: trains each method in turn and writes what it measured.
 
-Started inside its node's namespace (``harness/emulated_cluster.py``) as ``rank.py --rank R --world-size
-W --local-world-size L --out PATH --config JSON``, the config being the question's options. ``mode``:
-
-* ``timed``: each of ``rounds`` rounds trains every method (under every one of ``scenarios``) from one
-  seed, ``warmup`` untimed then ``iters`` timed steps, round ``r`` starting at segment ``r``; ``--out``
-  is rewritten after every round. Every method runs AdamW (lr 1e-3) on the same model and batch; only
-  the communication differs: ``nocomm``, ``ddp``, ``ddp-bf16`` (``bf16_compress_hook``), ``avg~hH``
-  (torch's ``PostLocalSGDOptimizer``), ``torchft~hH[dD]`` (torchft's DiLoCo) and gossip in
-  ``harness/methods.py``'s grammar; with ``loop: accelerate`` the Accelerate loop's ``nocomm``, ``ddp``,
-  ``local-sgd`` and ``gossip-TOPOLOGY``; with ``shards`` the HSDP methods of ``cluster/hsdp.py``. With
-  ``compute: emulated`` forward and backward are sleeps drawn by ``plan.ComputeTimes`` per scenario.
-  Beside the times: bytes sent per step, the process's CPU seconds and rank 0's machine-wide busy
-  seconds per window, with real compute each step's forward and compute seconds.
-* ``fleet``: the uneven fleet (``harness/uneven.py``): every step's wall-clock end, and the pace report.
-* ``sharing``: two groups of two ranks all-reduce one model each, the second ``delta`` after the first.
-* ``memory``: one configuration of ``hsdp.py``'s memory part, on loopback.
+Started in its node's namespace as ``rank.py --rank R --world-size W --local-world-size L --out PATH
+--config JSON`` (the question's options). ``mode``: ``timed`` (every method, under every scenario, once
+per round from one seed: AdamW on the same model and batch, only the communication differs; ``--out``
+rewritten after every round), ``fleet`` (the uneven fleet's step ends and pace report), ``sharing``
+(two groups' all-reduces, the second ``delta`` after the first) or ``memory`` (``hsdp.py``'s memory part).
+Methods: ``nocomm``, ``ddp``, ``ddp-bf16``, ``avg~hH`` (``PostLocalSGDOptimizer``), ``torchft~hH[dD]``
+(DiLoCo) and gossip in ``harness/methods.py``'s grammar; the Accelerate loop's with ``loop: accelerate``,
+``hsdp.py``'s with ``shards``.
 """
 
 from __future__ import annotations
@@ -48,8 +40,7 @@ from decent_optim_wrapper.plan import ComputeTimes
 
 @dataclass
 class Training:
-    """A method ready to step: ``optimizer`` None when the model steps inside backward; ``sent()``
-    is read once the segment's steps are done (bytes per step, None where not counted)."""
+    """A method ready to step (``optimizer`` None: it steps inside backward); ``sent()``: bytes per step."""
 
     model: nn.Module
     optimizer: Any

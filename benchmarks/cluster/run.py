@@ -2,13 +2,10 @@
 
     sudo uv run benchmarks/cluster/run.py QUESTION [--OPTION VALUE ...] [--json PATH] [--table PATH]
 
-Each node is a network namespace on a bridge, every link shaped with ``tc tbf`` to one rate both ways
-(``harness/emulated_cluster.py``); each rank runs ``cluster/rank.py`` inside its node and trains with
-every method in turn, rounds interleaved, so that every ratio compares runs made side by side. The
-questions and their defaults: ``cluster/questions.py`` (``--help``; ``QUESTION --help``). The cluster
-needs root (``report``, ``link_sharing --fit`` and ``hsdp``'s memory part do not); without it a
-question says so and exits 0. Every run of ranks has a deadline (a run that hits it keeps the rounds
-every rank finished) and the namespaces are removed on exit, error or Ctrl-C.
+Each node is a network namespace (``harness/emulated_cluster.py``), each rank runs ``cluster/rank.py``
+in its node and trains every method in turn, rounds interleaved, so that ratios compare runs made side
+by side. Questions and defaults: ``cluster/questions.py``. Without root a question that needs the
+cluster says so and exits 0; namespaces are removed on exit, error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -28,6 +25,7 @@ from typing import Any
 from benchmarks.cluster import hsdp as hsdp_parts
 from benchmarks.cluster import scaling_report
 from benchmarks.cluster.questions import QUESTIONS
+from benchmarks.cluster.rank import SHARING_GROUPS
 from benchmarks.harness import emulated_cluster as emu
 from benchmarks.harness import uneven as fleet
 from benchmarks.harness.common import build_mlp, free_port
@@ -46,34 +44,41 @@ def config(args: argparse.Namespace, **mode: Any) -> list[str]:
 
 
 def verdict_table(header: list[str], verdicts: list[dict[str, Any]]) -> str:
-    """``verdicts`` (dicts whose last key is ``met``) as a table after a blank line; "" when none."""
+    """``verdicts`` (dicts whose last key is ``met``) as a table; "" when none."""
     rows = [[*list(v.values())[:-1], str(v["met"])] for v in verdicts]
     return "\n\n" + markdown_table(header, rows) if verdicts else ""
 
 
 def busiest(per_rank: list[Any]) -> float | None:
-    """The largest of the ranks' byte counts (the rank that sets the pace), None if any is missing."""
+    """The busiest rank's bytes (it sets the pace), None if any is missing."""
     return None if None in per_rank else max(per_rank)
 
 
-def on_cluster(args: argparse.Namespace, rate: str, link_mb: float, port: int) -> tuple[float | None, Any]:
-    """The question's timed ranks on ``args.nodes`` nodes whose links run at ``rate``: one TCP stream's
-    Mbit/s (None when ``link_mb`` is 0) and the runs; exits if the ranks failed."""
+def on_cluster(
+    args: argparse.Namespace, rate: str, link_mb: float, port: int, **mode: Any
+) -> tuple[dict[str, Any], Any]:
+    """The question's timed ranks on links at ``rate`` (``mode``: see :func:`config`), and what the links
+    and the machine did: one TCP stream's Mbit/s (None when ``link_mb`` is 0), the idle round trip, the
+    run's wall and busy CPU seconds; exits if the ranks failed."""
+    keys = [f"{s}/{m}" for s in mode.get("scenarios", []) for m in args.methods]
     with emu.Cluster(args.nodes) as cluster:
         cluster.shape(rate)
-        link = emu.measure_link(cluster, link_mb, port) if link_mb else None
-        runs = emu.run_workers(cluster, port + 2, args.run_seconds, args, config(args))
+        probe = {"link_mbit_s": emu.measure_link(cluster, link_mb, port) if link_mb else None}
+        probe["round_trip_ms"] = emu.round_trip_ms(cluster, port + 1)
+        started, busy = time.monotonic(), emu.busy_cpu_seconds()
+        runs = emu.run_workers(cluster, port + 2, args.run_seconds, args, config(args, **mode), keys)
+        probe |= {"wall_s": time.monotonic() - started, "machine_busy_s": emu.busy_cpu_seconds() - busy}
     if runs is None:
         sys.exit("the ranks failed; see the log tail above")
-    return link, runs
+    return probe, runs
 
 
 # -- speed and accelerate: methods side by side at each link rate ---------------------------------
 
 
 def speed(args: argparse.Namespace) -> tuple[Any, str]:
-    """Every method at every bandwidth, within ``--max-seconds``; per bandwidth and method the median
-    step, its ratio to nocomm, how many times faster than each reference, and bytes sent per step."""
+    """Every method at every bandwidth within ``--max-seconds``: median step, its ratio to nocomm, how many
+    times faster than each reference, bytes sent per step."""
     results: dict[str, Any] = {}
     stop_at = time.monotonic() + args.max_seconds
     with emu.Cluster(args.nodes) as cluster:
@@ -183,15 +188,16 @@ def compute_seconds(args: argparse.Namespace, steps: int = 30) -> tuple[float, i
 
 
 def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
-    """Mean step (a round's exchange lands on one step in H: a median would hide it) over nocomm's,
-    DDP's over it, bytes sent; targets on ``ring~h8n@bf16`` (and ``ring~h8n``)."""
+    """Mean step (a round's exchange lands on one step in H: a median would hide it) over nocomm's, DDP's
+    over it, bytes sent; targets on ``LOW_COMM_JUDGED``."""
     if importlib.util.find_spec("torchft") is None:
         print("torchft is not installed (uv run --group bench ...): skipping its methods")
         args.methods = [m for m in args.methods if not m.startswith("torchft")]
     args.methods = list(dict.fromkeys(["nocomm", *args.methods]))
     step_s, model_bytes = compute_seconds(args)
     rate = args.rate or f"{int(model_bytes * 8 / (args.exchange_steps * step_s)) // 1000}kbit"
-    link, runs = on_cluster(args, rate, 5, 29669)
+    probe, runs = on_cluster(args, rate, 5, 29669)
+    link = probe["link_mbit_s"]
     exchange_s = model_bytes * 8 / (link * 1e6)  # over the link as measured
     rel = {m: r["mean_s"] / runs["nocomm"]["mean_s"] for m, r in runs.items()}
     rows = []
@@ -221,8 +227,8 @@ def low_comm(args: argparse.Namespace) -> tuple[Any, str]:
 
 
 def uneven(args: argparse.Namespace) -> tuple[Any, str]:
-    """Per cluster size and scenario: each method's fleet steps per second over the sum of the workers'
-    own rates and over today's bound, the planner's rate; paced rounds' target."""
+    """Per cluster size and scenario: each method's fleet steps/s over the sum of own rates and over
+    n x the slowest, the planner's rate; paced rounds' target."""
     everything, text = [], []
     for nodes in args.nodes:
         with emu.Cluster(nodes) as cluster:
@@ -284,25 +290,16 @@ def paced_notes(scenario: str, entries: dict[str, Any]) -> list[str]:
 
 
 def scaling(args: argparse.Namespace) -> tuple[Any, str]:
-    """Per scenario: each method's mean step (mean over the ranks of their mean), over nocomm's and
-    DDP's over it, the ranks' own CPU and the machine's busy CPU over the same windows."""
+    """Per scenario: each method's mean step (over the ranks of their mean), over nocomm's, DDP's over
+    it, the ranks' own and the machine's busy CPU in the same windows."""
     if args.workers_per_node > 1 and "hierarchical" not in args.methods:
         args.methods.append("hierarchical")
-    scenarios = args.scenarios if args.compute == "emulated" else [None]
-    keys = [m if s is None else f"{s}/{m}" for s in scenarios for m in args.methods]
-    with emu.Cluster(args.nodes) as cluster:
-        cluster.shape(args.bandwidth)
-        link = emu.measure_link(cluster, args.link_check_mb, 29690) if args.link_check_mb else None
-        rtt = emu.round_trip_ms(cluster, 29691)
-        started, busy = time.monotonic(), emu.busy_cpu_seconds()
-        cfg = config(args, scenarios=args.scenarios if args.compute == "emulated" else [])
-        runs = emu.run_workers(cluster, 29611, args.run_seconds, args, cfg, keys)
-        wall, busy = time.monotonic() - started, emu.busy_cpu_seconds() - busy
-    if runs is None:
-        sys.exit("the ranks failed; see the log tail above")
+    scenarios = args.scenarios if args.compute == "emulated" else []
+    probe, runs = on_cluster(args, args.bandwidth, args.link_check_mb, 29690, scenarios=scenarios)
+    link, rtt, wall, busy = (probe[k] for k in ("link_mbit_s", "round_trip_ms", "wall_s", "machine_busy_s"))
     cores = os.cpu_count() or 1
     summary, rows = {}, []
-    for prefix in (f"{s}/" if s else "" for s in scenarios):
+    for prefix in [f"{s}/" for s in scenarios] or [""]:
         if prefix + "nocomm" not in runs:
             continue
         timed = [m for m in args.methods if prefix + m in runs]
@@ -333,8 +330,7 @@ def scaling(args: argparse.Namespace) -> tuple[Any, str]:
         f"rank CPU: the ranks' own CPU / ({cores} cores x wall); machine: all busy CPU of the machine in "
         "the same windows\n\n" + markdown_table(header, rows, ".3f")
     )
-    record = {"cores": cores, "link_mbit_s": link, "round_trip_ms": rtt, "wall_s": wall}
-    return record | {"machine_busy_s": busy, "summary": summary, "runs": runs}, text
+    return {"cores": cores, **probe, "summary": summary, "runs": runs}, text
 
 
 def report(args: argparse.Namespace) -> tuple[Any, str]:
@@ -349,10 +345,9 @@ SEEDS = 100  # head starts are random: the prediction is a mean over this many s
 
 
 def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
-    """Groups A = ranks (0, 3) and B = (1, 2), two ranks per node, each all-reduce one model over node
-    0's outgoing and node 1's incoming link, B ``delta`` after A; then every ``SharingModel`` of a
-    grid predicts each group's duration and the best fit is the one ``report`` replays with.
-    ``--fit PATH`` fits a stored run again (no root)."""
+    """Groups A and B (``SHARING_GROUPS``) all-reduce one model over the same link, B ``delta``
+    after A; every ``SharingModel`` of a grid predicts each group's duration, the best fit is what
+    ``report`` replays with. ``--fit PATH`` fits a stored run again (no root)."""
     if args.fit:
         record = json.loads(Path(args.fit).read_text())
         record = record.get("results", record)  # a file run.py wrote keeps the run under "results"
@@ -365,7 +360,7 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
         if ranks is None:
             sys.exit(1)
         record = {"args": vars(args), "numel": args.numel}
-        for name, (a, b) in {"A": (0, 3), "B": (1, 2)}.items():  # a group's duration: its members' mean
+        for name, (a, b) in SHARING_GROUPS.items():  # a group's duration: its members' mean
             pairs = {d: zip(ranks[a][d], ranks[b][d], strict=True) for d in ranks[a]}
             record[name] = {d: [statistics.fmean(pair) for pair in pairs[d]] for d in pairs}
     alone = statistics.median(record["A"]["-1.0"])
@@ -406,8 +401,8 @@ def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
 def planner_predictions(
     methods: list[str], shard_bytes: float, args: Any, overhead_ms: float = 0.0
 ) -> dict[str, float]:
-    """The planner's step time (ms) per method on the shard, at the rank's share of the node's link:
-    torch's HSDP as its DDP on the shard bytes, fsdp as its no-communication step."""
+    """The planner's step (ms) per method on the shard at the rank's share of the link (torch's HSDP as
+    its DDP, fsdp as its no-communication step)."""
     gossip = [m.partition("@") for m in methods if m not in hsdp_parts.PLANNER_NAMES]
     compute = ComputeTimes(args.compute_ms / 1e3, "none")
     network = Network(Link(emu.rate_bits(args.bandwidth) / args.shards))
@@ -451,7 +446,8 @@ def hsdp(args: argparse.Namespace) -> tuple[Any, str]:
         record["memory"] = {"rows": rows, "ranks": results}
     if args.part in ("all", "cluster") and emu.ready_to_emulate():
         args.workers_per_node = args.shards
-        link, runs = on_cluster(args, args.bandwidth, args.link_check_mb, 29701)
+        probe, runs = on_cluster(args, args.bandwidth, args.link_check_mb, 29701)
+        link = probe["link_mbit_s"]
         rows = hsdp_parts.cluster_rows(runs, args.shards, args.iters)
         shard = max(row["shard_bytes"] or 0 for row in rows.values())
         predicted = planner_predictions(list(runs), shard, args)

@@ -1,12 +1,9 @@
 """The ``report`` question: tables of the ``scaling`` runs, the simulator replayed on each, predictions.
 
-Reads every ``emulated-*.json`` (and ``real-*.json``) in ``--results``: per scenario and ranks per node,
+Reads every ``emulated-*.json`` (and ``real-*.json``) in ``--results``: per scenario and ranks per node
 each method's mean iteration time and ratio to no communication against the nodes, beside the error of
-the simulator (``decent_optim_wrapper.plan``) replaying the run (its compute-time draws, the link rate
-and round trip measured before it, per-step CPU work from its no-communication time, the link sharing
-``link_sharing`` measured); the figure to ``--figure``; predictions for ``--predict-nodes`` nodes of a
-125M- and a 1B-parameter model on a datacentre and an internet link; the ranks' CPU; real against
-emulated compute.
+the simulator (``decent_optim_wrapper.plan``) replaying the run; the figure; predictions at
+``--predict-nodes`` nodes; the ranks' CPU; real against emulated compute.
 """
 
 from __future__ import annotations
@@ -27,12 +24,10 @@ from decent_optim_wrapper.topo import TopologyFactory
 RESULTS = Path(__file__).resolve().parents[1] / "results" / "scaling"
 #: Ranks of one node talk through the kernel's loopback: a fast link next to the shaped ones.
 LOOPBACK = Link(10e9, 20e-6)
-#: How overlapping exchanges share a shaped link: ``link_sharing``'s best fit (``results/scaling/link-
-#: sharing.json``). TCP behind tbf's FIFO favours the exchange already running; the loser of a race backs
-#: off rather than taking up at once what a neighbour leaves (no reclaim).
+#: How overlapping exchanges share a shaped link: ``link_sharing``'s best fit. TCP behind tbf's FIFO favours
+#: the exchange already running; the loser of a race backs off rather than reclaiming at once.
 EMULATED_SHARING = SharingModel(doubling_s=0.1, head_start_s=0.15, reclaim=False)
-#: Draws of the race (head starts) each round is replayed with: who wins one is not recorded, and it may
-#: decide the rest of the round, so a replay predicts the mean over draws.
+#: Draws of the race (head starts) per replayed round: who won is not recorded, so a replay is a mean.
 RACE_DRAWS = 64
 #: Prediction grid: fp32 models, compute per step on one accelerator, and two kinds of link.
 MODELS = {"125M": (125e6 * 4, 0.10), "1B": (1e9 * 4, 0.80)}
@@ -45,13 +40,12 @@ TITLES = {
 
 
 def read_run(path: Path) -> dict[str, Any]:
-    """One run's record; a file ``run.py`` wrote keeps it under ``results``."""
+    """One run's record (``run.py`` keeps it under ``results``)."""
     record = json.loads(path.read_text())
     return {**record.pop("results", {}), **record}
 
 
 def load(folder: Path, kind: str) -> list[dict[str, Any]]:
-    """The runs of ``kind`` in ``folder``, by ranks per node, then nodes."""
     records = [read_run(path) for path in sorted(folder.glob(f"{kind}-*.json"))]
     return sorted(records, key=lambda r: (r["args"]["workers_per_node"], r["args"]["nodes"]))
 
@@ -62,7 +56,6 @@ def measured_ms(record: dict[str, Any], key: str) -> float | None:
 
 
 def scheme_for(method: str, ranks: int, local: int, numel: int, network: Network, overhead_s: float) -> Any:
-    """The simulator's scheme of a benchmark method (nocomm, ddp, ddp-bf16, topology[@compression])."""
     if method == "nocomm":
         return NoComm(ranks, overhead_s)
     if method in ("ddp", "ddp-bf16"):
@@ -93,8 +86,7 @@ def overhead_s(record: dict[str, Any], scenario: str) -> float:
 
 
 def replay(record: dict[str, Any], scenario: str, method: str) -> float:
-    """Simulated mean iteration time (ms) of one measured run: same draws, rounds, warm-up and barrier;
-    each round the mean over ``RACE_DRAWS`` draws of the head starts."""
+    """Simulated mean iteration time (ms) of one measured run: same draws, rounds, warm-up and barrier."""
     args = record["args"]
     ranks, local = args["nodes"] * args["workers_per_node"], args["workers_per_node"]
     link = Link(record["link_mbit_s"] * 1e6, record["round_trip_ms"] / 2e3)
@@ -114,7 +106,6 @@ def replay(record: dict[str, Any], scenario: str, method: str) -> float:
 
 
 def validate(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Predicted vs measured for every run, scenario and method."""
     rows = []
     for record in records:
         args = record["args"]
@@ -168,8 +159,7 @@ def figure(records: list[dict[str, Any]], rows: list[dict[str, Any]], path: Path
 
 
 def predictions(sigma: float, node_counts: list[int]) -> list[dict[str, Any]]:
-    """DDP and per-step gossip at ``node_counts`` nodes, from the simulator alone (log-normal jitter
-    ``sigma``; about 17 s at 1024 nodes for each model and link)."""
+    """DDP and per-step gossip at ``node_counts`` nodes, simulated (about 17 s per model and link at 1024)."""
     out, topologies = [], ["ring", "one-peer-exp"]
     for model, link_name, nodes in itertools.product(MODELS, LINKS, node_counts):
         (model_bytes, compute_s), link = MODELS[model], LINKS[link_name]
@@ -232,8 +222,8 @@ def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
 
 
 def calibration(folder: Path) -> str:
-    """Real vs emulated compute (constant) at the same size, per method: the emulated run is
-    ``calibration-emulated-NxL.json`` (waits as long as the real run's steps) where there is one."""
+    """Real vs emulated compute at the same size, per method (emulated: ``calibration-emulated-NxL.json``
+    where there is one, waiting as long as the real run's steps)."""
     rows = []
     for real in load(folder, "real"):
         args = real["args"]
@@ -253,7 +243,6 @@ def calibration(folder: Path) -> str:
 def report(
     folder: Path, figure_path: Path, sigma: float, node_counts: list[int]
 ) -> tuple[dict[str, Any], str]:
-    """Everything above: the results (validation rows, predictions) and the tables' text."""
     records = load(folder, "emulated")
     rows = validate(records)
     figure(records, rows, figure_path)

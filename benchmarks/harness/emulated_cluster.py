@@ -1,13 +1,9 @@
 """An emulated cluster on one machine: network namespaces on a bridge, links shaped with ``tc tbf``.
 
-:class:`Cluster` builds ``nodes`` namespaces (``dow-n0``, ...), each with one veth link to a bridge in a
-namespace of its own (``dow-br``), addresses ``10.213.7.0/24``, and removes them on exit, error or
-Ctrl-C; ranks of one node talk over loopback, unshaped. :func:`measure_link`, :func:`round_trip_ms` and
-:func:`measure_message_bytes` check the links; :func:`run_ranks` starts one process per rank inside its
-node (or on loopback without a cluster) and collects their results within a deadline (waiting with
-:func:`wait_for`, which a driver with its own launch shares), and
-:func:`run_workers` pools their step times. Building it needs root (:func:`ready_to_emulate`). The
-ranks' shared helpers (the collective timeout, :func:`write_atomically`, CPU counters) live here too.
+:class:`Cluster` builds ``nodes`` namespaces (``dow-n0``, ...), each with one veth to a bridge namespace
+(``dow-br``), and removes them on exit, error or Ctrl-C; ranks of one node talk over loopback, unshaped.
+:func:`run_ranks` starts one process per rank inside its node and collects their results within a
+deadline. Building it needs root (:func:`ready_to_emulate`).
 """
 
 from __future__ import annotations
@@ -101,10 +97,8 @@ class Cluster:
 
     def shape(self, rate: str | None, burst: int | None = None, latency: str = "100ms") -> None:
         """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping.
-
-        ``burst``: the token bucket's bytes (default: 4 ms at the rate, at least 64 KiB, a GSO packet;
-        a link of tens of kbit/s wants a few packets' worth instead). ``latency``: how long a packet may
-        wait in the bucket's queue before it is dropped (tc's ``latency``)."""
+        ``burst``: the bucket's bytes (default 4 ms at the rate, at least 64 KiB: a GSO packet; a link of
+        tens of kbit/s wants a few packets instead); ``latency``: tc's limit on a packet's queueing."""
         if rate is not None and burst is None:
             burst = max(64 * 1024, rate_bits(rate) // 8 // 250)
         for node in range(self.nodes):
@@ -217,22 +211,12 @@ os._exit(0)  # no teardown traffic
 
 
 def measure_message_bytes(
-    cluster: Cluster,
-    payload_bytes: int,
-    port: int,
-    goodput_fraction: float = 1.0,
-    rounds: int = 20,
-    timeout_s: float = 300.0,
+    cluster: Cluster, payload_bytes: int, port: int, goodput_fraction: float = 1.0, rounds: int = 20
 ) -> float:
-    """Bytes one message of a gloo all-reduce costs on a link beyond its payload (the planner's
-    ``Link.message_bytes``), at the goodput's rate.
-
-    Nodes 0 and 1 run ``rounds`` all-reduces of ``payload_bytes`` (a pair's gossip round: one payload
-    per node, in two messages) between two reads of the links' counters, after a warm-up.
-    ``goodput_fraction``: measured goodput over the shaped rate, so that the answer is in bytes at the
-    rate the planner's ``Link.bandwidth`` is given in. Returns ``(wire bytes per node and round *
-    goodput_fraction - payload_bytes) / 2``.
-    """
+    """Bytes one message of a gloo all-reduce costs on a link beyond its payload (``Link.message_bytes``):
+    nodes 0 and 1 run ``rounds`` all-reduces of ``payload_bytes`` (two messages per node) between two
+    reads of the links' counters; ``(wire bytes per node and round * goodput_fraction - payload) / 2``,
+    ``goodput_fraction`` being measured goodput over the shaped rate (the planner's ``Link.bandwidth``)."""
     gate = Path(tempfile.mkdtemp(prefix=PREFIX))
     procs = []
     try:
@@ -240,7 +224,7 @@ def measure_message_bytes(
             argv = ["-c", MESSAGE_PROBE, str(node), str(payload_bytes), str(rounds), str(gate)]
             env = node_env(cluster, node, port)
             procs.append(start_in_node(cluster, node, argv, env, gate / f"{node}.log"))
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + 300.0
 
         def wait_for(*names: str) -> None:
             while not all((gate / name).exists() for name in names):
