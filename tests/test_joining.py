@@ -362,42 +362,34 @@ def test_a_worker_joins_a_running_job_beyond_its_starting_size(front):
             assert (join.previous_world_size, join.world_size, join.joined) == (3, 4, (3,))
 
 
-@pytest.mark.timeout(200)
-def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
-    outcome = run_elastic(
-        _train,
-        3,
-        ({"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": ()},),
-        restart_killed=1,
-        restart_after_noted=2,  # the loss settled on both survivors first, then the join
-    )
+def _killed_and_back(restart_after_noted: int) -> list[dict[str, Any]]:
+    """Rank 1 killed at step 6 and restarted once ``restart_after_noted`` survivors recorded the loss:
+    the world back at 3, each joiner its donor's replica bit for bit; the members' results."""
+    plan = {"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": ()}
+    outcome = run_elastic(_train, 3, (plan,), restart_killed=1, restart_after_noted=restart_after_noted)
     assert outcome.exitcodes[1] == -9
     results = _by_rank(outcome)
     assert len(results) == 3
     _check_world(results, 3)
     _check_transfers(results)
-    for member in results:
-        if not member["joining"]:
-            assert [f.world_size for f in member["failures"]] == [2]
-            assert [j.world_size for j in member["joins"]] == [3]
+    members = [r for r in results if not r["joining"]]
+    for member in members:
+        assert [j.world_size for j in member["joins"]] == [3]
+    return members
+
+
+@pytest.mark.timeout(200)
+def test_a_killed_worker_comes_back_and_the_world_returns_to_its_size():
+    for member in _killed_and_back(restart_after_noted=2):  # the loss settled on both survivors first
+        assert [f.world_size for f in member["failures"]] == [2]
 
 
 @pytest.mark.timeout(200)
 def test_a_killed_worker_restarted_at_once_comes_back_whether_or_not_the_loss_settled_first():
     # Restarted as soon as the parent sees it dead: it may apply while the survivors still agree on
     # the loss (then one change of membership drops rank 1 and admits it) or after (two changes).
-    # Either way the world returns to its size, each joiner holding its donor's replica bit for bit.
-    plan = {"front": "optimizer", "kill": (1, 6), "request_at": 6, "requesters": ()}
-    outcome = run_elastic(_train, 3, (plan,), restart_killed=1)
-    assert outcome.exitcodes[1] == -9
-    results = _by_rank(outcome)
-    assert len(results) == 3
-    _check_world(results, 3)
-    _check_transfers(results)
-    for member in results:
-        if not member["joining"]:
-            assert [f.lost for f in member["failures"]] == [(1,)]
-            assert [j.world_size for j in member["joins"]] == [3]
+    for member in _killed_and_back(restart_after_noted=0):
+        assert [f.lost for f in member["failures"]] == [(1,)]
 
 
 @pytest.mark.timeout(200)
