@@ -1,37 +1,27 @@
-"""GPU fleets on one GPU: host-staged gossip, the Adam rule's step, the sparse codecs, the planner.
+"""GPU fleets on one GPU; every figure a ratio of numbers measured side by side in this run:
 
-Every figure is a ratio of numbers measured side by side in this run, on this GPU:
+(a) host-staged gossip: 2 to 4 processes share the GPU (gloo between them), each training a GPT-2-style
+    model (``--widths``/``--depths``: about 85M and 300M parameters) with AdamW, interleaved: no
+    communication, per-step ring gossip with ``second_moment="average"`` and ``"local"`` (target:
+    average at most 1.03x local), ``sync_every=8``; the staged bytes against the pinned-copy rate;
+(b) the Adam rule's step against torch's fused and foreach AdamW (``--step-params``; target: 1.3x fused);
+(c) the sparse codecs' encode and decode seconds at ``--codec-params`` values;
+(d) the planner, from this run's rates, on (a)'s staged steps (target: within 15%), and on paper: 1B
+    parameters on 16 nodes joined by 100 Mbit/s.
 
-(a) **Host staging per step.** 2 to 4 processes share the GPU, gloo between them (each a node of
-    its own), each training a GPT-2-style byte-level transformer (``--widths``/``--depths``: about
-    85M and 300M parameters) with AdamW. Per process and step, interleaved (the order rotates
-    every step): no communication (the bare AdamW), staged per-step gossip on a ring with the
-    default ``second_moment="average"`` and with ``"local"`` (target: ``average`` at most 1.03x
-    ``local``), and ``sync_every=8``. The staged bytes per step are set against the pinned-copy rate
-    measured here (``torch`` copies between a pinned host buffer and the GPU, each way).
-(b) **The Adam rule's step** (one process) against torch's fused and foreach AdamW on the same
-    parameters and gradients, at ``--step-params`` (124M and 1B). Target: at most 1.3x fused.
-(c) **The sparse codecs** at ``--codec-params`` (1B): encode and decode seconds and bytes per second
-    on the GPU, and their share of a step of (a)'s model scaled to that size.
-(d) **The planner**, given this run's measured compute, copy rate and loopback all-reduce rate,
-    predicts (a)'s staged step times (target: within 15%), then answers the slow-link case on paper:
-    a 1B-parameter model on 16 nodes joined by 100 Mbit/s (throughput against no communication,
-    bytes per node and step).
-
-Run on a GPU (about 8 minutes on an H200): ``uv run benchmarks/gpu/fleet_figures.py --json
-benchmarks/results/gpu/fleet_figures.json``. ``--smoke`` runs every part on the CPU at toy sizes with
-staging forced (a check that the script works, not a measurement; ``tests/test_gpu_figures_script.py``).
+``uv run benchmarks/gpu/fleet_figures.py --json benchmarks/results/gpu/fleet_figures.json`` (about 8
+minutes on an H200). ``--smoke``: every part on the CPU at toy sizes, staging forced (not a measurement).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,33 +33,22 @@ from benchmarks.harness.interleaved import interleave, median_seconds, ratio, ru
 from benchmarks.harness.lm_task import CONTEXT, VOCAB, TinyGPT
 from benchmarks.harness.question_args import add_defaults
 from benchmarks.harness.report import titled_table
-from decent_optim_wrapper import DecentOptimWrapper
+from decent_optim_wrapper import DecentOptimWrapper, plan
 from decent_optim_wrapper.engine.wire.compression import codec, parse_compression, round_seed
-from decent_optim_wrapper.plan import (
-    ComputeTimes,
-    HostCopy,
-    Link,
-    Network,
-    bytes_per_parameter,
-    gossip_scheme,
-    simulate,
-)
 from decent_optim_wrapper.topo import TopologyFactory
 
-GIB = 2**30
-METHODS = {
-    "nocomm": None,
-    "ring": {},
-    "ring-local": {"second_moment": "local"},
-    "ring~h8": {"sync_every": 8},
-}
+METHODS = {"nocomm": None, "ring": {}, "ring-local": {"second_moment": "local"}, "ring~h8": {"sync_every": 8}}
 
 
 def device_of(args: argparse.Namespace) -> torch.device:
     return torch.device("cpu") if args.smoke else torch.device("cuda", 0)
 
 
-# -- (a) host staging per step -----------------------------------------------------------------------
+def gpt(width: int, depth: int) -> TinyGPT:
+    return TinyGPT(width=width, depth=depth, heads=max(1, width // 64))
+
+
+# -- (a) host staging per step
 def pinned_copy_rate(numel: int, device: torch.device, repeats: int = 5) -> dict[str, float]:
     """Bytes per second of copies between a pinned host buffer and ``device``, each way (medians)."""
     on_device = torch.empty(numel, device=device)
@@ -106,13 +85,11 @@ def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, dev
     runs = {}
     for name, options in METHODS.items():
         torch.manual_seed(0)
-        model = TinyGPT(width=width, depth=depth, heads=max(1, width // 64)).to(device)
-        adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
-        front = adamw
+        model = gpt(width, depth).to(device)
+        front = adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
         if options is not None:
-            front = DecentOptimWrapper(
-                adamw, topology="ring", host_staging=True if args.smoke else None, **options
-            )
+            staging = True if args.smoke else None  # forced on the CPU; on a GPU the default must stage
+            front = DecentOptimWrapper(adamw, topology="ring", host_staging=staging, **options)
             assert front.engine.host_staging
         runs[name] = (model, front)
     g = torch.Generator().manual_seed(rank)
@@ -127,18 +104,14 @@ def staging_run(rank: int, width: int, depth: int, args: argparse.Namespace, dev
     steps = {name: lambda _, run=run: step(*run) for name, run in runs.items()}
     times = interleave(steps, args.iters, args.warmup, partial(timed_on, device))
     params = sum(p.numel() for p in runs["nocomm"][0].parameters())
-    ring = runs["ring"][1]
-    assert isinstance(ring, DecentOptimWrapper)
-    # staged: the fp32 sum buffer out and back per step
-    sizes = {"params": params, "staged_bytes_per_step": 2 * params * 4}
-    ratios = {name: ratio(times, name, "nocomm") for name in METHODS}
-    sent = {"sent_bytes_per_step": ring.engine.bytes_sent_per_step()}
-    return sizes | sent | ratios | {"average_vs_local": ratio(times, "ring", "ring-local")}
+    out = {"params": params, "staged_bytes_per_step": 2 * params * 4}  # the fp32 sum buffer out and back
+    out["sent_bytes_per_step"] = runs["ring"][1].engine.bytes_sent_per_step()
+    out |= {name: ratio(times, name, "nocomm") for name in METHODS}
+    return out | {"average_vs_local": ratio(times, "ring", "ring-local")}
 
 
 def loopback_all_reduce(rank: int, world: int, numel: int) -> float:
-    """The seconds gloo takes to all-reduce ``numel`` floats of host memory between these processes
-    (the planner's link): the median of 3 after a first."""
+    """Seconds gloo takes to all-reduce ``numel`` host floats (the planner's link): the median of 3."""
     buffer, seconds = torch.ones(numel), []
     for _ in range(4):
         dist.barrier()
@@ -148,12 +121,11 @@ def loopback_all_reduce(rank: int, world: int, numel: int) -> float:
     return statistics.median(seconds[1:])
 
 
-# -- (b) the Adam rule's step --------------------------------------------------------------------------
+# -- (b) the Adam rule's step
 def adam_steps(args: argparse.Namespace) -> dict[str, Any]:
-    device = device_of(args)
-    out: dict[str, Any] = {}
+    device, out = device_of(args), {}
     for total in args.step_params:
-        chunk = min(total, 50_000_000)  # tensors of a model's layer size, not one giant tensor
+        chunk = min(total, 50_000_000)  # tensors of a model layer's size, not one giant tensor
         sizes = [chunk] * (total // chunk) + ([total % chunk] if total % chunk else [])
         per_impl = {}
         for impl, flags in (("foreach", {"foreach": True}), ("fused", {"fused": device.type == "cuda"})):
@@ -162,75 +134,65 @@ def adam_steps(args: argparse.Namespace) -> dict[str, Any]:
             for p in params:
                 p.grad = torch.randn_like(p)
             times = rule_against_torch(params, flags, args.warmup, args.iters, partial(timed_on, device))
-            per_impl[impl] = {
-                "torch_ms": statistics.median(times["torch"]) * 1e3,
-                **ratio(times, "rule", "torch"),
-            }
+            torch_ms = 1e3 * statistics.median(times["torch"])
+            per_impl[impl] = ratio(times, "rule", "torch") | {"torch_ms": torch_ms}
             del params
         out[str(total)] = per_impl
     return out
 
 
-# -- (c) the sparse codecs -----------------------------------------------------------------------------
+# -- (c) the sparse codecs
 def codec_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    device = device_of(args)
-    numel = args.codec_params
-    values = torch.randn(numel, device=device)
-    out = {}
+    device, numel, out = device_of(args), args.codec_params, {}
+    values, seed = torch.randn(numel, device=device), round_seed(1, 0)
     for name in args.codecs:
         coder = codec(parse_compression(name).name)
         payload = torch.empty(coder.payload_bytes(numel, torch.float32), dtype=torch.uint8, device=device)
         decoded = torch.empty_like(values)
-        seed = round_seed(1, 0)
         enc = median_seconds(partial(coder.encode, values, payload, seed), device, args.iters)
         dec = median_seconds(partial(coder.decode_into, payload, decoded, seed), device, args.iters)
-        seconds = {"encode_s": enc, "decode_s": dec, "payload_bytes": payload.numel()}
-        out[name] = seconds | {"encode_values_per_s": numel / enc, "decode_values_per_s": numel / dec}
+        out[name] = {"encode_s": enc, "decode_s": dec, "payload_bytes": payload.numel()}
+        out[name] |= {"encode_values_per_s": numel / enc, "decode_values_per_s": numel / dec}
     return out
 
 
-# -- (d) the planner -----------------------------------------------------------------------------------
+# -- (d) the planner
 def planned(results: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
     """The planner's step times for (a)'s staged runs from this run's measured rates, and the slow-link
     case on paper."""
-    copy = HostCopy(min(results["copy_rate"]["to_host_bytes_s"], results["copy_rate"]["to_device_bytes_s"]))
-    world = args.world
-    out: dict[str, Any] = {"runs": {}}
+    copy = plan.HostCopy(min(results["copy_rate"].values()))
+    world, out = args.world, {"runs": {}}
     for key, run in results["staging"][0].items():
         numel = run["params"]
         # The processes share one host: a ring all-reduce among them moved at the measured rate.
         sent = 2 * (world - 1) / world * numel * 4
-        link = Link(8 * sent / results["loopback_allreduce_s"])
-        network = Network(link)
-        compute = ComputeTimes(run["nocomm"]["ms"] / 1e3)
-        topology = TopologyFactory.create("ring", world)
-        predictions = {}
+        network = plan.Network(plan.Link(8 * sent / results["loopback_allreduce_s"]))
+        compute = plan.ComputeTimes(run["nocomm"]["ms"] / 1e3)
+        topology, predictions = TopologyFactory.create("ring", world), {}
         for name, every in (("ring", 1), ("ring~h8", 8)):
-            scheme = gossip_scheme(topology, numel, network, sync_every=every, host_copy=copy)
-            predicted = simulate(scheme, compute, 40).iteration_s(10)
+            scheme = plan.gossip_scheme(topology, numel, network, sync_every=every, host_copy=copy)
+            predicted = plan.simulate(scheme, compute, 40).iteration_s(10)
             measured = run[name]["ms"] / 1e3
             predictions[name] = {"predicted_ms": predicted * 1e3, "measured_ms": measured * 1e3}
             predictions[name]["error"] = predicted / measured - 1
         out["runs"][key] = predictions
     # On paper: a 1B-parameter model, 16 nodes, 100 Mbit/s, a second of compute per step.
-    numel, compute = 1_000_000_000, ComputeTimes(1.0)
-    network = Network(Link(100e6))
-    topology = TopologyFactory.create("ring", 16)
-    paper = {}
+    numel, compute, network = 1_000_000_000, plan.ComputeTimes(1.0), plan.Network(plan.Link(100e6))
+    topology, paper = TopologyFactory.create("ring", 16), {}
     for wire, every in ((None, 8), ("int8", 8), ("topk:0.01:int4", 8), ("topk:0.01:int4", 32)):
         compression = None if wire is None else parse_compression(wire)
-        scheme = gossip_scheme(topology, numel, network, compression, sync_every=every, host_copy=copy)
-        step_s = simulate(scheme, compute, max(40, 10 + 8 * every)).iteration_s(10)
+        scheme = plan.gossip_scheme(topology, numel, network, compression, sync_every=every, host_copy=copy)
+        step_s = plan.simulate(scheme, compute, max(40, 10 + 8 * every)).iteration_s(10)
         label = f"ring~h{every}" + (f"@{wire}" if wire else "")
         paper[label] = {
             "throughput_vs_nocomm": 1.0 / step_s,
-            "bytes_per_node_step": bytes_per_parameter(topology, compression) * numel / every,
+            "bytes_per_node_step": plan.bytes_per_parameter(topology, compression) * numel / every,
         }
     out["slow_link_1b_16_nodes_100mbit"] = paper
     return out
 
 
-# -- the run -------------------------------------------------------------------------------------------
+# -- the run
 def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     """The four parts' tables (rank 0's staging runs), each figure beside its target."""
     rate, paper = results["copy_rate"], results["planned"]["slow_link_1b_16_nodes_100mbit"]
@@ -245,9 +207,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
     for total, per_impl in results["adam"].items():
         adam += [[f"{int(total) / 1e6:.0f}M", impl, r["torch_ms"], r["ms"], r["median_paired_ratio"]]
                  for impl, r in per_impl.items()]  # fmt: skip
-    codecs = [[name, 1e3 * r["encode_s"], r["encode_values_per_s"], 1e3 * r["decode_s"]]
-              for name, r in results["codecs"].items()]  # fmt: skip
-    codecs = [[*row, results["codecs"][row[0]]["decode_values_per_s"]] for row in codecs]
+    keys = ("encode_s", "encode_values_per_s", "decode_s", "decode_values_per_s")
+    codecs = [[name, *(r[k] for k in keys)] for name, r in results["codecs"].items()]
     planned = [[key, name, p["predicted_ms"], p["measured_ms"], f"{p['error']:+.1%}"]
                for key, runs in results["planned"]["runs"].items() for name, p in runs.items()]  # fmt: skip
     on_paper = [[run, p["throughput_vs_nocomm"], p["bytes_per_node_step"] / 1e6] for run, p in paper.items()]
@@ -261,8 +222,8 @@ def report(results: dict[str, Any], args: argparse.Namespace) -> None:
                      "staged step)", ["model", "parameters", "run", "ms", "against", "ratio"], staging),
         titled_table("(b) the Adam rule's step against torch's AdamW (one process; target 1.3 against fused)",
                      ["parameters", "torch", "torch ms", "rule ms", "ratio"], adam),
-        titled_table(f"(c) codecs at {args.codec_params / 1e6:.0f}M values", ["codec", "encode ms",
-                     "encode values/s", "decode ms", "decode values/s"], codecs, ".3g"),
+        titled_table(f"(c) codecs at {args.codec_params / 1e6:.0f}M values", ["codec", "encode s",
+                     "encode values/s", "decode s", "decode values/s"], codecs, ".3g"),
         titled_table("(d) the planner (target: within 15%)",
                      ["model", "run", "predicted ms", "measured ms", "error"], planned, ".1f"),
         titled_table("on paper: 1B parameters, 16 nodes, 100 Mbit/s, 1 s of compute per step",
@@ -295,9 +256,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
     }
-    first = TinyGPT(width=args.widths[0], depth=args.depths[0], heads=max(1, args.widths[0] // 64))
-    numel = sum(p.numel() for p in first.parameters())
-    del first
+    numel = sum(p.numel() for p in gpt(args.widths[0], args.depths[0]).parameters())
     results["copy_rate"] = pinned_copy_rate(numel, device)
     results["loopback_allreduce_s"] = on_gloo_ranks(args, loopback_all_reduce, numel)[0]
     results["staging"] = on_gloo_ranks(args, staged_training, args)
@@ -306,9 +265,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["planned"] = planned(results, args)
     report(results, args)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
         print(f"results written to {args.json}")
     return results
 

@@ -23,7 +23,6 @@ LINKS: dict[str, Any] = {
     "topology": "one-peer-exp",  # the planner's topology for --ours planner
     "baselines": [],  # trained on fast links for their loss, then timed on the shaped links
     "timed_steps": 2,  # baselines' steps timed on the shaped links (PowerSGD: after 2; torchft: a period)
-    "reuse": [],  # JSON METHOD: a method's curve from an earlier run with the same training flags
     "ddp_ratio": 12.0,  # the links make DDP's ring all-reduce take this many steps...
     "link_steps": 0.0,  # ... or one fp32 model this many steps, if set
     "burst_frames": 0,  # the token bucket's frames (0: tc's default, 4 ms at the rate)
@@ -31,7 +30,6 @@ LINKS: dict[str, Any] = {
     "message_bytes": 0.0,  # the planner's cost per message beyond its payload (< 0: probe the links)
     "target_loss": 2.2,  # 0: DDP's final loss, and the highest final loss among the methods
     "sooner": 2.0,  # target: ours this many times sooner than the best PowerSGD and torchft runs
-    "full_size": ["4G", "1000", "100mbit", "16"],  # BYTES STEP_MS LINK NODES: the planner on the full job
     "compute_ms": 40.0,  # a step's compute, topped up by sleep
     "steps": 600,
     "budget_s": 240.0,  # per method: caps its steps at what this allows at its expected pace (0: none)
@@ -45,9 +43,8 @@ QUESTIONS: dict[str, dict[str, Any]] = {
     "slow-link": {"help": "time to a validation loss on 2 and 4 nodes whose link makes DDP's all-reduce take "
         "--ddp-ratio times a step: DDP, PowerSGD, torchft's DiLoCo, ours; the planner's step times",
         **LINKS},
-    "scale-model": {"help": "16 nodes on links that move one fp32 model per --link-steps steps: "
-        "the baselines' loss on fast links, timed on the slow ones, against ours (the planner's pick) "
-        "trained on them",
+    "scale-model": {"help": "16 nodes on links that move one fp32 model per --link-steps steps: the "
+        "baselines' loss on fast links, timed on the slow ones, against ours (the planner's pick) on them",
         **LINKS,
         "nodes": [16], "methods": ["nocomm"], "ours": "planner", "target_loss": 0.0, "sooner": 1.0,
         "baselines": ["ddp", "ddp-psgd1", "ddp-psgd4", "torchft~h8", "torchft~h32"],
@@ -55,11 +52,9 @@ QUESTIONS: dict[str, dict[str, Any]] = {
         "queue_s": 10.0,  # at tens of kbit/s a 100 ms queue dropped the start-up's bursts
         "compute_ms": 400.0, "eval_every": 50, "batch": 8, "warmup": 60,
         "timeout_s": 1800.0},  # one DDP all-reduce takes minutes on these links
-    "uneven": {"help": "one worker 3x slower (or half 2x slower): time to DDP's final loss of paced rounds, "
-        "synchronous gossip and DDP, the fleet's steps per second beside the planner's simulation",
-        "nodes": [4, 8, 16],
-        "scenarios": ["one3x"],  # one3x: rank 0 3x slower; half2x: the first half 2x slower
-        "methods": ["nocomm", "ddp", "sync", "paced"], "bandwidth": "200mbit",
+    "uneven": {"help": "one worker 3x slower: time to DDP's final loss of paced rounds, synchronous gossip "
+        "and DDP, the fleet's steps per second beside the planner's simulation",
+        "nodes": [4, 8, 16], "methods": ["nocomm", "ddp", "sync", "paced"], "bandwidth": "200mbit",
         "compute_ms": 150.0,  # x the rank's factor
         "gossip": "ring~h8d1",  # sync and paced: a '~hH' method
         "steps": 240,  # DDP's

@@ -1,12 +1,9 @@
 """One rank of a time-to-loss run: the language model trained with one method, its parameters written.
 
-Started by ``run.py`` in a node's namespace or on loopback. AdamW on this rank's iid windows, by steps
-(``--stop-at`` of a ``--steps`` cosine after ``--warmup``) or by rounds (``--rounds``, ours only); every
-``--eval-every`` steps (or ``--eval-rounds`` rounds, labelled ``round x H`` steps) it writes its
-parameters and training seconds (the writing left out). Each step sleeps ``--pad-ms`` first. ``--gate``:
-once built, write ``ready-{rank}`` and wait for ``go``. Methods: ``nocomm``, ``ddp``, ``ddp-psgdR``
-(torch's ``powerSGD_hook``, rank R), ``torchft~hH[dD][aA]`` (torchft's DiLoCo, ``fragment_sync_delay=D``,
-``fragment_update_alpha=A``) and ours in ``methods.py``'s grammar (``ring~h8d1@topk:0.03:int4``).
+By steps (``--stop-at`` of a ``--steps`` cosine) or by rounds (``--rounds``, ours only), writing its
+parameters and training seconds every ``--eval-every`` steps (``--eval-rounds`` rounds); each step sleeps
+``--pad-ms`` first. Methods: ``nocomm``, ``ddp``, ``ddp-psgdR`` (torch's ``powerSGD_hook``, rank R),
+``torchft~hH[dD][aA]`` (torchft's DiLoCo, fragment sync delay D, update alpha A) and ours (``methods.py``).
 """
 
 from __future__ import annotations
@@ -43,23 +40,20 @@ def build(
     """The module to call, the optimizer to step, bytes this rank sends per step, and torchft's context."""
     params, timeout = list(model.named_parameters()), timedelta(seconds=args.timeout_s)
     adamw = optimizer_factory("adamw", 0.0, args.adam_lr)(params)
-    allreduce = 2 * (args.world_size - 1) / args.world_size * 4  # bytes a ring all-reduce sends per value
-    numel = sum(p.numel() for _, p in params)
     if method == "nocomm":
         return model, adamw, 0.0, None
     if method == "ddp" or (power := POWER_SGD.fullmatch(method)):
         net = nn.parallel.DistributedDataParallel(model)
-        if method == "ddp":
-            return net, adamw, allreduce * numel, None
-        psgd_rank = int(power["rank"])
-        state = power_sgd.PowerSGDState(None, matrix_approximation_rank=psgd_rank, start_powerSGD_iter=2)
-        net.register_comm_hook(state, power_sgd.powerSGD_hook)
-        return net, adamw, allreduce * power_sgd_numel(model, psgd_rank), None
+        if method != "ddp":
+            rank = int(power["rank"])
+            state = power_sgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=2)
+            net.register_comm_hook(state, power_sgd.powerSGD_hook)
+        return net, adamw, wire_bytes(method, model, args.world_size), None
     if torchft := TORCHFT.fullmatch(method):
         every, delay, alpha = int(torchft["every"]), int(torchft["delay"] or 0), float(torchft["alpha"] or 0)
         outer = torch.optim.SGD(model.parameters(), lr=args.outer_lr, momentum=0.0)
         diloco = TorchftDiLoCo(model, adamw, outer, every, delay, args.rank, args.world_size, alpha, timeout)
-        return model, adamw, allreduce * numel / every, diloco
+        return model, adamw, wire_bytes(method, model, args.world_size), diloco
     spec = parse_method(method)
     if spec.paced:
         raise ValueError(
@@ -68,6 +62,15 @@ def build(
     options = spec.engine_options() | ({"pacing": args.pacing} if args.pacing != "none" else {})
     wrapper = DecentOptimWrapper(adamw, timeout=timeout, **options)
     return model, wrapper, wrapper.engine.bytes_sent_per_step(), None
+
+
+def wire_bytes(method: str, model: nn.Module, nodes: int) -> float:
+    """Bytes a rank sends per step with a baseline: a ring all-reduce's count."""
+    allreduce, numel = 2 * (nodes - 1) / nodes * 4, sum(p.numel() for p in model.parameters())
+    if (power := POWER_SGD.fullmatch(method)) is not None:
+        return allreduce * power_sgd_numel(model, int(power["rank"]))
+    torchft = TORCHFT.fullmatch(method)
+    return allreduce * numel / (int(torchft["every"]) if torchft else 1)
 
 
 def power_sgd_numel(model: nn.Module, rank: int) -> int:

@@ -1,14 +1,11 @@
 """Time to a loss: methods trained to a target loss on a fleet of emulated nodes, timed, against the planner.
 
-    sudo uv run --group bench benchmarks/time_to_loss/run.py slow-link [--nodes 4 --ddp-ratio 48] [--json P]
-    sudo uv run --group bench benchmarks/time_to_loss/run.py scale-model [--reuse JSON METHOD] [--json P]
-    sudo uv run benchmarks/time_to_loss/run.py uneven --nodes 4 8 16 [--scenarios one3x half2x] [--json P]
+    sudo uv run --group bench benchmarks/time_to_loss/run.py slow-link|scale-model [--json P]
+    sudo uv run benchmarks/time_to_loss/run.py uneven --nodes 4 8 16 [--json P]
     uv run benchmarks/time_to_loss/run.py lm [--results LM_CONVERGENCE_JSON ...] [--reference JSON ...]
 
-Every question but ``lm`` builds the emulated cluster (needs root; without it says so and exits 0) and
-runs ``rank.py`` on each node, one method at a time from the same model, a step's compute topped up by a
-sleep. The ranks write their parameters at fixed steps; the replicas' average is evaluated afterwards, so
-a curve costs the run nothing. Defaults: ``questions.py``; what each measures: docs/benchmarks.md.
+Each node runs ``rank.py``, one method at a time, which writes its parameters at fixed steps; the
+replicas' average is evaluated afterwards. ``lm`` needs no cluster. Defaults: ``questions.py``.
 """
 
 from __future__ import annotations
@@ -28,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from benchmarks.harness import emulated_cluster as emu
 from benchmarks.harness import uneven as fleet
@@ -38,11 +34,10 @@ from benchmarks.harness.methods import optimizer_factory, parse_method
 from benchmarks.harness.question_args import question_parser
 from benchmarks.harness.report import cell, markdown_table, save
 from benchmarks.time_to_loss.questions import QUESTIONS
-from benchmarks.time_to_loss.rank import POWER_SGD, TORCHFT, power_sgd_numel, train_step
+from benchmarks.time_to_loss.rank import POWER_SGD, TORCHFT, train_step, wire_bytes
 from decent_optim_wrapper import DecentOptimWrapper
 from decent_optim_wrapper.engine.wire.compression import parse_compression
 from decent_optim_wrapper.plan import ComputeTimes, Link, Network, predict
-from decent_optim_wrapper.plan.cli import parse_quantity
 from decent_optim_wrapper.plan.recommend import recommend
 from decent_optim_wrapper.plan.round_cost import measure_round_cost
 
@@ -130,7 +125,7 @@ def launch(
             tail = (outdir / f"rank{missing[0]}.log").read_text()[-2000:]
             raise RuntimeError(f"{method}: rank {missing[0]} failed or timed out; its log ends:\n{tail}")
         records = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(nodes)]
-        result = evaluate(outdir, nodes, q)
+        result = evaluate(outdir, records, q)
         if shape is not None:  # the run's whole traffic per node and step, headers and the store's too
             result["wire_bytes_per_step"] = (cluster.sent_bytes() - counted) / nodes / len(records[0]["ends"])
     finally:
@@ -138,17 +133,16 @@ def launch(
     return records, result
 
 
-def evaluate(outdir: Path, nodes: int, q: Namespace) -> dict[str, Any]:
+def evaluate(outdir: Path, records: list[dict[str, Any]], q: Namespace) -> dict[str, Any]:
     """The average model's validation loss at every written step, and when every rank had passed it."""
-    ranks = [json.loads((outdir / f"rank{r}.json").read_text()) for r in range(nodes)]
     _, validation = make_lm_data(1, 0, "iid")
     model, curve = make_lm_model(q.width, q.depth), []
-    for i, (step, _) in enumerate(ranks[0]["points"]):
-        flats = [torch.load(outdir / f"rank{r}-step{step}.pt") for r in range(nodes)]
+    for i, (step, _) in enumerate(records[0]["points"]):
+        flats = [torch.load(outdir / f"rank{r}-step{step}.pt") for r in range(len(records))]
         torch.nn.utils.vector_to_parameters(torch.stack(flats).mean(0), model.parameters())
-        curve.append((step, max(r["points"][i][1] for r in ranks), validation_loss(model, validation)))
+        curve.append((step, max(r["points"][i][1] for r in records), validation_loss(model, validation)))
     out = {"curve": curve, "steps": curve[-1][0], "step_ms": 1e3 * curve[-1][1] / curve[-1][0]}
-    return out | {"bytes_sent_per_step": max(r["bytes_sent_per_step"] for r in ranks)}
+    return out | {"bytes_sent_per_step": max(r["bytes_sent_per_step"] for r in records)}
 
 
 def reached(curve: Curve, target: float) -> tuple[int, float] | None:
@@ -167,8 +161,7 @@ def delay(spec: Any) -> int:
 
 
 def planner_label(method: str) -> str:
-    """The planner's name for ``method``: ``ring~h8d1@int8``, per-step ``ring@int8`` (``~h1d0``: blocking),
-    a baseline's own (``ddp+adamw``: ``ddp``). It needs no outer optimizer to time a step."""
+    """The planner's name for ``method``: ``ring~h8d1@int8``, ``ddp`` (for ``ddp+adamw``)."""
     if not ours(method):
         return "ddp" if method.partition("+")[0] == "ddp" else method
     spec = parse_method(method)
@@ -176,15 +169,6 @@ def planner_label(method: str) -> str:
     if spec.sync_every == 1:
         return f"{spec.topology}{wire}" + "~h1d0" * (spec.sync_delay == 0)
     return f"{spec.topology}~h{spec.sync_every}d{delay(spec)}{wire}"
-
-
-def wire_bytes(method: str, model: nn.Module, nodes: int) -> float:
-    """Bytes a rank sends per step with a baseline (a ring all-reduce's count)."""
-    allreduce, numel = 2 * (nodes - 1) / nodes * 4, sum(p.numel() for p in model.parameters())
-    if (power := POWER_SGD.fullmatch(method)) is not None:
-        return allreduce * power_sgd_numel(model, int(power["rank"]))
-    torchft = TORCHFT.fullmatch(method)
-    return allreduce * numel / (int(torchft["every"]) if torchft else 1)
 
 
 def predictions(
@@ -235,34 +219,6 @@ def timed_steps(method: str, q: Namespace) -> tuple[int, int]:
     return (int(torchft["every"]), 0) if torchft else (q.timed_steps, 0)  # torchft: one whole period
 
 
-#: What a loss curve depends on, and what its times are measured in (``--reuse``).
-TRAINING_FLAGS = ("nodes", "steps", "warmup", "eval_every", "batch", "adam_lr", "width", "depth")
-TIMING_FLAGS = ("compute_ms", "link_steps")
-TIMES = ("shaped_step_s", "step_ms", "timed_s", "wall_s", "wire_bytes_per_step")
-
-
-def reused_run(path: Path, method: str, q: Namespace) -> dict[str, Any]:
-    """``method``'s run from an earlier JSON (or a ValueError): its curve if the training flags are the
-    same, its times only if the timing flags are too."""
-    earlier = json.loads(path.read_text())
-    before = earlier["args"]
-    runs = earlier["results"]["results"][-1]["runs"] if "results" in earlier else earlier["runs"]
-    if method not in runs:
-        raise ValueError(f"{path} has no run of {method!r}; it has {', '.join(runs)}")
-    differ = [  # --nodes: 16 then, [16] now
-        f"--{k.replace('_', '-')} {before.get(k)} (here {getattr(q, k)})"
-        for k in TRAINING_FLAGS
-        if str(before.get(k)).strip("[]") != str(getattr(q, k)).strip("[]")
-    ]
-    if differ:
-        raise ValueError(f"{path} trained with {', '.join(differ)}: its curve is not this run's")
-    record = dict(runs[method], reused_from=str(path))
-    if any(before.get(k) != getattr(q, k) for k in TIMING_FLAGS):
-        for key in TIMES:
-            record.pop(key, None)
-    return record
-
-
 def on_links(q: Namespace) -> tuple[dict[str, Any], str]:
     """slow-link and scale-model, one node count after the other."""
     real_ms, pad_ms = padding(q)
@@ -295,7 +251,6 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
     with emu.Cluster(nodes) as cluster:
         runs["nocomm"] = train("nocomm", min(100, q.steps), fast_s)
         nocomm_s = runs["nocomm"]["step_ms"] / 1e3
-        runs.update(q.reused)
         for method in q.baselines:  # their loss does not depend on the link: curves on fast links
             runs[method] = train(method, q.steps, fast_s)
         link_steps = q.link_steps or q.ddp_ratio * nodes / (2 * (nodes - 1))  # DDP's all-reduce: ddp_ratio
@@ -311,14 +266,11 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
         cluster.shape(None)
         print(f"  links {rate / 1e3:.1f} kbit/s ({megabits * 1e3:.1f} measured), {message:.0f} B a message")
         link = Link(megabits * 1e6, message_bytes=message)
-        mine = [q.ours] if q.ours != "planner" else [recommended(q, 4.0 * numel, nocomm_s, link, nodes)]
-        mine = [m for m in mine if m]
-        trained = [m for m in [*q.methods, *mine] if m != "nocomm"]
-        topologies = sorted({str(parse_method(m).topology) for m in trained if ours(m)})
-        planned = predictions(
-            trained, 4.0 * numel, ComputeTimes(nocomm_s), link, nodes, topologies=topologies,
-            overhead_s=q.overhead_s, round_costs=measured_rounds(numel),
-        )  # fmt: skip
+        mine = recommended(q, 4.0 * numel, nocomm_s, link, nodes) if q.ours == "planner" else q.ours
+        trained = [m for m in [*q.methods, mine] if m and m != "nocomm"]
+        options = {"overhead_s": q.overhead_s, "round_costs": measured_rounds(numel)}
+        options["topologies"] = sorted({str(parse_method(m).topology) for m in trained if ours(m)})
+        planned = predictions(trained, 4.0 * numel, ComputeTimes(nocomm_s), link, nodes, **options)
         for method in trained:
             stop_at, deadline_s = q.steps, fast_s * 2
             if q.budget_s:  # at most the budget at the planned pace, or with nothing hidden
@@ -332,24 +284,11 @@ def on_links_nodes(nodes: int, pad_ms: float, q: Namespace, results: dict[str, A
                 timing = train(baseline, steps, steps * unhidden_s(baseline) * 3 + 900, shape)
                 runs[baseline]["shaped_step_s"] = timing["timed_s"]
             except RuntimeError as err:  # its loss stands; a run that cannot be timed loses nothing else
-                for key in TIMES:  # its times on the fast links are not the shaped links'
+                for key in ("step_ms", "timed_s", "wall_s"):  # its times on the fast links
                     runs[baseline].pop(key, None)
                 runs[baseline]["not_timed"] = str(err).splitlines()[0]
     result |= {"parameters": numel, "rate_bits": rate, "megabits": megabits, "message_bytes": message}
-    result |= {"planned": planned, "ours": mine[0] if mine else None}
-    result["full_size"] = full_size(mine[0], q) if mine else None
-
-
-def full_size(method: str, q: Namespace) -> dict[str, float]:
-    """The planner's throughput of ``method`` on the full-size job (no measured round costs there)."""
-    size, step_ms, link, nodes = q.full_size
-    out = {"model_bytes": parse_quantity(size, "bytes"), "step_s": float(step_ms) / 1e3, "nodes": int(nodes)}
-    out["link_bits"] = parse_quantity(link, "bandwidth")
-    topology = [str(parse_method(method).topology)] if ours(method) else []
-    compute, bandwidth = ComputeTimes(out["step_s"]), Link(out["link_bits"])
-    step_s = predictions([method], out["model_bytes"], compute, bandwidth, int(nodes), topologies=topology)
-    out["throughput"] = step_s["nocomm"] / step_s[planner_label(method)]
-    return out | {"ddp_throughput": step_s["nocomm"] / step_s["ddp"]}
+    result |= {"planned": planned, "ours": mine or None}
 
 
 def seconds_to(run: dict[str, Any], loss: float) -> tuple[int | None, float | None]:
@@ -386,9 +325,8 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
     rows = []
     for m, r in [(m, runs[m]) for m in finals]:  # every method but nocomm
         plan = planned.get(planner_label(m))
-        sent = r.get("bytes_sent_per_step") or wire_bytes(m, make_lm_model(q.width, q.depth), nodes)
-        row = [m + " (reused)" * ("reused_from" in r), cell(r.get("steps"), "d"), step_ms[m]]
-        row += [plan and 1e3 * plan, f"{nocomm_ms / step_ms[m]:.3f}", f"{sent:.0f}"]
+        row = [m, cell(r.get("steps"), "d"), step_ms[m], plan and 1e3 * plan, f"{nocomm_ms / step_ms[m]:.3f}"]
+        row += [f"{r['bytes_sent_per_step']:.0f}"]
         row += [cell(r.get("wire_bytes_per_step"), ".0f"), f"{finals[m]:.4f}", f"{finals[m] / ddp_final:.4f}"]
         for times in reach.values():
             (step, seconds), theirs = times[m], times[mine][1] if mine else None
@@ -426,16 +364,10 @@ def links_report(result: dict[str, Any], q: Namespace) -> str:
     for m in (m for m in runs if ours(m) and "@" in m and planner_label(m) in planned):  # compressed ours
         error = 1e3 * planned[planner_label(m)] / step_ms[m] - 1
         judge(f"{m} step time predicted within {PREDICTION:.0%} ({error:+.1%})", abs(error) <= PREDICTION)
-    if full := result.get("full_size"):
-        lines.append(
-            f"the planner on the full-size job ({full['model_bytes'] / 1e9:g} GB, {1e3 * full['step_s']:.0f} "
-            f"ms/step, {full['link_bits'] / 1e6:g} Mbit/s, {full['nodes']} nodes): {mine} at "
-            f"{full['throughput']:.3f} of no communication, DDP at {full['ddp_throughput']:.4f}"
-        )
     return "\n".join(lines)
 
 
-# -- uneven: paced rounds against synchronous gossip and DDP, one worker 3x slower (or half 2x)
+# -- uneven: paced rounds against synchronous gossip and DDP, one worker 3x slower (one3x)
 
 
 def gossip_rounds(q: Namespace) -> int:
@@ -452,17 +384,15 @@ def uneven_flags(method: str, q: Namespace) -> tuple[str, dict[str, object]]:
     return q.gossip, flags | {"pacing": "measured" if method == "paced" else "none"}
 
 
-def uneven_rates(
-    records: dict[str, list[dict[str, Any]]], scenario: str, nodes: int, megabits: float, q: Namespace
-) -> dict[str, Any]:
+def uneven_rates(records: dict[str, list[dict[str, Any]]], nodes: int, megabits: float, q: Namespace) -> dict:
     """Measured fleet steps per second of ddp, sync and paced, the planner's and its errors
     (``harness/uneven.py``: ``o`` from ``nocomm``, the planner over at most 30 rounds)."""
     rounds = min(gossip_rounds(q), 30)
     args = Namespace(compute_ms=q.compute_ms, shift_s=0.0, sync_every=q.sync_every, rounds=rounds)
-    o = fleet.overhead_seconds([{f"{scenario}/nocomm": r} for r in records["nocomm"]], scenario, args)
+    o = fleet.overhead_seconds([{"one3x/nocomm": r} for r in records["nocomm"]], "one3x", args)
     model_bytes = 4.0 * sum(p.numel() for p in make_lm_model(q.width, q.depth).parameters())
     late = delay(parse_method(q.gossip))
-    planned = fleet.planned_rates(scenario, nodes, megabits, o, args, model_bytes, late)
+    planned = fleet.planned_rates("one3x", nodes, megabits, o, args, model_bytes, late)
     methods = [m for m in ("ddp", "sync", "paced") if m in records]
     measured = {m: fleet.fleet_rate([{m: r} for r in records[m]], m, m, args)["steps_per_s"] for m in methods}
     errors = {m: planned[m] / rate - 1 for m, rate in measured.items() if planned.get(m)}
@@ -498,26 +428,23 @@ def uneven(q: Namespace) -> tuple[dict[str, Any], str]:
         with emu.Cluster(nodes) as cluster:
             cluster.shape(q.bandwidth)
             megabits = emu.measure_link(cluster, 4, 29669)
-            results["results"].append({"nodes": nodes, "megabits": megabits, "scenarios": {}})
-            for scenario in q.scenarios:
-                factors = [fleet.speed_factor(scenario, r, nodes, 0.0, 0.0) for r in range(nodes)]
-                pads = [max(0.0, q.compute_ms * factor - real_ms) for factor in factors]
-                records, runs = {}, {}
-                for method in q.methods:
-                    name, flags = uneven_flags(method, q)
-                    records[method], runs[method] = launch(cluster, q, name, pads, q.deadline_s, **flags)
-                    print(f"  {nodes} nodes, {scenario}/{method}: {runs[method]['curve'][-1][2]:.4f}")
-                row = time_to_target(runs) | uneven_rates(records, scenario, nodes, megabits, q)
-                row["runs"] = runs
-                row["steps_per_rank"] = {m: [len(r["ends"]) for r in rs] for m, rs in records.items()}
-                row["verdicts"] = uneven_verdicts(row)
-                results["results"][-1]["scenarios"][scenario] = row
-                text.append(uneven_report(nodes, megabits, scenario, row, q))
-                partial(q, results)
+            factors = [fleet.speed_factor("one3x", r, nodes, 0.0, 0.0) for r in range(nodes)]
+            pads = [max(0.0, q.compute_ms * factor - real_ms) for factor in factors]
+            records, runs = {}, {}
+            for method in q.methods:
+                name, flags = uneven_flags(method, q)
+                records[method], runs[method] = launch(cluster, q, name, pads, q.deadline_s, **flags)
+                print(f"  {nodes} nodes, {method}: {runs[method]['curve'][-1][2]:.4f}")
+            row = time_to_target(runs) | uneven_rates(records, nodes, megabits, q) | {"runs": runs}
+            row["steps_per_rank"] = {m: [len(r["ends"]) for r in rs] for m, rs in records.items()}
+            row["verdicts"] = uneven_verdicts(row)
+            results["results"].append({"nodes": nodes, "megabits": megabits, "scenarios": {"one3x": row}})
+            text.append(uneven_report(nodes, megabits, row, q))
+            partial(q, results)
     return results, "\n\n".join(text)
 
 
-def uneven_report(nodes: int, megabits: float, scenario: str, row: dict[str, Any], q: Namespace) -> str:
+def uneven_report(nodes: int, megabits: float, row: dict[str, Any], q: Namespace) -> str:
     hits, runs, table = row["hits"], row["runs"], []
     for method in (m for m in ("ddp", "sync", "paced") if m in runs):
         curve = runs[method]["curve"]
@@ -528,7 +455,7 @@ def uneven_report(nodes: int, megabits: float, scenario: str, row: dict[str, Any
     ratio, met = row["sync_over_paced"], row["verdicts"]
     bound = "" if row["sync_reached"] else " (at least: sync did not reach it)"
     header = ["method", "final loss", "loss at DDP's samples", "s to target", "steps/s", "planned", "error"]
-    title = f"{nodes} nodes, {scenario}, links {q.bandwidth} ({megabits:.0f} Mbit/s measured)"
+    title = f"{nodes} nodes, one3x, links {q.bandwidth} ({megabits:.0f} Mbit/s measured)"
     return "\n".join([
         f"{title}: DDP's final loss {row['target']:.4f}; o = {1e3 * row['overhead_s']:.1f} ms/step",
         markdown_table(header, table, ".2f"),
@@ -557,14 +484,14 @@ def merged_runs(paths: list[str]) -> list[list[dict[str, Any]]]:
     return [list(run.values()) for run in runs.values()]
 
 
-LM_COLUMNS = {"step_ms": ".1f", "time_s": ".1f", "vs_ddp": ".2f", "vs_limit": ".2f"}  # and with "_jitter"
+LM_COLUMNS = {"step_ms": ".1f", "time_s": ".1f", "vs_ddp": ".2f", "vs_limit": ".2f"}
 
 
 def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
     """Per run, each method's first evaluation within ``--tolerance`` of DDP's final loss (the run's own,
     or the lowest of ``--reference``'s at its worker count: DDP at its best learning rate) times the
-    planner's step time (no jitter; log-normal, sigma 0.3), over DDP's own time to it and over the limit:
-    DDP's steps to it at the step without communication (DDP on a network that costs nothing)."""
+    planner's step time, over DDP's own time to it and over the limit: DDP's steps to it at the step
+    without communication (DDP on a network that costs nothing)."""
     out, text = [], []
     references = [r for run in merged_runs(q.reference) for r in run if r["method"] == "ddp+adamw"]
     for results in merged_runs(q.results):
@@ -572,53 +499,40 @@ def lm(q: Namespace) -> tuple[list[dict[str, Any]], str]:
         if q.reference:
             found = [r for r in references if r["workers"] == reference["workers"]]
             if not found:
-                paths = ", ".join(q.reference)
-                raise SystemExit(
-                    f"--reference: no ddp+adamw run with {reference['workers']} workers in {paths}"
-                )
+                workers, paths = reference["workers"], ", ".join(q.reference)
+                raise SystemExit(f"--reference: no ddp+adamw run with {workers} workers in {paths}")
             best = min(found, key=lambda r: r["validation_loss"])
             results, reference = [best if r is reference else r for r in results], best
         workers, model_bytes = reference["workers"], 4.0 * reference["parameters"]
         compute_s, target = q.compute_ms / 1e3, reference["validation_loss"] * q.tolerance
         bandwidth = q.bandwidth or 8 * model_bytes / (compute_s * q.link_steps)  # a model per link_steps
         link, methods = Link(bandwidth, message_bytes=q.message_bytes), [r["method"] for r in results]
-        times = {  # by the rows' key suffix: the planner's step seconds without, then with jitter
-            suffix: predictions(methods, model_bytes, compute, link, workers, blocking=True)
-            for suffix, compute in (
-                ("", ComputeTimes(compute_s)),
-                ("_jitter", ComputeTimes(compute_s, "lognormal", 0.3)),
-            )
-        }
+        times = predictions(methods, model_bytes, ComputeTimes(compute_s), link, workers, blocking=True)
         steps_to = {r["method"]: next((s for s, loss in r["curve"] if loss <= target), None) for r in results}
         ddp_steps = steps_to["ddp+adamw"] or 0
-        limit_s = compute_s * ddp_steps  # DDP on a network that costs nothing
+        ddp_s, limit_s = times["ddp"] * ddp_steps, compute_s * ddp_steps  # the limit: a free network
         rows, table = [], []
         for r in results:
-            name, steps, row = planner_label(r["method"]), steps_to[r["method"]], {"method": r["method"]}
-            row["steps"], row["horizon"] = (steps if name in times[""] else None), r["curve"][-1][0]
-            for suffix, step_s in ((s, t[name]) for s, t in times.items() if row["steps"] is not None):
-                ddp_s = times[suffix]["ddp"] * ddp_steps
-                row |= {f"step_ms{suffix}": 1e3 * step_s, f"time_s{suffix}": steps * step_s}
-                row[f"vs_ddp{suffix}"] = steps * step_s / ddp_s if ddp_s else None
-                row[f"vs_limit{suffix}"] = steps * step_s / limit_s if limit_s else None
+            name = planner_label(r["method"])
+            steps = steps_to[r["method"]] if name in times else None
+            row = {"method": r["method"], "steps": steps, "horizon": r["curve"][-1][0]}
+            if steps is not None:
+                row |= {"step_ms": 1e3 * times[name], "time_s": steps * times[name]}
+                row["vs_ddp"] = row["time_s"] / ddp_s if ddp_s else None
+                row["vs_limit"] = row["time_s"] / limit_s if limit_s else None
             rows.append(row)
-            cells = [cell(row.get(f"{k}{s}"), f) for s in times for k, f in LM_COLUMNS.items()]
-            table.append(
-                [r["method"], str(row["horizon"]), "never" if row["steps"] is None else str(steps), *cells]
-            )
+            cells = [cell(row.get(k), f) for k, f in LM_COLUMNS.items()]
+            table.append([r["method"], str(row["horizon"]), "never" if steps is None else str(steps), *cells])
         header = ["method", "horizon", "steps", "ms/step", "time s", "vs DDP", "vs limit"]
-        header += ["ms/step jit", "time jit", "vs DDP jit", "vs limit jit"]
-        lrs = sorted({f"{r['adam_lr']:g}" for r in results if r is not reference}) or [
-            f"{reference['adam_lr']:g}"
-        ]
-        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {', '.join(lrs)}: DDP's (lr "
+        lrs = {f"{r['adam_lr']:g}" for r in results if r is not reference} or {f"{reference['adam_lr']:g}"}
+        title = f"{workers} nodes, {reference['parameters']:,} parameters, lr {', '.join(sorted(lrs))}: DDP's"
+        title += " (lr "
         title += f"{reference['adam_lr']:g}) final validation loss {reference['validation_loss']:.4f} "
         title += f"(target x{q.tolerance:g}: {target:.4f}); compute {q.compute_ms:g} ms/step, "
         text.append(f"{title}links {bandwidth / 1e6:.4g} Mbit/s\n{markdown_table(header, table)}")
         out.append({"workers": workers, "target": target, "bandwidth": bandwidth, "rows": rows})
     text.append(
-        "('jit': log-normal compute jitter, sigma 0.3; '~h1d0': blocking per-step gossip; the limit: "
-        "DDP's steps to the target at the step without communication)"
+        "('~h1d0': blocking per-step gossip; the limit: DDP's steps at the step without communication)"
     )
     return out, "\n\n".join(text)
 
@@ -630,8 +544,7 @@ RUN = {"slow-link": on_links, "scale-model": on_links, "uneven": uneven, "lm": l
 
 def parse_args(argv: list[str] | None = None) -> Namespace:
     asked = {name: (d["help"], {k: v for k, v in d.items() if k != "help"}) for name, d in QUESTIONS.items()}
-    reuse = {"nargs": 2, "action": "append", "default": [], "metavar": ("JSON", "METHOD")}
-    parser = question_parser(__doc__, asked, special={"reuse": reuse}, empty_lists=True)
+    parser = question_parser(__doc__, asked, empty_lists=True)
     q = parser.parse_args(argv)
     for key in ("methods", "baselines"):
         torchft = [m for m in vars(q).get(key, []) if m.startswith("torchft")]
@@ -644,17 +557,11 @@ def parse_args(argv: list[str] | None = None) -> Namespace:
             parse_compression(method.partition("@")[2])
         if q.ours not in ("", "planner") and not ours(q.ours):
             parser.error(f"--ours {q.ours!r}: 'planner', or ours in methods.py's grammar (ring~h2@int8)")
-        try:
-            q.reused = {method: reused_run(Path(path), method, q) for path, method in q.reuse}
-        except ValueError as err:
-            parser.error(f"--reuse: {err}")
     if q.question == "uneven":
         spec = parse_method(q.gossip)
         if spec.topology is None or spec.sync_every < 2 or spec.paced:
             parser.error(f"--gossip: low-communication gossip without 'p' ('ring~h8d1'), not {q.gossip!r}")
         q.sync_every = spec.sync_every
-        if unknown := set(q.scenarios) - {"one3x", "half2x"}:
-            parser.error(f"--scenarios: one3x or half2x, not {', '.join(sorted(unknown))}")
         q.methods = [m for m in ("nocomm", "ddp", "sync", "paced") if m in {*q.methods, "nocomm", "ddp"}]
     return q
 
