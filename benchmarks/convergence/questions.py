@@ -1,6 +1,5 @@
-"""The questions of the convergence driver: each a name, what it asks, its options' defaults (a default
-sets its option's type, ``harness/question_args.py``; a type, such as ``float``, is an option unset by
-default) and the sets of values some options take."""
+"""The convergence driver's questions: what each asks, its options' defaults (a type, such as ``float``:
+unset by default) and the values some options take."""
 
 from __future__ import annotations
 
