@@ -105,7 +105,7 @@ TOY_RUNS = {
         "test_bench_convergence.py::test_lm_trains_a_paced_method_by_rounds_and_evaluates_the_average"
     ),
     ("benchmarks/convergence/run.py", "adam_rules"): (
-        "test_bench_convergence.py::test_adam_rules_simulation_blocking_complete_gossip_is_the_exact_average"
+        "test_bench_convergence.py::test_adam_rules_with_one_replica_every_unfloored_rule_is_adam_and_gossip_mixes_late"
     ),
     ("benchmarks/convergence/run.py", "seeds"): (
         "test_bench_convergence.py::test_reuse_takes_a_result_of_the_same_flags_and_seeds_divide_by_each_runs_own_ddp"

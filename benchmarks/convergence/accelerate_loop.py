@@ -1,8 +1,6 @@
-"""The ``accelerate`` question: the same Accelerate loop (``cpu=True``) with three kinds of accelerator.
-
-Methods (K = ``every``): ``ddp`` (``Accelerator``), ``local-sgd`` (``LocalSGD(local_sgd_steps=K)``, as
-Accelerate's docs write it), ``gossip-<topology>[-dD]`` (``DecentralizedAccelerator(topology=...,
-sync_every=K, sync_delay=D)``), on ``attack.setup``'s classification task and language model, iid.
+"""``accelerate``: one Accelerate loop (``cpu=True``) with ``ddp`` (``Accelerator``), ``local-sgd``
+(``LocalSGD(local_sgd_steps=K)``) or ``gossip-<topology>[-dD]`` (``DecentralizedAccelerator(topology=...,
+sync_every=K, sync_delay=D)``), on ``attack.setup``'s tasks.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """Second-moment rules for Adam under averaging, simulated in one process (no process group).
 
-``n`` replicas of the language model of ``lm_task.py``, each with its own AdamW (written out here) and
-its own data (sampled as the ``lm`` question samples it), averaged exactly after every step or, with a
-gossip topology, mixed with its matrices one step late, as the engine does (``blocking``: at once, the
-next gradient taken at the mixed point; ``every``: every H steps). ``momentum="mixed"`` replaces each
-replica's first moment by the direction its mixed parameters moved; ``"gossip"`` mixes it too. ``ddp``
-is one model stepped with the average gradient. The rules differ only in what each replica's step
-divides by (the Adam page): ``local`` its own second moment s_t; ``oracle`` the exact average
-gradient's; ``oracle-per-tensor`` s_t scaled per tensor by the exact ratio; ``lag1-floor`` and
-``momentum-floor`` s_t fed with g_t^2 / n + (1 - 1/n) g_t x (x: g_{t-1} or m_hat_{t-1}), floored;
-``lag1``, ``momentum`` (the engine's ``second_moment="average"``) and their ``-abs`` forms keep
-c_t = b2 c + (1 - b2) g_t x apart and divide by s_t / n + (1 - 1/n) max(c_t, 0) (or |c_t|).
+``n`` replicas of ``lm_task.py``'s model, each with its own AdamW (written out here) and data, averaged
+exactly after every step or, with ``gossip``, mixed by its matrices one step late as the engine does;
+``ddp`` is one model stepped with the average gradient. The rules differ only in what each step divides
+by: ``local`` s_t; ``oracle`` the exact average gradient's; ``-floor``: s_t fed g_t^2 / n + (1 - 1/n) g_t x
+(x: g_{t-1} for ``lag1``, m_hat_{t-1} for ``momentum``), floored; ``lag1``, ``momentum`` and their ``-abs``
+(the engine's rule): s_t / n + (1 - 1/n) max(c_t, 0) (or |c_t|), c_t = b2 c + (1 - b2) g_t x.
 """
 
 from __future__ import annotations
@@ -67,12 +62,9 @@ def _divisor(rule: str, r: _Replica, k: int, g: torch.Tensor, t: int, n: int, me
 
 def simulate(
     rule: str, n: int, steps: int, batch: int, lr: float, split: str, gossip: str | None, width: int = 64,
-    depth: int = 2, seed: int = 0, own_step: float = 1.0, momentum: str = "local", blocking: bool = False,
-    every: int = 1,
+    depth: int = 2, seed: int = 0,
 ) -> float:  # fmt: skip
-    """Train ``n`` replicas with ``rule``; the validation loss of their average. ``own_step`` (with
-    ``gossip``): the next gradient is taken at the mixed point plus this share of the replica's own step,
-    while the full step is what it sends (1: the engine's)."""
+    """Train ``n`` replicas with ``rule``; the validation loss of their average."""
     model = make_lm_model(width, depth, seed)
     names = [name for name, _ in model.named_parameters()]
     start = [p.detach().clone() for p in model.parameters()]
@@ -81,17 +73,8 @@ def simulate(
     validation = make_lm_data(n, 0, split)[1]
     samplers = [torch.Generator().manual_seed(100 + rank + 1000 * seed) for rank in range(n)]
     topology = TopologyFactory.create(gossip, n) if gossip and rule != "ddp" else None
-    if blocking and momentum == "mixed":
-        raise ValueError("momentum='mixed' is for overlapped gossip; with blocking use 'local' or 'gossip'")
-    if every != 1 and not blocking:
-        raise ValueError(f"every={every} needs blocking rounds (the engine's sync_delay=0)")
     sent: list[list[torch.Tensor]] = []
-    sent_m: list[list[torch.Tensor]] = []
-    # momentum="mixed": each replica's first moment is replaced, after mixing, by the direction its
-    # mixed parameters moved along (its displacement over the round, in the step's own units).
-    anchors: list[list[torch.Tensor]] = []
-    denominators: list[list[torch.Tensor]] = [[] for _ in replicas]
-    previous_lr, tensors = 0.0, range(len(start))
+    tensors = range(len(start))
 
     def gradient(params: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
         starts = torch.randint(0, len(data[rank]) - CONTEXT - 1, (batch,), generator=samplers[rank])
@@ -101,20 +84,6 @@ def simulate(
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1))
         return list(torch.autograd.grad(loss, leaves))
 
-    def mix(w: torch.Tensor, values: list[list[torch.Tensor]]) -> list[list[torch.Tensor]]:
-        """What every replica holds after a round with matrix ``w`` of what each sent (``values``)."""
-        return [
-            [sum(float(w[i, j]) * values[j][k] for j in range(n) if w[i, j] != 0) for k in tensors]
-            for i in range(n)
-        ]
-
-    def mix_in(w: torch.Tensor) -> None:
-        """Every replica's parameters after a round of ``w`` (with ``momentum="gossip"``, its m too)."""
-        for r, values in zip(replicas, mix(w, sent), strict=True):
-            r.params = values
-        for r, values in zip(replicas, mix(w, sent_m) if momentum == "gossip" else [], strict=False):
-            r.m = values
-
     b1, b2 = BETAS
     for t in range(1, steps + 1):
         lr_t = lr * (1 + math.cos(math.pi * (t - 1) / steps)) / 2
@@ -123,35 +92,20 @@ def simulate(
             grads = [[sum(g[k] for g in per_rank) / n for k in tensors]]
         else:
             grads = [gradient(r.params, rank) for rank, r in enumerate(replicas)]
-        if topology is not None and t > 1 and not blocking:  # the round launched at step t - 1
-            mix_in(topology.mixing_matrix(t - 2).double())
-        if momentum == "mixed" and topology is not None and t > 1:
+        if topology is not None and t > 1:  # the round launched at step t - 1: what each replica sent
+            w = topology.mixing_matrix(t - 2).double()
             for i, r in enumerate(replicas):
-                for k in tensors:
-                    moved = (anchors[i][k] - r.params[k]) / previous_lr
-                    r.m[k] = moved * denominators[i][k] * (1 - b1 ** (t - 1))
+                r.params = [
+                    sum(float(w[i, j]) * sent[j][k] for j in range(n) if w[i, j] != 0) for k in tensors
+                ]
         means = [sum(g[k] for g in grads) / len(grads) for k in tensors]
-        mixed = [list(r.params) for r in replicas] if own_step != 1.0 else []
-        anchors = [list(r.params) for r in replicas]
-        for i, (r, g) in enumerate(zip(replicas, grads, strict=True)):
+        for r, g in zip(replicas, grads, strict=True):
             for k in tensors:
                 divisor = _divisor(rule, r, k, g[k], t, n, means[k] if rule.startswith("oracle") else None)
-                m_hat = r.m[k] / (1 - b1**t)
                 denominator = (divisor / (1 - b2**t)).sqrt().add_(EPS)
-                r.params[k] = r.params[k].addcdiv(m_hat, denominator, value=-lr_t)
-                if momentum == "mixed":
-                    denominators[i][k : k + 1] = [denominator]  # kept for the next step's first moment
-        previous_lr = lr_t
+                r.params[k] = r.params[k].addcdiv(r.m[k] / (1 - b1**t), denominator, value=-lr_t)
         if topology is not None:
             sent = [[p.clone() for p in r.params] for r in replicas]
-            if momentum == "gossip":  # the first moment travels only when it is mixed
-                sent_m = [[m.clone() for m in r.m] for r in replicas]
-            if blocking and t % every == 0:  # mixed at once: the next gradient at the mixed point
-                mix_in(topology.mixing_matrix(t // every - 1).double())
-                sent = [list(r.params) for r in replicas]
-            if own_step != 1.0:  # the next gradient at the mixed point plus a part of the own step
-                for r, before in zip(replicas, mixed, strict=True):
-                    r.params = [b + own_step * (p - b) for p, b in zip(r.params, before, strict=True)]
         elif len(replicas) > 1:
             for k in tensors:
                 average = sum(r.params[k] for r in replicas) / len(replicas)
@@ -174,7 +128,7 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
         began = time.perf_counter()
         loss = simulate(
             rule, args.workers, args.steps, args.batch_size, args.adam_lr, args.split, args.gossip,
-            args.width, args.depth, args.seed, args.own_step, args.momentum, args.blocking, args.every,
+            args.width, args.depth, args.seed,
         )  # fmt: skip
         seconds = time.perf_counter() - began
         results.append(
@@ -186,7 +140,6 @@ def answer(args: argparse.Namespace) -> tuple[Any, str]:
     title = (
         f"{args.workers} replicas, {mixing} after every AdamW step, {args.steps} steps, "
         f"batch {args.batch_size}, lr {args.adam_lr}, {args.split} split, width {args.width}, "
-        f"depth {args.depth}, seed {args.seed}, own step {args.own_step}, momentum {args.momentum}, "
-        f"blocking {args.blocking}, every {args.every}"
+        f"depth {args.depth}, seed {args.seed}"
     )
     return results, f"{title}\n\n{markdown_table(['rule', 'val loss', '/ ddp'], rows)}"

@@ -1,9 +1,6 @@
-"""The ``attack`` question: worker 3 Byzantine, the others honest, trained side by side.
-
-Attacks (under DDP on its gradient, else on the model it sends): ``scaled`` x100 after each step;
-``random`` Gaussian noise of sd 10; ``negated`` trains honestly and sends the negation every round,
-``alternating`` in odd rounds; ``flipping`` negates its model in place after each step. Methods: ``ddp``
-(gradients all-reduced by hand, the attacker's among them), ``ring`` and ``ring-clipped``.
+"""``attack``: worker 3 Byzantine under ``ddp`` (on its gradient), ``ring`` and ``ring-clipped`` (on the
+model it sends): ``scaled`` x100 after each step; ``random`` noise of sd 10; ``negated`` trains honestly and
+sends the negation every round, ``alternating`` in odd rounds; ``flipping`` negates its model in place.
 """
 
 from __future__ import annotations
@@ -65,8 +62,7 @@ def make_optimizer(task: str) -> Callable[[Any], torch.optim.Optimizer]:
 
 
 def setup(task: str, rank: int, world: int, seed: int, draws: torch.Generator) -> Task:
-    """``task`` on this rank's iid part: ``lm`` (16 windows a batch), ``digits`` (a 64-64-10 MLP) or
-    ``classification`` (the main job's, 32 samples a batch)."""
+    """``task`` on this rank's iid part: ``lm`` (16 windows a batch), ``digits`` or ``classification``."""
     name = {"classification": "synthetic"}.get(task, task)
     return make_task(name, rank, world, seed, 16 if task == "lm" else 32, draws, hidden=(64,))
 

@@ -1,8 +1,6 @@
-"""The ``classification`` question: accuracy of the averaged model for every method against DDP.
-
-Each method meets DDP (``ddp+adamw`` for an Adam-type one) and its twins, added if missing: the same
-uncompressed, untracked or unpaced. The targets are the constants below; on the skewed split only tracked
-methods are judged against DDP (the untracked gap, gossip's heterogeneity term, is only reported).
+"""``classification``: the averaged model's accuracy for every method against DDP's and its twins' (the
+same uncompressed, untracked or unpaced; added if missing). On the skewed split only tracked methods are
+judged against DDP: the untracked gap, gossip's heterogeneity term, is only reported.
 """
 
 from __future__ import annotations

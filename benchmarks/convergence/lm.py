@@ -1,8 +1,5 @@
-"""The ``lm`` and ``seeds`` questions: the language model's validation loss against DDP's, with AdamW.
-
-``lm``: the replicas' exact average over DDP's (``ddp+adamw``, trained first), beside the uncorrected twin
-(``+adamw-local``) and, compressed or paced, the plain twin (added to the run); ``--eval-every K``: the
-first evaluated step at DDP's final loss. ``seeds``: each method over its own run's DDP, across runs.
+"""``lm``: the language model's validation loss (the replicas' average) over DDP's, with AdamW, beside the
+uncorrected (``-local``) and the uncompressed or unpaced twin. ``seeds``: the same over several runs.
 """
 
 from __future__ import annotations
@@ -43,7 +40,7 @@ class LMResult:
 
 
 def train_lm(method: str, split: str, config: dict[str, Any]) -> LMResult | None:
-    """Train one method on this rank's part of ``split`` (on every rank); rank 0 gets the result."""
+    """Train one method on every rank; rank 0 gets the result."""
     rank, world, eval_every = dist.get_rank(), dist.get_world_size(), config["eval_every"]
     spec, steps = parse_method(method), config["steps"]
     draws = torch.Generator().manual_seed(100 + rank + 1000 * config["seed"])
@@ -133,7 +130,7 @@ def table(results: list[LMResult], args: Any, world: int) -> str:
 
 
 def with_twins(methods: list[str]) -> list[str]:
-    """``ddp+adamw`` first, then ``methods``, then each compressed or paced method's missing twin."""
+    """``ddp+adamw``, ``methods``, then each compressed or paced method's missing twin."""
     wanted = list(dict.fromkeys(["ddp+adamw", *methods]))
     for method in wanted:  # the list grows as the loop goes: a twin's twin is added too
         if parse_method(method).optimizer not in ADAM_OPTIMIZERS:
@@ -144,7 +141,7 @@ def with_twins(methods: list[str]) -> list[str]:
 
 
 def results_of(path: Path) -> list[dict[str, Any]]:
-    """``report.save``'s JSON's ``"results"`` at ``path``, or a bare list (older runs)."""
+    """A saved run's results (a bare list: older runs)."""
     data = json.loads(Path(path).read_text())
     return data["results"] if isinstance(data, dict) else data
 
@@ -154,7 +151,7 @@ def lm_result(fields: dict[str, Any]) -> LMResult:
 
 
 def reused(args: argparse.Namespace) -> dict[tuple[str, str], LMResult]:
-    """``--reuse JSON METHOD``: earlier results by (split, method); refused unless of the same flags."""
+    """``--reuse JSON METHOD``: earlier results by (split, method), of the same flags only."""
     found: dict[tuple[str, str], LMResult] = {}
     for path, method in args.reuse:
         results = [lm_result(r) for r in results_of(path) if r["method"] == method]

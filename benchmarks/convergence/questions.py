@@ -1,6 +1,5 @@
-"""The questions of the convergence driver: each a name, what it asks, its options' defaults (a default
-sets its option's type, ``harness/question_args.py``; a type, such as ``float``, is an option unset by
-default) and the sets of values some options take."""
+"""The convergence driver's questions: what each asks, its options' defaults (a type, such as ``float``:
+unset by default) and the values some options take."""
 
 from __future__ import annotations
 
@@ -45,9 +44,8 @@ QUESTIONS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
         {"splits": LM_SPLITS}),
     "adam_rules": ("second-moment rules for Adam under averaging, simulated in one process",
         dict(workers=4, rules=list(RULES), steps=600, batch_size=16, adam_lr=3e-3, split="iid", gossip=str,
-             width=64, depth=2, seed=0, own_step=1.0, momentum="local", blocking=False, every=1,
-             ddp_loss=float),
-        {"rules": RULES, "split": LM_SPLITS, "momentum": ("local", "mixed", "gossip")}),
+             width=64, depth=2, seed=0, ddp_loss=float),
+        {"rules": RULES, "split": LM_SPLITS}),
     "seeds": ("each method's loss over its own run's DDP loss across several lm runs (JSON files)",
         dict(target=1.05), {}),
     "attack": ("one Byzantine worker among 8: the honest workers' loss with DDP, plain and clipped gossip",

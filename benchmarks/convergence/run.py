@@ -1,10 +1,8 @@
-"""Convergence at equal samples: methods trained side by side, then their loss or accuracy against DDP's.
+"""Convergence at equal samples: methods trained side by side, their loss or accuracy against DDP's.
 
     uv run benchmarks/convergence/run.py QUESTION [options] [--json PATH] [--table PATH]
 
-The questions and their defaults are in ``questions.py`` (``run.py QUESTION --help`` lists the options);
-each is answered by its module (``lm.py`` answers ``lm`` and ``seeds``, ``accelerate_loop.py``
-``accelerate``).
+Questions and defaults: ``questions.py``; each answered by its module (``lm.py`` also ``seeds``).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ ANSWERS |= {"seeds": lm.seeds, "attack": attack.answer, "accelerate": accelerate
 
 
 def special(defaults: dict[str, Any], choices: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The flags ``add_defaults`` cannot type from their default: a set of values, unset, ``--reuse``."""
+    """The flags ``add_defaults`` cannot type from their default: choices, unset ones, ``--reuse``."""
     out: dict[str, dict[str, Any]] = {
         "reuse": dict(nargs=2, action="append", default=[], metavar=("JSON", "M"))
     }

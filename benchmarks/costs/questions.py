@@ -1,5 +1,5 @@
-"""The cost questions: each a measurement (``measure(args)``: its results, its report's tables under
-``tables``) and the options it takes, with their defaults. docs/benchmarks.md says what each found."""
+"""The cost questions: each a measurement (``measure(args)``: its results, its tables under ``tables``)
+and its options' defaults (``QUESTIONS``)."""
 
 from __future__ import annotations
 
@@ -50,9 +50,8 @@ SECRET = "the-secret-of-the-cost-benchmark-0123"
 RATIO_COLUMNS = ("ms", "ratio_of_medians", "median_paired_ratio")  # of ``ratio``'s result, in a table
 
 
-# -- what every question shares ------------------------------------------------------------------------
 def table(title: str, header: str, rows: list[list[Any]], spec: str = ".3f") -> dict[str, Any]:
-    """A table of a report: ``title``, the columns (``"a|b|c"``), the rows (numbers shown with ``spec``)."""
+    """A report's table: its columns ``"a|b|c"``, numbers shown with ``spec``."""
     return {"title": title, "header": header.split("|"), "rows": rows, "spec": spec}
 
 
@@ -61,7 +60,7 @@ def render(tables: list[dict[str, Any]]) -> str:
 
 
 def environment() -> str:
-    """A report's first line: torch, the machine, the checkout's commit (``+dirty``: uncommitted changes)."""
+    """A report's first line: torch, the machine, the checkout's commit."""
     git = ["git", "describe", "--always", "--dirty=+dirty"]
     commit = subprocess.run(git, cwd=os.path.dirname(__file__), capture_output=True, text=True).stdout.strip()
     return f"torch {torch.__version__}, {platform.machine()}, {os.cpu_count()} CPUs, commit {commit or '-'}"
@@ -105,9 +104,8 @@ def mlp_batch(args: Any) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def on_ranks(world: int, measure: Callable[..., Any], args: Any, *extra: Any, **start: Any) -> dict[int, Any]:
-    """``measure(rank, world, args, *extra)`` on ``world`` local ranks with ``args.threads`` torch threads
-    each: one gloo group on loopback, or (``job=NAME``) the members of an elastic job around a store
-    hosted here; ``before=fn``: ``fn()`` runs first in each rank. The results by rank."""
+    """``measure(rank, world, args, *extra)`` on ``world`` local ranks, by rank: a gloo group, or (``job=``)
+    an elastic job around a store hosted here; ``before=fn`` runs first in each rank."""
     job, before = start.get("job"), start.get("before")
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) if job else None
 
@@ -136,9 +134,8 @@ def _rank(rank, world, port, job, before, measure, args, extra, results) -> None
 def gossip_round(
     wrapper: DecentOptimWrapper, rank: int, world: int, wire: str | None, guard: bool
 ) -> Variant:
-    """A variant timing a round's own work over the wrapper's buckets, through a ``Gossip`` built as the
-    engine builds its own (``guard=False``: as ``nonfinite_guard=False``): ``stage`` of every bucket,
-    then, untimed, ``launch`` and ``wait`` (the network), then ``mix``."""
+    """A variant timing a round's ``stage`` and ``mix`` (the network untimed) over the wrapper's buckets,
+    through a ``Gossip`` built as the engine builds its own (``guard=False``: ``nonfinite_guard=False``)."""
     spec = resolve_compression(wire)
     plan = None if spec is None else CompressionPlan(wrapper.topology, spec)
     gossip_world = resolve_gossip_world(rank, world, None)  # the whole job, as the wrapper's
@@ -158,9 +155,8 @@ def gossip_round(
     return one_round
 
 
-# -- overhead ------------------------------------------------------------------------------------------
-#: Part (c): each row's wrapper options (``accum``: AccumAdamW, ``accum_iter=4``) and the row it is compared
-#: with; ``ring-again``, the reference again, is the control: its distance from 1 is the spread.
+#: Overhead (c): each row's wrapper options (``accum``: AccumAdamW, ``accum_iter=4``) and its reference;
+#: ``ring-again``, the reference again, is the control: its distance from 1 is the spread.
 LOCAL: dict[str, Any] = {"second_moment": "local"}
 RING_ROWS: dict[str, tuple[dict[str, Any], str]] = {
     "ring": (LOCAL, "ring"), "ring-again": (LOCAL, "ring"), "ring-average": ({}, "ring"),
@@ -172,8 +168,7 @@ RING_ROWS: dict[str, tuple[dict[str, Any], str]] = {
 
 
 def copy_equivalents(rank: int, world: int, args: Any, wire: str | None) -> dict[str, Any]:
-    """Part (a) on this rank: a round's staging and mix through the engine (guard on and off) and through
-    the same torch ops (``torch.div(x, k, out=buf)``, ``x.copy_(buf)``), over one copy of all parameters."""
+    """Overhead (a) on this rank: a round's stage and mix (guard on and off) against a copy of it all."""
     torch.manual_seed(0)
     model = build_mlp(args.width, args.width, args.depth, args.width)
     sgd = torch.optim.SGD(model.parameters(), lr=0.0)
@@ -181,27 +176,22 @@ def copy_equivalents(rank: int, world: int, args: Any, wire: str | None) -> dict
     tensors = [b.data for b in wrapper.buckets]
     src = torch.randn(sum(t.numel() for t in tensors))
     dst = torch.empty_like(src)
-    ops = [(x, torch.empty_like(x), x.clone()) for x in tensors]  # x.copy_(a clone) leaves x as it was
     variants = {
         "copy": lambda _: dst.copy_(src),
         "engine": gossip_round(wrapper, rank, world, wire, guard=True),
         "unguarded": gossip_round(wrapper, rank, world, wire, guard=False),
-        "ops": lambda _: {
-            "div": sum(timed(lambda x=x, s=s: torch.div(x, 2, out=s)) for x, s, _ in ops),
-            "copy": sum(timed(lambda x=x, r=r: x.copy_(r)) for x, _, r in ops),
-        },
     }
     with torch.no_grad():
         times = interleave(variants, args.reps, 3)  # the first rounds allocate and fault pages in
     out: dict[str, Any] = {"params": src.numel(), "buckets": len(tensors)}
-    for name in ("engine", "unguarded", "ops"):  # the median over repetitions of (two passes) / copy
+    for name in ("engine", "unguarded"):  # the median over repetitions of (stage + mix) / copy
         first, second = (times[k] for k in times if k.startswith(name + "."))
         out[name] = statistics.median(map(lambda a, b, c: (a + b) / c, first, second, times["copy"]))
     return out | {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}}
 
 
 def training_steps(world: int, args: Any) -> dict[str, Any]:
-    """Parts (b) and (c): a step of one MLP (512-1024-1024-10, AdamW) each way, interleaved."""
+    """Overhead (b) and (c): a step of one MLP (512-1024-1024-10, AdamW) each way, interleaved."""
     torch.manual_seed(0)
     reference = build_mlp(512, 1024, 3, 10)
     twin = partial(copy.deepcopy, reference)
@@ -232,23 +222,19 @@ def overhead_rank(rank: int, world: int, args: Any) -> dict[str, Any]:
 
 
 def overhead(args: Any) -> dict[str, Any]:
-    """(a) The engine's own work per round in copy-equivalents, uncompressed, with the guard off and with
-    each of --formats; (b) a training step at world size 1 with each front-end; (c) one on a 2-rank ring
-    with each feature (``RING_ROWS``).
-
-    Copy-equivalents: (staging + mix) / one ``dst.copy_(src)`` of all parameters in the same loop (target
-    <= 3; floor 2.0 uniform, 2.5 weighted). Targets of (b): 1.02 wrapped, 1.03 module.
-    """
+    """(a) The engine's own work per round in copy-equivalents ((staging + mix) / one copy of all
+    parameters), uncompressed, with the guard off and with each of --formats; (b) a training step at world
+    size 1 with each front-end; (c) one on a 2-rank ring with each feature (``RING_ROWS``)."""
     by_world = {str(w): on_ranks(w, overhead_rank, args) for w in sorted({1, *args.worlds})}
     rows = []
     for world, ranks in by_world.items():
         plain = ranks[0]["gossip"]["none"]["engine"]
         for wire, g in ranks[0]["gossip"].items():
-            m, own = g["median_ms"], [g["engine"], g["engine"] - plain, g["unguarded"], g["ops"]]
+            m, own = g["median_ms"], [g["engine"], g["engine"] - plain, g["unguarded"]]
             others = ", ".join(f"{ranks[r]['gossip'][wire]['engine']:.2f}" for r in sorted(ranks) if r)
             rows.append([world, wire, g["params"] / 1e6, *(m[k] for k in m), *own, others or None])
     ms = "|".join(f"{k} ms" for k in g["median_ms"])
-    head = f"world|wire|M params|{ms}|c-eq|c-eq over none|guard off c-eq|ops c-eq|other ranks' c-eq"
+    head = f"world|wire|M params|{ms}|c-eq|c-eq over none|guard off c-eq|other ranks' c-eq"
     tables = [table("(a) a round's own work (rank 0)", head, rows, ".2f")]
     for world, what in (("1", "(b) world size 1"), ("2", "(c) world size 2, a ring on loopback")):
         if world in by_world:
@@ -257,8 +243,7 @@ def overhead(args: Any) -> dict[str, Any]:
     return {"by_world": by_world, "tables": tables}
 
 
-# -- second_moment -------------------------------------------------------------------------------------
-#: The methods: wrapper options (None: the bare AdamW); ``seed``, given ``--seed-path``: the seed release.
+#: second_moment's methods: wrapper options (None: the bare AdamW); with ``--seed-path``, also ``seed``.
 SECOND_MOMENT: dict[str, dict[str, Any] | None] = {
     "bare": None, "local": {"second_moment": "local"}, "average": {}, "guard_off": {"nonfinite_guard": False}
 }  # fmt: skip
@@ -267,8 +252,7 @@ SEED_INSTALL = "uv pip install --no-deps --python-version 3.12 --target DIR dece
 
 
 def load_seed_wrapper(path: str | Path) -> Any:
-    """The seed release's ``DecentOptimWrapper`` from the folder ``path`` (``SEED_INSTALL``), imported with
-    this library's modules set aside, then put back: the release's classes keep their own modules."""
+    """The seed release's ``DecentOptimWrapper`` from ``path``, this library's modules set aside meanwhile."""
     package = "decent_optim_wrapper"
     if not (Path(path) / package / "wrapper.py").is_file():
         raise FileNotFoundError(f"--seed-path {str(path)!r} holds no {package}/wrapper.py: {SEED_INSTALL}")
@@ -306,8 +290,7 @@ def second_moment_steps(rank: int, world: int, args: Any) -> dict[str, Any]:
 
 
 def map_large_allocations() -> None:
-    """glibc maps every allocation of 64 KiB or more on its own, so the high-water mark follows the
-    tensors alive at once (a forked rank keeps the fork server's allocator)."""
+    """glibc maps every allocation of 64 KiB or more on its own: the high-water mark follows live tensors."""
     if ctypes.CDLL(None).mallopt(-3, 64 * 1024) != 1:  # M_MMAP_THRESHOLD, <malloc.h>
         raise RuntimeError("mallopt(M_MMAP_THRESHOLD) failed: glibc is required for the memory part")
 
@@ -327,12 +310,8 @@ def second_moment_memory(rank: int, world: int, args: Any, method: str) -> dict[
 def second_moment(args: Any) -> dict[str, Any]:
     """What Adam's second-moment rule costs: (a) a training step with each rule (``SECOND_MOMENT``; with
     --seed-path the seed release 0.1.1 too) on a 2-rank ring, interleaved; (b) the optimizer step alone,
-    the rule's against torch's single-tensor, foreach and fused AdamW; (c) the growth of the memory
-    high-water mark over the model and data in fresh ranks, and the optimizer state.
-
-    Targets: the default (average) at most 1.0x the seed's step and 1.08x local's (median paired);
-    average at most one model copy of memory over local.
-    """
+    the rule's against torch's single-tensor, foreach and fused AdamW; (c) the memory high-water mark's
+    growth in fresh ranks, and the optimizer state."""
     if args.seed_path:
         load_seed_wrapper(args.seed_path)  # a wrong folder fails here, before any rank starts
     t, steps = on_ranks(2, second_moment_steps, args)[0], {}
@@ -363,7 +342,6 @@ def second_moment(args: Any) -> dict[str, Any]:
     return {"time": t, "step": steps, "memory": mem, "tables": tables}
 
 
-# -- compression ---------------------------------------------------------------------------------------
 SPARSE = ["topk:0.01:int2", "topk:0.03:int2", "topk:0.03:int4", "randk:0.03:int2"]
 FORMATS = ["none", "bf16", "int8", "int4", *SPARSE]
 
@@ -393,8 +371,7 @@ def engine_round(rank: int, world: int, args: Any, fmt: str) -> dict[str, Any]:
 
 
 def codec_round(args: Any, fmt: str) -> dict[str, Any]:
-    """One process: the codec's calls of one round of a pair on a flat tensor of the model's size (``x -
-    r``, ``encode``, ``decode_into`` its own payload, ``add_into`` the peer's) against a training step."""
+    """One process: a pair's round of codec calls on a flat tensor of the model's size, against a step."""
     device = torch.device(args.device)
     model = make_lm_model(args.width, args.depth).to(device)  # seeded
     inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -441,13 +418,9 @@ def codec_round(args: Any, fmt: str) -> dict[str, Any]:
 
 
 def compression(args: Any) -> dict[str, Any]:
-    """A gossip round per wire format (--formats) against a training step of a 12.8M-parameter language
-    model: on 2 CPU ranks through the engine (--mode engine), or the codec's calls on one device with the
-    round's peak memory on CUDA (--mode codec --device cuda).
-
-    round: stage + mix, the network excluded. round/(8 steps): the share of a step that low-communication
-    gossip with sync_every=8 spends on its rounds (target for the sparse formats: under 0.10 on CPU).
-    """
+    """A gossip round (stage + mix) per wire format (--formats) against a training step of a 12.8M-parameter
+    language model: on 2 CPU ranks through the engine (--mode engine), or the codec's calls on one device
+    with the round's peak memory on CUDA (--mode codec --device cuda)."""
     if args.mode == "engine" and args.device != "cpu":
         raise SystemExit("--mode engine runs on CPU (gloo on loopback); use --mode codec for --device cuda")
     for fmt in set(args.formats) - {"none"}:
@@ -464,7 +437,6 @@ def compression(args: Any) -> dict[str, Any]:
     return {"rows": rows, "tables": [table(f"{args.mode} mode on {args.device}", head, cells, ".4g")]}
 
 
-# -- metrics -------------------------------------------------------------------------------------------
 def per_call_us(fn: Callable[[], object], calls: int = 2000) -> float:
     return min(timeit.repeat(fn, number=calls, repeat=5)) / calls * 1e6  # the best of 5 runs
 
@@ -501,7 +473,6 @@ def metrics(args: Any) -> dict[str, Any]:
     return {"time": t, "tables": tables}
 
 
-# -- status_records ------------------------------------------------------------------------------------
 def one_record(members: int, repeats: int) -> dict[str, float]:
     """A full record (its last changes of members) of a job of ``members``, sealed, into a TCPStore."""
     store, step = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False), [0]
@@ -541,9 +512,8 @@ def records_rank(rank: int, world: int, args: Any) -> dict[str, float]:
 
 
 def status_records(args: Any) -> dict[str, Any]:
-    """The status records the monitor reads: (a) one record's time and size (jobs of 4, 64, 512 members);
-    (b) a 2-rank elastic job's step with the records on and off (DECENT_STATUS_RECORDS=0), the two jobs
-    alternating over --rounds, the order swapped every round."""
+    """The status records: (a) one record's time and size (jobs of 4, 64, 512 members); (b) a 2-rank
+    elastic job's step with the records on and off, alternating over --rounds, the order swapped each time."""
     records, rounds, rows = [one_record(members, args.reps) for members in (4, 64, 512)], [], []
     elastic_job = partial(on_ranks, 2, records_rank, args)
     for k in range(args.rounds):
@@ -566,10 +536,8 @@ def status_records(args: Any) -> dict[str, Any]:
     return {"one_record": records, "rounds": rounds, "tables": tables}
 
 
-# -- import_time ---------------------------------------------------------------------------------------
-#: The statements timed in fresh interpreters; ``library`` also prints the wall and CPU seconds of the
-#: library's import after torch's, in the same interpreter: the cost (a difference of two whole start-ups
-#: would carry the noise of both on a busy machine).
+#: Timed in fresh interpreters; ``library`` also prints its import's wall and CPU seconds after torch's, the
+#: cost (a difference of two whole start-ups would carry the noise of both on a busy machine).
 STATEMENTS = {
     "torch": "import torch",
     "torch.distributed": "import torch; import torch.distributed",
@@ -586,8 +554,8 @@ def fresh_interpreter(statement: str) -> tuple[float, str]:
 
 
 def import_time(args: Any) -> dict[str, Any]:
-    """What `import decent_optim_wrapper` adds to `import torch` (a joiner's and every worker's start-up),
-    best of --reps fresh interpreters, interleaved; the run exits 1 when it is over --budget seconds."""
+    """What `import decent_optim_wrapper` adds to `import torch`, best of --reps fresh interpreters,
+    interleaved; the run exits 1 when it is over --budget seconds."""
     fresh_interpreter("import torch")  # warm the file cache: the first interpreter reads torch from disk
     times: dict[str, list[float]] = {name: [] for name in [*STATEMENTS, "library, CPU"]}
     for _ in range(args.reps):

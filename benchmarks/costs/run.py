@@ -1,10 +1,7 @@
-"""What the wrapper costs per step, and in memory: variants of a step timed interleaved, side by side::
+"""What the wrapper costs per step and in memory: each question (``questions.py``) times variants in one
+loop, the order rotating, against a reference in the same loop. ``--threads``: per process (default 1).
 
     uv run benchmarks/costs/run.py QUESTION [options] [--json PATH] [--table PATH]
-
-Every question (``questions.py``) times its variants in one loop, the order rotating every repetition,
-and reports ratios of medians against a reference timed in the same loop. ``--threads``: torch threads
-per process (default 1: on a small shared VM a multi-threaded pass waits for its slowest thread).
 """
 
 from __future__ import annotations
