@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -376,25 +375,9 @@ def ready_to_emulate() -> bool:
     return True
 
 
-# -- inside the ranks ----------------------------------------------------------------------------------
-
-
 def write_atomically(path: str, result: object) -> None:
     """Replace ``path`` in one rename: a driver that kills a rank at its deadline never reads half a file."""
     partial = f"{path}.partial"
     with open(partial, "w") as f:
         json.dump(result, f)
     os.replace(partial, path)
-
-
-def busy_cpu_seconds() -> float:
-    """Seconds all cores of the machine spent busy since boot (``/proc/stat``: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    """CPU seconds of this process, all its threads (gloo's included), user and system."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
