@@ -56,8 +56,8 @@ def shard_bytes(model: nn.Module) -> int:
 
 
 def sharded_training(model: nn.Module, kind: str, mesh: DeviceMesh | None, gossip: str | None) -> Any:
-    """``model`` sharded for ``kind`` (``whole``: not, ``torch-hsdp``: over the 2-D mesh, else over the
-    node's ranks) and AdamW, wrapped in ``gossip`` across the replicas (``mesh`` None: the world)."""
+    """``model`` sharded for ``kind`` (``whole``: not, ``torch-hsdp``: over the mesh, else over the node)
+    and AdamW, wrapped in ``gossip`` across the replicas (``mesh`` None: the world)."""
     if kind != "whole":
         shard_model(model, mesh if kind == "torch-hsdp" else mesh["shard"])  # type: ignore[index]
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -80,8 +80,7 @@ def link_tx_bytes() -> int | None:
 
 def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Callable[[], Any]]:
     """``model`` sharded for ``method``, its optimizer, and ``sent()``: bytes ``counted`` per step and rank
-    over the slow link (gossip: the engine's; torch's HSDP: a ring all-reduce of the fp32 gradient
-    shard), ``shard_bytes``, and the node's veth ``tx_bytes`` per step (warm-up and headers included)."""
+    (torch's HSDP: a ring all-reduce of the gradient shard), ``shard_bytes``, the veth's ``tx_bytes``."""
     shards = cfg.local_world_size
     replicas = cfg.world_size // shards
     kind = {"nocomm": "whole", "fsdp": "fsdp", "torch-hsdp": "torch-hsdp"}.get(method, "gossip-hsdp")
@@ -100,9 +99,6 @@ def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Call
         return {"counted": counted, "shard_bytes": float(own), "link_tx_per_step": link}
 
     return model, optimizer, sent
-
-
-# -- memory ---------------------------------------------------------------------------------------
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:

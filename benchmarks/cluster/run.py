@@ -247,9 +247,8 @@ SEEDS = 100  # head starts are random: the prediction is a mean over this many s
 
 
 def link_sharing(args: argparse.Namespace) -> tuple[Any, str]:
-    """Groups A and B (``SHARING_GROUPS``) all-reduce one model over the same link, B ``delta``
-    after A; every ``SharingModel`` of a grid predicts each group's duration, the best fit is what
-    ``report`` replays with. ``--fit PATH`` fits a stored run again (no root)."""
+    """Groups A and B all-reduce one model over one link, B ``delta`` after A; the ``SharingModel`` of a
+    grid that predicts their durations best is ``report``'s. ``--fit PATH``: a stored run (no root)."""
     if args.fit:
         record = json.loads(Path(args.fit).read_text())
         record = record.get("results", record)  # a file run.py wrote keeps the run under "results"
@@ -379,7 +378,6 @@ MEASURES["accelerate"] = speed
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """``QUESTION`` and its options, one ``--name`` per default in ``questions.py``."""
     asked = {name: (q.help, q.defaults) for name, q in QUESTIONS.items()}
     parser = question_parser(__doc__.split("\n")[0], asked)
     args = parser.parse_args(argv)
