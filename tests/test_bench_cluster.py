@@ -114,7 +114,7 @@ def test_uneven_fleet_rates_bounds_and_planner():
 def test_hsdp_rows_count_each_node_link_once_per_rank_and_the_planner_takes_the_rank_share():
     def memory(total: int, growth: int) -> dict:
         held = dict.fromkeys(hsdp.HELD_COLUMNS, 0) | {"params": total, "total": total}
-        return {"held": held, "rss_growth": growth, "peak_rss_growth": 2 * growth}
+        return {"held": held, "peak_rss_growth": growth}
 
     rows = hsdp.memory_rows({"whole": [memory(100, 10), memory(80, 8)], "gossip-hsdp": [memory(60, 6)] * 4})
     assert rows["whole"]["total"] == 100 and rows["gossip-hsdp"]["ranks"] == 4
@@ -122,17 +122,8 @@ def test_hsdp_rows_count_each_node_link_once_per_rank_and_the_planner_takes_the_
     sent = [
         {"counted": 1e6, "shard_bytes": 1e6, "link_tx_per_step": tx} for tx in (2.0e6, 2.2e6, 1.8e6, 1.8e6)
     ]
-    runs = {
-        "ring": {
-            "median_s": 0.5,
-            "mean_s": 0.52,
-            "bytes_sent_per_step": sent,
-            "measured": {"cpu_s": [[0.4, 0.6]] * 4},
-        }
-    }
-    row = hsdp.cluster_rows(runs, shards=2, iters=10)["ring"]
-    assert row["link_bytes"] == pytest.approx((2.1e6 / 2 + 1.8e6 / 2) / 2)
-    assert row["link_bytes_max"] == pytest.approx(2.1e6 / 2) and row["cpu_ms"] == pytest.approx(50.0)
+    row = hsdp.cluster_rows({"ring": {"median_s": 0.5, "bytes_sent_per_step": sent}}, shards=2)["ring"]
+    assert row["link_bytes"] == pytest.approx((2.1e6 / 2 + 1.8e6 / 2) / 2) and row["median_ms"] == 500.0
     args = run.parse_args(["hsdp"])
     predicted = run.planner_predictions(["fsdp", "torch-hsdp", "ring", "ring@bf16"], 1e6, args)
     assert predicted["fsdp"] == pytest.approx(400.0)  # the planner's no-comm step: the compute
@@ -195,7 +186,6 @@ def test_rank_times_every_kind_of_method_on_loopback(tmp_path):
     draws = ComputeTimes(0.005, "lognormal", args.sigma, slow_factor=args.slow_factor, seed=args.seed)
     slept = {"none": [0.005] * 4, "lognormal": draws.draws(0, 6)[2:]}  # warm-up 2, then 4 timed
     assert all(t >= s for k in keys for t, s in zip(result["times"][k], slept[k.split("/")[0]], strict=True))
-    assert "busy_s" in result["measured"]["none/ddp"]  # rank 0 reads the machine's CPU
     sent, model_bytes = result["bytes_sent_per_step"], 4 * result["params"]
     assert sent["none/nocomm"] == 0 and sent["none/ddp"] == pytest.approx(model_bytes)  # a ring at 2 ranks
     assert sent["none/ddp-bf16"] == pytest.approx(model_bytes / 2)
@@ -209,20 +199,8 @@ def test_rank_times_every_kind_of_method_on_loopback(tmp_path):
 def test_accelerate_and_fleet_ranks_on_loopback(tmp_path):
     """accelerate's ranks (the Accelerate loop) and uneven's (step ends, paced rounds)."""
     pytest.importorskip("accelerate", reason="the [accelerate] extra is not installed")
-    argv = [
-        "--rounds",
-        "1",
-        "--iters",
-        "4",
-        "--warmup",
-        "0",
-        "--every",
-        "2",
-        "--inputs",
-        "16",
-        "--width",
-        "16",
-    ]
+    argv = ["--rounds", "1", "--iters", "4", "--warmup", "0", "--every", "2", "--inputs", "16"]
+    argv += ["--width", "16"]
     paths = run_ranks(RANK, 2, rank_flags("accelerate", *argv, "--batch", "8"), tmp_path, loopback(), 240)
     result = json.loads(paths[0].read_text())
     assert all(
@@ -263,23 +241,13 @@ def test_hsdp_memory_part_end_to_end(tmp_path, monkeypatch):
 @pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")
 def test_speed_question_end_to_end_on_the_emulated_cluster(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    argv = [
-        "speed",
-        "--bandwidths",
-        "unlimited",
-        "200mbit",
-        "--methods",
-        "nocomm",
-        "ddp",
-        "ring",
-        "ring-module",
-    ]
-    argv += ["--batch", "64", "--iters", "2", "--warmup", "1", "--rounds", "1", "--link-check-mb", "1"]
+    argv = ["speed", "--bandwidths", "unlimited", "200mbit", "--methods", "nocomm", "ddp", "ring"]
+    argv += ["ring-module", "--batch", "64", "--iters", "2", "--warmup", "1", "--rounds", "1"]
+    argv += ["--link-check-mb", "1"]
     run.main([*argv, "--json", "s.json", "--table", "s.md"])
     results = json.loads((tmp_path / "s.json").read_text())["results"]
     assert set(results["summary"]) == {"unlimited", "200mbit"}
     assert set(results["summary"]["200mbit"]["relative"]) == {"nocomm", "ddp", "ring", "ring-module"}
-    assert {t["target"] for t in results["targets"]} >= {"ring / nocomm", "DDP / ring"}
     assert (tmp_path / "s.md").read_text().startswith("$ uv run")
     assert not [n for n in os.popen("ip netns list").read().split() if n.startswith("dow-")]
 

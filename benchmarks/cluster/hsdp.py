@@ -2,10 +2,7 @@
 
 Decentralized HSDP shards each replica over a node's ranks with FSDP2 (mesh dimension ``"shard"``) and
 gossips every shard across the replicas (``device_mesh=mesh["replicate"]``); torch's HSDP all-reduces
-each gradient shard across the replicas in every backward. Timed methods: ``fsdp`` (replicas never
-talk: the floor), ``torch-hsdp`` and gossip ``topology[@compression]``. Memory configurations: ``whole``
-(gossip, no mesh), ``gossip-hsdp``, ``torch-hsdp``, ``@bf16`` after a gossip one; RSS follows the
-tensors only because the driver makes glibc map every allocation of 128 KiB or more on its own.
+each gradient shard across the replicas in every backward; ``fsdp`` never talks across replicas.
 """
 
 from __future__ import annotations
@@ -59,8 +56,8 @@ def shard_bytes(model: nn.Module) -> int:
 
 
 def sharded_training(model: nn.Module, kind: str, mesh: DeviceMesh | None, gossip: str | None) -> Any:
-    """``model`` sharded for ``kind`` (``whole``: not, ``torch-hsdp``: over the 2-D mesh, else over the
-    node's ranks) and AdamW, wrapped in ``gossip`` across the replicas (``mesh`` None: the world)."""
+    """``model`` sharded for ``kind`` (``whole``: not, ``torch-hsdp``: over the mesh, else over the node)
+    and AdamW, wrapped in ``gossip`` across the replicas (``mesh`` None: the world)."""
     if kind != "whole":
         shard_model(model, mesh if kind == "torch-hsdp" else mesh["shard"])  # type: ignore[index]
     adamw = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -83,8 +80,7 @@ def link_tx_bytes() -> int | None:
 
 def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Callable[[], Any]]:
     """``model`` sharded for ``method``, its optimizer, and ``sent()``: bytes ``counted`` per step and rank
-    over the slow link (gossip: the engine's; torch's HSDP: a ring all-reduce of the fp32 gradient
-    shard), ``shard_bytes``, and the node's veth ``tx_bytes`` per step (warm-up and headers included)."""
+    (torch's HSDP: a ring all-reduce of the gradient shard), ``shard_bytes``, the veth's ``tx_bytes``."""
     shards = cfg.local_world_size
     replicas = cfg.world_size // shards
     kind = {"nocomm": "whole", "fsdp": "fsdp", "torch-hsdp": "torch-hsdp"}.get(method, "gossip-hsdp")
@@ -103,9 +99,6 @@ def build(method: str, model: nn.Module, cfg: Any) -> tuple[nn.Module, Any, Call
         return {"counted": counted, "shard_bytes": float(own), "link_tx_per_step": link}
 
     return model, optimizer, sent
-
-
-# -- memory ---------------------------------------------------------------------------------------
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor | None], seen: set[int]) -> int:
@@ -178,40 +171,35 @@ def memory_rank(cfg: Any) -> None:
     gc.collect()
     baseline = rss_bytes()
     model, optimizer = train(cfg, cfg.mem_width, cfg.mem_steps)
-    steady = rss_bytes()  # before held_tensor_bytes, whose copies would count
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     params, held = sum(p.numel() for p in model.parameters()), held_tensor_bytes(model, optimizer)
     result = {"config": cfg.config, "rank": dist.get_rank(), "params": params, "held": held}
-    result |= {"rss_growth": steady - baseline, "peak_rss_growth": peak - baseline}
+    result["peak_rss_growth"] = peak - baseline
     dist.barrier()
     write_atomically(cfg.out, result)
 
 
 def memory_rows(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, float]]:
-    """Per configuration: the largest rank's bytes of each kind and RSS growth."""
+    """Per configuration: the largest rank's bytes of each kind and peak RSS growth."""
     rows = {}
     for config, ranks in results.items():
         row: dict[str, float] = {kind: max(r["held"][kind] for r in ranks) for kind in HELD_COLUMNS}
-        row |= {growth: max(r[growth] for r in ranks) for growth in ("rss_growth", "peak_rss_growth")}
-        row["ranks"] = len(ranks)
+        row |= {"peak_rss_growth": max(r["peak_rss_growth"] for r in ranks), "ranks": len(ranks)}
         rows[config] = row
     return rows
 
 
-def cluster_rows(runs: dict[str, Any], shards: int, iters: int) -> dict[str, dict[str, float | None]]:
-    """Per method: step times (ms), CPU per step, bytes per step and rank on the slow link (a node's:
-    its ranks' mean reading over ``shards``; ``link_bytes``: the mean over nodes, ``_max``: the busiest)."""
+def cluster_rows(runs: dict[str, Any], shards: int) -> dict[str, dict[str, float | None]]:
+    """Per method: the median step (ms) and bytes per step and rank on the slow link (``link_bytes``: the
+    mean over nodes of a node's ranks' mean reading over ``shards``)."""
     rows: dict[str, dict[str, float | None]] = {}
     for method, run in runs.items():
         sent = run["bytes_sent_per_step"]  # one dict per rank, in rank order
         readings = [s["link_tx_per_step"] for s in sent]
-        windows = [seconds for rank in run["measured"].get("cpu_s", []) for seconds in rank]
-        row = rows[method] = {"median_ms": 1e3 * run["median_s"], "mean_ms": 1e3 * run["mean_s"]}
-        row["cpu_ms"] = 1e3 * sum(windows) / len(windows) / iters if windows else None
+        row = rows[method] = {"median_ms": 1e3 * run["median_s"], "link_bytes": None}
         row["counted_bytes"] = max(s["counted"] for s in sent)
-        row["link_bytes"] = row["link_bytes_max"] = None
+        row["shard_bytes"] = max(s["shard_bytes"] for s in sent)
         if None not in readings:
             nodes = [sum(readings[i : i + shards]) / shards / shards for i in range(0, len(readings), shards)]
-            row["link_bytes"], row["link_bytes_max"] = sum(nodes) / len(nodes), max(nodes)
-        row["shard_bytes"] = max(s["shard_bytes"] for s in sent)
+            row["link_bytes"] = sum(nodes) / len(nodes)
     return rows

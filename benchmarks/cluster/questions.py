@@ -1,8 +1,5 @@
-"""The questions ``benchmarks/cluster/run.py`` answers: each a help line and its options' defaults.
-
-``run.py QUESTION --name value`` overrides any of them (``QUESTION --help`` lists them); the options
-reach ``benchmarks/cluster/rank.py`` as one JSON config.
-"""
+"""The questions ``benchmarks/cluster/run.py`` answers: a help line and the options' defaults each
+(``QUESTION --name value`` overrides one); the options reach ``rank.py`` as one JSON config."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
 """One rank of ``benchmarks/cluster/run.py``: trains each method in turn and writes what it measured.
 
-Started in its node's namespace as ``rank.py --rank R --world-size W --local-world-size L --out PATH
---config JSON`` (the question's options). ``mode``: ``timed`` (every method, under every scenario, once
-per round from one seed: AdamW on the same model and batch, only the communication differs; ``--out``
-rewritten after every round), ``fleet`` (the uneven fleet's step ends and pace report), ``sharing``
-(two groups' all-reduces, the second ``delta`` after the first) or ``memory`` (``hsdp.py``'s memory part).
-Methods: ``nocomm``, ``ddp``, ``ddp-bf16``, ``avg~hH`` (``PostLocalSGDOptimizer``), ``torchft~hH[dD]``
-(DiLoCo) and gossip in ``harness/methods.py``'s grammar; the Accelerate loop's with ``loop: accelerate``,
-``hsdp.py``'s with ``shards``.
+``mode`` (in ``--config``, the question's options): ``timed`` (every method under every scenario, once
+per round, from one seed), ``fleet`` (the uneven fleet's step ends and pace reports), ``sharing`` (two
+groups' all-reduces) or ``memory`` (``hsdp.py``'s). Methods: ``nocomm``, ``ddp``, ``ddp-bf16``,
+``avg~hH`` (``PostLocalSGDOptimizer``), ``torchft~hH[dD]`` (DiLoCo), gossip in ``harness/methods.py``'s
+grammar, the Accelerate loop's (``loop: accelerate``) and ``hsdp.py``'s (``shards``).
 """
 
 from __future__ import annotations
@@ -154,7 +151,6 @@ def segment(method: str, scenario: str | None, cfg: Any, round_: int = 0) -> dic
     slow = {"slow_factor": cfg.slow_factor, "seed": cfg.seed + round_}
     compute = ComputeTimes(cfg.compute_ms / 1e3, scenario or "none", cfg.sigma, **slow).draws(cfg.rank, steps)
     times, forward_s, compute_s = [], [], []
-    cpu = busy = 0.0
     with run.context:
         for i in range(steps):
             if i == 0 or cfg.fresh_batches:
@@ -164,7 +160,6 @@ def segment(method: str, scenario: str | None, cfg: Any, round_: int = 0) -> dic
                 y = torch.randint(0, 10, (rows,), generator=generator)
             if i == cfg.warmup:
                 dist.barrier()  # every rank starts the timed window together
-                cpu, busy = emu.own_cpu_seconds(), emu.busy_cpu_seconds()
             if isinstance(net, EmulatedMLP):
                 net.compute_s = compute[i]
             start = time.perf_counter()
@@ -173,20 +168,17 @@ def segment(method: str, scenario: str | None, cfg: Any, round_: int = 0) -> dic
             loss = nn.functional.cross_entropy(run.model(x), y)
             forward = time.perf_counter()
             run.backward(loss)
-            backward = time.perf_counter()
+            compute_s.append(time.perf_counter() - start)
+            forward_s.append(forward - start)
             if run.optimizer is not None:
                 run.optimizer.step()
             run.after_step()
             if i >= cfg.warmup:
                 times.append(time.perf_counter() - start)
-                forward_s.append(forward - start)
-                compute_s.append(backward - start)
-    result: dict[str, Any] = {"times": times, "cpu_s": emu.own_cpu_seconds() - cpu, "sent": run.sent()}
-    result["params"] = sum(p.numel() for p in net.parameters())
-    if cfg.rank == 0:
-        result["busy_s"] = emu.busy_cpu_seconds() - busy
-    if not emulated:
-        result["compute_s"], result["forward_s"] = compute_s, forward_s
+    result = {"times": times, "sent": run.sent(), "params": sum(p.numel() for p in net.parameters())}
+    if not emulated:  # what --compute emulated's sleeps stand for: the mean timed forward and backward
+        result |= {"compute_s": statistics.fmean(compute_s[cfg.warmup :])}
+        result |= {"forward_s": statistics.fmean(forward_s[cfg.warmup :])}
     run.finish()  # finishes the last gossip round, closes torchft's manager; untimed
     dist.barrier()  # the next segment starts on every rank together
     return result
@@ -197,8 +189,8 @@ def timed(cfg: Any) -> None:
     segments = [(s, m) for s in cfg.scenarios or [None] for m in cfg.methods]
     keys = [m if s is None else f"{s}/{m}" for s, m in segments]
     times: dict[str, list[float]] = {k: [] for k in keys}
-    extra: dict[str, dict[str, list[Any]]] = {k: {} for k in keys}
     sent: dict[str, Any] = {}
+    extra: dict[str, dict[str, list[float]]] = {k: {} for k in keys}
     rounds, params = [], 0
     segment("nocomm", None, cfg)  # a process's first steps are slow (lazy imports, allocator): untimed
     for r in range(cfg.rounds):
@@ -209,7 +201,7 @@ def timed(cfg: Any) -> None:
             times[key].extend(result.pop("times"))
             params, sent[key] = result.pop("params"), result.pop("sent")
             medians[key] = statistics.median(times[key][-cfg.iters :])
-            for name, value in result.items():  # per round: CPU seconds; per step: compute times
+            for name, value in result.items():  # real compute: its mean forward and backward per round
                 extra[key].setdefault(name, []).append(value)
         rounds.append(medians)
         record = {"rank": cfg.rank, "params": params, "times": times, "round_medians": rounds}

@@ -1,9 +1,5 @@
-"""The ``report`` question: tables of the ``scaling`` runs, the simulator replayed on each, predictions.
-
-Reads every ``emulated-*.json`` (and ``real-*.json``) in ``--results``: per scenario and ranks per node
-each method's mean iteration time and ratio to no communication against the nodes, beside the error of
-the simulator (``decent_optim_wrapper.plan``) replaying the run; the figure; predictions at
-``--predict-nodes`` nodes; the ranks' CPU; real against emulated compute.
+"""The ``report`` question: the ``scaling`` runs' tables (``emulated-*.json`` in ``--results``) beside
+the simulator's replay of each run, the figure, and predictions at ``--predict-nodes`` nodes.
 """
 
 from __future__ import annotations
@@ -39,14 +35,10 @@ TITLES = {
 }
 
 
-def read_run(path: Path) -> dict[str, Any]:
-    """One run's record (``run.py`` keeps it under ``results``)."""
-    record = json.loads(path.read_text())
-    return {**record.pop("results", {}), **record}
-
-
-def load(folder: Path, kind: str) -> list[dict[str, Any]]:
-    records = [read_run(path) for path in sorted(folder.glob(f"{kind}-*.json"))]
+def load(folder: Path) -> list[dict[str, Any]]:
+    """The ``scaling`` runs in ``folder`` (``run.py`` keeps a run under ``results``), by ranks per node."""
+    records = [json.loads(path.read_text()) for path in sorted(folder.glob("emulated-*.json"))]
+    records = [{**record.pop("results", {}), **record} for record in records]
     return sorted(records, key=lambda r: (r["args"]["workers_per_node"], r["args"]["nodes"]))
 
 
@@ -204,50 +196,13 @@ def markdown(
     return "\n\n".join([*out, markdown_table(columns, table, ".2f")]) + "\n"
 
 
-def cpu_table(records: list[dict[str, Any]], scenario: str = "none") -> str:
-    """Per run: each rank's own CPU per step (ms) and the machine's busy share, per method."""
-    rows = []
-    for record in records:
-        args = record["args"]
-        for method in args["methods"]:
-            if run := record["runs"].get(f"{scenario}/{method}"):
-                steps = len(run["round_medians_s"]) * args["iters"]
-                cpu = sum(sum(per_rank) for per_rank in run["measured"]["cpu_s"])
-                summary = record["summary"][f"{scenario}/{method}"]
-                shares = [f"{100 * summary[k]:.0f}%" for k in ("ranks_cpu_fraction", "machine_cpu_fraction")]
-                size = f"{args['nodes']} x {args['workers_per_node']}"
-                rows.append([size, method, 1e3 * cpu / len(run["rank_means_s"]) / steps, *shares])
-    header = ["nodes x ranks", "method", "CPU per rank and step (ms)", "ranks' CPU / cores", "machine busy"]
-    return "\n" + markdown_table(header, rows, ".1f") + "\n"
-
-
-def calibration(folder: Path) -> str:
-    """Real vs emulated compute at the same size, per method (emulated: ``calibration-emulated-NxL.json``
-    where there is one, waiting as long as the real run's steps)."""
-    rows = []
-    for real in load(folder, "real"):
-        args = real["args"]
-        size = f"{args['nodes']}x{args['workers_per_node']}"
-        names = (f"calibration-emulated-{size}.json", f"emulated-{size}.json")
-        found = [folder / n for n in names if (folder / n).exists()]
-        if found:
-            emulated = read_run(found[0])
-            for method in args["methods"]:
-                a, b = measured_ms(real, method), measured_ms(emulated, f"none/{method}")
-                if a and b:
-                    rows.append([str(args["nodes"]), method, a, b, f"{100 * (b / a - 1):+.1f}%"])
-    header = ["nodes", "method", "real compute (ms)", "emulated compute (ms)", "emulated / real - 1"]
-    return "\n" + markdown_table(header, rows, ".1f") + "\n"
-
-
 def report(
     folder: Path, figure_path: Path, sigma: float, node_counts: list[int]
 ) -> tuple[dict[str, Any], str]:
-    records = load(folder, "emulated")
+    records = load(folder)
     rows = validate(records)
     figure(records, rows, figure_path)
     predicted = predictions(sigma, node_counts)
-    text = markdown(records, rows, predicted) + cpu_table(records) + calibration(folder)
     lines = []
     for local in sorted({r["workers_per_node"] for r in rows}):
         group = [r for r in rows if r["workers_per_node"] == local]
@@ -258,10 +213,5 @@ def report(
             f"{local} rank(s) per node: worst simulator error {100 * worst['error']:+.1f}% ({where}); "
             f"mean |error| {100 * mean:.1f}% over {len(group)} runs"
         )
-    cells = []
-    for r in rows:
-        size, error = f"{r['nodes']} x {r['workers_per_node']}", f"{100 * r['error']:+.1f}%"
-        cells.append([size, r["scenario"], r["method"], r["measured_ms"], r["predicted_ms"], error])
-    header = ["nodes x L", "scenario", "method", "measured ms", "predicted ms", "error"]
-    table = markdown_table(header, cells, ".1f")
-    return {"validation": rows, "predictions": predicted}, text + "\n" + table + "\n\n" + "\n".join(lines)
+    text = markdown(records, rows, predicted) + "\n" + "\n".join(lines)
+    return {"validation": rows, "predictions": predicted}, text

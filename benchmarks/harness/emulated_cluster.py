@@ -1,17 +1,11 @@
-"""An emulated cluster on one machine: network namespaces on a bridge, links shaped with ``tc tbf``.
-
-:class:`Cluster` builds ``nodes`` namespaces (``dow-n0``, ...), each with one veth to a bridge namespace
-(``dow-br``), and removes them on exit, error or Ctrl-C; ranks of one node talk over loopback, unshaped.
-:func:`run_ranks` starts one process per rank inside its node and collects their results within a
-deadline. Building it needs root (:func:`ready_to_emulate`).
-"""
+"""An emulated cluster on one machine (root): network namespaces on a bridge, links shaped with ``tc tbf``;
+:func:`run_ranks` starts one process per rank inside its node and collects their results."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -33,7 +27,7 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
 def sh(*cmd: str, timeout: float = 20.0) -> str:
-    """Run a command (``ip``/``tc``), raise with its stderr if it fails."""
+    """Run ``ip``/``tc``; raise with its stderr if it fails."""
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(cmd)}` failed: {done.stderr.strip()}")
@@ -49,7 +43,8 @@ def remove_namespaces() -> None:
 
 
 class Cluster:
-    """``nodes`` namespaces on one bridge; a context manager that always removes them."""
+    """``nodes`` namespaces (``dow-n0``, ...) with a veth each to a bridge namespace (``dow-br``); removed
+    on exit, error or Ctrl-C. Ranks of one node talk over loopback, unshaped."""
 
     def __init__(self, nodes: int) -> None:
         self.nodes = nodes
@@ -96,9 +91,8 @@ class Cluster:
         return total
 
     def shape(self, rate: str | None, burst: int | None = None, latency: str = "100ms") -> None:
-        """Every link to ``rate`` (a tc rate such as ``1gbit``) both ways; None removes the shaping.
-        ``burst``: the bucket's bytes (default 4 ms at the rate, at least 64 KiB: a GSO packet; a link of
-        tens of kbit/s wants a few packets instead); ``latency``: tc's limit on a packet's queueing."""
+        """Every link to ``rate`` (tc's units) both ways, None: unshaped. ``burst``: the bucket's bytes
+        (default 4 ms at the rate, at least a 64 KiB GSO packet); ``latency``: tc's queueing limit."""
         if rate is not None and burst is None:
             burst = max(64 * 1024, rate_bits(rate) // 8 // 250)
         for node in range(self.nodes):
@@ -162,8 +156,8 @@ print(1e3 * statistics.median(times))
 
 
 def client_server(cluster: Cluster, server: str, client: str, args: list[str], timeout_s: float) -> str:
-    """``server`` in node 0 and ``client`` in node 1 (both given ``address port *args``): the client's
-    output, or if it printed nothing, the server's."""
+    """``server`` in node 0, ``client`` in node 1 (both given ``address port *args``): what the client
+    printed, else the server."""
     serve = ["ip", "netns", "exec", cluster.namespace(0), sys.executable, "-c", server, *args]
     served = subprocess.Popen(serve, stdout=subprocess.PIPE, text=True)
     try:
@@ -182,14 +176,13 @@ def client_server(cluster: Cluster, server: str, client: str, args: list[str], t
 
 
 def measure_link(cluster: Cluster, megabytes: float, port: int, timeout_s: float = 60.0) -> float:
-    """Mbit/s of one TCP stream of ``megabytes`` from node 1 to node 0 (checks that the shaping works),
-    over the whole stream or its first ``timeout_s / 2`` seconds: it returns within about ``timeout_s``."""
+    """Mbit/s of one TCP stream of ``megabytes`` from node 1 to node 0, over at most ``timeout_s / 2`` s."""
     args = [cluster.address(0), str(port), str(int(megabytes * 10**6))]
     return float(client_server(cluster, LINK_RECEIVER, LINK_SENDER, [*args, str(timeout_s / 2)], timeout_s))
 
 
 def round_trip_ms(cluster: Cluster, port: int) -> float:
-    """Median round trip of a one-byte TCP message node 1 -> node 0 -> node 1 on the idle link, in ms."""
+    """Median ms of a one-byte TCP round trip node 1 -> node 0 -> node 1 on the idle link."""
     return float(client_server(cluster, ECHO_SERVER, ECHO_CLIENT, [cluster.address(0), str(port)], 30.0))
 
 
@@ -247,8 +240,8 @@ def measure_message_bytes(
 
 
 def node_env(cluster: Cluster | None, node: int, port: int) -> dict[str, str]:
-    """The environment of a process on ``node``: rank 0's address and ``port`` to meet at, this node's
-    interface and address (``NODE_ADDR``), one thread; without a cluster, loopback."""
+    """A process on ``node``'s environment: rank 0's address and ``port``, this node's interface and
+    ``NODE_ADDR``, one thread (without a cluster: loopback)."""
     addresses = {"MASTER_ADDR": "127.0.0.1", "NODE_ADDR": "127.0.0.1"}
     if cluster is not None:
         addresses = {"MASTER_ADDR": cluster.address(0), "NODE_ADDR": cluster.address(node)}
@@ -259,8 +252,7 @@ def node_env(cluster: Cluster | None, node: int, port: int) -> dict[str, str]:
 def start_in_node(
     cluster: Cluster | None, node: int, argv: Sequence[str], env: dict[str, str], log: Path
 ) -> Any:
-    """Start ``python argv...`` inside ``node``'s namespace (without a cluster: here), in a session of
-    its own (``stop`` kills the session), its output to ``log``."""
+    """``python argv...`` in ``node``'s namespace (no cluster: here), own session, output to ``log``."""
     command = [sys.executable, *argv]
     if cluster is not None:
         command = ["ip", "netns", "exec", cluster.namespace(node), *command]
@@ -280,8 +272,8 @@ def stop(procs: list) -> None:
 def wait_for(
     procs: Sequence[subprocess.Popen], seconds: float, tick: Callable[[], None] | None = None
 ) -> bool:
-    """Wait until every process has exited, one has failed, or ``seconds`` have passed, calling ``tick``
-    between looks (a driver's hook, e.g. opening a gate); whether the time ran out with one running."""
+    """Wait until all have exited, one failed or ``seconds`` passed, calling ``tick`` between looks;
+    whether the time ran out with one running."""
     deadline = time.monotonic() + seconds
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         if any(p.returncode not in (None, 0) for p in procs):
@@ -301,10 +293,8 @@ def run_ranks(
     extra: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> list[dict[str, Any]] | None:
-    """``ranks`` processes of ``rank.py --rank R --world-size N --local-world-size L --out rankR.json
-    *extra``, ``per_node`` to a node (``env``: more variables), waited for up to ``seconds`` (stopping
-    at the first failure): every rank's JSON, or None with a failed rank's log tail printed. A rank
-    killed at the deadline keeps what it wrote last (its rounds so far)."""
+    """``ranks`` processes of ``rank.py ... *extra``, ``per_node`` to a node, for up to ``seconds``: every
+    rank's JSON (a rank killed at the deadline: what it wrote last), or None with a log tail printed."""
     outdir = Path(tempfile.mkdtemp(prefix=PREFIX))
     procs = []
     try:
@@ -338,8 +328,7 @@ def run_workers(
     extra: Sequence[str] = (),
     keys: Sequence[str] = (),
 ) -> dict | None:
-    """``args.nodes * args.workers_per_node`` timed ranks; per result key (default: the methods) the
-    :func:`summarize` of the rounds every rank finished, or None on failure."""
+    """Timed ranks; per key (default: the methods) the :func:`summarize` of the rounds all finished."""
     per_node = args.workers_per_node
     ranks = run_ranks(cluster, port, args.nodes * per_node, per_node, seconds, extra)
     if ranks is None:
@@ -367,8 +356,7 @@ def summarize(method: str, ranks: list[dict[str, Any]], rounds: int, iters: int)
 
 
 def ready_to_emulate() -> bool:
-    """Whether this process can build the emulated cluster (says why not); if so SIGTERM becomes an
-    exit, so that the namespaces are removed."""
+    """Whether this process can build the cluster (says why not); if so SIGTERM exits, removing it."""
     if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
         print("skipped: needs root for network namespaces (and iproute2's ip and tc)")
         return False
@@ -376,25 +364,9 @@ def ready_to_emulate() -> bool:
     return True
 
 
-# -- inside the ranks ----------------------------------------------------------------------------------
-
-
 def write_atomically(path: str, result: object) -> None:
-    """Replace ``path`` in one rename: a driver that kills a rank at its deadline never reads half a file."""
+    """Replace ``path`` in one rename: a rank killed at its deadline never leaves half a file."""
     partial = f"{path}.partial"
     with open(partial, "w") as f:
         json.dump(result, f)
     os.replace(partial, path)
-
-
-def busy_cpu_seconds() -> float:
-    """Seconds all cores of the machine spent busy since boot (``/proc/stat``: all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def own_cpu_seconds() -> float:
-    """CPU seconds of this process, all its threads (gloo's included), user and system."""
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime

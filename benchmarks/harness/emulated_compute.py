@@ -1,10 +1,6 @@
-"""A model whose forward and backward are waits of a chosen length: real parameters, no arithmetic.
-
-``EmulatedMLP`` has ``common.build_mlp``'s parameters (same shapes and order, so DDP and the engine
-bucket it alike) and runs them on a few rows, sleeping after each ``Linear`` that layer's share of the
-step's compute, in forward and in backward: gradients appear in the order and at the times a real
-backward makes them, so communication overlaps backward as it would; the optimizer step, the bytes
-and the collectives stay real, and a sleep leaves the core free for other ranks.
+"""A model whose forward and backward are waits of a chosen length: ``build_mlp``'s parameters on a few
+rows, each ``Linear`` followed by its share of the compute as a sleep (in forward and in backward), so
+gradients appear when a real backward would make them while a sleep leaves the core to other ranks.
 """
 
 from __future__ import annotations
@@ -16,7 +12,7 @@ from torch import nn
 
 from benchmarks.harness.common import build_mlp
 
-#: Rows of the batch the parameters actually see: enough for non-zero gradients, no noticeable CPU.
+#: Rows the parameters see: enough for non-zero gradients, no noticeable CPU.
 ROWS = 8
 
 
@@ -36,9 +32,9 @@ class _Wait(torch.autograd.Function):
 
 
 class EmulatedMLP(nn.Module):
-    """``build_mlp(inputs, width, depth, outputs)`` whose compute is ``compute_s`` seconds of sleep (set
-    before each step), ``forward_fraction`` of it in forward. A layer's share of the forward is its
-    share of the multiply-adds; of the backward, twice that (once for the first layer: no input grad)."""
+    """``build_mlp``'s model computing ``compute_s`` seconds of sleep (set before each step),
+    ``forward_fraction`` in forward; a layer's share is its share of the multiply-adds, twice in backward
+    (once for the first layer: no input grad)."""
 
     def __init__(self, inputs: int, width: int, depth: int, outputs: int, forward_fraction: float) -> None:
         super().__init__()

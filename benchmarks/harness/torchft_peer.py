@@ -1,9 +1,6 @@
-"""torchft's ``DiLoCo`` as the benchmarks' external peer: one replica group per emulated node.
-
-Each :class:`TorchftDiLoCo` is one segment of a rank's run: its own ``Manager`` (store and manager ports
-of its own), the lighthouse on rank 0 (once per process), torchft's gloo group (the ``bench`` group).
-Every replica builds the model from one seed, so torchft's step-0 sync is off (it would fetch the model
-over HTTP from a host name that does not resolve inside a network namespace).
+"""torchft's ``DiLoCo`` as the benchmarks' external peer: one replica group per emulated node, a
+``Manager`` per segment, the lighthouse on rank 0. Step-0 sync is off: every replica builds the model
+from one seed, and the sync would fetch it from a host name a network namespace cannot resolve.
 """
 
 from __future__ import annotations
@@ -21,10 +18,8 @@ _segments = [0]
 
 
 class TorchftDiLoCo:
-    """torchft's DiLoCo over ``model``: ``inner`` steps locally, ``outer`` every ``every`` steps over the
-    replica groups (``delay``: ``fragment_sync_delay``; ``update_alpha``: ``fragment_update_alpha``, the
-    share of the delayed inner steps kept; ``timeout``: longer than one exchange on the link).
-    ``NODE_ADDR`` and ``MASTER_ADDR`` (rank 0's node) come from the environment."""
+    """torchft's DiLoCo over ``model``, ``outer`` every ``every`` steps (``delay``, ``update_alpha``:
+    ``fragment_sync_delay``, ``fragment_update_alpha``); ``NODE_ADDR``, ``MASTER_ADDR`` from the env."""
 
     def __init__(
         self, model: nn.Module, inner: torch.optim.Optimizer, outer: torch.optim.Optimizer, every: int,

@@ -1,10 +1,6 @@
-"""Uneven fleets: the speed scenarios, the fleet's measured rate, its bounds and the planner's rate.
-
-A scenario gives each rank a factor on the step's compute (:func:`speed_factor`): ``half2x`` (the first
-half of the ranks 2x slower), ``one3x`` (rank 0 3x slower) and ``shift`` (rank 0 3x slower until
-``shift_s`` seconds in, then the last rank). Used by ``cluster/run.py uneven`` and the uneven fleet's
-time to loss; ``args`` carries ``compute_ms``, ``shift_s``, ``sync_every``, ``rounds`` and the MLP's
-``inputs``, ``width``, ``depth``.
+"""Uneven fleets (``cluster/run.py uneven``, ``time_to_loss``): speed scenarios, the fleet's measured
+rate, its bounds and the planner's rate. ``args`` carries ``compute_ms``, ``shift_s``, ``sync_every``,
+``rounds`` and the MLP's ``inputs``, ``width``, ``depth``.
 """
 
 from __future__ import annotations
@@ -22,7 +18,8 @@ WARMUP_ROUNDS = {"ddp": 3, "sync": 3, "paced": 5}  # paced: 5, so that the first
 
 
 def speed_factor(scenario: str, rank: int, world_size: int, elapsed_s: float, shift_s: float) -> float:
-    """How many times the base compute a step of ``rank`` takes ``elapsed_s`` into the run."""
+    """How many times the base compute a step of ``rank`` takes ``elapsed_s`` into the run: ``half2x``
+    (the first half 2x), ``one3x`` (rank 0 3x), ``shift`` (rank 0 3x until ``shift_s``, then the last)."""
     if scenario == "half2x":
         return 2.0 if rank < world_size // 2 else 1.0
     if scenario == "one3x":
@@ -34,8 +31,7 @@ def speed_factor(scenario: str, rank: int, world_size: int, elapsed_s: float, sh
 
 
 def overhead_seconds(ranks: list[dict[str, Any]], scenario: str, args: Any) -> float:
-    """``o``: a step's time beyond its compute when training alone (median over the ranks of their
-    mean, the first two steps left out)."""
+    """``o``: a step's time beyond its compute when alone (median over ranks of their mean, from step 2)."""
     beyond = []
     for rank, result in enumerate(ranks):
         run = result[f"{scenario}/nocomm"]
@@ -47,8 +43,7 @@ def overhead_seconds(ranks: list[dict[str, Any]], scenario: str, args: Any) -> f
 
 
 def own_rates(scenario: str, n: int, window: tuple[float, float], o: float, args: Any) -> tuple[float, float]:
-    """The sum of the workers' own rates and ``n`` times the slowest, averaged over ``window`` (seconds
-    since the start), steps per second."""
+    """Steps/s: the sum of the workers' own rates and ``n`` x the slowest, averaged over ``window``."""
     a, b = window
     points = 2000
     total = slowest = 0.0
