@@ -2,8 +2,6 @@
 figures): a *variant* is one way of doing the same work, run once per repetition, the order rotating every
 repetition so that a drift of the machine affects them all alike."""
 
-from __future__ import annotations
-
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +15,6 @@ Variant = Callable[[int], object]
 
 
 def timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn()`` took."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

@@ -1,11 +1,7 @@
-"""A language-modelling task with no download: a byte-level causal transformer (pre-norm, learned
-positions, tied embeddings) on the top-level ``*.py`` files of the running Python's standard library
-(about 4.7 MB for CPython 3.11), sorted by name, read as bytes; the last 10% of the files are the
-validation set. Splits: ``iid`` (every worker samples the whole training set) and ``files`` (worker
-``r`` gets the ``r``-th contiguous run of files: data that differs between workers).
-"""
-
-from __future__ import annotations
+"""A language-modelling task with no download: a byte-level causal transformer (pre-norm, learned positions,
+tied embeddings) on the running Python's top-level standard library ``*.py`` files, sorted by name (the last
+10% for validation). Splits: ``iid`` (every worker samples all of it), ``files`` (worker ``r`` gets the
+``r``-th contiguous run of files)."""
 
 import math
 import os
@@ -15,14 +11,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-CONTEXT = 64
-VOCAB = 256
+CONTEXT, VOCAB, VALIDATION_SHARE = 64, 256, 0.1
 LM_SPLITS = ("iid", "files")
-VALIDATION_SHARE = 0.1
 
 
 def corpus_files() -> list[Path]:
-    """The standard library's top-level source files, sorted by name (the same list on every rank)."""
     return sorted(Path(os.__file__).parent.glob("*.py"))
 
 
@@ -42,11 +35,8 @@ def make_lm_data(world: int, rank: int, split: str) -> tuple[torch.Tensor, torch
     if split == "files":
         per = math.ceil(len(train) / world)
         train = train[rank * per : (rank + 1) * per]
-    train_tokens, validation_tokens = (
-        torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in part)), dtype=torch.uint8).long()
-        for part in (train, validation)
-    )
-    return train_tokens, validation_tokens
+    data = (bytearray(b"".join(f.read_bytes() for f in part)) for part in (train, validation))
+    return tuple(torch.frombuffer(part, dtype=torch.uint8).long() for part in data)
 
 
 def windows(tokens: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,5 +92,4 @@ def validation_loss(model: nn.Module, tokens: torch.Tensor, count: int = 256) ->
     g = torch.Generator().manual_seed(1)
     starts = torch.randint(0, len(tokens) - CONTEXT - 1, (count,), generator=g)
     x, y = windows(tokens, starts)
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()
+    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).item()
