@@ -23,16 +23,14 @@ def build_mlp(inputs: int, width: int, depth: int, outputs: int) -> nn.Sequentia
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for a local rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
 def local_ranks() -> Any:
-    """The multiprocessing context of local ranks: ``forkserver`` with :data:`PRELOAD`, so that a rank
-    starts in milliseconds with torch imported (a spawned one imports it again, about 4 s here) and yet
-    has no process group, thread or CUDA context; a script's later runs reuse the server."""
+    """``forkserver`` with :data:`PRELOAD`: a rank starts in milliseconds with torch imported (a spawned one
+    imports it again, about 4 s here), yet with no process group, thread or CUDA context."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first rank)
     return ctx
@@ -45,8 +43,7 @@ def collect_from_ranks(
     """``target(*args_for(rank, port, results))`` on ``world_size`` local ranks, each putting ``(rank,
     value)`` on ``results``: the values by rank, or raises if a rank fails or ``max_seconds`` pass."""
     ctx = local_ranks()
-    results = ctx.Queue()
-    port = free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=target, args=args_for(rank, port, results)) for rank in range(world_size)]
     for proc in procs:
         proc.start()

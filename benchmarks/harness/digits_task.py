@@ -1,6 +1,8 @@
 """scikit-learn's handwritten digits (shipped with it): 1797 8x8 images, a fixed stratified 20% (360) for
 the test set (accuracy moves in steps of 0.28 points: compare means over seeds), an MLP of 64 inputs."""
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -24,7 +26,6 @@ def make_digits() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 def make_digits_model(seed: int = 0, hidden: tuple[int, ...] = (128, 128)) -> nn.Module:
     """The MLP every method starts from for ``seed``: ``hidden`` widths between 64 inputs and 10 outputs."""
     torch.manual_seed(seed)
-    layers: list[nn.Module] = []
-    for width_in, width_out in zip((FEATURES, *hidden), hidden, strict=False):
-        layers += [nn.Linear(width_in, width_out), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(hidden[-1] if hidden else FEATURES, CLASSES))
+    sizes = (FEATURES, *hidden, CLASSES)
+    layers = [layer for a, b in itertools.pairwise(sizes) for layer in (nn.Linear(a, b), nn.ReLU())]
+    return nn.Sequential(*layers[:-1])

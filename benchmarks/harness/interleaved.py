@@ -1,6 +1,5 @@
-"""Variants timed interleaved, on the CPU or a GPU, and compared as ratios of medians (``costs/``, the GPU
-figures): a *variant* is one way of doing the same work, run once per repetition, the order rotating every
-repetition so that a drift of the machine affects them all alike."""
+"""Variants (ways of doing the same work) timed interleaved, the order rotating every repetition so that a
+drift of the machine affects them all alike, on the CPU or a GPU, and compared as ratios of medians."""
 
 import statistics
 import time

@@ -56,8 +56,7 @@ class _Block(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        n = x.shape[1]
+        h, n = self.norm1(x), x.shape[1]
         x = x + self.attention(h, h, h, attn_mask=self.mask[:n, :n], need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
 
@@ -87,9 +86,9 @@ def make_lm_model(width: int = 64, depth: int = 2, seed: int = 0) -> TinyGPT:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, tokens: torch.Tensor, count: int = 256) -> float:
-    """Mean next-byte cross-entropy (nats) over ``count`` fixed windows of the validation set."""
+def validation_loss(model: nn.Module, tokens: torch.Tensor) -> float:
+    """Mean next-byte cross-entropy (nats) over 256 fixed windows of the validation set."""
     g = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, len(tokens) - CONTEXT - 1, (count,), generator=g)
+    starts = torch.randint(0, len(tokens) - CONTEXT - 1, (256,), generator=g)
     x, y = windows(tokens, starts)
     return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).item()

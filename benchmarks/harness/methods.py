@@ -1,12 +1,9 @@
-"""How the benchmarks name a training method: ``topology[-module][-gt][~local][@compression][+optimizer]``
-or ``ddp[+optimizer]`` (docs/benchmarks.md gives the grammar with examples). ``topology``: any name
-``TopologyFactory`` knows, trained with DecentOptimWrapper (``ddp``: DistributedDataParallel); ``-module``
-the module front-end; ``-gt`` gradient tracking; ``~hH[n[LR][mM]][dD][p]`` low-communication gossip
-(``sync_every=H``, DiLoCo's outer Nesterov SGD, outer lr and momentum, ``sync_delay=D``, paced rounds of
-:class:`HalfFastSchedule`); ``@bf16``, ``@topk:0.01:int2``, ...: any ``compression=``; ``+adamw``,
-``+accum-adamw``, ``+muon`` (:class:`MuonAdamW`; none: SGD with momentum), then ``-local`` for
-``second_moment="local"``. E.g. ``ring-module-gt+accum-adamw``, ``complete~h8nd0`` (DiLoCo).
-"""
+"""Method names, ``topology[-module][-gt][~local][@compression][+optimizer]`` or ``ddp[+optimizer]``
+(docs/benchmarks.md): a ``TopologyFactory`` name (``ddp``: DistributedDataParallel), the module front-end,
+gradient tracking, ``~hH[n[LR][mM]][dD][p]`` low-communication gossip (``sync_every=H``, DiLoCo's outer
+Nesterov SGD, its lr and momentum, ``sync_delay=D``, paced rounds of :class:`HalfFastSchedule`), any
+``compression=``, ``+adamw``/``+accum-adamw``/``+muon`` (none: SGD with momentum) then ``-local`` for
+``second_moment="local"``; e.g. ``ring-module-gt+accum-adamw``, ``complete~h8nd0`` (DiLoCo)."""
 
 import math
 import re
@@ -31,8 +28,6 @@ LOCAL = re.compile(  # after "~"
     r"(?:d(?P<delay>[0-9]+))?(?P<paced>p)?"
 )
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
-
-
 nesterov_outer = partial(torch.optim.SGD, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
 OptimizerFactory = Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer]  # (name, parameter)s
 

@@ -1,6 +1,5 @@
 """A question driver's command line: one sub-command per question (a named set of defaults, its
-``questions.py``), one ``--flag`` per default beside ``--json`` and ``--table``, so that ``run.py QUESTION
---name value`` overrides any one of them and ``run.py QUESTION --help`` lists them."""
+``questions.py``), one ``--flag`` per default beside ``--json`` and ``--table``."""
 
 import argparse
 from collections.abc import Mapping
@@ -32,8 +31,7 @@ def add_defaults(
 def question_parser(
     description: str, questions: Mapping[str, tuple[Any, ...]], **options: Any
 ) -> argparse.ArgumentParser:
-    """``questions`` maps a name to its help line, its defaults and, optionally, its own ``special``
-    flags; ``options`` go to :func:`add_defaults`."""
+    """``questions``: name -> (help line, defaults[, own ``special``]); ``options``: :func:`add_defaults`."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=description, formatter_class=raw)
     subparsers = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")

@@ -1,6 +1,5 @@
-"""What every benchmark driver writes: markdown tables (cells through :func:`cell`: ``-`` for a missing
-figure), printed and written to ``--table``, and the raw results to ``--json``, both headed by the command
-that made them."""
+"""What every benchmark driver writes: markdown tables, printed and written to ``--table``, and the raw
+results to ``--json``, both headed by the command that made them."""
 
 import argparse
 import json
@@ -15,7 +14,6 @@ Rows = Iterable[Sequence[object]]
 
 
 def add_output_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--json PATH`` and ``--table PATH``, the two outputs :func:`save` writes."""
     parser.add_argument("--json", help="write the raw results (and the command) here")
     parser.add_argument("--table", help="write the printed table (and the command) here")
 
@@ -28,7 +26,6 @@ def cell(value: object, spec: str = ".3f") -> str:
 
 
 def markdown_table(header: Sequence[str], rows: Rows, spec: str = ".3f") -> str:
-    """A markdown table: ``header``, then one line per row, numbers formatted with ``spec``."""
     lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
     for row in rows:
         if len(row) != len(header):

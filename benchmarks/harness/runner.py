@@ -1,7 +1,6 @@
-"""Train methods side by side on started ranks, each from the same model and seeds: :func:`train` by steps,
-or a paced method (``~h8n0.1p``) by rounds, ``steps // H`` rounds of ``N H`` inner steps over the fleet (the
-samples of ``steps`` DDP steps); :func:`run` trains the classification tasks; :func:`on_local_ranks` starts
-a driver's local ranks."""
+"""Train methods side by side on started ranks, each from the same model and seeds (:func:`train`: by steps,
+or a paced method by rounds, ``steps // H`` of ``N H`` inner steps over the fleet: DDP's samples; :func:`run`:
+the classification tasks), and start a driver's local ranks (:func:`on_local_ranks`)."""
 
 import math
 import os
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import lr_scheduler
 
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.digits_task import make_digits, make_digits_model
@@ -32,8 +32,6 @@ Hook = Callable[[int, int, bool, float, Replicas | None], None]
 
 @dataclass
 class Result:
-    """What one method produced on the classification task, as rank 0 reports it."""
-
     method: str
     losses: list[float]  # per step, averaged over ranks (a paced method: per round, over its samples)
     distance_steps: list[int] = field(default_factory=list)
@@ -53,8 +51,6 @@ class Result:
 
 @dataclass
 class Trained:
-    """What :func:`train` returns on every rank (the sums over ranks are the same everywhere)."""
-
     losses: torch.Tensor  # per step (paced: per round), the mean over the ranks' samples
     final_loss: float  # the mean of the last twentieth of the steps (paced: the rounds covering them)
     seconds: float  # training time per rank, the hook's left out
@@ -64,8 +60,7 @@ class Trained:
 
 @dataclass
 class Task:
-    """A task's model and this rank's data: ``batch_loss(net)`` draws the next batch and returns its
-    loss; ``evaluate(net)`` is the held-out (loss, accuracy), accuracy NaN for the language model."""
+    """A task's model and this rank's batches; ``evaluate``: held-out (loss, accuracy; NaN for the LM)."""
 
     model: nn.Module
     batch_loss: BatchLoss
@@ -112,44 +107,19 @@ def make_task(
     return Task(model, batch_loss, evaluate)
 
 
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer, steps: int, warmup: int = 0
-) -> torch.optim.lr_scheduler.LRScheduler:
+def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: int = 0) -> lr_scheduler.LRScheduler:
     """A linear warmup from 1/``warmup`` of the learning rate over ``warmup`` steps, then a cosine to 0."""
-    lr = torch.optim.lr_scheduler
     if warmup <= 0:
-        return lr.CosineAnnealingLR(optimizer, T_max=steps)
+        return lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     if warmup >= steps:
         raise ValueError(f"warmup={warmup} must be shorter than the run's {steps} steps")
-    ramp = lr.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
-    decay = lr.CosineAnnealingLR(optimizer, T_max=steps - warmup)
-    return lr.SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
-
-
-def build_training(
-    spec: Method, model: nn.Module, make_optimizer: MakeOptimizer, steps: int, warmup: int = 0
-) -> tuple[nn.Module, torch.optim.Optimizer | None, Replicas | None, Any]:
-    """The module to call, the optimizer and its schedule (None for the module front-end, which steps
-    inside backward), and what gossips (None: DDP)."""
-    optimizer: torch.optim.Optimizer | None = None
-    replicas: Replicas | None = None
-    options = spec.engine_options()
-    if spec.topology is None:
-        net: nn.Module = DistributedDataParallel(model)
-        optimizer = make_optimizer(list(model.named_parameters()))
-    elif spec.module:
-        schedule = lambda opt: warmup_cosine(opt, steps, warmup)  # noqa: E731
-        net = replicas = DecentralizedDataParallel(model, make_optimizer, lr_scheduler_fn=schedule, **options)
-    else:
-        net = model
-        optimizer = replicas = DecentOptimWrapper(make_optimizer(list(model.named_parameters())), **options)
-    scheduler = None if optimizer is None else warmup_cosine(optimizer, steps, warmup)
-    return net, optimizer, replicas, scheduler
+    ramp = lr_scheduler.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
+    decay = lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps - warmup)
+    return lr_scheduler.SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
 
 
 def paced_plan(spec: Method, steps: int, rank: int, world: int) -> tuple[HalfFastSchedule | None, int, int]:
-    """A paced method's schedule, its rounds for the samples of ``steps`` steps and this rank's inner
-    steps; ``(None, 0, steps)`` unless paced."""
+    """A paced method's schedule, rounds for ``steps`` steps' samples and this rank's inner steps."""
     schedule = spec.schedule(world)
     if schedule is None:
         return None, 0, steps
@@ -173,7 +143,19 @@ def train(
     runs after every step or, paced, at every round's end, and may measure (a collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
-    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps, warmup)
+    optimizer: torch.optim.Optimizer | None = None  # None for the module front-end: it steps inside backward
+    replicas: Replicas | None = None  # what gossips (None: DDP)
+    options = spec.engine_options()
+    if spec.topology is None:
+        net: nn.Module = DistributedDataParallel(model)
+        optimizer = make_optimizer(list(model.named_parameters()))
+    elif spec.module:
+        cosine = lambda opt: warmup_cosine(opt, own_steps, warmup)  # noqa: E731
+        net = replicas = DecentralizedDataParallel(model, make_optimizer, lr_scheduler_fn=cosine, **options)
+    else:
+        net = model
+        optimizer = replicas = DecentOptimWrapper(make_optimizer(list(model.named_parameters())), **options)
+    scheduler = None if optimizer is None else warmup_cosine(optimizer, own_steps, warmup)
     hook = hook or (lambda *_: None)
     losses = torch.zeros(rounds or steps, dtype=torch.float64)
     # the samples behind each loss, summed over ranks below (paced: counted per round)
@@ -222,8 +204,7 @@ def train(
     if schedule is not None:  # the rounds that cover the last `tail` fleet steps
         tail = -(-tail // spec.sync_every)
     final = losses[-tail:].mean().item()
-    per_rank = [int(n) for n in totals[1:].tolist()]
-    return Trained(losses, final, totals[0].item() / world, sent, per_rank), replicas
+    return Trained(losses, final, totals[0].item() / world, sent, totals[1:].long().tolist()), replicas
 
 
 def on_average(replicas: Replicas | None, measure: Callable[[], Any]) -> Any:
@@ -240,17 +221,15 @@ def run(
     methods: list[str], steps: int, batch_size: int, lr: float, log_every: int, adam_lr: float = 3e-3,
     split: str = "iid", alpha: float = 0.1, task: str = "synthetic", seed: int = 0,
 ) -> list[Result]:  # fmt: skip
-    """Train each method in turn from ``seed``'s model and batches on this rank's part of the ``split``
-    (every rank calls this); rank 0 returns the Results: the consensus distance every ``log_every`` steps
-    and at the end, the averaged model's test accuracy."""
+    """Train each method in turn from ``seed``'s model and batches on this rank's part of ``split``; rank 0
+    returns the Results (consensus distance every ``log_every`` steps, the averaged model's accuracy)."""
     specs = [parse_method(method) for method in methods]  # a misspelt method fails before any trains
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def train_one(method: str, spec: Method) -> Result:
         draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
         setup = make_task(task, rank, world, seed, batch_size, draws, split, alpha)
-        distance_steps: list[int] = []
-        distances: list[float] = []
+        distance_steps, distances = [], []
 
         def measure(taken: int, span: int, last: bool, loss: float, replicas: Replicas | None) -> None:
             if last or covers_multiple(taken - span, taken - 1, log_every):
@@ -279,10 +258,9 @@ def run(
     for method, spec in zip(methods, specs, strict=True):
         if rank == 0:
             print(f"[{method}] training {steps} steps on {world} workers", flush=True)
-        result = train_one(method, spec)
-        results += [result] if rank == 0 else []
+        results.append(train_one(method, spec))
         dist.barrier()
-    return results
+    return results if rank == 0 else []
 
 
 def rank_main(rank: int, port: int, results: Any, job: Callable[[dict], Any], config: dict[str, Any]) -> None:
@@ -304,8 +282,7 @@ def rank_main(rank: int, port: int, results: Any, job: Callable[[dict], Any], co
 
 
 def on_local_ranks(job: Callable[[dict], Any], config: dict[str, Any], what: str) -> list[Any]:
-    """``job(config)`` on ``config["workers"]`` local ranks within ``config["deadline"]`` seconds, their
-    values in rank order; ``RuntimeError`` if a rank fails (``what`` names the run)."""
+    """``job(config)``'s values on ``config["workers"]`` local ranks in rank order, within its deadline."""
     args_for = lambda rank, port, results: (rank, port, results, job, config)  # noqa: E731
     by_rank = collect_from_ranks(config["workers"], rank_main, args_for, config["deadline"], what)
     return [by_rank[rank] for rank in range(config["workers"])]

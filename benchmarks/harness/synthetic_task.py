@@ -11,11 +11,10 @@ from benchmarks.harness.common import build_mlp
 FEATURES, CLASSES = 32, 10
 TRAIN_POINTS, TEST_POINTS = 16384, 8192
 SPLITS = ("iid", "dirichlet")
-MAX_DIRICHLET_DRAWS = 1000  # redraws of a label-skewed split before giving up (see dirichlet_split)
+MAX_DIRICHLET_DRAWS = 1000  # redraws of a label-skewed split before giving up
 
 
 def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Train and test sets of the synthetic task (identical on every rank)."""
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(CLASSES, FEATURES, generator=g) * 0.5
     labels = torch.randint(0, CLASSES, (TRAIN_POINTS + TEST_POINTS,), generator=g)
@@ -32,20 +31,13 @@ def make_model(seed: int = 0) -> nn.Module:
 def split_data(
     labels: torch.Tensor, world: int, split: str = "iid", alpha: float = 0.1, min_size: int = 1, seed: int = 0
 ) -> list[torch.Tensor]:
-    """The sorted indices of each worker's training points: ``iid`` deals them out in turn."""
+    """The sorted indices of each worker's training points: ``iid`` deals them out in turn, ``dirichlet``
+    divides each class in Dirichlet(``alpha``) proportions, redrawn until every worker holds ``min_size``
+    points (the split conditioned on that, as Hsu et al.'s and FedMA's partitioners do)."""
     if split == "iid":
         return [torch.arange(rank, len(labels), world) for rank in range(world)]
-    if split == "dirichlet":
-        return dirichlet_split(labels, world, alpha, min_size, seed)
-    raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
-
-
-def dirichlet_split(
-    labels: torch.Tensor, world: int, alpha: float, min_size: int, seed: int = 0
-) -> list[torch.Tensor]:
-    """Each class divided among ``world`` workers in Dirichlet(``alpha``) proportions (0.1: one or two
-    workers hold most of it, 100: nearly even), redrawn until every worker holds ``min_size`` points (the
-    split conditioned on that, as Hsu et al.'s and FedMA's partitioners do)."""
+    if split != "dirichlet":
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if not (isinstance(alpha, int | float) and 0 < alpha < float("inf")):
         raise ValueError(
             f"alpha must be a positive number, got {alpha!r} (0.1: strong skew, 100: nearly iid)"
