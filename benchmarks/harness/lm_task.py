@@ -41,8 +41,7 @@ def make_lm_data(world: int, rank: int, split: str) -> tuple[torch.Tensor, torch
 
 def windows(tokens: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-byte targets for windows of ``CONTEXT`` bytes starting at ``starts``."""
-    index = starts[:, None] + torch.arange(CONTEXT + 1)
-    chunk = tokens[index]
+    chunk = tokens[starts[:, None] + torch.arange(CONTEXT + 1)]
     return chunk[:, :-1], chunk[:, 1:]
 
 

@@ -32,6 +32,8 @@ Hook = Callable[[int, int, bool, float, Replicas | None], None]
 
 @dataclass
 class Result:
+    """What one method produced on the classification task, as rank 0 reports it."""
+
     method: str
     losses: list[float]  # per step, averaged over ranks (a paced method: per round, over its samples)
     distance_steps: list[int] = field(default_factory=list)
