@@ -1,7 +1,5 @@
 """Small pieces the benchmark scripts share: an MLP, a free port, results gathered from local ranks."""
 
-from __future__ import annotations
-
 import itertools
 import multiprocessing as mp
 import queue
@@ -12,58 +10,40 @@ from typing import Any
 
 from torch import nn
 
+#: What the fork server of :func:`local_ranks` imports once, before it forks any rank; ``__main__`` last,
+#: the script itself, so that a rank's target (a function of the script) is found.
+PRELOAD = ["torch", "torch.distributed", "decent_optim_wrapper", "__main__"]
+
 
 def build_mlp(inputs: int, width: int, depth: int, outputs: int) -> nn.Sequential:
     """``depth`` Linear layers, ``inputs -> width -> ... -> outputs``, ReLUs between them (fp32)."""
     sizes = [inputs] + [width] * (depth - 1) + [outputs]
-    layers: list[nn.Module] = []
-    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes)):
-        if i:
-            layers.append(nn.ReLU())
-        layers.append(nn.Linear(fan_in, fan_out))
-    return nn.Sequential(*layers)
+    layers = [layer for a, b in itertools.pairwise(sizes) for layer in (nn.ReLU(), nn.Linear(a, b))]
+    return nn.Sequential(*layers[1:])
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that is free right now (for a local rendezvous)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-#: What the fork server of :func:`local_ranks` imports once, before it forks any rank: torch, its
-#: distributed package and the library (seconds on 2 cores, paid by every rank of every run otherwise).
-#: ``__main__`` last: the script itself, so that a rank's target (a function of the script) is found.
-PRELOAD = ["torch", "torch.distributed", "decent_optim_wrapper", "__main__"]
-
-
 def local_ranks() -> Any:
-    """The multiprocessing context for a benchmark's local ranks: ``forkserver`` with :data:`PRELOAD`.
-
-    A rank forked from the server starts in milliseconds with torch imported, but without a process
-    group, a thread or a CUDA context (importing torch creates none): as fresh as a spawned process,
-    which would import torch again (about 4 s a process here, and ranks starting together share the
-    cores). A script that runs several jobs one after another pays the imports once, in the server.
-    """
+    """``forkserver`` with :data:`PRELOAD`: a rank starts in milliseconds with torch imported (a spawned one
+    imports it again, about 4 s here), yet with no process group, thread or CUDA context."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first rank)
     return ctx
 
 
 def collect_from_ranks(
-    world_size: int,
-    target: Callable[..., None],
-    args_for: Callable[[int, int, Any], tuple[Any, ...]],
-    max_seconds: float,
-    what: str,
-) -> dict[int, Any]:
-    """Start ``world_size`` local processes (:func:`local_ranks`) running
-    ``target(*args_for(rank, port, results))``; each puts ``(rank, value)`` on ``results``. Returns the
-    values by rank; raises if a rank fails or none answers within ``max_seconds`` (``what`` names the
-    run), and kills what is left."""
+    world_size: int, target: Callable[..., None], args_for: Callable[[int, int, Any], tuple[Any, ...]],
+    max_seconds: float, what: str,
+) -> dict[int, Any]:  # fmt: skip
+    """``target(*args_for(rank, port, results))`` on ``world_size`` local ranks, each putting ``(rank,
+    value)`` on ``results``: the values by rank, or raises if a rank fails or ``max_seconds`` pass."""
     ctx = local_ranks()
-    results = ctx.Queue()
-    port = free_port()
+    results, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=target, args=args_for(rank, port, results)) for rank in range(world_size)]
     for proc in procs:
         proc.start()

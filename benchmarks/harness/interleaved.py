@@ -1,8 +1,5 @@
-"""Variants timed interleaved, on the CPU or a GPU, and compared as ratios of medians (``costs/``, the GPU
-figures): a *variant* is one way of doing the same work, run once per repetition, the order rotating every
-repetition so that a drift of the machine affects them all alike."""
-
-from __future__ import annotations
+"""Variants (ways of doing the same work) timed interleaved, the order rotating every repetition so that a
+drift of the machine affects them all alike, on the CPU or a GPU, and compared as ratios of medians."""
 
 import statistics
 import time
@@ -17,7 +14,6 @@ Variant = Callable[[int], object]
 
 
 def timed(fn: Callable[[], object]) -> float:
-    """Seconds ``fn()`` took."""
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start

@@ -1,11 +1,7 @@
-"""A language-modelling task with no download: a byte-level causal transformer (pre-norm, learned
-positions, tied embeddings) on the top-level ``*.py`` files of the running Python's standard library
-(about 4.7 MB for CPython 3.11), sorted by name, read as bytes; the last 10% of the files are the
-validation set. Splits: ``iid`` (every worker samples the whole training set) and ``files`` (worker
-``r`` gets the ``r``-th contiguous run of files: data that differs between workers).
-"""
-
-from __future__ import annotations
+"""A language-modelling task with no download: a byte-level causal transformer (pre-norm, learned positions,
+tied embeddings) on the running Python's top-level standard library ``*.py`` files, sorted by name (the last
+10% for validation). Splits: ``iid`` (every worker samples all of it), ``files`` (worker ``r`` gets the
+``r``-th contiguous run of files)."""
 
 import math
 import os
@@ -15,14 +11,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-CONTEXT = 64
-VOCAB = 256
+CONTEXT, VOCAB, VALIDATION_SHARE = 64, 256, 0.1
 LM_SPLITS = ("iid", "files")
-VALIDATION_SHARE = 0.1
 
 
 def corpus_files() -> list[Path]:
-    """The standard library's top-level source files, sorted by name (the same list on every rank)."""
     return sorted(Path(os.__file__).parent.glob("*.py"))
 
 
@@ -42,17 +35,13 @@ def make_lm_data(world: int, rank: int, split: str) -> tuple[torch.Tensor, torch
     if split == "files":
         per = math.ceil(len(train) / world)
         train = train[rank * per : (rank + 1) * per]
-    train_tokens, validation_tokens = (
-        torch.frombuffer(bytearray(b"".join(f.read_bytes() for f in part)), dtype=torch.uint8).long()
-        for part in (train, validation)
-    )
-    return train_tokens, validation_tokens
+    data = (bytearray(b"".join(f.read_bytes() for f in part)) for part in (train, validation))
+    return tuple(torch.frombuffer(part, dtype=torch.uint8).long() for part in data)
 
 
 def windows(tokens: torch.Tensor, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-byte targets for windows of ``CONTEXT`` bytes starting at ``starts``."""
-    index = starts[:, None] + torch.arange(CONTEXT + 1)
-    chunk = tokens[index]
+    chunk = tokens[starts[:, None] + torch.arange(CONTEXT + 1)]
     return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -66,8 +55,7 @@ class _Block(nn.Module):
         self.register_buffer("mask", mask, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm1(x)
-        n = x.shape[1]
+        h, n = self.norm1(x), x.shape[1]
         x = x + self.attention(h, h, h, attn_mask=self.mask[:n, :n], need_weights=False)[0]
         return x + self.mlp(self.norm2(x))
 
@@ -97,10 +85,9 @@ def make_lm_model(width: int = 64, depth: int = 2, seed: int = 0) -> TinyGPT:
 
 
 @torch.no_grad()
-def validation_loss(model: nn.Module, tokens: torch.Tensor, count: int = 256) -> float:
-    """Mean next-byte cross-entropy (nats) over ``count`` fixed windows of the validation set."""
+def validation_loss(model: nn.Module, tokens: torch.Tensor) -> float:
+    """Mean next-byte cross-entropy (nats) over 256 fixed windows of the validation set."""
     g = torch.Generator().manual_seed(1)
-    starts = torch.randint(0, len(tokens) - CONTEXT - 1, (count,), generator=g)
+    starts = torch.randint(0, len(tokens) - CONTEXT - 1, (256,), generator=g)
     x, y = windows(tokens, starts)
-    logits = model(x)
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), y.reshape(-1)).item()
+    return nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).item()

@@ -1,17 +1,9 @@
-"""How the benchmarks name a training method, and what each part of a name turns on.
-
-A method is named ``topology[-module][-gt][~local][@compression][+optimizer]``, or ``ddp[+optimizer]``
-(docs/benchmarks.md gives the grammar with examples): ``topology`` any name ``TopologyFactory`` knows,
-trained with DecentOptimWrapper (``ddp``: DistributedDataParallel); ``-module`` the module front-end;
-``-gt`` gradient tracking; ``~hH[n[LR][mM]][dD][p]`` low-communication gossip (``sync_every=H``, DiLoCo's
-outer Nesterov SGD, outer lr and momentum, ``sync_delay=D``, paced rounds of :class:`HalfFastSchedule`);
-``@bf16``, ``@int8``, ``@topk:0.01:int2``, ...: compressed gossip (any name ``compression=`` accepts);
-``+adamw``, ``+accum-adamw``, ``+muon`` (:class:`MuonAdamW`; ``+sgd`` or none: SGD with momentum),
-then ``-local`` for ``second_moment="local"``. For example ``ring@bf16``, ``ring-module-gt+accum-adamw``,
-``ddp+adamw``, ``one-peer-exp~h32n@bf16+adamw``, ``complete~h8nd0`` (DiLoCo), ``ring~h8n0.1p+adamw``.
-"""
-
-from __future__ import annotations
+"""Method names, ``topology[-module][-gt][~local][@compression][+optimizer]`` or ``ddp[+optimizer]``
+(docs/benchmarks.md): a ``TopologyFactory`` name (``ddp``: DistributedDataParallel), the module front-end,
+gradient tracking, ``~hH[n[LR][mM]][dD][p]`` low-communication gossip (``sync_every=H``, DiLoCo's outer
+Nesterov SGD, its lr and momentum, ``sync_delay=D``, paced rounds of :class:`HalfFastSchedule`), any
+``compression=``, ``+adamw``/``+accum-adamw``/``+muon`` (none: SGD with momentum) then ``-local`` for
+``second_moment="local"``; e.g. ``ring-module-gt+accum-adamw``, ``complete~h8nd0`` (DiLoCo)."""
 
 import math
 import re
@@ -36,27 +28,16 @@ LOCAL = re.compile(  # after "~"
     r"(?:d(?P<delay>[0-9]+))?(?P<paced>p)?"
 )
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # DiLoCo's outer Nesterov SGD
-
-
-def nesterov_outer_with(
-    lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM
-) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
-    """DiLoCo's outer optimizer, SGD with Nesterov momentum, at ``lr`` and ``momentum`` (``~h8n0.5m0.5``)."""
-    return partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
-
-
-nesterov_outer = nesterov_outer_with()  # DiLoCo's own: lr 0.7, Nesterov momentum 0.9
+nesterov_outer = partial(torch.optim.SGD, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
+OptimizerFactory = Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer]  # (name, parameter)s
 
 
 @dataclass(frozen=True)
 class HalfFastSchedule:
-    """Paced rounds' fixed counts (``Pacing(schedule=...)``) for a fleet whose first half is twice as fast.
-
-    ``schedule(rank, round)``: ranks ``0 .. N//2 - 1`` take ``a(r)`` inner steps in round ``r``, the error
-    diffusion of ``4H/3`` (cumulative ``round(4 H r / 3)``), ranks ``N//2 .. 2 (N//2) - 1`` take
-    ``2H - a(r)``, an odd ``N``'s last rank ``H``: every round sums to ``N H``. With ``H = 1`` a fast rank
-    takes 2 steps a round and every other rank 1 (:attr:`fleet_steps_per_round`: ``N + N//2``).
-    """
+    """Paced rounds' fixed counts (``Pacing(schedule=...)``) for a fleet whose first half is twice as fast:
+    in round ``r`` ranks ``0 .. N//2 - 1`` take ``a(r)`` inner steps, the error diffusion of ``4H/3``
+    (cumulative ``round(4 H r / 3)``), ranks ``N//2 .. 2 (N//2) - 1`` ``2H - a(r)``, an odd ``N``'s last
+    rank ``H``: ``N H`` a round. ``H = 1``: a fast rank takes 2 steps, every other rank 1."""
 
     world: int
     sync_every: int
@@ -67,12 +48,10 @@ class HalfFastSchedule:
 
     @property
     def fleet_steps_per_round(self) -> int:
-        """The inner steps of one round over the whole fleet: ``N H`` (``H = 1``: ``N + N//2``)."""
         return self.world + self.world // 2 if self.sync_every == 1 else self.world * self.sync_every
 
     def rounds_for(self, steps: int) -> int:
-        """The rounds that process the samples of ``steps`` steps on every rank (DDP's ``steps``);
-        ``ValueError`` if no whole number of rounds does."""
+        """The rounds that process the samples of ``steps`` steps on every rank (DDP's ``steps``)."""
         per_round = self.fleet_steps_per_round
         if (steps * self.world) % per_round:
             raise ValueError(
@@ -92,7 +71,6 @@ class HalfFastSchedule:
         return 2 * every - fast if rank < 2 * half else every
 
     def total(self, rank: int, rounds: int) -> int:
-        """Rank ``rank``'s inner steps in rounds ``0 .. rounds - 1`` (its own LR schedule's length)."""
         return sum(self(rank, round_) for round_ in range(rounds))
 
 
@@ -124,20 +102,20 @@ class Method:
         return f"h{self.sync_every}{outer}{'' if delay is None else f'd{delay}'}{'p' if self.paced else ''}"
 
     def schedule(self, world: int | None = None) -> HalfFastSchedule | None:
-        """A paced method's fixed counts on ``world`` ranks (default: the process group's), else None."""
+        """A paced method's counts on ``world`` ranks (default: the process group's), else None."""
         if not self.paced:
             return None
         return HalfFastSchedule(dist.get_world_size() if world is None else world, self.sync_every)
 
     def engine_options(self, world: int | None = None) -> dict[str, Any]:
-        """The keywords both front-ends take for this method's gossip (``world``: the ranks a paced
-        method's schedule is for; default the process group's)."""
+        """The keywords both front-ends take for this method's gossip (``world``: see :meth:`schedule`)."""
         options = dict(topology=self.topology, compression=self.compression, second_moment=self.second_moment)
         options["gradient_tracking"] = self.tracking
         if self.local:
             lr = OUTER_LR if self.outer_lr is None else self.outer_lr
             momentum = OUTER_MOMENTUM if self.outer_momentum is None else self.outer_momentum
-            outer = nesterov_outer_with(lr, momentum) if self.nesterov else None
+            outer = partial(torch.optim.SGD, lr=lr, momentum=momentum, nesterov=momentum > 0)
+            outer = outer if self.nesterov else None
             options.update(sync_every=self.sync_every, outer_optimizer=outer, sync_delay=self.sync_delay)
         if self.paced:
             options.update(pacing=Pacing(schedule=self.schedule(world)))
@@ -146,19 +124,15 @@ class Method:
     @property
     def name(self) -> str:
         """The method's name, as :func:`parse_method` reads it."""
-        return (
-            (self.topology or "ddp")
-            + (MODULE_SUFFIX if self.module else "")
-            + (TRACKING_SUFFIX if self.tracking else "")
-            + (f"~{self.local}" if self.local else "")
-            + (f"@{self.compression}" if self.compression else "")
-            + (f"+{self.optimizer}" if self.optimizer else "")
-            + (LOCAL_MOMENT_SUFFIX if self.second_moment == "local" else "")
-        )
+        name = (self.topology or "ddp") + (MODULE_SUFFIX if self.module else "")
+        name += (TRACKING_SUFFIX if self.tracking else "") + (f"~{self.local}" if self.local else "")
+        name += f"@{self.compression}" if self.compression else ""
+        name += f"+{self.optimizer}" if self.optimizer else ""
+        return name + (LOCAL_MOMENT_SUFFIX if self.second_moment == "local" else "")
 
 
 def parse_method(method: str) -> Method:
-    """Read a method name (see the module docstring); ``ValueError`` names the part that is wrong."""
+    """Read a method name (the module docstring's grammar); ``ValueError`` names the part that is wrong."""
 
     def wrong(reason: str) -> ValueError:
         return ValueError(f"method {method!r}: {reason}")
@@ -170,9 +144,7 @@ def parse_method(method: str) -> Method:
     second_moment = "local" if optimizer.endswith(LOCAL_MOMENT_SUFFIX) else "average"
     optimizer = optimizer.removesuffix(LOCAL_MOMENT_SUFFIX)
     if second_moment == "local" and base == "ddp":
-        raise wrong(
-            f"ddp takes no '{LOCAL_MOMENT_SUFFIX}'; its optimizer already sees the all-reduced gradient."
-        )
+        raise wrong(f"ddp takes no '{LOCAL_MOMENT_SUFFIX}'; its optimizer sees the all-reduced gradient")
     if plus and optimizer not in OPTIMIZERS:
         raise wrong(f"unknown optimizer {optimizer!r} after '+'; choose one of {', '.join(OPTIMIZERS)}")
     rounds: dict[str, Any] = {}
@@ -205,9 +177,8 @@ def parse_method(method: str) -> Method:
             ) from None
     if stem == "ddp" and stem != base:
         raise wrong(
-            "ddp takes no gradient tracking; all-reduce already steps every rank with the exact average "
-            f"gradient. Drop '{TRACKING_SUFFIX}', or track on a gossip topology, e.g. "
-            f"'ring{TRACKING_SUFFIX}'."
+            "ddp takes no gradient tracking; all-reduce steps every rank with the exact average gradient. "
+            f"Drop '{TRACKING_SUFFIX}', or track on a gossip topology, e.g. 'ring{TRACKING_SUFFIX}'."
         )
     if base.endswith(TRACKING_SUFFIX + MODULE_SUFFIX):
         reordered = base.removesuffix(TRACKING_SUFFIX + MODULE_SUFFIX) + MODULE_SUFFIX + TRACKING_SUFFIX
@@ -229,9 +200,7 @@ def parse_method(method: str) -> Method:
     return Method(**front_end, **wire, **rounds)
 
 
-def optimizer_factory(
-    name: str, lr: float, adam_lr: float
-) -> Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer]:
+def optimizer_factory(name: str, lr: float, adam_lr: float) -> OptimizerFactory:
     """Builds the optimizer ``name`` from (name, parameter) pairs (the module front-end's optim_fn)."""
     if name not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
@@ -250,9 +219,8 @@ def optimizer_factory(
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon (``adjust_lr_fn="match_rms_adamw"``: AdamW's learning rate carries over) on the hidden
-    matrices, AdamW on the rest, as one optimizer for the benchmarks' loops (a training script wraps the
-    two: docs/low-communication.md). Its param groups are the two's own, so schedulers drive both."""
+    """Muon (``adjust_lr_fn="match_rms_adamw"``: AdamW's learning rate carries over) on the hidden matrices,
+    AdamW on the rest, as one optimizer whose param groups are the two's own (schedulers drive both)."""
 
     def __init__(self, named: list[tuple[str, torch.Tensor]], lr: float) -> None:
         hidden = [p for name, p in named if p.ndim == 2 and not name.startswith(("embed", "position"))]

@@ -1,12 +1,5 @@
-"""A question driver's command line: one sub-command per question, one ``--flag`` per default.
-
-A driver's questions are named sets of defaults (its ``questions.py``); :func:`question_parser` makes
-each a sub-command whose options are those defaults, typed after them, beside ``--json`` and
-``--table`` (``report.py``), so that ``run.py QUESTION --name value`` overrides any one of them and
-``run.py QUESTION --help`` lists them.
-"""
-
-from __future__ import annotations
+"""A question driver's command line: one sub-command per question (a named set of defaults, its
+``questions.py``), one ``--flag`` per default beside ``--json`` and ``--table``."""
 
 import argparse
 from collections.abc import Mapping
@@ -16,14 +9,11 @@ from benchmarks.harness.report import add_output_arguments
 
 
 def add_defaults(
-    parser: argparse.ArgumentParser,
-    defaults: Mapping[str, Any],
-    special: Mapping[str, dict[str, Any]] | None = None,
-    empty_lists: bool = False,
-) -> None:
+    parser: argparse.ArgumentParser, defaults: Mapping[str, Any],
+    special: Mapping[str, dict[str, Any]] | None = None, empty_lists: bool = False,
+) -> None:  # fmt: skip
     """A ``--flag`` per default: a bool on and off, a list of its items' type (at least one, unless
-    ``empty_lists`` or the default is empty), anything else of its own type; ``special``: the
-    ``add_argument`` keywords of the flags that fit none of these."""
+    ``empty_lists`` or the default is empty), else its own type; ``special``: other flags' keywords."""
     for key, default in defaults.items():
         flag = "--" + key.replace("_", "-")
         if special and key in special:
@@ -41,8 +31,7 @@ def add_defaults(
 def question_parser(
     description: str, questions: Mapping[str, tuple[Any, ...]], **options: Any
 ) -> argparse.ArgumentParser:
-    """The driver's parser: ``questions`` maps a name to its help line, its defaults and, optionally,
-    its own ``special`` flags; ``options`` go to :func:`add_defaults` (``special``, ``empty_lists``)."""
+    """``questions``: name -> (help line, defaults[, own ``special``]); ``options``: :func:`add_defaults`."""
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=description, formatter_class=raw)
     subparsers = parser.add_subparsers(dest="question", required=True, metavar="QUESTION")

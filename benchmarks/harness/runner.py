@@ -1,14 +1,6 @@
-"""Train methods side by side on ranks that are already started, each from the same model and seeds.
-
-:func:`train` is the loop every task shares: a method (a name of ``methods.py``) trained by steps, or a
-paced one (``~h8n0.1p``: ``methods.HalfFastSchedule``) by rounds, ``steps // H`` of ``N H`` inner steps
-over the fleet: the same samples as ``steps`` steps of DDP. Each rank's cosine schedule spans its own
-inner steps; losses are kept per round, and the hook that measures (a collective) runs at round ends.
-:func:`make_task` gives a task's model, batches and evaluation; :func:`run` trains the classification
-tasks; :func:`on_local_ranks` starts a driver's local ranks.
-"""
-
-from __future__ import annotations
+"""Train methods side by side on started ranks, each from the same model and seeds (:func:`train`: by steps,
+or a paced method by rounds, ``steps // H`` of ``N H`` inner steps over the fleet: DDP's samples; :func:`run`:
+the classification tasks), and start a driver's local ranks (:func:`on_local_ranks`)."""
 
 import math
 import os
@@ -22,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import lr_scheduler
 
 from benchmarks.harness.common import collect_from_ranks
 from benchmarks.harness.digits_task import make_digits, make_digits_model
@@ -31,6 +24,10 @@ from benchmarks.harness.synthetic_task import describe_split, make_data, make_mo
 from decent_optim_wrapper import DecentOptimWrapper, DecentralizedDataParallel
 
 Replicas = DecentOptimWrapper | DecentralizedDataParallel
+MakeOptimizer = Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer]  # from (name, parameter)s
+BatchLoss = Callable[[nn.Module], torch.Tensor]
+#: ``hook(taken, span, last, loss, replicas)``: ``taken`` fleet steps done, ``span`` since the last call
+Hook = Callable[[int, int, bool, float, Replicas | None], None]
 
 
 @dataclass
@@ -56,8 +53,6 @@ class Result:
 
 @dataclass
 class Trained:
-    """What :func:`train` returns on every rank (the sums over ranks are the same everywhere)."""
-
     losses: torch.Tensor  # per step (paced: per round), the mean over the ranks' samples
     final_loss: float  # the mean of the last twentieth of the steps (paced: the rounds covering them)
     seconds: float  # training time per rank, the hook's left out
@@ -67,16 +62,14 @@ class Trained:
 
 @dataclass
 class Task:
-    """A task's model and this rank's data: ``batch_loss(net)`` draws the next batch and returns its
-    loss; ``evaluate(net)`` is the held-out (loss, accuracy), accuracy NaN for the language model."""
+    """A task's model and this rank's batches; ``evaluate``: held-out (loss, accuracy; NaN for the LM)."""
 
     model: nn.Module
-    batch_loss: Callable[[nn.Module], torch.Tensor]
+    batch_loss: BatchLoss
     evaluate: Callable[[nn.Module], tuple[float, float]]
 
 
 def task_data(task: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Train and test sets of ``task`` (``"synthetic"`` or ``"digits"``)."""
     if task not in ("synthetic", "digits"):
         raise ValueError(f"unknown task {task!r}; choose synthetic or digits")
     return make_digits() if task == "digits" else make_data()
@@ -86,9 +79,8 @@ def make_task(
     task: str, rank: int, world: int, seed: int, batch_size: int, draws: torch.Generator, split: str = "iid",
     alpha: float = 0.1, width: int = 64, depth: int = 2, hidden: tuple[int, ...] = (128, 128),
 ) -> Task:  # fmt: skip
-    """``task`` (``synthetic``, ``digits`` or ``lm``) on this rank's part of ``split``, the model drawn
-    from ``seed``, batches of ``batch_size`` from ``draws``; ``width``, ``depth``: the language model's,
-    ``hidden``: the digits MLP's widths. A Dirichlet split gives every rank at least a batch."""
+    """``task`` (``synthetic``, ``digits`` or ``lm``: ``width``, ``depth``) on this rank's part of ``split``,
+    the model drawn from ``seed``, batches from ``draws``; a Dirichlet split gives every rank a batch."""
     if task == "lm":
         tokens, validation = make_lm_data(world, rank, split)
 
@@ -117,56 +109,19 @@ def make_task(
     return Task(model, batch_loss, evaluate)
 
 
-def model_bytes(model: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
-
-
-def warmup_cosine(
-    optimizer: torch.optim.Optimizer, steps: int, warmup: int = 0
-) -> torch.optim.lr_scheduler.LRScheduler:
-    """A linear warmup from 1/``warmup`` of the learning rate over ``warmup`` steps, then a cosine down
-    to 0 over the rest of ``steps`` (``CosineAnnealingLR`` alone when ``warmup`` is 0)."""
-    lr = torch.optim.lr_scheduler
+def warmup_cosine(optimizer: torch.optim.Optimizer, steps: int, warmup: int = 0) -> lr_scheduler.LRScheduler:
+    """A linear warmup from 1/``warmup`` of the learning rate over ``warmup`` steps, then a cosine to 0."""
     if warmup <= 0:
-        return lr.CosineAnnealingLR(optimizer, T_max=steps)
+        return lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps)
     if warmup >= steps:
         raise ValueError(f"warmup={warmup} must be shorter than the run's {steps} steps")
-    ramp = lr.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
-    decay = lr.CosineAnnealingLR(optimizer, T_max=steps - warmup)
-    return lr.SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
-
-
-def build_training(
-    spec: Method,
-    model: nn.Module,
-    make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
-    steps: int,
-    warmup: int = 0,
-) -> tuple[nn.Module, torch.optim.Optimizer | None, Replicas | None, Any]:
-    """The module to call, the optimizer to step and its :func:`warmup_cosine` schedule over ``steps``
-    (both None for the module front-end, which steps inside backward), and what gossips (None: DDP)."""
-    optimizer: torch.optim.Optimizer | None = None
-    replicas: Replicas | None = None
-    if spec.topology is None:
-        net: nn.Module = DistributedDataParallel(model)
-        optimizer = make_optimizer(list(model.named_parameters()))
-    elif spec.module:
-        schedule = lambda opt: warmup_cosine(opt, steps, warmup)  # noqa: E731
-        net = replicas = DecentralizedDataParallel(
-            model, make_optimizer, lr_scheduler_fn=schedule, **spec.engine_options()
-        )
-    else:
-        net = model
-        optimizer = replicas = DecentOptimWrapper(
-            make_optimizer(list(model.named_parameters())), **spec.engine_options()
-        )
-    scheduler = None if optimizer is None else warmup_cosine(optimizer, steps, warmup)
-    return net, optimizer, replicas, scheduler
+    ramp = lr_scheduler.LinearLR(optimizer, start_factor=1.0 / warmup, end_factor=1.0, total_iters=warmup)
+    decay = lr_scheduler.CosineAnnealingLR(optimizer, T_max=steps - warmup)
+    return lr_scheduler.SequentialLR(optimizer, [ramp, decay], milestones=[warmup])
 
 
 def paced_plan(spec: Method, steps: int, rank: int, world: int) -> tuple[HalfFastSchedule | None, int, int]:
-    """A paced method's schedule, its rounds (those that process the samples of ``steps`` steps on every
-    rank) and this rank's own total of inner steps; ``(None, 0, steps)`` unless paced."""
+    """A paced method's schedule, rounds for ``steps`` steps' samples and this rank's inner steps."""
     schedule = spec.schedule(world)
     if schedule is None:
         return None, 0, steps
@@ -183,25 +138,30 @@ def covers_multiple(first: int, last: int, every: int) -> bool:
 
 
 def train(
-    spec: Method,
-    model: nn.Module,
-    make_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
-    batch_loss: Callable[[nn.Module], torch.Tensor],
-    steps: int,
-    hook: Callable[[int, int, bool, float, Replicas | None], None] | None = None,
-    warmup: int = 0,
-) -> tuple[Trained, Replicas | None]:
-    """Train ``model`` with ``spec`` for the samples of ``steps`` steps (every rank calls this).
-
-    ``batch_loss(net)`` draws this rank's next batch and returns its loss. ``hook(taken, span, last,
-    loss, replicas)`` runs after every step (``span`` 1) or, paced, at every round's end (``span`` H),
-    ``taken`` fleet steps done, ``last`` at the end: it may measure (a collective).
-    """
+    spec: Method, model: nn.Module, make_optimizer: MakeOptimizer, batch_loss: BatchLoss, steps: int,
+    hook: Hook | None = None, warmup: int = 0,
+) -> tuple[Trained, Replicas | None]:  # fmt: skip
+    """Train ``model`` with ``spec`` for the samples of ``steps`` steps (every rank calls this); ``hook``
+    runs after every step or, paced, at every round's end, and may measure (a collective)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     schedule, rounds, own_steps = paced_plan(spec, steps, rank, world)
-    net, optimizer, replicas, scheduler = build_training(spec, model, make_optimizer, own_steps, warmup)
-    losses = torch.zeros(rounds if schedule is not None else steps, dtype=torch.float64)
-    taken = torch.zeros(rounds, dtype=torch.float64)  # paced: steps per round, summed over ranks below
+    optimizer: torch.optim.Optimizer | None = None  # None for the module front-end: it steps inside backward
+    replicas: Replicas | None = None  # what gossips (None: DDP)
+    options = spec.engine_options()
+    if spec.topology is None:
+        net: nn.Module = DistributedDataParallel(model)
+        optimizer = make_optimizer(list(model.named_parameters()))
+    elif spec.module:
+        cosine = lambda opt: warmup_cosine(opt, own_steps, warmup)  # noqa: E731
+        net = replicas = DecentralizedDataParallel(model, make_optimizer, lr_scheduler_fn=cosine, **options)
+    else:
+        net = model
+        optimizer = replicas = DecentOptimWrapper(make_optimizer(list(model.named_parameters())), **options)
+    scheduler = None if optimizer is None else warmup_cosine(optimizer, own_steps, warmup)
+    hook = hook or (lambda *_: None)
+    losses = torch.zeros(rounds or steps, dtype=torch.float64)
+    # the samples behind each loss, summed over ranks below (paced: counted per round)
+    taken = torch.zeros(rounds, dtype=torch.float64) if schedule else torch.ones(steps, dtype=torch.float64)
     seconds = 0.0
 
     def step() -> float:
@@ -220,8 +180,7 @@ def train(
     if schedule is None:
         for index in range(steps):
             losses[index] = loss = step()
-            if hook is not None:
-                hook(index + 1, 1, index + 1 == steps, loss, replicas)
+            hook(index + 1, 1, index + 1 == steps, loss, replicas)
     else:  # by rounds: ranks take different steps, and every rank ends at the same round
         assert replicas is not None
         while replicas.round_count < rounds:
@@ -230,28 +189,24 @@ def train(
             current = replicas.round_count - (1 if ended else 0)  # the round this step belongs to
             losses[current] += loss
             taken[current] += 1
-            if ended and hook is not None:
+            if ended:
                 done = replicas.round_count
                 hook(done * spec.sync_every, spec.sync_every, done == rounds, loss, replicas)
     dist.all_reduce(losses)
-    if schedule is None:
-        losses /= world
-    else:  # the mean over every sample of the round
-        dist.all_reduce(taken)
-        losses /= taken
+    dist.all_reduce(taken)
+    losses /= taken
     totals = torch.zeros(1 + world, dtype=torch.float64)  # the ranks' seconds, then each one's steps
     totals[0], totals[1 + rank] = seconds, own_steps
     dist.all_reduce(totals)
     if replicas is None:  # a ring all-reduce of the gradients: 2(n-1)/n gradient-sized messages
-        sent = 2 * (world - 1) / world * model_bytes(model)
+        sent = 2 * (world - 1) / world * sum(p.numel() * p.element_size() for p in model.parameters())
     else:  # the engine's own count: the topology's period, buckets and compression included
         sent = replicas.engine.bytes_sent_per_step()
     tail = max(1, steps // 20)
     if schedule is not None:  # the rounds that cover the last `tail` fleet steps
         tail = -(-tail // spec.sync_every)
     final = losses[-tail:].mean().item()
-    per_rank = [int(n) for n in totals[1:].tolist()]
-    return Trained(losses, final, totals[0].item() / world, sent, per_rank), replicas
+    return Trained(losses, final, totals[0].item() / world, sent, totals[1:].long().tolist()), replicas
 
 
 def on_average(replicas: Replicas | None, measure: Callable[[], Any]) -> Any:
@@ -264,64 +219,50 @@ def on_average(replicas: Replicas | None, measure: Callable[[], Any]) -> Any:
     return value
 
 
-def train_one_method(
-    method: str, steps: int, batch_size: int, lr: float, log_every: int, adam_lr: float = 3e-3,
-    split: str = "iid", alpha: float = 0.1, task: str = "synthetic", seed: int = 0,
-) -> Result | None:  # fmt: skip
-    """Train ``method`` from ``seed``'s model and batches on this rank's part of the ``split`` of ``task``
-    (every rank calls this); rank 0 gets the Result, with the consensus distance measured every
-    ``log_every`` steps and at the end, and the averaged model's test accuracy."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    spec = parse_method(method)
-    draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
-    setup = make_task(task, rank, world, seed, batch_size, draws, split, alpha)
-    distance_steps: list[int] = []
-    distances: list[float] = []
-
-    def measure(taken: int, span: int, last: bool, loss: float, replicas: Replicas | None) -> None:
-        if last or covers_multiple(taken - span, taken - 1, log_every):
-            distance_steps.append(taken - 1)
-            distances.append(0.0 if replicas is None else replicas.consensus_distance())
-            if rank == 0:
-                line = (
-                    f"  {method:>13}  step {taken:4d}/{steps}  loss {loss:.4f}  consensus {distances[-1]:.2e}"
-                )
-                print(line, flush=True)
-
-    make_optimizer = optimizer_factory(spec.optimizer or "sgd", lr, adam_lr)
-    trained, replicas = train(spec, setup.model, make_optimizer, setup.batch_loss, steps, measure)
-    accuracy = on_average(replicas, lambda: setup.evaluate(setup.model)[1])
-    if rank != 0:
-        return None
-    consensus = dict(distance_steps=distance_steps, distances=distances, final_distance=distances[-1])
-    data = dict(split=split, alpha=alpha if split == "dirichlet" else None, task=task, seed=seed)
-    cost = dict(ms_per_iteration=1000 * trained.seconds / steps, bytes_per_step=trained.bytes_per_step)
-    return Result(
-        method, trained.losses.tolist(), final_loss=trained.final_loss, accuracy=accuracy,
-        steps_per_rank=trained.steps_per_rank, **consensus, **data, **cost,
-    )  # fmt: skip
-
-
 def run(
     methods: list[str], steps: int, batch_size: int, lr: float, log_every: int, adam_lr: float = 3e-3,
     split: str = "iid", alpha: float = 0.1, task: str = "synthetic", seed: int = 0,
 ) -> list[Result]:  # fmt: skip
-    """:func:`train_one_method` for every method in turn (all ranks); rank 0 returns the results."""
-    for method in methods:  # a misspelt method fails now, not after the ones before it have trained
-        parse_method(method)
-    world = dist.get_world_size()
-    if dist.get_rank() == 0:
+    """Train each method in turn from ``seed``'s model and batches on this rank's part of ``split``; rank 0
+    returns the Results (consensus distance every ``log_every`` steps, the averaged model's accuracy)."""
+    specs = [parse_method(method) for method in methods]  # a misspelt method fails before any trains
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def train_one(method: str, spec: Method) -> Result:
+        draws = torch.Generator().manual_seed(100 + rank + 1000 * seed)
+        setup = make_task(task, rank, world, seed, batch_size, draws, split, alpha)
+        distance_steps, distances = [], []
+
+        def measure(taken: int, span: int, last: bool, loss: float, replicas: Replicas | None) -> None:
+            if last or covers_multiple(taken - span, taken - 1, log_every):
+                distance_steps.append(taken - 1)
+                distances.append(0.0 if replicas is None else replicas.consensus_distance())
+                if rank == 0:
+                    line = f"  {method:>13}  step {taken:4d}/{steps}  loss {loss:.4f}"
+                    print(f"{line}  consensus {distances[-1]:.2e}", flush=True)
+
+        make_optimizer = optimizer_factory(spec.optimizer or "sgd", lr, adam_lr)
+        trained, replicas = train(spec, setup.model, make_optimizer, setup.batch_loss, steps, measure)
+        accuracy = on_average(replicas, lambda: setup.evaluate(setup.model)[1])
+        consensus = dict(distance_steps=distance_steps, distances=distances, final_distance=distances[-1])
+        data = dict(split=split, alpha=alpha if split == "dirichlet" else None, task=task, seed=seed)
+        cost = dict(ms_per_iteration=1000 * trained.seconds / steps, bytes_per_step=trained.bytes_per_step)
+        return Result(
+            method, trained.losses.tolist(), final_loss=trained.final_loss, accuracy=accuracy,
+            steps_per_rank=trained.steps_per_rank, **consensus, **data, **cost,
+        )  # fmt: skip
+
+    if rank == 0:
         labels = task_data(task)[1]
         shards = split_data(labels, world, split, alpha, min_size=batch_size, seed=seed)
         print(f"Split {split_label(split, alpha)}: {describe_split(shards, labels)}", flush=True)
     results = []
-    for method in methods:
-        if dist.get_rank() == 0:
+    for method, spec in zip(methods, specs, strict=True):
+        if rank == 0:
             print(f"[{method}] training {steps} steps on {world} workers", flush=True)
-        result = train_one_method(method, steps, batch_size, lr, log_every, adam_lr, split, alpha, task, seed)
-        results += [] if result is None else [result]
+        results.append(train_one(method, spec))
         dist.barrier()
-    return results
+    return results if rank == 0 else []
 
 
 def rank_main(rank: int, port: int, results: Any, job: Callable[[dict], Any], config: dict[str, Any]) -> None:
@@ -343,9 +284,7 @@ def rank_main(rank: int, port: int, results: Any, job: Callable[[dict], Any], co
 
 
 def on_local_ranks(job: Callable[[dict], Any], config: dict[str, Any], what: str) -> list[Any]:
-    """``job(config)`` on ``config["workers"]`` local ranks within ``config["deadline"]`` seconds; their
-    values in rank order. ``RuntimeError`` if a rank fails (``what`` names the run)."""
-    world = config["workers"]
+    """``job(config)``'s values on ``config["workers"]`` local ranks in rank order, within its deadline."""
     args_for = lambda rank, port, results: (rank, port, results, job, config)  # noqa: E731
-    by_rank = collect_from_ranks(world, rank_main, args_for, config["deadline"], what)
-    return [by_rank[rank] for rank in range(world)]
+    by_rank = collect_from_ranks(config["workers"], rank_main, args_for, config["deadline"], what)
+    return [by_rank[rank] for rank in range(config["workers"])]

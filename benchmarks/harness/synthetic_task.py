@@ -1,26 +1,20 @@
-"""The synthetic classification task the benchmarks train on, and how its training set is split.
-
-No download: 10 overlapping Gaussian clusters in 32 dimensions (a fixed seed), 16384 training points and
-8192 test points, and a small MLP: the main job's task (examples/quickstart.py keeps its own copy;
-tests/test_bench_convergence.py checks the two agree). ``iid`` deals the training points out in turn;
-``dirichlet`` divides each class among the workers in proportions drawn from Dirichlet(alpha) (Hsu et
-al., 2019, arXiv:1909.06335): with a small alpha most workers see mostly one or two classes.
-"""
-
-from __future__ import annotations
+"""The synthetic classification task (the main job's; examples/quickstart.py keeps a copy the tests compare):
+10 overlapping Gaussian clusters in 32 dimensions, a small MLP, and the ``iid`` or ``dirichlet`` (Hsu et al.,
+2019, arXiv:1909.06335: each class divided in Dirichlet(alpha) proportions) split of its training set."""
 
 import torch
 from torch import nn
 from torch.distributions import Dirichlet
 
+from benchmarks.harness.common import build_mlp
+
 FEATURES, CLASSES = 32, 10
 TRAIN_POINTS, TEST_POINTS = 16384, 8192
 SPLITS = ("iid", "dirichlet")
-MAX_DIRICHLET_DRAWS = 1000  # redraws of a label-skewed split before giving up (see dirichlet_split)
+MAX_DIRICHLET_DRAWS = 1000  # redraws of a label-skewed split before giving up
 
 
 def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Train and test sets of the synthetic task (identical on every rank)."""
     g = torch.Generator().manual_seed(seed)
     centers = torch.randn(CLASSES, FEATURES, generator=g) * 0.5
     labels = torch.randint(0, CLASSES, (TRAIN_POINTS + TEST_POINTS,), generator=g)
@@ -31,34 +25,19 @@ def make_data(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, 
 def make_model(seed: int = 0) -> nn.Module:
     """The MLP every method starts from (32 -> 128 -> 128 -> 10, the same weights for a ``seed``)."""
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(FEATURES, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, CLASSES)
-    )
+    return build_mlp(FEATURES, 128, 3, CLASSES)
 
 
 def split_data(
     labels: torch.Tensor, world: int, split: str = "iid", alpha: float = 0.1, min_size: int = 1, seed: int = 0
 ) -> list[torch.Tensor]:
-    """The sorted indices of each worker's training points, the same on every rank: ``"iid"`` deals them
-    out in turn (rank ``r`` gets ``r, r + world, ...``), ``"dirichlet"`` skews the labels
-    (:func:`dirichlet_split`, every worker at least ``min_size`` points)."""
+    """The sorted indices of each worker's training points: ``iid`` deals them out in turn, ``dirichlet``
+    divides each class in Dirichlet(``alpha``) proportions, redrawn until every worker holds ``min_size``
+    points (the split conditioned on that, as Hsu et al.'s and FedMA's partitioners do)."""
     if split == "iid":
         return [torch.arange(rank, len(labels), world) for rank in range(world)]
-    if split == "dirichlet":
-        return dirichlet_split(labels, world, alpha, min_size, seed)
-    raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
-
-
-def dirichlet_split(
-    labels: torch.Tensor, world: int, alpha: float, min_size: int, seed: int = 0
-) -> list[torch.Tensor]:
-    """Divide each class among ``world`` workers in proportions drawn from Dirichlet(``alpha``).
-
-    A small ``alpha`` (0.1) gives most of a class to one or two workers, a large one (100) nearly an even
-    split. The whole draw is repeated until every worker holds at least ``min_size`` points (the split
-    conditioned on that event, as Hsu et al.'s and FedMA's partitioners do); ``ValueError`` if
-    ``MAX_DIRICHLET_DRAWS`` draws all fail.
-    """
+    if split != "dirichlet":
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)}")
     if not (isinstance(alpha, int | float) and 0 < alpha < float("inf")):
         raise ValueError(
             f"alpha must be a positive number, got {alpha!r} (0.1: strong skew, 100: nearly iid)"
@@ -71,9 +50,7 @@ def dirichlet_split(
     by_class = [torch.nonzero(labels == c).flatten() for c in labels.unique()]
     class_sizes = torch.tensor([len(i) for i in by_class])
     concentration = torch.full((len(class_sizes), world), float(alpha), dtype=torch.float64)
-    # Dirichlet.sample() takes no generator: seed the global one inside fork_rng (the same shares on
-    # every rank, the caller's random state left as it was)
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]):  # Dirichlet.sample() takes no generator
         torch.manual_seed(seed)
         for _ in range(MAX_DIRICHLET_DRAWS):
             shares = Dirichlet(concentration).sample()
@@ -89,8 +66,7 @@ def dirichlet_split(
                 f"gave each of {world} workers at least {min_size} points; raise alpha, or lower the batch "
                 "size or the number of workers."
             )
-    # a seeded shuffle within each class, so a dataset sorted by some feature is dealt out evenly
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)  # shuffled within each class: a sorted dataset is dealt evenly
     shards: list[list[torch.Tensor]] = [[] for _ in range(world)]
     for indices, row in zip(by_class, counts, strict=True):
         shuffled = indices[torch.randperm(len(indices), generator=g)]
@@ -101,12 +77,9 @@ def dirichlet_split(
 
 def describe_split(shards: list[torch.Tensor], labels: torch.Tensor) -> str:
     """Points per worker and the share of each worker's most frequent class (1/CLASSES when balanced)."""
-    sizes = [len(s) for s in shards]
     dominant = [torch.bincount(labels[s], minlength=CLASSES).max().item() / max(len(s), 1) for s in shards]
-    return (
-        f"points per worker {' '.join(map(str, sizes))}; "
-        f"largest class share per worker {' '.join(f'{d:.2f}' for d in dominant)}"
-    )
+    sizes, shares = " ".join(str(len(s)) for s in shards), " ".join(f"{d:.2f}" for d in dominant)
+    return f"points per worker {sizes}; largest class share per worker {shares}"
 
 
 def split_label(split: str, alpha: float | None) -> str:
