@@ -1,26 +1,7 @@
-"""Live joins on spawned workers: what a join costs (``joining``), and growing back against a
-restart from a checkpoint (``grow-back``).
-
-    uv run benchmarks/faults/run.py joining                        # local CPU workers, about 4 min
-    uv run benchmarks/faults/run.py joining --ranks 4 8 --params 1e6 --json /tmp/joining.json
-    sudo uv run benchmarks/faults/run.py joining --links 100mbit 1gbit --sizes-mb 1 10 100  # emulated cluster
-    sudo uv run benchmarks/faults/run.py joining --cluster 1gbit --ranks 4 8 16 --overhead-ranks 0  # pause
-    sudo uv run benchmarks/faults/run.py grow-back              # 8 nodes of the emulated cluster, ~5 min
-    uv run benchmarks/faults/run.py grow-back --local --workers 4 --steps 80 --lose-at 30  # loopback
-
-Workers (``harness/fault_runs.py``, spawned, on loopback or worker ``i`` on node ``i`` of the emulated
-cluster) train an MLP of ``--params`` parameters with AdamW (ring; elastic jobs: ``init_elastic``).
-``joining``: *pause* (``--ranks``): ``n - 1`` members start, one more joins at ``--join-after``: the
-members' time inside the admission, their longest step beyond the median, and the joiner's time to
-its first step, in parts; *overhead* (``--overhead-ranks``): median step time of ``"continue"``, open
-to joiners, sealed by a job secret, and sealed beside ``--forged-per-s`` forged applications, each over
-``"raise"``; *link* (``--links``, root): the payload's time on the wire against bytes / link rate.
-``grow-back`` trains three ways: *steady* (no failure); *grow back* (elastic; after ``--lose-at`` the
-last two ranks SIGKILL themselves, are restarted at once and join); *restart* (``"raise"``, a
-checkpoint every ``--checkpoint-every`` steps; as torchrun's elastic agent does, every worker restarts
-from the last one). Reported: time to the last rank's step ``--steps``, steps computed again, the
-global average's loss on a probe set (restart equals steady bit for bit; docs/joining.md, "The mean").
-"""
+"""Live joins on spawned workers training an MLP of ``--params`` with AdamW (ring; on loopback, or worker
+``i`` on node ``i`` of the emulated cluster): what a join costs (``joining``: the members' pause, the
+joiner's time line, the per-step cost of a job open to joiners, transfer against the link), and growing
+back two lost workers against a restart of all from a checkpoint (``grow-back``). docs/joining.md."""
 
 from __future__ import annotations
 
@@ -40,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from benchmarks.harness.fault_runs import Launch, process_started, workdir
+from benchmarks.harness.fault_runs import Launch, process_started, shown, workdir
 from decent_optim_wrapper import DecentOptimWrapper
 
 LOST = 2  # grow-back: ranks lost at --lose-at
@@ -50,9 +31,9 @@ WORKER_DEFAULTS |= {"checkpoint_every": 0, "join_after": -1, "expect_join": Fals
 #: Per question: the MLP's inputs and outputs, and the batch size.
 TASKS = {"joining": (64, 8, 32), "grow-back": (32, 4, 64)}
 JOB_NAME = "bench"
+PARTS = ("admission", "group", "donor", "transfer", "verify")  # of a join, as the engine times them
 
 
-# -- the worker ----------------------------------------------------------------------------------------
 def worker(index: int, world: int, store: dist.Store, options: dict[str, Any]) -> dict[str, Any]:
     """Train (``mode``: ``raise``, ``continue`` or ``elastic``) and return what the launcher reads:
     ``joining``: step times, pauses and the join's parts; ``grow-back``: the final average's loss."""
@@ -101,9 +82,7 @@ def worker(index: int, world: int, store: dist.Store, options: dict[str, Any]) -
         if dying and step == args.lose_at and opt.rank >= world - LOST:
             os.kill(os.getpid(), signal.SIGKILL)
         if grow_back and opt.world_size < world and step >= args.steps - 10:
-            # Do not finish before the lost workers are back (a restart takes seconds): slow the last
-            # steps down until they are admitted (up to 10 s), counted and printed with the figures.
-            time.sleep(1.0)
+            time.sleep(1.0)  # do not finish before the lost workers are back (a restart takes seconds)
             waited += 1.0
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0:
             path = out / f"ckpt-{rank}-{step + 1}.pt"
@@ -120,13 +99,11 @@ def worker(index: int, world: int, store: dist.Store, options: dict[str, Any]) -
         return result
     survival = opt.engine.survival
     result |= {"before_front_end": before_front_end, "after_front_end": after_front_end}
-    result |= {"times": times, "first_step": opt.step_count - len(times)}
-    result |= {"join_seconds": opt.engine.growth.join_seconds, "admissions": len(opt.peer_joins)}
+    result |= {"times": times, "join_seconds": opt.engine.growth.join_seconds}
     result |= {"pauses": [] if survival is None else survival.pauses}
     return result | {"forged_refused": opt.guard_counts.get("forged_application", 0)}
 
 
-# -- running jobs --------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def cluster_at(nodes: int, link: str | None) -> Iterator[Any]:
     """None (loopback) without ``link``, else ``nodes`` nodes of the emulated cluster at ``link``."""
@@ -153,26 +130,25 @@ def failure(scenario: str, job: Launch) -> RuntimeError:
     )
 
 
-def run_job(
-    members: int,
-    args: argparse.Namespace,
-    mode: str,
-    join: bool,
-    cluster: Any = None,
-    secret: str | None = None,
-    forged_per_s: float = 0.0,
-) -> list[dict[str, Any]]:
-    """``joining``: ``members`` workers (and one joiner on node ``members`` once rank 0 is ready, with
-    ``join``); their results. With ``secret`` the workers seal the job's entries; with
-    ``forged_per_s`` an outsider writes that many forged applications a second into the store."""
+def run_job(members: int, args: argparse.Namespace, kind: str, join: bool, cluster: Any = None) -> list[dict]:
+    """``members`` workers of a ``kind`` of job (a --mode, or ``sealed``: elastic with a secret, ``forged``:
+    sealed while an outsider writes ``--forged-per-s`` forged applications a second into the store) and,
+    with ``join``, one joiner on node ``members`` once rank 0 is ready; their results."""
     names = ("question", "params", "steps", "join_after", "timeout", "step_time")
     options = {k: getattr(args, k) for k in names} | {"expect_join": join}
-    job = launch(members, mode, options, cluster, {} if secret is None else {"DECENT_JOB_SECRET": secret})
+    sealed = kind in ("sealed", "forged")
+    env = {"DECENT_JOB_SECRET": "the-benchmark-job-secret-0123"} if sealed else {}
+    job = launch(members, "elastic" if sealed else kind, options, cluster, env)
     for _ in range(members):
         job.start()
+    stop = threading.Event()
+    outsider = threading.Thread(target=forge, args=(job.host, job.port, args.forged_per_s, stop))
 
-    stop_forging = threading.Event()
-    forger = threading.Thread(target=forge, args=(job.host, job.port, forged_per_s, stop_forging))
+    def end_outsider() -> None:
+        """Before the store goes: a thread still inside a TCPStore call then aborts the process."""
+        stop.set()
+        if outsider.is_alive():
+            outsider.join()
 
     def watch(job: Launch) -> bool:
         """Start the joiner once rank 0 is ready; a failed worker fails the job."""
@@ -182,32 +158,23 @@ def run_job(
         if join and len(job.procs) == members and (job.workdir / "ready").exists():
             job.start(rank=0, node=members)
         if None not in codes:
-            stop(forger, stop_forging)
+            end_outsider()
         return join and len(job.procs) == members
 
-    if forged_per_s:
-        forger.start()
+    if kind == "forged":
+        outsider.start()
     try:
         outcome = job.wait(args.deadline_s, watch)
     finally:
-        stop(forger, stop_forging)
+        end_outsider()
     if outcome.errors or any(code != 0 for code in outcome.exitcodes.values()):
         raise failure("joining", job)
     return list(outcome.results.values())
 
 
-def stop(forger: threading.Thread, stop_forging: threading.Event) -> None:
-    """Join the outsider before the store goes and before the interpreter exits: a thread still inside a
-    call to its TCPStore client then aborts the process ("terminate called without an active exception")."""
-    stop_forging.set()
-    if forger.is_alive():
-        forger.join()
-
-
 def forge(host: str, port: int, per_s: float, stop: threading.Event) -> None:
-    """An outsider that reaches the store without the job's secret: it reads the job's run from the
-    store (entries are not hidden) and claims application slots with plain requests, ``per_s`` a
-    second, until ``stop``."""
+    """An outsider without the job's secret: it reads the job's run from the store (entries are not
+    hidden) and claims application slots with plain requests, ``per_s`` a second, until ``stop``."""
     from decent_optim_wrapper.engine.fleet.admission import JoinRequest, slot_key
     from decent_optim_wrapper.engine.fleet.jobs import run_prefix
     from decent_optim_wrapper.engine.fleet.sealing import Seal
@@ -234,57 +201,37 @@ def admission_figures(results: list[dict[str, Any]]) -> dict[str, Any]:
     first_step_end = joiner["times"][0][1]
     lost, usual_steps = [], []
     for member in members:
-        durations = [end - begin for begin, end in member["times"]]
-        usual = statistics.median(durations)
-        usual_steps.append(usual)
+        usual_steps.append(statistics.median(end - begin for begin, end in member["times"]))
         # the member's steps that ran while the joiner started, joined and took its first step
-        times = member["times"]
-        around = [end - begin for begin, end in times if end >= joiner["start"] and begin <= first_step_end]
-        lost.append(max([0.0, *(d - usual for d in around)]))
-    # The join's parts as the engine times them; donor: the donor forming its side and packing its
-    # replica; transfer: the payload on the wire.
-    seconds, parts = joiner["join_seconds"], ("admission", "group", "donor", "transfer", "verify")
-    pauses = [p for m in members for p in m["pauses"]]
+        around = [e - b for b, e in member["times"] if e >= joiner["start"] and b <= first_step_end]
+        lost.append(max([0.0, *(d - usual_steps[-1] for d in around)]))
+    seconds, pauses = joiner["join_seconds"], [p for m in members for p in m["pauses"]]
     timeline = {"start_up_s": joiner["before_front_end"] - joiner["start"]}
-    timeline |= {f"{part}_s": seconds[part] for part in parts}
+    timeline |= {f"{part}_s": seconds[part] for part in PARTS}
     timeline["first_step_s"] = first_step_end - joiner["after_front_end"]
-    # building the front-end around the join: the engine in a world of its own, finding the job again,
-    # loading the replica
+    # the rest of the front-end: the engine in a world of its own, finding the job, loading the replica
     front_end = joiner["after_front_end"] - joiner["before_front_end"]
-    timeline["construct_s"] = front_end - sum(seconds[p] for p in parts)
+    timeline["construct_s"] = front_end - sum(seconds[p] for p in PARTS)
     timeline |= {"total_s": first_step_end - joiner["start"], "bytes": seconds["bytes"]}
     figures = {"world_size": joiner["world_size"], "pause_s": max(pauses)}
-    figures |= {
-        "pause_median_s": statistics.median(pauses),
-        "step_lost_s": max(lost),
-        "member_step_s": statistics.median(usual_steps),
-    }
-    return figures | {"joiner": timeline}
-
-
-#: The overhead part's jobs: (the workers' --mode, the job secret, forged applications a second).
-OVERHEAD_JOBS = {
-    "raise": ("raise", None, False),
-    "continue": ("continue", None, False),
-    "elastic": ("elastic", None, False),
-    "sealed": ("elastic", "the-benchmark-job-secret-0123", False),
-    "forged": ("elastic", "the-benchmark-job-secret-0123", True),
-}
+    figures |= {"pause_median_s": statistics.median(pauses), "step_lost_s": max(lost)}
+    return figures | {"member_step_s": statistics.median(usual_steps), "joiner": timeline}
 
 
 def overhead(args: argparse.Namespace) -> dict[str, Any]:
-    medians: dict[str, list[float]] = {name: [] for name in OVERHEAD_JOBS}
+    """Median step time of each kind of job over ``"raise"``, interleaved ``--rounds`` times."""
+    medians: dict[str, list[float]] = {
+        kind: [] for kind in ("raise", "continue", "elastic", "sealed", "forged")
+    }
     refused: list[int] = []  # forged applications rank 0 refused, per forged job
     for _ in range(args.rounds):
-        for name, (mode, secret, forged) in OVERHEAD_JOBS.items():
-            rate = args.forged_per_s if forged else 0.0
-            results = run_job(args.overhead_ranks, args, mode, join=False, secret=secret, forged_per_s=rate)
-            durations = [end - begin for r in results for begin, end in r["times"][5:]]
-            medians[name].append(statistics.median(durations))
-            if forged:
+        for kind, times in medians.items():
+            results = run_job(args.overhead_ranks, args, kind, join=False)
+            times.append(statistics.median(e - b for r in results for b, e in r["times"][5:]))
+            if kind == "forged":
                 refused.append(next(r["forged_refused"] for r in results if r["rank"] == 0))
     base = statistics.median(medians["raise"])
-    ratios = {mode: statistics.median(values) / base for mode, values in medians.items()}
+    ratios = {kind: statistics.median(times) / base for kind, times in medians.items()}
     return {**ratios, "forged/sealed": ratios["forged"] / ratios["sealed"], "forged_refused": refused}
 
 
@@ -299,64 +246,31 @@ def link_sweep(args: argparse.Namespace) -> list[dict[str, Any]]:
             for megabytes in args.sizes_mb:
                 params = int(megabytes * 1e6 / 16)  # parameters, AdamW's two moments, the rule's signal
                 sized = argparse.Namespace(**{**vars(args), "params": params, "steps": args.join_after + 15})
-                results = run_job(4, sized, "elastic", join=True, cluster=cluster)
-                figures = admission_figures(results)["joiner"]
-                ideal = figures["bytes"] * 8 / rate_bits(link)
-                rows.append({"link": link, "megabytes": figures["bytes"] / 1e6, **figures, "ideal_s": ideal})
-                print(link_row(rows[-1]), flush=True)
+                joiner = admission_figures(run_job(4, sized, "elastic", join=True, cluster=cluster))["joiner"]
+                ideal = joiner["bytes"] * 8 / rate_bits(link)
+                row = {"link": link, "megabytes": joiner["bytes"] / 1e6, **joiner, "ideal_s": ideal}
+                rows.append(row | {"ratio": joiner["transfer_s"] / ideal})
+                print(shown(rows[-1]), flush=True)
     return rows
-
-
-def link_row(row: dict[str, Any]) -> str:
-    return (
-        f"{row['link']:>9} {row['megabytes']:8.1f} MB  donor packing {row['donor_s']:5.2f} s  "
-        f"transfer {row['transfer_s']:7.2f} s  bytes/link {row['ideal_s']:7.2f} s  "
-        f"ratio {row['transfer_s'] / row['ideal_s']:5.2f}"
-    )
-
-
-# -- the answer ----------------------------------------------------------------------------------------
-def pause_row(world: int, entry: dict[str, Any]) -> str:
-    joiner = entry["joiner"]
-    return (
-        f"{world:>3} ranks: members' pause {entry['pause_s']:.2f} s "
-        f"(median {entry['pause_median_s']:.2f}), step lost {entry['step_lost_s']:.2f} s "
-        f"(step {entry['member_step_s'] * 1e3:.0f} ms); joiner {joiner['total_s']:.1f} s to its first "
-        f"step: start-up {joiner['start_up_s']:.1f}, admission {joiner['admission_s']:.2f}, group "
-        f"{joiner['group_s']:.2f}, donor packing {joiner['donor_s']:.2f}, "
-        f"transfer {joiner['transfer_s']:.2f} ({joiner['bytes'] / 1e6:.1f} MB), "
-        f"verify {joiner['verify_s']:.2f}, the rest of the front-end {joiner['construct_s']:.2f}, "
-        f"first step {joiner['first_step_s']:.2f}"
-    )
 
 
 def joining(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """The parts asked for (link, pause, overhead), in that order: their figures and their lines."""
     args.params = int(args.params)
-    figures: dict[str, Any] = {"params": args.params, "cpus": os.cpu_count()}
-    lines = []
-    if args.links:
-        figures["link"] = link_sweep(args)
-        lines += [link_row(row) for row in figures["link"]]
-    figures["pause"] = []
-    if args.cluster:
-        figures["cluster_link"] = args.cluster
+    figures: dict[str, Any] = {"params": args.params, "cpus": os.cpu_count(), "cluster_link": args.cluster}
+    figures["link"] = link_sweep(args) if args.links else []
+    lines, figures["pause"] = [shown(row) for row in figures["link"]], []
     with cluster_at(max(args.ranks, default=0), args.cluster) as cluster:
         for world in args.ranks:
             figures["pause"].append(admission_figures(run_job(world - 1, args, "elastic", True, cluster)))
-            lines.append(pause_row(world, figures["pause"][-1]))
+            lines.append(f"{world} ranks: members' pause, step lost, joiner: {shown(figures['pause'][-1])}")
             print(lines[-1], flush=True)
     if args.overhead_ranks:
-        cost = figures["overhead"] = overhead(args)
-        ratios = ", ".join(f"{mode}: {cost[mode]:.3f}x" for mode in OVERHEAD_JOBS)
-        lines.append(
-            f"step time over on_peer_failure='raise', {ratios}; forged/sealed {cost['forged/sealed']:.3f}x, "
-            f"forged applications refused by rank 0 per job {cost['forged_refused']}"
-        )
+        figures["overhead"] = overhead(args)
+        lines.append(f"step time over on_peer_failure='raise': {shown(figures['overhead'])}")
     return figures, "\n".join(lines)
 
 
-# -- grow-back -----------------------------------------------------------------------------------------
 def grow_back_run(scenario: str, args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     """One run of ``scenario``, as a launcher runs it; its time to the last step and final loss."""
     names = ("question", "params", "steps", "lose_at", "step_time", "timeout", "lr")
@@ -386,10 +300,9 @@ def grow_back_run(scenario: str, args: argparse.Namespace, cluster: Any) -> dict
             complete = [s for s in saved if all((job.workdir / f"ckpt-{r}-{s}.pt").exists() for r in ranks)]
             resume_step = max(complete, default=0)
             recomputed, first, restarts = args.lose_at + 1 - resume_step, len(job.procs), args.workers
+            resumed = {**job.args[0], "attempt": 1, "resume_step": resume_step}
             for rank in ranks:
-                job.start(
-                    rank=rank, attempt=1, args=({**job.args[0], "attempt": 1, "resume_step": resume_step},)
-                )
+                job.start(rank=rank, attempt=1, args=(resumed,))
         return False
 
     began = time.time()
@@ -408,18 +321,9 @@ def grow_back_run(scenario: str, args: argparse.Namespace, cluster: Any) -> dict
     return figures | {"waited_for_joiners_s": max(r["waited_s"] for r in results)}
 
 
-def row_text(row: dict[str, Any], first: dict[str, Any]) -> str:
-    time_ratio, loss_ratio = row["seconds"] / first["seconds"], row["final_loss"] / first["final_loss"]
-    return (
-        f"{row['scenario']:>9}: {row['seconds']:6.1f} s to the last step ({time_ratio:.2f}x of "
-        f"{first['scenario']}), final loss {row['final_loss']:.6f} ({loss_ratio:.4f}x), "
-        f"processes restarted {row['processes_restarted']}, steps computed again {row['steps_recomputed']}, "
-        f"joiners {row['joiners']}, waited for them {row['waited_for_joiners_s']:.2f} s"
-    )
-
-
 def grow_back(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """The runs asked for (``--runs``), on the emulated cluster or, with ``--local``, on loopback."""
+    """The runs asked for (``--runs``), on the emulated cluster or, with ``--local``, on loopback; each
+    with its time and final loss over the first run's."""
     from benchmarks.harness.emulated_cluster import ready_to_emulate
 
     if not args.local and not ready_to_emulate():
@@ -427,8 +331,10 @@ def grow_back(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     rows: list[dict[str, Any]] = []
     with cluster_at(args.workers, None if args.local else args.link) as cluster:
         for scenario in args.runs:
-            rows.append(grow_back_run(scenario, args, cluster))
-            print(row_text(rows[-1], rows[0]), flush=True)
+            row = grow_back_run(scenario, args, cluster)
+            first = rows[0] if rows else row
+            rows.append(row | {f"{k}_ratio": row[k] / first[k] for k in ("seconds", "final_loss")})
+            print(shown(rows[-1]), flush=True)
     setup = {k: getattr(args, k) for k in ("workers", "params", "steps", "lose_at", "checkpoint_every")}
     figures = {**setup, "link": None if args.local else args.link, "cpus": os.cpu_count(), "runs": rows}
-    return figures, "\n".join(row_text(row, rows[0]) for row in rows)
+    return figures, "\n".join(map(shown, rows))

@@ -1,13 +1,7 @@
-"""What a job of nodes pays to survive a lost node: the node check, per step.
-
-    uv run benchmarks/faults/run.py node-check                 # 2 nodes x 2 shards on loopback, about 2 min
-    uv run benchmarks/faults/run.py node-check --buckets 8 --json /tmp/node-check.json
-
-With ``on_peer_failure="continue"`` a node's ranks all-gather a flag and a count after every gossip
-wait, so that they recover together (docs/big-models.md, "A job of nodes"). *Per step*: an FSDP2-sharded
-MLP over ``node_mesh()`` (``--buckets`` buckets) with ``"raise"`` against ``"continue"``, interleaved
-``--rounds`` times; *one check*: the all-gather alone (``--checks`` times), times the checks per step.
-"""
+"""What a job of nodes pays per step to survive a lost node (docs/big-models.md, "A job of nodes"): an
+FSDP2-sharded MLP over ``node_mesh()`` with ``"raise"`` against ``"continue"`` (whose ranks all-gather a
+flag and a count over the node after every gossip wait), interleaved ``--rounds`` times; and that
+all-gather alone, times the checks per step (one per bucket)."""
 
 from __future__ import annotations
 
@@ -44,7 +38,7 @@ def worker(rank: int, world: int, store: dist.Store, args: argparse.Namespace, m
         bucket_cap_mb=shard_bytes / args.buckets / 2**20 * 1.01,
         timeout=timedelta(seconds=60),
     )
-    times = []
+    times, checks = [], []
     for step in range(args.steps):
         begin = time.perf_counter()
         x = torch.randn(32, 64, generator=torch.Generator().manual_seed(1000 * rank + step))
@@ -53,10 +47,8 @@ def worker(rank: int, world: int, store: dist.Store, args: argparse.Namespace, m
         optimizer.step()
         time.sleep(args.step_time)  # the rest of a step's compute
         times.append(time.perf_counter() - begin)
-    checks = []
     for _ in range(args.checks):  # the node check's collective, on its own
-        flag = torch.zeros(2, dtype=torch.int64)
-        gathered = torch.empty(2 * args.shards, dtype=torch.int64)
+        flag, gathered = torch.zeros(2, dtype=torch.int64), torch.empty(2 * args.shards, dtype=torch.int64)
         begin = time.perf_counter()
         dist.all_gather_into_tensor(gathered, flag, async_op=True).wait(timedelta(seconds=60))
         checks.append(time.perf_counter() - begin)
@@ -64,27 +56,20 @@ def worker(rank: int, world: int, store: dist.Store, args: argparse.Namespace, m
     return {"step_s": step_s, "buckets": buckets, "check_s": statistics.median(checks)}
 
 
-def run_job(args: argparse.Namespace, mode: str) -> dict[str, float]:
-    # The launcher hosts the store: with "continue" a rank polls it in every gossip wait, and a store in
-    # rank 0 would vanish under the ranks still in their last step.
-    world, elastic = args.nodes * args.shards, {"job": "node-check", "shards": args.shards}
-    outcome = run_workers(worker, world, (args, mode), deadline_s=300, elastic=elastic)
-    if outcome.errors or len(outcome.results) != world:
-        raise RuntimeError(f"job {mode}: {outcome.errors or outcome}")
-    by_rank = outcome.results
-    return {
-        "step_s": statistics.median(r["step_s"] for r in by_rank.values()),
-        "check_s": statistics.median(r["check_s"] for r in by_rank.values()),
-        "buckets": min(r["buckets"] for r in by_rank.values()),
-    }
-
-
 def answer(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Both jobs, interleaved ``--rounds`` times: the step times, one check, and the checks' share."""
-    runs: dict[str, list[dict[str, float]]] = {"raise": [], "continue": []}
+    world, elastic = args.nodes * args.shards, {"job": "node-check", "shards": args.shards}
+    runs: dict[str, list[dict[str, Any]]] = {"raise": [], "continue": []}
     for _ in range(args.rounds):
-        for mode in runs:
-            runs[mode].append(run_job(args, mode))
+        for mode, results in runs.items():
+            # The launcher hosts the store: with "continue" a rank polls it in every gossip wait, and a
+            # store in rank 0 would vanish under the ranks still in their last step.
+            outcome = run_workers(worker, world, (args, mode), deadline_s=300, elastic=elastic)
+            if outcome.errors or len(outcome.results) != world:
+                raise RuntimeError(f"job {mode}: {outcome.errors or outcome}")
+            ranks = outcome.results.values()
+            job = {k: statistics.median(r[k] for r in ranks) for k in ("step_s", "check_s")}
+            results.append(job | {"buckets": min(r["buckets"] for r in ranks)})
     step = {mode: statistics.median(r["step_s"] for r in rs) for mode, rs in runs.items()}
     check_s = statistics.median(r["check_s"] for r in runs["continue"])
     buckets = runs["continue"][0]["buckets"]

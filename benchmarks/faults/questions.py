@@ -15,7 +15,7 @@ QUESTIONS = {
     "kills": (
         "workers killed, frozen or hung down to a floor over seeded runs: failures survived, "
         "steps lost, recovery time, corruption",
-        dict(SOAK, floor=4, spacing=40, timeout_s=3.0, deadline_s=150.0, runs=1000, budget_s=600.0),
+        dict(SOAK, floor=4, spacing=40, timeout_s=3.0, deadline_s=150.0, runs=17),
     ),
     "rejoins": (
         "the soak on an elastic job, every victim restarted and joining again: joins, losses, "

@@ -2,9 +2,8 @@
 
     uv run benchmarks/faults/run.py QUESTION [options] [--json PATH] [--table PATH]
 
-The questions' defaults are in ``questions.py`` (``run.py QUESTION --help`` lists them); each is
-answered by its module: ``kills`` and ``rejoins`` (``soak.py``), ``lost-worker`` (``lost_worker.py``),
-``joining`` and ``grow-back`` (``joins.py``), ``node-check`` (``node_check.py``).
+Defaults: ``questions.py``; answers: ``soak.py`` (kills, rejoins), ``lost_worker.py``, ``joins.py``
+(joining, grow-back), ``node_check.py``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,7 @@
-"""Fault-injection soak: workers die or hang while training with ``on_peer_failure="continue"``.
-
-    uv run benchmarks/faults/run.py kills                 # 8 workers down to 4, seeded runs, ~10 min
-    uv run benchmarks/faults/run.py kills --workers 5 --floor 3 --runs 1 --json /tmp/soak.json  # short
-    uv run benchmarks/faults/run.py rejoins               # 8 workers, 48 kill/restart cycles, ~10 min
-    # one worker 15x slower, a global average every 3 steps: joiners must not starve
-    uv run benchmarks/faults/run.py rejoins --workers 4 --floor 3 --cycles 10 --average-every 3 \
-        --slow-factor 15
-
-Forked workers train an MLP (ring, SGD with momentum, a cosine schedule), take and revert a global
-average every ``--average-every`` steps, and carry a *witness*: a parameter only gossip moves
-(``lr=0``), started in [1, 2], different on every rank. A victim fails in one of ``MODES`` at a
-seeded moment. ``kills``: seeded runs down to ``--floor`` (docs/survival-benchmarks.md). ``rejoins``:
-one elastic run of ``--cycles`` failures, each victim restarted as a joiner (docs/joining.md).
-
-*Corruption* (each must be 0): a non-finite parameter or loss; a witness outside [1, 2] (beyond
-``WITNESS_ULPS`` of rounding per round); final averages not bitwise identical across survivors, or
-farther from the float64 mean of their replicas than ``k u max|x|`` (``k`` replicas, u = 2^-24); a
-world size the survivors disagree on or that is not the expected one.
-"""
+"""Fault-injection soak with ``on_peer_failure="continue"``: ``kills`` (seeded runs down to ``--floor``,
+docs/survival-benchmarks.md) and ``rejoins`` (one elastic run, every victim restarted as a joiner,
+docs/joining.md). Forked workers train an MLP and carry a *witness* only gossip moves; a victim fails
+in one of ``MODES`` at a seeded moment; the survivors are checked for lost steps and corruption."""
 
 from __future__ import annotations
 
@@ -39,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.harness.common import build_mlp
-from benchmarks.harness.fault_runs import Launch, Outcome, injected, note, process_started, run_workers
+from benchmarks.harness.fault_runs import Launch, Outcome, injected, note, process_started, run_workers, shown
 from decent_optim_wrapper import DecentOptimWrapper, PeerJoin
 from decent_optim_wrapper.engine.fleet.membership import PeerFailure
 
@@ -48,33 +32,19 @@ TIMED_MODES = ("kill-in-step", "kill-in-global-avg")  # SIGKILL from a timer
 FEATURES, OUTPUTS, WITNESS = 16, 4, 64
 WARMUP_STEPS, TAIL_STEPS = 20, 40  # steps before the first failure and (kills) after the last one
 JUDGE_TIMEOUT_S = 60  # the final gathers' timeout (they are not under test)
-WITNESS_ULPS = 4  # rounding allowed per round, in units of 2^-23 (an ulp at 2): see module docstring
+WITNESS_ULPS = 4  # rounding allowed per round, in units of 2^-23: one fp32 convex combination at 2
 END_MARGIN = 30  # rejoins: steps between the proposal of the end and the end (workers a step or two apart)
-END_KEY = "rejoin-soak/end"  # rejoins: the agreed end, in the store
-CLOCK_KEY = "rejoin-soak/failures"  # rejoins: the failures fired and their claims, in the store
+END_KEY, CLOCK_KEY = "rejoin-soak/end", "rejoin-soak/failures"  # rejoins: the agreed end, the failures fired
 QUIET_STEPS = 1000  # rejoins: after the last failure fired, steps without a loss that make it a miss
-WHEN = {  # (call, mode) -> the fault fires at once before the call, from a timer started before it, or after
-    ("step", "stop"): "before",
-    ("step", "hang"): "before",
-    ("step", "kill-in-step"): "timer",
-    ("step", "kill-in-flight"): "after",
-    ("global_avg", "kill-in-global-avg"): "timer",
-}
-
-
-# -- the workers -------------------------------------------------------------------------------------
-
-
-def witness_values(rank: int) -> torch.Tensor:
-    """Rank ``r``'s witness: coordinate ``i`` is ``1 + ((3 r + i) mod 8) / 7``, in [1, 2]."""
-    return 1 + ((3 * rank + torch.arange(WITNESS)) % 8).float() / 7
+#: (call, mode) -> the fault fires at once before the call, from a timer started before it, or after it
+WHEN = {("step", "stop"): "before", ("step", "hang"): "before", ("step", "kill-in-flight"): "after"}
+WHEN |= {("step", "kill-in-step"): "timer", ("global_avg", "kill-in-global-avg"): "timer"}
 
 
 class FaultClock:
-    """rejoins: failure ``k`` is due ``gap`` steps after failure ``k - 1`` fired, once the world is
-    whole (an ``overlap`` failure: above the floor), a kill inside a global average at a step that
-    takes one. The schedule lives in the store, as members a step apart would disagree on it: the
-    count fired and, per failure, the victim's claim (``compare_set``: each fires exactly once)."""
+    """rejoins: failure ``k`` is due ``gap`` steps after failure ``k - 1`` fired, once the world is whole
+    (an ``overlap`` failure: above the floor). The schedule lives in the store, as members a step apart
+    would disagree on it: the count fired and each failure's claim (``compare_set``: it fires once)."""
 
     def __init__(self, store: dist.Store, plan: list[dict], config: dict, index: int, spare_rank_0: bool):
         self.store, self.plan, self.index, self.config = store, plan, index, config
@@ -83,11 +53,10 @@ class FaultClock:
 
     @property
     def next(self) -> int:
-        """How many failures have fired (the index of the next one)."""
+        """How many failures have fired."""
         return int(self.store.add(f"{CLOCK_KEY}/fired", 0))
 
     def fired_step(self, failure: int) -> int:
-        """The step ``failure`` fired at (``WARMUP_STEPS`` before the first)."""
         if failure < 0:
             return WARMUP_STEPS
         if failure not in self._fired_at:  # claimed before ``fired`` counts it: the key is there
@@ -105,13 +74,10 @@ class FaultClock:
         if world_size < workers and not (fault["overlap"] and world_size > self.config["floor"]):
             return None
         if fault["mode"] == "kill-in-global-avg" and (step + 1) % self.config["average_every"]:
-            return None
+            return None  # a kill inside a global average waits for a step that takes one
         victim = 1 + fault["victim"] % (world_size - 1) if self.spare_rank_0 else fault["victim"] % world_size
-        mine = f"{self.index}:{step}"
-        if (
-            victim != rank
-            or self.store.compare_set(f"{CLOCK_KEY}/claim/{failure}", "", mine) != mine.encode()
-        ):
+        mine, claim = f"{self.index}:{step}", f"{CLOCK_KEY}/claim/{failure}"
+        if victim != rank or self.store.compare_set(claim, "", mine) != mine.encode():
             return None  # not the victim, or another worker a step or a world apart claimed it first
         self.store.add(f"{CLOCK_KEY}/fired", 1)
         return fault
@@ -129,18 +95,16 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
     inner = torch.optim.SGD(groups, lr=0.05, momentum=0.9)
     timeout = timedelta(seconds=config["timeout_s"])
     opt = DecentOptimWrapper(inner, topology="ring", timeout=timeout, on_peer_failure="continue", store=store)
-    after_front_end = time.time()
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
-    slow = config["slow_factor"] > 1
-    # With --slow-factor, launch index 0 computes that many times longer per step (a slower machine).
+    slow = config["slow_factor"] > 1  # launch index 0 computes that many times longer per step
     step_time_s = config["step_time_s"] * (config["slow_factor"] if index == 0 and slow else 1)
     clock = FaultClock(store, plan, {**config, "workers": world}, index, slow) if elastic else None
     planned = {f["step"]: f for f in plan if f.get("rank") == index}  # kills: victims by launch rank
     if elastic:
         opt.register_join_state("scheduler", scheduler)  # a joiner loads its donor's here
     if opt.joined is None:
-        with torch.no_grad():  # after construction, which broadcast rank 0's values
-            witness.copy_(witness_values(index))
+        with torch.no_grad():  # after construction, which broadcast rank 0's values; in [1, 2]
+            witness.copy_(1 + ((3 * index + torch.arange(WITNESS)) % 8).float() / 7)
     params = [*model.parameters(), witness]
     teacher = torch.randn(FEATURES, OUTPUTS, generator=torch.Generator().manual_seed(0))
     members = list(range(world))  # kills: launch ranks, in the current rank order
@@ -151,7 +115,6 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
         if isinstance(change, PeerJoin):
             record = {"kind": "admitted", "joined": len(change.joined)}
         else:
-            event["previous_world_size"] = change.previous_world_size
             record = {"kind": "lost", "lost": len(change.lost)}
             if not elastic:
                 event["lost"] = [members[i] for i in change.lost]
@@ -180,10 +143,9 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
         if step_time_s:
             time.sleep(step_time_s)  # the rest of a step's compute: leaves a core to a starting worker
         if t == first_step and opt.joined is not None:
-            times = {"started": process_started(), "first_step_end": time.time()}
-            times |= {"before_front_end": before_front_end, "after_front_end": after_front_end}
+            times = {"started": process_started(), "before_front_end": before_front_end}
             seconds = opt.engine.growth.join_seconds
-            note({"kind": "joined", "step": t, "world_size": opt.world_size, **times, "seconds": seconds})
+            note({"kind": "joined", "first_step_end": time.time(), **times, "seconds": seconds})
         if (t + 1) % every == 0:
             with failing.around("global_avg", fault):
                 opt.global_avg()
@@ -199,8 +161,7 @@ def soak_worker(index: int, world: int, store: dist.Store, plan: list[dict], con
                 store.compare_set(END_KEY, "", str(t + END_MARGIN))
             if store.check([END_KEY]):
                 end = int(store.get(END_KEY))
-    run = {"index": index, "members": members, "events": events, "joined": opt.joined is not None}
-    run |= {"first_step": first_step, "steps": t, "failures_fired": clock.next if clock else None}
+    run = {"members": members, "events": events, "steps": t, "failures_fired": clock.next if clock else None}
     run |= {"scheduler_steps": scheduler.last_epoch, **final_checks(opt, params, health)}
     return run | {"final_loss": float(loss)}
 
@@ -221,7 +182,6 @@ class Injector:
 
     @contextlib.contextmanager
     def around(self, call: str, fault: dict) -> Iterator[None]:
-        """``fault``: this step's, ``{}`` if none."""
         when = WHEN.get((call, fault.get("mode", "")))
         if when == "before":
             self.fail(fault)
@@ -262,8 +222,8 @@ class Health:
 
 
 def final_checks(opt: DecentOptimWrapper, params: list[torch.Tensor], health: Health) -> dict[str, Any]:
-    """The survivors' final average against their replicas gathered just before it (the judge's
-    gathers, on a group of their own with a timeout that allows for a slow machine)."""
+    """The survivors' final average against their replicas gathered just before it (on a judge's group
+    with a timeout that allows for a slow machine)."""
     flat = lambda: torch.cat([p.detach().reshape(-1) for p in params])  # noqa: E731
     size = dist.get_world_size()
     judge_group = dist.new_group(timeout=timedelta(seconds=JUDGE_TIMEOUT_S))
@@ -276,15 +236,12 @@ def final_checks(opt: DecentOptimWrapper, params: list[torch.Tensor], health: He
     averages = [torch.empty_like(average) for _ in range(opt.world_size)]
     dist.all_gather(averages, average, group=judge_group if opt.world_size == size else None)
     stacked = torch.stack(replicas).double()
-    figures = {"final_rank": opt.rank, "world_size": opt.world_size, "dist_world_size": size}
+    figures = {"world_size": opt.world_size, "dist_world_size": size, "step_count": opt.step_count}
     figures |= {"nonfinite": health.nonfinite, "witness_excursion": health.excursion}
-    figures |= {"witness_rounds": health.rounds, "step_count": opt.step_count}
+    figures["witness_rounds"] = health.rounds
     figures["average_identical"] = all(torch.equal(a, averages[0]) for a in averages)
     figures["average_deviation"] = float((average.double() - stacked.mean(0)).abs().max())
-    return figures | {"average_bound": size * 2**-24 * float(stacked.abs().max())}
-
-
-# -- the plans ---------------------------------------------------------------------------------------
+    return figures | {"average_bound": size * 2**-24 * float(stacked.abs().max())}  # k u max|x|
 
 
 def kills_plan(seed: int, args: argparse.Namespace) -> list[dict]:
@@ -318,35 +275,25 @@ def rejoins_plan(args: argparse.Namespace) -> list[dict]:
     return plan
 
 
-# -- the judges --------------------------------------------------------------------------------------
-
-
 def injection_figures(injections: list[dict]) -> dict[str, Any]:
     """The failures injected, by mode, and where the timed kills landed (the main thread's phase)."""
-    landed: dict[str, dict[str, int]] = {m: {} for m in TIMED_MODES}
-    for record in injections:
-        if record["mode"] in landed:
-            landed[record["mode"]][record["landed"]] = landed[record["mode"]].get(record["landed"], 0) + 1
+    landed = {m: dict(Counter(r["landed"] for r in injections if r["mode"] == m)) for m in TIMED_MODES}
     by_mode = dict.fromkeys(MODES, 0) | Counter(r["mode"] for r in injections)
     return {"injected": len(injections), "injected_by_mode": by_mode, "timed_kills_landed_in": landed}
 
 
-def finisher_figures(
-    finishers: list[dict], steps: int, expected: int, world_disagrees: int
-) -> dict[str, Any]:
-    """What both soaks report of the workers that finished (``expected`` of them, ``steps`` each): steps
-    lost, schedules behind their step count, corruption, the witness's and the final averages' largest
-    errors, the mean final loss."""
+def finisher_figures(finishers: list[dict], steps: int, expected: int, disagrees: int) -> dict[str, Any]:
+    """Of the workers that finished (``expected`` of them, ``steps`` each): steps lost, schedules behind
+    their step count, corruption (each must be 0), the largest errors, the mean final loss."""
     missing = max(0, expected - len(finishers))
     figures = {"steps_lost": sum(steps - r["step_count"] for r in finishers) + steps * missing}
     figures["scheduler_behind"] = sum(r["scheduler_steps"] != r["step_count"] for r in finishers)
     corruption = {"nonfinite": sum(r["nonfinite"] > 0 for r in finishers)}
-    corruption["witness_outside_hull"] = sum(
-        r["witness_excursion"] > WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in finishers
-    )
+    outside = sum(r["witness_excursion"] > WITNESS_ULPS * 2**-23 * r["witness_rounds"] for r in finishers)
+    corruption["witness_outside_hull"] = outside
     corruption["average_not_identical"] = int(not all(r["average_identical"] for r in finishers))
     corruption["average_not_mean"] = sum(r["average_deviation"] > r["average_bound"] for r in finishers)
-    figures["corruption"] = corruption | {"world_size_disagrees": world_disagrees}
+    figures["corruption"] = corruption | {"world_size_disagrees": disagrees}
     for key in ("witness_excursion", "average_deviation"):
         figures[f"{key}_max"] = max((r[key] for r in finishers), default=0.0)
     losses = [r["final_loss"] for r in finishers]
@@ -364,7 +311,8 @@ def spread(values: list[float], middle: str = "median") -> dict[str, float | Non
 
 
 def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> dict[str, Any]:
-    """The figures of one run of the kills scenario (see the module docstring)."""
+    """One kills run: a failure is survived if every survivor finished, all recorded the same
+    recoveries, and count the victim among the lost."""
     victims = outcome.injected
     survivors = [r for r in range(world) if r not in victims]
     results = [outcome.results[r] for r in survivors if r in outcome.results]
@@ -373,11 +321,10 @@ def judge_kills(plan: list[dict], world: int, steps: int, outcome: Outcome) -> d
     agree = finished and all(h == history[0] for h in history)
     lost = {rank for event in (history[0] if history else []) for rank in event[0]}
     survived = [v for v in victims if agree and v in lost]
-    recoveries = []
-    if agree:
-        for i, event in enumerate(results[0]["events"]):
-            start = min(victims[v]["time"] for v in event["lost"] if v in victims)
-            recoveries.append(max(r["events"][i]["time"] for r in results) - start)
+    recoveries = []  # from the (first) victim's failure to the last survivor's hook
+    for i, event in enumerate(results[0]["events"] if agree else []):
+        start = min(victims[v]["time"] for v in event["lost"] if v in victims)
+        recoveries.append(max(r["events"][i]["time"] for r in results) - start)
     expected_world = world - len(victims)
     world_disagrees = sum(
         (r["world_size"], r["dist_world_size"], len(r["members"])) != (expected_world,) * 3
@@ -414,174 +361,86 @@ def summarize_kills(runs: list[dict], args: argparse.Namespace, seconds: float) 
 
 
 def judge_rejoins(args: argparse.Namespace, outcome: Outcome) -> dict[str, Any]:
-    """The figures of the rejoins scenario (see the module docstring)."""
+    """The rejoins run: joins and losses (one note per generation), steps lost, corruption, what
+    overlapped what, join times and the members' pauses."""
     processes, victims = len(outcome.exitcodes), outcome.injected
     finishers = [outcome.results[i] for i in range(processes) if i not in victims and i in outcome.results]
     steps = max((r["steps"] for r in finishers), default=0)
     notes = [n for i in range(processes) for n in outcome.notes(i)]
-    seen: dict[tuple, dict] = {}  # one note per decision: every member notes the same admission or loss
-    for n in notes:
-        if n["kind"] in ("lost", "admitted"):
-            seen.setdefault((n["kind"], n["generation"]), n)
+    seen = {(n["kind"], n["generation"]): n for n in reversed(notes) if n["kind"] in ("lost", "admitted")}
     losses = [n for n in seen.values() if n["kind"] == "lost"]
     admissions = [n for n in seen.values() if n["kind"] == "admitted"]
     joined = [n for n in notes if n["kind"] == "joined"]
     pauses = {kind: [n for n in notes if n["kind"] == f"{kind}-pause"] for kind in ("admission", "recovery")}
-    admitting, recovering = ([(p["start"], p["end"]) for p in pauses[k]] for k in ("admission", "recovery"))
+    recovering = [(p["start"], p["end"]) for p in pauses["recovery"]]
     joining = [(j["started"], j["first_step_end"]) for j in joined]
-    injections = list(victims.values())
-    expected = args.workers
-    world_disagrees = sum(
-        (r["world_size"], r["dist_world_size"]) != (expected, expected) for r in finishers
-    ) + abs(expected - len(finishers))
-    median = lambda values: statistics.median(values) if joined else None  # noqa: E731
-    parts = {"start-up": median([j["before_front_end"] - j["started"] for j in joined])}
-    for part in ("admission", "group", "donor", "transfer", "verify"):
-        parts[part] = median([j["seconds"][part] for j in joined])
-    parts["first step"] = median([j["first_step_end"] - j["after_front_end"] for j in joined])
+    injections, expected = list(victims.values()), args.workers
+    world_disagrees = sum((r["world_size"], r["dist_world_size"]) != (expected,) * 2 for r in finishers)
+    parts = {"start-up": [j["before_front_end"] - j["started"] for j in joined]}
+    for part in ("admission", "group", "transfer", "verify"):
+        parts[part] = [j["seconds"][part] for j in joined]
 
-    def kills_during(intervals: list[tuple[float, float]]) -> int:
-        return sum(any(start <= r["time"] <= end for start, end in intervals) for r in injections)
+    def overlapping(spans: list[tuple[float, float]], others: list[tuple[float, float]]) -> int:
+        """How many of ``spans`` overlap one of ``others`` (not themselves)."""
+        return sum(
+            any(s <= end and begin <= e and (s, e) != (begin, end) for s, e in others) for begin, end in spans
+        )
 
-    def a_recovery(start: float, end: float) -> bool:
-        return any(s <= end and start <= e for s, e in recovering)
-
-    def another_join(start: float, end: float) -> bool:
-        return any(s < end and start < e and (s, e) != (start, end) for s, e in joining)
-
-    landed = {"kills during an admission": kills_during(admitting)}
-    landed["kills during a recovery"] = kills_during(recovering)
-    landed["kills while a worker was joining"] = kills_during(joining)
-    landed["joins overlapping a recovery"] = sum(a_recovery(s, e) for s, e in joining)
-    landed["joins overlapping another join"] = sum(another_join(s, e) for s, e in joining)
-    summary = {"seconds": round(outcome.seconds, 1), "processes": processes, "steps": steps}
-    summary |= {"ends_disagree": len({r["steps"] for r in finishers}) > 1}
+    kills = [(r["time"], r["time"]) for r in injections]
+    landed = {"kills while a worker was joining": overlapping(kills, joining)}
+    landed["joins overlapping a recovery"] = overlapping(joining, recovering)
+    landed["joins overlapping another join"] = overlapping(joining, joining)
+    summary = {"seconds": round(outcome.seconds, 1), "steps": steps, "restarts": processes - args.workers}
     summary |= {"failures_fired": min((r["failures_fired"] for r in finishers), default=0)}
     summary |= injection_figures(injections) | {"bursts": sum(not r["overlap"] for r in injections)}
-    summary |= {"restarts": processes - args.workers}
     summary |= {"joins": sum(a["joined"] for a in admissions), "joiners_recorded": len(joined)}
     summary |= {"losses": sum(e["lost"] for e in losses)}
     summary |= {"world_whole_again": sum(a["world_size"] == expected for a in admissions)}
-    summary |= {"smallest_world": min([e["world_size"] for e in losses], default=expected)}
-    summary |= {"finishers": len(finishers), "errors": {i: e[-3000:] for i, e in outcome.errors.items()}}
-    summary |= finisher_figures(finishers, steps, expected, world_disagrees) | {"landed_during": landed}
-    summary["join_s"] = spread([j["first_step_end"] - j["started"] for j in joined])
-    summary["join_parts_median_s"] = parts
-    for kind in ("admission", "recovery"):
-        summary[f"{kind}_pause_s"] = spread([p["seconds"] for p in pauses[kind]])
-    return summary
+    summary |= {"finishers": len(finishers), "ends_disagree": len({r["steps"] for r in finishers}) > 1}
+    summary |= finisher_figures(finishers, steps, expected, world_disagrees + abs(expected - len(finishers)))
+    summary |= {"landed_during": landed, "join_s": spread([e - s for s, e in joining])}
+    summary["join_parts_median_s"] = {k: statistics.median(v) if v else None for k, v in parts.items()}
+    summary |= {f"{kind}_pause_s": spread([p["seconds"] for p in pauses[kind]]) for kind in pauses}
+    return summary | {"errors": {i: e[-3000:] for i, e in outcome.errors.items()}}
 
 
-# -- the reports and the answers ---------------------------------------------------------------------
-
-
-def shared_lines(s: dict[str, Any]) -> tuple[list[str], str]:
-    """The lines both soaks print: failures injected by mode and where the timed kills landed; and
-    corruption."""
-    modes = ", ".join(f"{m} {n}" for m, n in s["injected_by_mode"].items())
-    lines = [f"  failures injected  {s['injected']:5d}   {modes}"]
-    for mode, where in s["timed_kills_landed_in"].items():
-        lines.append(f"    {mode} landed in: " + ", ".join(f"{k} {n}" for k, n in sorted(where.items())))
-    return lines, "  corruption         " + ", ".join(f"{k} {n}" for k, n in s["corruption"].items())
-
-
-def report_kills(s: dict[str, Any]) -> str:
-    (injected_lines, corruption), r = shared_lines(s), s["recovery_s"]
-    survived = ", ".join(f"{m} {n}" for m, n in s["survived_by_mode"].items())
-    lines = [
-        f"Soak: {s['runs']} runs of {s['workers']} gloo workers down to {s['floor']} "
-        f"(timeout {s['timeout_s']} s), {s['seconds']:.0f} s, {s['machine']}",
-        *injected_lines,
-        f"  failures survived  {s['survived']:5d}   {survived}",
-        f"  planned, not reached {s['not_injected']}; live ranks dropped {s['dropped_alive']}",
-        f"  survivors finished {s['survivors_finished']:5d} of {s['survivors']}",
-        f"  steps lost         {s['steps_lost']:5d}   (LR schedules behind their step count: "
-        f"{s['scheduler_behind']})",
-    ]
-    if r["mean"] is not None:
-        lines.append(
-            f"  recovery (s)       mean {r['mean']:.2f}  p95 {r['p95']:.2f}  max {r['max']:.2f}  "
-            f"over {s['recoveries']} recoveries"
-        )
-    lines.append(corruption)
-    lines.append(
-        f"  largest witness excursion outside [1, 2]: {s['witness_excursion_max']:.3g}; largest deviation "
-        f"of a final average from the float64 mean: {s['average_deviation_max']:.3g}"
-    )
-    return "\n".join(lines)
-
-
-def report_rejoins(s: dict[str, Any], args: argparse.Namespace) -> str:
-    injected_lines, corruption = shared_lines(s)
-    lines = [
-        f"Kill/restart soak: {args.workers} gloo workers, {s['failures_fired']} of {args.cycles} planned "
-        f"failures fired over {s['steps']} steps, floor {args.floor}, timeout {args.timeout_s} s, "
-        f"{s['seconds']:.0f} s, {args.machine}",
-        *injected_lines,
-        f"  restarts {s['restarts']}, joins admitted {s['joins']} (recorded by joiners "
-        f"{s['joiners_recorded']}), losses recorded {s['losses']}; world whole again "
-        f"{s['world_whole_again']} times after {s['bursts']} failures that waited for it, "
-        f"smallest {s['smallest_world']}",
-        "  landed: " + ", ".join(f"{k} {n}" for k, n in s["landed_during"].items()),
-        f"  finishers {s['finishers']} of {args.workers}, errors {len(s['errors'])}",
-        f"  steps lost {s['steps_lost']} (LR schedules behind their step count: {s['scheduler_behind']})",
-        corruption,
-    ]
-    for name in ("join_s", "admission_pause_s", "recovery_pause_s"):
-        if (d := s[name])["n"]:
-            lines.append(
-                f"  {name.replace('_', ' ')}: median {d['median']:.2f}  p95 {d['p95']:.2f}  "
-                f"max {d['max']:.2f}  (n {d['n']})"
-            )
-    if (parts := s["join_parts_median_s"])["start-up"] is not None:
-        lines.append("  join, median parts (s): " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
-    lines += [f"  process {index} raised:\n{error}" for index, error in s["errors"].items()]
-    return "\n".join(lines)
+def report(title: str, summary: dict[str, Any], keys: str) -> str:
+    """``title``, then a line per figure in ``keys``."""
+    return "\n".join([title, *(f"  {key.replace('_', ' ')}: {shown(summary[key])}" for key in keys.split())])
 
 
 def worker_config(args: argparse.Namespace, steps: int) -> dict[str, Any]:
-    """What every worker of either soak reads (the rest of a worker's plan comes with the run)."""
-    rejoins = args.question == "rejoins"
+    """What every worker of either soak reads (the rest of its plan comes with the run)."""
     config = {k: getattr(args, k) for k in ("average_every", "timeout_s", "floor")}
-    config |= {"scenario": args.question, "steps": steps}
-    return config | {
-        "step_time_s": args.step_time_s if rejoins else 0.0,
-        "slow_factor": args.slow_factor if rejoins else 1.0,
-    }
+    config |= {"scenario": args.question, "steps": steps, "step_time_s": getattr(args, "step_time_s", 0.0)}
+    return config | {"slow_factor": getattr(args, "slow_factor", 1.0)}  # rejoins only
 
 
 def kills(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """Runs with seeds SEED, SEED + 1, ... while the budget lasts: their summary and every run."""
+    """``--runs`` runs, seeds SEED, SEED + 1, ...: their summary and every run."""
     runs: list[dict] = []
     start = time.monotonic()
     for seed in range(args.seed, args.seed + args.runs):
-        if runs and time.monotonic() - start + max(run["seconds"] for run in runs) > args.budget_s:
-            break
         plan = kills_plan(seed, args)
         steps = plan[-1]["step"] + TAIL_STEPS
         outcome = run_workers(soak_worker, args.workers, (plan, worker_config(args, steps)), args.deadline_s)
-        run = {"seed": seed, "steps": steps, **judge_kills(plan, args.workers, steps, outcome)}
-        runs.append(run)
-        modes = ", ".join(f"{r}:{v['mode']}@{v['step']}({v['landed']})" for r, v in run["injected"].items())
-        print(
-            f"run {seed - args.seed:3d} seed {seed}: {run['seconds']:5.1f} s, {steps} steps, survived "
-            f"{run['survived']}/{len(run['injected'])} [{modes}], recoveries "
-            f"{', '.join(f'{s:.2f}' for s in run['recovery_s'])} s, corruption "
-            f"{sum(run['corruption'].values())}",
-            flush=True,
-        )
-        for rank, error in run["errors"].items():
-            print(f"  rank {rank} raised:\n{error}", flush=True)
-    summary = summarize_kills(runs, args, time.monotonic() - start)
-    return {"summary": summary, "runs": runs}, report_kills(summary)
+        runs.append(run := {"seed": seed, "steps": steps, **judge_kills(plan, args.workers, steps, outcome)})
+        print(f"seed {seed}: {shown({k: run[k] for k in ('seconds', 'injected', 'survived', 'recovery_s')})}")
+        print(f"  corruption {shown(run['corruption'])}; errors {shown(run['errors'])}", flush=True)
+    s = summarize_kills(runs, args, time.monotonic() - start)
+    title = f"Soak: {s['runs']} runs of {s['workers']} gloo workers down to {s['floor']} (timeout "
+    title += f"{s['timeout_s']} s), {s['seconds']:.0f} s, {s['machine']}"
+    keys = "injected injected_by_mode timed_kills_landed_in survived survived_by_mode not_injected "
+    keys += "dropped_alive survivors survivors_finished steps_lost scheduler_behind recoveries recovery_s "
+    keys += "corruption witness_excursion_max average_deviation_max"
+    return {"summary": s, "runs": runs}, report(title, s, keys)
 
 
 def rejoins(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """One run on an elastic job, every victim restarted: its summary and the plan."""
     plan = rejoins_plan(args)
-    launch = Launch(
-        soak_worker, args.workers, (plan, worker_config(args, args.max_steps)), elastic={"job": "soak"}
-    )
+    config = worker_config(args, args.max_steps)
+    launch = Launch(soak_worker, args.workers, (plan, config), elastic={"job": "soak"})
     for _ in range(args.workers):
         launch.start(fork=True)
     restarts: dict[int, float] = {}  # a failed worker -> when its replacement starts (then inf)
@@ -602,5 +461,10 @@ def rejoins(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 launch.start()  # spawned: a real restart's start-up, and the store's master is up
         return any(due != float("inf") for due in restarts.values())
 
-    summary = judge_rejoins(args, launch.wait(args.deadline_s, restart))
-    return {"summary": summary, "plan": plan}, report_rejoins(summary, args)
+    s = judge_rejoins(args, launch.wait(args.deadline_s, restart))
+    title = f"Kill/restart soak: {args.workers} gloo workers, {args.cycles} failures planned, floor "
+    title += f"{args.floor}, timeout {args.timeout_s} s, {s['seconds']:.0f} s, {args.machine}"
+    keys = "failures_fired steps injected injected_by_mode timed_kills_landed_in restarts joins "
+    keys += "joiners_recorded losses world_whole_again bursts landed_during finishers steps_lost "
+    keys += "scheduler_behind corruption join_s admission_pause_s recovery_pause_s join_parts_median_s errors"
+    return {"summary": s, "plan": plan}, report(title, s, keys)

@@ -1,13 +1,7 @@
-"""Runs of gloo workers that may die on purpose, around a store the launcher hosts (outside the workers,
-as torchrun's agent keeps it, so any worker may die).
-
-A :class:`Launch` starts workers running ``fn(index, world_size, store, *args)`` in a gloo group or an
-elastic job (``elastic``: ``init_elastic``'s keywords) and waits for them. A worker is *forked* (a run
-starts in about a second: the parent runs no torch op nor thread before it, the store's master is made
-after) or *spawned* as a fresh interpreter, as a real restart starts, on loopback or in a node of the
-emulated cluster. A worker fails itself through :func:`injected`, so the launcher knows whom not to wait
-for; past the deadline it raises ``TimeoutError`` with the running workers' stacks.
-"""
+"""Runs of gloo workers that may die on purpose, around a store this process hosts (as torchrun's agent
+does, so any worker may die). A :class:`Launch` forks workers (a second to start) or spawns them as a
+real restart does, on loopback or in a node of the emulated cluster; a worker that fails itself says so
+with :func:`injected`, so the launcher does not wait for it."""
 
 from __future__ import annotations
 
@@ -33,7 +27,7 @@ import torch.distributed as dist
 
 from benchmarks.harness.common import free_port
 
-__all__ = ["Launch", "Outcome", "injected", "note", "process_started", "run_workers", "workdir"]
+__all__ = ["Launch", "Outcome", "injected", "note", "process_started", "run_workers", "shown", "workdir"]
 
 _workdir: Path | None = None  # set in each worker
 _index = -1
@@ -42,8 +36,7 @@ _started = 0.0
 
 @dataclass
 class Outcome:
-    """What a run left, per launch index: the exit code, the result of ``fn`` (if it returned), the error
-    (if it raised), and what it recorded when it failed itself (if it did)."""
+    """Per launch index: exit code, ``fn``'s result, its error, what it recorded when it failed itself."""
 
     exitcodes: dict[int, int | None]
     results: dict[int, Any]
@@ -53,7 +46,6 @@ class Outcome:
     workdir: Path  # each worker's output (log-INDEX.txt) is kept there
 
     def notes(self, index: int) -> list[dict[str, Any]]:
-        """What the worker wrote with :func:`note`, in order."""
         path = self.workdir / f"notes-{index}.jsonl"
         return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
@@ -65,8 +57,7 @@ def workdir() -> Path:
 
 
 def injected(record: dict[str, Any]) -> None:
-    """Record, in this worker, that it fails itself now (``record`` plus the wall-clock ``time``): before
-    the failure (a SIGKILL leaves no chance after), from any thread."""
+    """Record that this worker fails itself now, before it does (a SIGKILL leaves no chance after)."""
     path = workdir() / f"injected-{_index}.json"
     path.with_suffix(".part").write_text(json.dumps({**record, "time": time.time()}))
     path.with_suffix(".part").replace(path)  # atomic: the parent never reads half a record
@@ -87,7 +78,7 @@ def _main(spec: dict[str, Any]) -> None:
     global _workdir, _index, _started
     _workdir, _index, _started = Path(spec["workdir"]), spec["index"], spec["started"]
     log = open(_workdir / f"log-{_index}.txt", "a")  # noqa: SIM115 - lives as long as the process
-    os.dup2(log.fileno(), 1)  # the worker's prints, logs and stacks go to its own file
+    os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     faulthandler.register(signal.SIGUSR1, file=log, all_threads=True)
     try:
@@ -119,9 +110,9 @@ def _exitcode(proc: Any) -> int | None:
 
 
 class Launch:
-    """Workers of one run around the store this process hosts: :meth:`start` one (it gets the next
-    launch index; its rank defaults to the index modulo the world size), :meth:`wait` for them. With
-    ``cluster`` (``harness/emulated_cluster.py``) worker ``node`` runs in that node's namespace."""
+    """The workers of one run, each running ``fn(index, world_size, store, *args)`` in a gloo group or
+    an elastic job (``elastic``: ``init_elastic``'s keywords); with ``cluster``
+    (``harness/emulated_cluster.py``) worker ``node`` runs in that node's namespace."""
 
     def __init__(
         self,
@@ -140,21 +131,20 @@ class Launch:
         self.port = free_port()
         self.procs: list[Any] = []  # per launch index, an mp.Process (forked) or a Popen (spawned)
         self.ranks: list[int] = []  # per launch index, the rank it started with
-        self.store: Any = None
         self.began = time.monotonic()
 
     def start(
         self, *, rank: int | None = None, node: int | None = None, fork: bool = False, **overrides: Any
     ) -> None:
-        """Start a worker (forked or spawned) on ``node`` (default: its rank); ``overrides``: ``attempt``
-        (its group's) or ``args`` (instead of the run's)."""
+        """Start the next launch index (rank: the index modulo the world, node: the rank); ``overrides``:
+        ``attempt`` (its group's) or ``args`` (instead of the run's)."""
         index = len(self.procs)
         rank = index % self.world_size if rank is None else rank
         node = rank if node is None else node
         spec = {"fn": self.fn, "args": self.args, "elastic": self.elastic, "attempt": 0, **overrides}
         spec |= {"index": index, "rank": rank, "world_size": self.world_size, "workdir": str(self.workdir)}
         spec |= {"host": self.host, "port": self.port, "started": time.time()}
-        if fork:
+        if fork:  # the parent has run no torch op nor thread yet, and makes the store's master after
             if threading.active_count() != 1 or self.cluster is not None:
                 raise RuntimeError(f"a fork needs one thread and loopback: {threading.enumerate()}")
             proc: Any = mp.get_context("fork").Process(target=_main, args=(spec,), daemon=True)
@@ -165,8 +155,8 @@ class Launch:
             netns = [] if self.cluster is None else ["ip", "netns", "exec", self.cluster.namespace(node)]
             if self.cluster is not None:
                 env["GLOO_SOCKET_IFNAME"] = self.cluster.ifname(node)
-            command = [*netns, sys.executable, "-m", __name__, str(path)]
             with open(self.workdir / f"log-{index}.txt", "w") as log:  # the child keeps its own copy
+                command = [*netns, sys.executable, "-m", __name__, str(path)]
                 proc = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
         self.procs.append(proc)
         self.ranks.append(rank)
@@ -175,7 +165,6 @@ class Launch:
         return [_exitcode(proc) for proc in self.procs]
 
     def failed_itself(self, index: int) -> dict[str, Any] | None:
-        """What worker ``index`` recorded with :func:`injected`, if it did."""
         return self._read("injected", index)
 
     def kill(self, indices: list[int] | None = None) -> None:
@@ -190,33 +179,36 @@ class Launch:
 
     def wait(self, deadline_s: float, tick: Callable[[Launch], bool] | None = None) -> Outcome:
         """Wait for the workers that did not fail themselves, calling ``tick(self)`` between looks (it
-        may start workers, and says whether it will start more); at the end, end them all."""
+        may start workers, and says whether it will start more); past the deadline raise TimeoutError
+        with the running workers' stacks; at the end, end them all."""
         if self.cluster is not None:  # in node 0: the root namespace has no address on the bridge
             hosting = f"import time, torch.distributed as d; s = d.TCPStore({self.host!r}, {self.port}, "
             hosting += "is_master=True, wait_for_workers=False); time.sleep(3600)"
             netns = ["ip", "netns", "exec", self.cluster.namespace(0)]
-            self.store = subprocess.Popen([*netns, sys.executable, "-c", hosting])
+            store: Any = subprocess.Popen([*netns, sys.executable, "-c", hosting])
         else:
-            self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
+            store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
         try:
-            while True:
-                more = tick is not None and tick(self)
-                codes = self.exitcodes()
-                running = [i for i, code in enumerate(codes) if code is None and not self.failed_itself(i)]
-                if not running and not more:
-                    break
+            while (tick is not None and tick(self)) or self._running():
                 if time.monotonic() > self.began + deadline_s:
-                    self._time_out(running, deadline_s)
+                    self._time_out(deadline_s)
                 time.sleep(0.05)
         finally:
             self.kill()
-            if isinstance(self.store, subprocess.Popen):
-                self.store.kill()
-                self.store.wait()
-            self.store = None
-        return self.outcome()
+            if isinstance(store, subprocess.Popen):
+                store.kill()
+                store.wait()
+        codes = dict(enumerate(self.exitcodes()))
+        outcome = Outcome(codes, {}, {}, {}, time.monotonic() - self.began, self.workdir)
+        tables = {"result": outcome.results, "error": outcome.errors, "injected": outcome.injected}
+        for name, table in tables.items():
+            table.update({i: value for i in codes if (value := self._read(name, i)) is not None})
+        return outcome
 
-    def _time_out(self, running: list[int], deadline_s: float) -> None:
+    def _running(self) -> list[int]:
+        return [i for i, code in enumerate(self.exitcodes()) if code is None and not self.failed_itself(i)]
+
+    def _time_out(self, deadline_s: float) -> None:
         alive = [i for i, code in enumerate(self.exitcodes()) if code is None]
         for i in alive:
             os.kill(self.procs[i].pid, signal.SIGCONT)  # a stopped worker dumps its stacks too
@@ -224,17 +216,9 @@ class Launch:
         time.sleep(1.0)
         logs = "\n".join(f"--- {i} ---\n{self._read('log', i, '(no output yet)')[-6000:]}" for i in alive)
         raise TimeoutError(
-            f"{self.fn.__name__}: workers {running} did not finish within {deadline_s:.0f} s; logs and "
-            f"stacks of the running ones (workdir {self.workdir}):\n{logs}"
+            f"{self.fn.__name__}: workers {self._running()} did not finish within {deadline_s:.0f} s; "
+            f"logs and stacks of the running ones (workdir {self.workdir}):\n{logs}"
         )
-
-    def outcome(self) -> Outcome:
-        codes = dict(enumerate(self.exitcodes()))
-        outcome = Outcome(codes, {}, {}, {}, time.monotonic() - self.began, self.workdir)
-        tables = {"result": outcome.results, "error": outcome.errors, "injected": outcome.injected}
-        for name, table in tables.items():
-            table.update({i: value for i in codes if (value := self._read(name, i)) is not None})
-        return outcome
 
     def _read(self, name: str, index: int, missing: Any = None) -> Any:
         """What worker ``index`` wrote to ``name`` (logs and errors as text, the rest as JSON)."""
@@ -245,19 +229,24 @@ class Launch:
         return path.read_text() if text else json.loads(path.read_text())
 
 
-def run_workers(
-    fn: Callable[..., Any],
-    world_size: int,
-    args: tuple[Any, ...] = (),
-    deadline_s: float = 120.0,
-    *,
-    elastic: dict[str, Any] | None = None,
-) -> Outcome:
-    """Run ``fn(rank, world_size, store, *args)`` on ``world_size`` forked workers and wait for them."""
-    launch = Launch(fn, world_size, args, elastic=elastic)
-    for _ in range(world_size):
-        launch.start(fork=True)
-    return launch.wait(deadline_s)
+def run_workers(fn: Callable[..., Any], world: int, args: tuple, deadline_s: float, **launch: Any) -> Outcome:
+    """Run ``fn(rank, world, store, *args)`` on ``world`` forked workers (``launch``: the
+    :class:`Launch`'s keywords) and wait for them."""
+    job = Launch(fn, world, args, **launch)
+    for _ in range(world):
+        job.start(fork=True)
+    return job.wait(deadline_s)
+
+
+def shown(value: Any) -> str:
+    """A figure as the fault reports print it: floats to 4 digits, dicts as ``key value, ...``."""
+    if isinstance(value, dict):
+        return ", ".join(
+            f"{k} ({shown(v)})" if isinstance(v, dict) else f"{k} {shown(v)}" for k, v in value.items()
+        )
+    if isinstance(value, list):
+        return f"[{', '.join(map(shown, value))}]"
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 if __name__ == "__main__":  # a spawned worker: run it in the module its functions import
