@@ -312,7 +312,12 @@ def recommend_main(argv: Sequence[str]) -> int:
     keywords = ", ".join(f"{key}={value!r}" for key, value in chosen.options().items())
     print(f"    DecentOptimWrapper(optimizer, {keywords})")
     if chosen.sync_every > 1:
-        print("    (low-communication gossip: start without an outer optimizer, docs/low-communication.md)")
+        # What the slow-link runs found best: Muon on the matrices, no outer optimizer at every H and
+        # worker count swept (docs/low-communication.md, "the outer optimizer, swept").
+        print(
+            "    (low-communication gossip: Muon as the inner optimizer for the hidden matrices, no outer "
+            "optimizer; docs/low-communication.md)"
+        )
     if found.ruled_out:
         print(
             f"{found.ruled_out} setting{'s' if found.ruled_out > 1 else ''} sending more ruled out "
